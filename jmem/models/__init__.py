@@ -1,0 +1,1 @@
+"""Reference models built on jmem's transforms."""

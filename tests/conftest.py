@@ -1,0 +1,11 @@
+"""Test session setup: 8 simulated CPU devices for the sharding tests.
+
+XLA reads XLA_FLAGS once, when the backend starts, so this must run before any test
+imports jax and touches a device.
+"""
+import os
+
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
