@@ -34,8 +34,9 @@ class MemoryReport:
       generated_code_bytes: the executable's code.
       host_argument_bytes, host_output_bytes, host_temp_bytes, host_alias_bytes: the same for
         buffers in host memory kinds (``pinned_host``), where the backend reports them.
-      peak_bytes: the backend's peak figure where it reports one, else
-        ``argument + output + temp - alias`` (an upper bound: XLA may free arguments early).
+      peak_bytes: the backend's peak figure where it reports a meaningful one (GPU/TPU),
+        else ``argument + output + temp - alias`` (an upper bound: XLA may free arguments
+        early). The CPU backend's own peak figure counts arguments only, so it is not used.
     """
 
     argument_bytes: int
@@ -78,7 +79,10 @@ def report_from_compiled(compiled: Any) -> MemoryReport:
     get = lambda name: int(getattr(ma, name, 0) or 0)
     arg, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
                              get("alias_size_in_bytes"), get("temp_size_in_bytes"))
-    peak = get("peak_memory_in_bytes") or (arg + out + temp - alias)
+    # The CPU backend's peak figure counts arguments only; use the upper bound there.
+    reported = get("peak_memory_in_bytes")
+    bound = arg + out + temp - alias
+    peak = reported if reported and jax.default_backend() != "cpu" else bound
     return MemoryReport(
         argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
         generated_code_bytes=get("generated_code_size_in_bytes"),

@@ -1,0 +1,238 @@
+"""The train-step builder: one jitted, donating step that composes jmem's transforms.
+
+``jmem.train_step(loss_fn, optimizer, ...)`` stacks, in this order:
+
+1. precision: trainable params cast to the policy's compute dtype inside the loss;
+2. remat: ``jmem.remat(loss, policy)`` so every layer scan body is checkpointed;
+3. loss scaling: the loss is multiplied by the loss scale before differentiation;
+4. gradient accumulation over ``microbatches`` with ``lax.scan``;
+5. unscale, one finiteness check after accumulation, loss-scale adjustment;
+6. the optimizer (optionally wrapped: ``mixed_precision`` for fp32 master weights,
+   ``offload`` for host-resident optimizer state);
+7. a non-finite step changes nothing but the loss scale: params, optimizer state and the
+   step count are selected back bitwise.
+
+The loss function is called as ``loss_fn(params, batch, **extras)`` where ``extras``
+holds ``frozen=state.frozen`` when the state has frozen params (LoRA/QLoRA base
+weights: never differentiated, never updated) and ``fp8=state.fp8`` when the state
+carries FP8 scaling metadata (differentiated with the "overwrite with gradient" rule:
+the new metadata comes out as its gradient). It returns a scalar loss, or
+``(loss, aux)`` with ``has_aux=True``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jmem import accumulation
+from jmem.loss_scale import NoOpLossScale, all_finite, select_tree
+from jmem.master_weights import mixed_precision
+from jmem.measure import MemoryReport, measure
+from jmem.precision import Policy, get_policy
+from jmem.remat import remat as _remat
+from jmem.remat import resolve_policy
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; a pytree that jits, donates and checkpoints.
+
+    Attributes:
+      step: int32 scalar, number of applied (finite) optimizer steps.
+      params: trainable params (for LoRA/QLoRA: the adapters).
+      opt_state: the optimizer's state (fp32 masters live here with ``master_weights``).
+      loss_scale: a ``NoOpLossScale``/``StaticLossScale``/``DynamicLossScale``.
+      frozen: params that are read but never trained (LoRA/QLoRA base, NF4 leaves), or None.
+      fp8: FP8 delayed-scaling metadata (``jmem.fp8``), or None.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: Any
+    frozen: Any = None
+    fp8: Any = None
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A built train step: ``state, metrics = step(state, batch)``.
+
+    Attributes:
+      jitted: the ``jax.jit``-ed step (donates ``state``), for ``.lower()`` and ``jmem.measure``.
+      optimizer: the optimizer as wrapped by the builder (master weights, offload).
+      policy: the precision ``Policy`` or None.
+    """
+
+    jitted: Callable
+    optimizer: optax.GradientTransformation
+    policy: Policy | None
+    _init: Callable
+
+    def __call__(self, state: TrainState, batch: Any):
+        return self.jitted(state, batch)
+
+    def init(self, params: Any, *, frozen: Any = None, fp8: Any = None,
+             loss_scale: Any = None) -> TrainState:
+        """Builds the initial ``TrainState``.
+
+        Args:
+          params: trainable params, ideally in float32: with master weights the fp32 masters
+            are taken from them before they are cast to the policy's param dtype.
+          frozen: frozen params (see ``TrainState``).
+          fp8: FP8 metadata (see ``jmem.fp8``).
+          loss_scale: overrides the builder's loss scale for this state.
+        """
+        return self._init(params, frozen, fp8, loss_scale)
+
+    def measure(self, state: TrainState, batch: Any) -> MemoryReport:
+        """Compiles the step for ``state``/``batch`` (arrays or ShapeDtypeStructs) and
+        reports its memory (``jmem.measure``); nothing is allocated."""
+        return measure(self.jitted, state, batch)
+
+    def abstract_state(self, params: Any, **kwargs) -> TrainState:
+        """``jax.ShapeDtypeStruct`` of the state ``init`` would build from ``params``
+        (which may themselves be ShapeDtypeStructs): plan a 7B step without allocating it."""
+        return jax.eval_shape(lambda p, kw: self._init(p, kw.get("frozen"), kw.get("fp8"),
+                                                       kw.get("loss_scale")), params, kwargs)
+
+
+def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
+               policy: Policy | str | None = None,
+               master_weights: bool = False,
+               loss_scale: Any = None,
+               remat: str | Callable | None = None,
+               microbatches: int = 1,
+               offload_optimizer: bool = False,
+               has_aux: bool = False,
+               skip_nonfinite: bool = True,
+               donate: bool = True,
+               jit_kwargs: dict | None = None,
+               mesh: Any = None,
+               strategy: str = "zero3") -> TrainStep:
+    """Builds a jitted, donating ``step(state, batch) -> (state, metrics)``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, **extras) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux``), a float scalar mean over the batch. ``extras`` has ``frozen=`` and/or
+        ``fp8=`` when the state holds them (module docstring).
+      optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
+      policy: a ``jmem.Policy`` or its string form (``"p=f32,c=bf16,o=f32"``): params are
+        stored in ``param_dtype`` and cast to ``compute_dtype`` inside the loss.
+      master_weights: wrap the optimizer in ``jmem.mixed_precision``: params live in the
+        policy's param dtype (e.g. bf16), fp32 masters in the optimizer state.
+      loss_scale: initial ``NoOpLossScale`` (default), ``StaticLossScale`` or ``DynamicLossScale``.
+      remat: a ``jmem.REMAT_POLICIES`` name, checkpoint names or a policy callable; applied
+        with ``jmem.remat`` to the loss, so each layer scan body is checkpointed.
+      microbatches: gradient accumulation steps within one call (``jmem.accumulation``).
+      offload_optimizer: keep the optimizer state (and the masters, with ``master_weights``)
+        in ``pinned_host`` memory between steps (``jmem.offload``).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches and
+        returned in ``metrics["aux"]``.
+      skip_nonfinite: a step with non-finite gradients leaves params, optimizer state and
+        step unchanged (the loss scale still adjusts).
+      donate: donate the state buffers to the step.
+      jit_kwargs: extra ``jax.jit`` arguments (e.g. ``in_shardings``/``out_shardings``).
+      mesh: a ``jax.sharding.Mesh`` with ``"data"``/``"fsdp"`` axes (``jmem.sharding.make_mesh``):
+        the step is jitted with in/out shardings from ``jmem.sharding``'s rules (state
+        donated) and ``init`` returns a state placed with them. None: no sharding.
+      strategy: ``"zero1"``, ``"zero2"``, ``"zero3"`` or ``"fsdp"`` (``jmem.sharding``); used
+        only with ``mesh``.
+
+    Returns:
+      A ``TrainStep``: call it, ``.init(params)`` it, ``.measure(state, batch)`` it.
+
+    Metrics: ``loss`` (unscaled mean), ``grad_norm`` (global L2 of unscaled grads),
+    ``loss_scale``, ``grads_finite``, ``step`` (after the update).
+
+    Raises:
+      ValueError: for an unknown remat policy or precision string, or ``microbatches < 1``.
+    """
+    if isinstance(policy, str):
+        policy = get_policy(policy)
+    resolve_policy(remat)  # validate early
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}.")
+    opt = mixed_precision(optimizer) if master_weights else optimizer
+    if offload_optimizer:
+        from jmem.offload import offload  # noqa: PLC0415 (leaf; imported lazily)
+        opt = offload(opt)
+    if mesh is not None:  # jmem.sharding (issue 8): gradients placed per strategy
+        from jmem import sharding as _sharding  # noqa: PLC0415
+        opt = _sharding.constrain_gradients(opt, mesh, strategy)
+    default_scale = loss_scale if loss_scale is not None else NoOpLossScale()
+
+    def init(params, frozen, fp8, scale):
+        opt_state = opt.init(params)
+        if policy is not None:
+            params = policy.cast_to_param(params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                          loss_scale=scale if scale is not None else default_scale,
+                          frozen=frozen, fp8=fp8)
+
+    def scaled_loss(diff, batch, frozen, scale):
+        params, fp8 = diff
+        if policy is not None:
+            params = policy.cast_to_compute(params)
+        extras = {}
+        if frozen is not None:
+            extras["frozen"] = frozen
+        if fp8 is not None:
+            extras["fp8"] = fp8
+        out = loss_fn(params, batch, **extras)
+        loss, aux = out if has_aux else (out, None)
+        loss = jnp.asarray(loss, jnp.float32)
+        return scale.scale(loss), (loss, aux)
+
+    loss_for_grad = _remat(scaled_loss, remat) if resolve_policy(remat) is not None else scaled_loss
+
+    def step(state: TrainState, batch):
+        scale = state.loss_scale
+
+        def grad_fn(diff, mb):
+            return jax.grad(loss_for_grad, has_aux=True)(diff, mb, state.frozen, scale)
+
+        (grads, fp8_new), (loss, aux) = accumulation.accumulate_gradients(
+            grad_fn, (state.params, state.fp8), batch, microbatches)
+        grads = scale.unscale(grads)
+        finite = all_finite(grads)
+        new_scale = scale.adjust(finite)
+        if not master_weights:  # keep the optimizer state's dtypes stable across steps
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        if offload_optimizer and skip_nonfinite:
+            # The host-resident state is selected inside the offload wrapper, on the device.
+            updates, opt_state = opt.update(grads, state.opt_state, state.params,
+                                            skip=jnp.logical_not(finite))
+        else:
+            updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            fp8=fp8_new if state.fp8 is not None else None)
+        if skip_nonfinite:
+            kept_state = () if offload_optimizer else (new.opt_state, state.opt_state)
+            kept = select_tree(finite, (new.step, new.params, new.fp8, *kept_state[:1]),
+                               (state.step, state.params, state.fp8, *kept_state[1:]))
+            new = new.replace(step=kept[0], params=kept[1], fp8=kept[2])
+            if not offload_optimizer:
+                new = new.replace(opt_state=kept[3])
+        new = new.replace(loss_scale=new_scale)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "loss_scale": jnp.asarray(getattr(new_scale, "loss_scale", 1.0), jnp.float32),
+                   "grads_finite": finite, "step": new.step}
+        if has_aux:
+            metrics["aux"] = aux
+        return new, metrics
+
+    if mesh is not None:  # jmem.sharding (issue 8): sharded jit + sharded init
+        mem_kind = "pinned_host" if offload_optimizer else None
+        jitted = _sharding.ShardedStep(step, mesh, strategy, donate=donate, jit_kwargs=jit_kwargs,
+                                       opt_state_memory_kind=mem_kind)
+        init = _sharding.sharded_init(init, mesh, strategy, opt_state_memory_kind=mem_kind)
+        return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init)
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
+    return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init)

@@ -1,0 +1,130 @@
+"""The train-step builder: composition of precision, loss scaling, remat and accumulation."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jmem
+from jmem import accumulation
+from jmem.loss_scale import DynamicLossScale
+from jmem.models import llama
+from jmem.train_step import TrainState, train_step
+
+CFG = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=172,
+                       num_heads=4, num_kv_heads=2)
+
+
+def _batch(key, b=8, s=32):
+    toks = jax.random.randint(key, (b, s + 1), 0, CFG.vocab_size)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+def _loss(p, b):
+    return llama.loss_fn(p, b, CFG)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return llama.init(jax.random.key(0), CFG)
+
+
+def test_one_step_equals_hand_written_optax_step(params):
+    batch = _batch(jax.random.key(1))
+    opt = optax.adamw(1e-3)
+    step = train_step(_loss, opt, donate=False)
+    state, metrics = step(step.init(params), batch)
+    loss, g = jax.value_and_grad(_loss)(params, batch)
+    u, _ = opt.update(g, opt.init(params), params)
+    chex.assert_trees_all_close(state.params, optax.apply_updates(params, u), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+    assert int(state.step) == 1
+
+
+def test_microbatched_gradients_equal_full_batch(params):
+    batch = _batch(jax.random.key(2), b=8)
+    grad_fn = jax.grad(lambda p, b: (_loss(p, b), ()), has_aux=True)
+    full, _ = grad_fn(params, batch)
+    acc, _ = accumulation.accumulate_gradients(grad_fn, params, batch, 4)
+    chex.assert_trees_all_close(acc, full, atol=1e-6, rtol=1e-4)
+
+
+def test_accumulation_activation_memory_is_one_microbatch(params):
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((16, 128), x.dtype), _batch(jax.random.key(0)))
+    temps = {}
+    for n in (1, 4):
+        step = train_step(_loss, optax.sgd(1e-2), microbatches=n)
+        temps[n] = step.measure(step.abstract_state(params), batch).temp_bytes
+    print({n: f"{t / 2**20:.1f} MiB" for n, t in temps.items()})
+    assert temps[4] < 0.5 * temps[1]
+
+
+def test_bad_microbatch_split_is_a_clear_error(params):
+    step = train_step(_loss, optax.sgd(1e-2), microbatches=3)
+    with pytest.raises(ValueError, match="divisible"):
+        step(step.init(params), _batch(jax.random.key(0), b=8))
+
+
+def test_nonfinite_step_changes_only_the_loss_scale(params):
+    def loss(p, b):
+        return _loss(p, b) * b["poison"][0]
+
+    step = train_step(loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**15, period=10),
+                      donate=False)
+    batch = dict(_batch(jax.random.key(3)), poison=jnp.ones((8,)))
+    s1, _ = step(step.init(params), batch)
+    bad = dict(batch, poison=jnp.full((8,), jnp.inf))
+    s2, m = step(s1, bad)
+    assert not bool(m["grads_finite"])
+    chex.assert_trees_all_equal((s2.params, s2.opt_state, s2.step), (s1.params, s1.opt_state, s1.step))
+    assert float(s2.loss_scale.loss_scale) == 2.0**14
+
+
+def test_fp16_with_dynamic_loss_scale_recovers_from_overflow(params):
+    """fp16 params with fp32 masters: a deliberate overflow is skipped, the scale halves, and
+    training goes on lowering the loss."""
+    def loss(p, b):
+        return _loss(p, b) * b["boost"][0]
+
+    step = train_step(loss, optax.adam(3e-3), policy="p=f16,c=f16,o=f32", master_weights=True,
+                      loss_scale=DynamicLossScale(2.0**15, period=1000), donate=False)
+    state = step.init(params)
+    assert jax.tree.leaves(state.params)[0].dtype == jnp.float16
+    batch = dict(_batch(jax.random.key(4)), boost=jnp.ones((8,)))
+    losses = []
+    for i in range(30):
+        b = dict(batch, boost=jnp.full((8,), 1e6 if i == 5 else 1.0, jnp.float32))
+        before = state
+        state, m = step(state, b)
+        if i == 5:
+            assert not bool(m["grads_finite"])
+            chex.assert_trees_all_equal(state.params, before.params)
+            assert float(state.loss_scale.loss_scale) < float(before.loss_scale.loss_scale)
+        else:
+            losses.append(float(m["loss"]))
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_remat_in_builder_gives_same_update_and_less_temp(params):
+    batch = _batch(jax.random.key(5), b=4, s=128)
+    plain = train_step(_loss, optax.sgd(1e-2), donate=False)
+    full = train_step(_loss, optax.sgd(1e-2), remat="full", donate=False)
+    a, _ = plain(plain.init(params), batch)
+    b, _ = full(full.init(params), batch)
+    chex.assert_trees_all_equal(a.params, b.params)
+    assert full.measure(full.init(params), batch).temp_bytes < \
+        plain.measure(plain.init(params), batch).temp_bytes
+
+
+def test_state_survives_orbax_round_trip(params, tmp_path):
+    step = train_step(_loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**10, period=7,
+                                                                            min_loss_scale=4.0))
+    state, _ = step(step.init(params), _batch(jax.random.key(6)))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "s", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "s", step.abstract_state(params))
+    chex.assert_trees_all_equal(restored, state)
+    assert restored.loss_scale.min_loss_scale == 4.0 and restored.loss_scale.period == 7
