@@ -31,7 +31,7 @@ from flax import struct
 
 from jmem import accumulation
 from jmem.loss_scale import NoOpLossScale, all_finite, select_tree
-from jmem.master_weights import mixed_precision
+from jmem.master_weights import mixed_precision, params_from_masters
 from jmem.measure import MemoryReport, measure
 from jmem.precision import Policy, get_policy
 from jmem.remat import remat as _remat
@@ -199,6 +199,10 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
 
         (grads, fp8_new), (loss, aux) = accumulation.accumulate_gradients(
             grad_fn, (state.params, state.fp8), batch, microbatches)
+        if master_weights:  # unscale in float32: fp16 would flush tiny gradients again
+            grads = jax.tree.map(
+                lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g,
+                grads)
         grads = scale.unscale(grads)
         finite = all_finite(grads)
         new_scale = scale.adjust(finite)
@@ -210,7 +214,10 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                                             skip=jnp.logical_not(finite))
         else:
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if master_weights and not offload_optimizer:
+            params = params_from_masters(opt_state, state.params)  # bitwise masters cast down
+        else:
+            params = optax.apply_updates(state.params, updates)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             fp8=fp8_new if state.fp8 is not None else None)
         if skip_nonfinite:
