@@ -1,0 +1,99 @@
+"""Training checkpoints with orbax: save every N steps, keep the last K, resume exactly.
+
+What is saved: the ``TrainState`` minus its ``frozen`` params (the LoRA/QLoRA base is
+rebuilt from the model checkpoint or seed, not re-saved every N steps), i.e. the
+trainable params (adapters), the optimizer state with quantized moments (uint8 codes and
+float32 absmax stay as they are), the loss scale and the step; plus a JSON record of the
+data position, the RNG seed and anything else the caller passes in ``meta``.
+
+Orbax writes each step to a temporary directory and renames it when complete, so an
+interrupted save never replaces a good checkpoint.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Saves and restores train states in ``directory``.
+
+    Args:
+      directory: where step directories are written (created if missing).
+      save_every: save when ``step % save_every == 0`` (``maybe_save``).
+      keep: number of most recent checkpoints kept.
+    """
+
+    def __init__(self, directory: str, *, save_every: int = 100, keep: int = 3):
+        if save_every < 1 or keep < 1:
+            raise ValueError(f"save_every and keep must be >= 1; got {save_every}, {keep}.")
+        self.directory = os.path.abspath(directory)
+        self.save_every = save_every
+        self._mgr = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    @staticmethod
+    def _savable(state):
+        return state.replace(frozen=None) if hasattr(state, "replace") else state
+
+    def save(self, step: int, state: Any, meta: dict | None = None, *, force: bool = True) -> bool:
+        """Saves ``state`` (without ``frozen``) and ``meta`` (JSON-serializable) as ``step``."""
+        saved = self._mgr.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(self._savable(state)),
+                                    meta=ocp.args.JsonSave(meta or {})),
+            force=force)
+        return bool(saved)
+
+    def maybe_save(self, step: int, state: Any, meta: dict | None = None) -> bool:
+        """Saves when ``step`` is a multiple of ``save_every``."""
+        if int(step) % self.save_every:
+            return False
+        return self.save(step, state, meta)
+
+    def latest_step(self) -> int | None:
+        return self._mgr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mgr.all_steps())
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
+        """Restores ``(state, meta)``.
+
+        Args:
+          target: a state (or ``jax.eval_shape`` of one) with the structure, dtypes and
+            shardings to restore into; its ``frozen`` field is kept as given (re-attached).
+          step: which step; default the latest.
+
+        Raises:
+          FileNotFoundError: if the directory holds no checkpoint (or not that step).
+        """
+        steps = self.all_steps()
+        if step is None:
+            step = self.latest_step()
+        if step is None or step not in steps:
+            raise FileNotFoundError(
+                f"No checkpoint{'' if step is None else f' for step {step}'} in {self.directory!r} "
+                f"(found steps {steps}). Start without --resume, or point to the right directory.")
+        frozen = getattr(target, "frozen", None)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            self._savable(target))
+        out = self._mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        state = out["state"]
+        if frozen is not None:
+            state = state.replace(frozen=frozen)
+        return state, dict(out["meta"] or {})
+
+    def wait(self):
+        """Blocks until asynchronous saves are on disk."""
+        self._mgr.wait_until_finished()
+
+    def close(self):
+        self._mgr.wait_until_finished()
+        self._mgr.close()
