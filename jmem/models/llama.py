@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem import fp8 as fp8_lib
+
 Params = dict[str, Any]
 
 #: Names given with ``checkpoint_name`` inside each layer, in execution order.
@@ -191,9 +193,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``x @ kernel`` in the activation dtype (the kernel is cast to it if needed)."""
+def _dense(x: jax.Array, kernel: jax.Array, meta=None) -> jax.Array:
+    """``x @ kernel`` in the activation dtype (the kernel is cast to it if needed); an FP8
+    delayed-scaling matmul (``jmem.fp8.fp8_dot``) when an ``Fp8Meta`` ``meta`` is given."""
+    if meta is not None:
+        return fp8_lib.fp8_dot(x, kernel.astype(x.dtype), meta)
     return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+
+
+def _meta(fp8: Params | None, name: str):
+    """This layer's ``Fp8Meta`` for projection ``name``, or None (no FP8)."""
+    return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
 def attention(q, k, v):
@@ -209,28 +219,30 @@ def attention(q, k, v):
     return out.reshape(b, s, nh, d)
 
 
-def decoder_layer(x: jax.Array, layer: Params, config: LlamaConfig, cos, sin) -> jax.Array:
-    """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype."""
+def decoder_layer(x: jax.Array, layer: Params, config: LlamaConfig, cos, sin,
+                  fp8: Params | None = None) -> jax.Array:
+    """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
+    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
     c = config
     b, s, _ = x.shape
     h = checkpoint_name(rms_norm(x, layer["attn_norm"]["scale"], c.rms_norm_eps), "attn_norm")
-    q = checkpoint_name(_dense(h, layer["q_proj"]["kernel"]), "query_proj")
-    k = checkpoint_name(_dense(h, layer["k_proj"]["kernel"]), "key_proj")
-    v = checkpoint_name(_dense(h, layer["v_proj"]["kernel"]), "value_proj")
+    q = checkpoint_name(_dense(h, layer["q_proj"]["kernel"], _meta(fp8, "q_proj")), "query_proj")
+    k = checkpoint_name(_dense(h, layer["k_proj"]["kernel"], _meta(fp8, "k_proj")), "key_proj")
+    v = checkpoint_name(_dense(h, layer["v_proj"]["kernel"], _meta(fp8, "v_proj")), "value_proj")
     q = apply_rope(q.reshape(b, s, c.num_heads, c.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), cos, sin)
     v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
     ctx = checkpoint_name(attention(q, k, v).reshape(b, s, -1), "attn_context")
-    x = x + checkpoint_name(_dense(ctx, layer["o_proj"]["kernel"]), "attn_out")
+    x = x + checkpoint_name(_dense(ctx, layer["o_proj"]["kernel"], _meta(fp8, "o_proj")), "attn_out")
     h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
-    gate = checkpoint_name(_dense(h, layer["gate_proj"]["kernel"]), "mlp_gate")
-    up = checkpoint_name(_dense(h, layer["up_proj"]["kernel"]), "mlp_up")
+    gate = checkpoint_name(_dense(h, layer["gate_proj"]["kernel"], _meta(fp8, "gate_proj")), "mlp_gate")
+    up = checkpoint_name(_dense(h, layer["up_proj"]["kernel"], _meta(fp8, "up_proj")), "mlp_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-    return x + checkpoint_name(_dense(hidden, layer["down_proj"]["kernel"]), "mlp_down")
+    return x + checkpoint_name(_dense(hidden, layer["down_proj"]["kernel"], _meta(fp8, "down_proj")), "mlp_down")
 
 
 def forward(params: Params, tokens: jax.Array, config: LlamaConfig, *,
-            layer_transform: Callable | None = None) -> jax.Array:
+            layer_transform: Callable | None = None, fp8: Params | None = None) -> jax.Array:
     """Logits of a causal LM.
 
     Args:
@@ -240,12 +252,18 @@ def forward(params: Params, tokens: jax.Array, config: LlamaConfig, *,
       layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``,
         e.g. ``lambda f: jmem.remat(f, "selective")``. ``jmem.remat`` around the whole loss
         reaches the scan body without it.
+      fp8: optional FP8 scaling states from ``jmem.fp8.init_metas(params, LINEAR_NAMES)``
+        (one ``Fp8Meta`` per layer, stacked, scanned with the layer params): projections
+        with a meta run as FP8 matmuls (E4M3 forward, E5M2 gradients, delayed scaling).
+        The new states are the gradient w.r.t. ``fp8`` (see ``jmem.fp8``). With ``fp8``
+        the scan body's second argument is ``(layer, layer_fp8)``.
 
     Returns:
       float32 logits ``[B, S, V]``.
 
     Raises:
-      ValueError: if ``tokens`` is not a 2-D integer array.
+      ValueError: if ``tokens`` is not a 2-D integer array, or ``fp8`` holds metas
+        outside ``"layers"`` (they would go unused and be reset).
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}.")
@@ -254,12 +272,19 @@ def forward(params: Params, tokens: jax.Array, config: LlamaConfig, *,
     x = jnp.take(embedding, tokens, axis=0)
     cos, sin = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
 
+    if fp8 is not None and any(fp8_lib.is_meta(m) for k, v in fp8.items() if k != "layers"
+                               for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)):
+        raise ValueError("fp8 metas are only used for the projections under 'layers'; "
+                         "build them with fp8.init_metas(params, LINEAR_NAMES).")
+
     def body(x, layer):
-        return decoder_layer(x, layer, c, cos, sin), None
+        layer, layer_fp8 = layer if fp8 is not None else (layer, None)
+        return decoder_layer(x, layer, c, cos, sin, layer_fp8), None
 
     if layer_transform is not None:
         body = layer_transform(body)
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
+    x, _ = jax.lax.scan(body, x, xs)
     x = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
     head = embedding.T if c.tie_embeddings else params["lm_head"]["kernel"]
     return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype),

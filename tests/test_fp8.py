@@ -1,0 +1,395 @@
+"""Tests for jmem.fp8: delayed-scaling FP8 matmuls (numerics on CPU, not FP8 kernels).
+
+Measured on CPU (random normal data, scales settled, see the tests): forward relative
+Frobenius error ~4% (E4M3 x E4M3), input/kernel gradients ~6% (E5M2 output gradient);
+tiny Llama after 30 Adam steps: FP8 loss 0.842 vs bf16 0.835 (<1%).
+"""
+import contextlib
+import io
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from absl.testing import parameterized
+from jax.ad_checkpoint import print_saved_residuals
+
+from jmem import fp8
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _data(seed=0, shape_x=(4, 8, 32), shape_w=(32, 16), wscale=0.1):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.normal(k1, shape_x, F32), wscale * jax.random.normal(k2, shape_w, F32)
+
+
+def _sub_jaxprs(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _sub_jaxprs(inner)
+
+
+# ----------------------------------------------------------------------------- state
+
+class MetaTest(parameterized.TestCase):
+
+    def test_init_meta_shapes(self):
+        m = fp8.init_meta(16, amax_compute_algo="most_recent", margin=1)
+        self.assertEqual(m.batch_shape, ())
+        self.assertEqual(m.history_len, 16)
+        for t in (m.x, m.kernel, m.grad):
+            chex.assert_shape(t.scale_inv, ())
+            chex.assert_shape(t.amax_history, (16,))
+            chex.assert_trees_all_equal(t.scale_inv, jnp.ones((), F32))
+            chex.assert_trees_all_equal(t.amax_history, jnp.zeros((16,), F32))
+        self.assertEqual((m.amax_compute_algo, m.margin), ("most_recent", 1))
+        self.assertEqual(fp8.init_meta().history_len, 1024)
+        s = fp8.init_meta(4, batch_shape=(3,))
+        chex.assert_shape(s.grad.amax_history, (3, 4))
+
+    @parameterized.parameters(
+        dict(kw=dict(history_len=0)), dict(kw=dict(amax_compute_algo="mean")),
+        dict(kw=dict(margin=float("nan"))))
+    def test_init_meta_rejects_bad_recipe(self, kw):
+        with self.assertRaises(ValueError):
+            fp8.init_meta(**kw)
+
+    def test_init_metas_stacks_per_layer_and_partition(self):
+        params = {"embed": {"embedding": jnp.zeros((10, 8))},
+                  "layers": {"norm": {"scale": jnp.zeros((3, 8))},
+                             "q_proj": {"kernel": jnp.zeros((3, 8, 12))},
+                             "down_proj": {"kernel": jnp.zeros((3, 12, 8))}},
+                  "lm_head": {"kernel": jnp.zeros((8, 10))}}
+        metas = fp8.init_metas(params, ("q_proj", "down_proj"), history_len=5)
+        self.assertIsNone(metas["embed"]["embedding"])
+        self.assertIsNone(metas["layers"]["norm"]["scale"])
+        self.assertIsNone(metas["lm_head"]["kernel"])
+        for name in ("q_proj", "down_proj"):
+            m = metas["layers"][name]["kernel"]
+            self.assertTrue(fp8.is_meta(m))
+            self.assertEqual(m.batch_shape, (3,))
+            chex.assert_shape(m.x.amax_history, (3, 5))
+        # A callable selects by path; an unstacked kernel gets an unstacked meta.
+        m2 = fp8.init_metas(params, lambda path, leaf: path == "lm_head/kernel")
+        self.assertEqual(m2["lm_head"]["kernel"].batch_shape, ())
+        with self.assertRaisesRegex(ValueError, "q_prj"):
+            fp8.init_metas(params, ("q_prj",))
+        with self.assertRaises(TypeError):
+            fp8.init_metas(params, "q_proj")
+        with self.assertRaisesRegex(ValueError, "kernels"):
+            fp8.init_metas({"b": jnp.zeros(3)}, lambda p, l: True)
+        # partition/combine round trip on a tree that mixes params and metas.
+        tree = {"params": params, "fp8": metas}
+        rest, only = fp8.partition(tree)
+        self.assertIsNone(rest["fp8"]["layers"]["q_proj"]["kernel"])
+        self.assertTrue(fp8.is_meta(only["fp8"]["layers"]["q_proj"]["kernel"]))
+        self.assertIsNone(only["params"]["lm_head"]["kernel"])
+        chex.assert_trees_all_equal(fp8.combine(rest, only), tree)
+
+    def test_stacked_meta_rejected_by_fp8_dot(self):
+        x, w = _data()
+        with self.assertRaisesRegex(ValueError, "stack"):
+            fp8.fp8_dot(x, w, fp8.init_meta(4, batch_shape=(2,)))
+        with self.assertRaisesRegex(ValueError, "kernel"):
+            fp8.fp8_dot(x, w.T, fp8.init_meta(4))
+        with self.assertRaises(TypeError):
+            fp8.fp8_dot(x, w, {"x": 1})
+
+    def test_jit_and_orbax_roundtrip(self):
+        ocp = pytest.importorskip("orbax.checkpoint")
+        import tempfile
+        m = fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
+        x, w = _data()
+        m = jax.jit(jax.grad(lambda m: jnp.sum(fp8.fp8_dot(x, w, m))))(m)
+        self.assertEqual(m.amax_compute_algo, "most_recent")
+        with tempfile.TemporaryDirectory() as d:
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save(d + "/m", m)
+            with ocp.StandardCheckpointer() as ckpt:
+                restored = ckpt.restore(d + "/m", fp8.init_meta(8, amax_compute_algo="most_recent",
+                                                                margin=2))
+        chex.assert_trees_all_equal(restored, m)
+        self.assertTrue(fp8.is_meta(restored))
+
+
+# ----------------------------------------------------------------------------- scaling
+
+def _numpy_delayed_scaling(amaxes, history_len, algo, margin, fp8_max):
+    """Reference: the scale_inv used at each step and the final history."""
+    hist = np.zeros(history_len, np.float32)
+    s_inv = np.float32(1.0)
+    used = []
+    for a in amaxes:
+        ref = hist.max() if algo == "max" else hist[0]
+        if ref > 0 and np.isfinite(ref):
+            s_inv = np.float32(1.0) / (np.float32(fp8_max) / np.float32(ref) / np.float32(2.0 ** margin))
+        used.append(s_inv)
+        hist = np.concatenate([[np.float32(a)], hist[:-1]]).astype(np.float32)
+    return np.array(used, np.float32), hist
+
+
+class ScalingTest(parameterized.TestCase):
+
+    @parameterized.product(algo=("max", "most_recent"), margin=(0, 1, 3))
+    def test_scale_update_follows_formula_and_history_rolls(self, algo, margin):
+        # Known amaxes for x (through the input), kernel (fixed) and the output gradient
+        # (loss = sum(y * c), so dL/dy = c exactly). Includes an all-zero step.
+        x_amax = [2.0, 5.0, 3.0, 0.0, 1.5, 0.5]
+        g_amax = [0.25, 4.0, 0.125, 1.0, 3.0, 2.0]
+        hl = 3
+        _, w = _data()
+        base = jnp.linspace(-1.0, 1.0, 4 * 8 * 32).reshape(4, 8, 32)
+        c_base = jnp.linspace(-1.0, 1.0, 4 * 8 * 16).reshape(4, 8, 16)
+        step = jax.jit(jax.grad(lambda m, x, c: jnp.sum(fp8.fp8_dot(x, w, m) * c)))
+        m = fp8.init_meta(hl, amax_compute_algo=algo, margin=margin)
+        got_x, got_g, got_k = [], [], []
+        for xa, ga in zip(x_amax, g_amax):
+            m = step(m, base * xa, c_base * ga)
+            self.assertTrue(fp8.is_meta(m))
+            got_x.append(m.x.scale_inv)
+            got_g.append(m.grad.scale_inv)
+            got_k.append(m.kernel.scale_inv)
+        wa = float(jnp.max(jnp.abs(w)))
+        for got, amaxes, fmax, hist in (
+                (got_x, x_amax, E4M3_MAX, m.x.amax_history),
+                (got_g, g_amax, E5M2_MAX, m.grad.amax_history),
+                (got_k, [wa] * len(x_amax), E4M3_MAX, m.kernel.amax_history)):
+            want, want_hist = _numpy_delayed_scaling(amaxes, hl, algo, margin, fmax)
+            np.testing.assert_allclose(np.array(got), want, rtol=1e-6)
+            np.testing.assert_allclose(hist, want_hist, rtol=1e-6)
+        # Chronological layout: index 0 is the newest amax.
+        np.testing.assert_allclose(m.x.amax_history, [0.5, 1.5, 0.0], rtol=1e-6)
+
+    def test_zero_amax_and_bad_state_give_finite_scales(self):
+        m = fp8.init_meta(4)
+        update = jax.jit(fp8.update_tensor_meta, static_argnums=(2, 3, 4))
+        t = update(jnp.zeros((3, 3)), m.x, fp8.E4M3, "max", 0)
+        chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))  # empty history: keeps 1
+        t = update(jnp.zeros((3, 3)), t, fp8.E4M3, "most_recent", 0)
+        chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))  # amax 0: keeps previous
+        # A zeroed state (e.g. a meta that got a zero "gradient") and a denormal amax.
+        zero = fp8.Fp8TensorMeta(jnp.float32(0.0), jnp.array([1e-40, 0, 0, 0], F32))
+        t = update(jnp.ones((2,)), zero, fp8.E4M3, "max", 0)
+        chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))
+        # A non-finite amax is recorded as 0, so it does not poison the history.
+        t = update(jnp.array([1.0, jnp.inf]), m.x, fp8.E4M3, "max", 0)
+        chex.assert_trees_all_equal(t.amax_history, jnp.zeros((4,), F32))
+        # End to end: all-zero inputs give finite outputs, gradients and scales.
+        x, w = _data()
+        g = jax.jit(jax.grad(lambda x, m: jnp.sum(fp8.fp8_dot(x, w, m)), argnums=(0, 1)))(
+            jnp.zeros_like(x), m)
+        chex.assert_tree_all_finite(g)
+
+    def test_overflow_saturates(self):
+        # Scales settled for amax 1; a value of 1000 saturates to 448 * scale_inv = 1.
+        m = fp8.init_meta(4)
+        hist = jnp.array([1.0, 0, 0, 0], F32)
+        m = fp8.Fp8Meta(fp8.Fp8TensorMeta(jnp.float32(1 / 448), hist),
+                        fp8.Fp8TensorMeta(jnp.float32(1.0), hist),
+                        m.grad, "max", 0)
+        x = jnp.array([[1000.0, -1000.0, 0.5]])
+        w = jnp.eye(3, dtype=F32)
+        y = jax.jit(fp8.fp8_dot)(x, w, m)
+        chex.assert_tree_all_finite(y)
+        np.testing.assert_allclose(y, [[1.0, -1.0, 0.5]], rtol=1e-6)
+        q = fp8.quantize(jnp.array([1e9, -1e9]), jnp.float32(1.0), fp8.E5M2)
+        np.testing.assert_array_equal(q.astype(F32), [E5M2_MAX, -E5M2_MAX])
+
+
+# ----------------------------------------------------------------------------- numerics
+
+class NumericsTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_settled_error_vs_f32(self):
+        step = self.variant(jax.value_and_grad(
+            lambda x, w, m: jnp.sum(jnp.tanh(fp8.fp8_dot(x, w, m))), argnums=(0, 1, 2)))
+        m = fp8.init_meta(16)
+        for i in range(4):  # scales settle after one step; data changes every step
+            x, w = _data(seed=i)
+            _, (gx, gw, m) = step(x, w, m)
+        x, w = _data(seed=99)
+        y = fp8.fp8_dot(x, w, m)
+        _, (gx, gw, _) = step(x, w, m)
+        gx_ref, gw_ref = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))(x, w)
+        self.assertLess(_rel(y, x @ w), 0.05)  # measured ~0.04 (E4M3 x E4M3)
+        self.assertLess(_rel(gx, gx_ref), 0.10)  # measured ~0.06 (E5M2 gradient)
+        self.assertLess(_rel(gw, gw_ref), 0.10)
+        # And it is not exact: the operands really are rounded to 8 bits.
+        self.assertGreater(_rel(y, x @ w), 1e-3)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_mixed_precision_dtypes(self):
+        x, w = _data()
+        m = fp8.init_meta(4)
+        f = self.variant(jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(F32)),
+                                  argnums=(0, 1, 2)))
+        gx, gw, m2 = f(x.astype(BF16), w.astype(BF16), m)
+        self.assertEqual((gx.dtype, gw.dtype), (BF16, BF16))
+        self.assertEqual(m2.x.scale_inv.dtype, F32)
+        self.assertEqual(fp8.fp8_dot(x.astype(BF16), w.astype(BF16), m).dtype, BF16)
+        self.assertEqual(fp8.fp8_dot(x.astype(BF16), w, m).dtype, F32)  # as x @ w
+        self.assertEqual(fp8.fp8_dot(x, w, m, preferred_element_type=BF16).dtype, BF16)
+
+    def test_fp8_dot_general_batch_dims(self):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+        a = jax.random.normal(k1, (2, 5, 16))
+        b = jax.random.normal(k2, (2, 16, 7))
+        dn = (((2,), (1,)), ((0,), (0,)))
+        m = fp8.init_meta(4)
+        ref = jax.lax.dot_general(a, b, dn)
+        f = lambda a, b, m: jnp.sum(fp8.fp8_dot_general(a, b, m, dn) ** 2)
+        grad = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+        _, _, m = grad(a, b, m)
+        y = jax.jit(fp8.fp8_dot_general, static_argnums=3)(a, b, m, dn)
+        self.assertLess(_rel(y, ref), 0.05)
+        ga, gb, _ = grad(a, b, m)
+        ga_ref, gb_ref = jax.grad(lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) ** 2),
+                                  argnums=(0, 1))(a, b)
+        self.assertLess(_rel(ga, ga_ref), 0.10)
+        self.assertLess(_rel(gb, gb_ref), 0.10)
+
+    def test_jaxpr_uses_e4m3_forward_and_e5m2_gradient(self):
+        x, w = _data()
+        m = fp8.init_meta(4)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m) ** 2),
+                                        argnums=(0, 1, 2)))(x.astype(BF16), w.astype(BF16), m)
+        dots = [e for e in _sub_jaxprs(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        operand_dtypes = sorted(tuple(sorted(str(v.aval.dtype) for v in e.invars)) for e in dots)
+        self.assertEqual(operand_dtypes, [("float8_e4m3fn", "float8_e4m3fn"),
+                                          ("float8_e4m3fn", "float8_e5m2"),
+                                          ("float8_e4m3fn", "float8_e5m2")])
+        converts = {str(e.params["new_dtype"]) for e in _sub_jaxprs(jaxpr.jaxpr)
+                    if e.primitive.name == "convert_element_type"}
+        self.assertTrue({"float8_e4m3fn", "float8_e5m2"} <= converts)
+
+    def test_remat_policies(self):
+        k = jax.random.split(jax.random.PRNGKey(5), 3)
+        x = jax.random.normal(k[0], (8, 32))
+        ws = (0.2 * jax.random.normal(k[1], (32, 64)), 0.2 * jax.random.normal(k[2], (64, 32)))
+        ms = (fp8.init_meta(4), fp8.init_meta(4))
+
+        def block(x, ws, ms):
+            return fp8.fp8_dot(jnp.tanh(fp8.fp8_dot(x, ws[0], ms[0])), ws[1], ms[1])
+
+        def loss(ws, ms, policy):
+            f = block if policy is None else jax.checkpoint(block, policy=policy)
+            return jnp.sum(f(x, ws, ms) ** 2)
+
+        def saved(policy):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                print_saved_residuals(lambda w, m: loss(w, m, policy), ws, ms)
+            return buf.getvalue()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+        ref = grad(ws, ms, None)
+        cp = jax.checkpoint_policies
+        for policy in (cp.nothing_saveable, cp.dots_saveable, cp.everything_saveable):
+            chex.assert_trees_all_close(grad(ws, ms, policy), ref, rtol=1e-6, atol=1e-7)
+        # Without remat the backward pass keeps the FP8 operands (1 byte/element);
+        # nothing_saveable recomputes them, dots_saveable keeps the first FP8 matmul output.
+        self.assertIn("u8[8,32]", saved(None))  # FP8 bits, see fp8._fp8_dg_fwd
+        self.assertNotIn("u8[", saved(cp.nothing_saveable))
+        self.assertNotIn("f32[8,64] output of dot_general", saved(cp.nothing_saveable))
+        self.assertIn("f32[8,64] output of dot_general", saved(cp.dots_saveable))
+
+    def test_lora_path_stays_bf16(self):
+        # Frozen FP8 base kernel + a bf16 low-rank update (x @ A) @ B, as LoRA does.
+        x, w = _data()
+        x, w = x.astype(BF16), w.astype(BF16)
+        k1, k2 = jax.random.split(jax.random.PRNGKey(7))
+        lora = {"a": (0.1 * jax.random.normal(k1, (32, 3))).astype(BF16),
+                "b": (0.1 * jax.random.normal(k2, (3, 16))).astype(BF16)}
+
+        def fwd(lora, m, use_fp8):
+            base = fp8.fp8_dot(x, jax.lax.stop_gradient(w), m) if use_fp8 else x @ w
+            return base + (x @ lora["a"]) @ lora["b"] * 2.0
+
+        loss = lambda lora, m, use_fp8: jnp.mean(jnp.square(fwd(lora, m, use_fp8).astype(F32)))
+        m = fp8.init_meta(4)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+        for _ in range(2):
+            g, m = grad(lora, m, True)
+        g_ref = jax.grad(loss)(lora, None, False)
+        self.assertEqual({l.dtype for l in jax.tree.leaves(g)}, {jnp.dtype(BF16)})
+        for name in ("a", "b"):
+            self.assertLess(_rel(g[name], g_ref[name]), 0.10)
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lora, m, True)
+        lora_dots = [e for e in _sub_jaxprs(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                     and any(3 in v.aval.shape for v in e.invars)]  # rank 3
+        self.assertTrue(lora_dots)
+        for e in lora_dots:
+            self.assertEqual({str(v.aval.dtype) for v in e.invars}, {"bfloat16"})
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
+    """The reference Llama with ``forward(..., fp8=metas)`` (all 7 projections per layer in
+    FP8, stacked metas scanned with the layers; embedding/lm_head stay bf16) on a fixed
+    token stream: the final loss is within 5% of the bf16 run (measured: 0.842 vs 0.835, <1%)."""
+    llama = pytest.importorskip("jmem.models.llama")
+    cfg = llama.get_config("tiny", vocab_size=64, hidden_size=64, intermediate_size=128,
+                           num_layers=2, num_heads=4, num_kv_heads=2)
+    params = llama.init(jax.random.PRNGKey(0), cfg)
+    metas = fp8.init_metas(params, llama.LINEAR_NAMES, history_len=16)
+    assert metas["layers"]["q_proj"]["kernel"].batch_shape == (2,)
+    assert metas["lm_head"]["kernel"] is None
+    # A fixed, learnable stream: noisy repetitions of a short random motif.
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    motif = jax.random.randint(k1, (16,), 0, cfg.vocab_size)
+    stream = jnp.tile(motif, 17)
+    noise = jax.random.randint(k2, stream.shape, 0, cfg.vocab_size)
+    flip = jax.random.bernoulli(k2, 0.1, stream.shape)
+    stream = jnp.where(flip, noise, stream).reshape(8, 34)
+    batch = {"inputs": stream[:, :32], "targets": stream[:, 1:33]}
+    tx = optax.adam(3e-3)
+
+    def loss(params, metas, use_fp8):
+        p16 = jax.tree.map(lambda a: a.astype(BF16), params)  # bf16 compute, f32 master
+        return llama.loss_fn(p16, batch, cfg, fp8=metas if use_fp8 else None)
+
+    def train(use_fp8, steps=30):
+        @jax.jit
+        def step(params, metas, opt):
+            l, (g, new_metas) = jax.value_and_grad(loss, argnums=(0, 1))(params, metas, use_fp8)
+            upd, opt = tx.update(g, opt, params)
+            return optax.apply_updates(params, upd), new_metas, opt, l
+
+        p, m, opt = params, metas, tx.init(params)
+        for _ in range(steps):
+            p, m, opt, l = step(p, m, opt)
+        return float(l), m
+
+    final_fp8, m = train(True)
+    final_bf16, _ = train(False)
+    print(f"tiny llama final loss: fp8 {final_fp8:.4f} bf16 {final_bf16:.4f}")
+    init_loss = float(loss(params, metas, False))
+    assert final_bf16 < 0.6 * init_loss, (final_bf16, init_loss)  # it learns
+    assert abs(final_fp8 - final_bf16) / final_bf16 < 0.05, (final_fp8, final_bf16)
+    # The states were carried through the scan: full histories, scales follow the data.
+    mm = m["layers"]["down_proj"]["kernel"]
+    for t in (mm.x, mm.kernel, mm.grad):
+        assert bool(jnp.all(t.amax_history > 0))
+    # The last scale came from the 16 amaxes before the newest (hist[:, 1:] and one dropped).
+    hist = mm.x.amax_history
+    s_amax = mm.x.scale_inv * E4M3_MAX
+    assert bool(jnp.all(s_amax >= jnp.max(hist[:, 1:], axis=-1) * (1 - 1e-6)))
+    assert bool(jnp.all(s_amax <= 2 * jnp.max(hist, axis=-1)))
+    with pytest.raises(ValueError, match="layers"):
+        llama.forward(params, batch["inputs"], cfg,
+                      fp8=fp8.init_metas(params, ("q_proj", "lm_head")))
