@@ -128,3 +128,25 @@ def test_state_survives_orbax_round_trip(params, tmp_path):
     restored = ckpt.restore(tmp_path / "s", step.abstract_state(params))
     chex.assert_trees_all_equal(restored, state)
     assert restored.loss_scale.min_loss_scale == 4.0 and restored.loss_scale.period == 7
+
+
+def test_fp8_state_is_carried_and_updated_by_the_builder(params):
+    from jmem import fp8
+
+    metas = fp8.init_metas(params, llama.LINEAR_NAMES, history_len=4)
+
+    def loss(p, b, *, fp8):
+        return llama.loss_fn(p, b, CFG, fp8=fp8)
+
+    step = train_step(loss, optax.adam(1e-3), donate=False)
+    state = step.init(params, fp8=metas)
+    batch = _batch(jax.random.key(7))
+    s1, m1 = step(state, batch)
+    hist0 = s1.fp8["layers"]["q_proj"]["kernel"]
+    s2, m2 = step(s1, batch)
+    assert bool(m1["grads_finite"]) and float(m2["loss"]) < float(m1["loss"])
+    # the FP8 state came out of the step as its "gradient": amax recorded, not optimized
+    leaves = jax.tree.leaves(s2.fp8)
+    assert any(float(jnp.max(x)) > 0 for x in leaves if x.ndim >= 2)
+    assert jax.tree.structure(s2.fp8) == jax.tree.structure(metas)
+    del hist0
