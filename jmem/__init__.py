@@ -4,7 +4,7 @@ Training memory is five ledgers: parameters, gradients, optimizer state, fp32 ma
 weights and activations. Each jmem transform shrinks one of them and composes with any
 JAX train step; ``jmem.train_step`` stacks them into one jitted, donating step.
 """
-from jmem import lora, nf4, qlora
+from jmem import fp8, lora, nf4, qlora, sharding
 from jmem.accumulation import accumulate_gradients
 from jmem.checkpoint import Checkpointer
 from jmem.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale,

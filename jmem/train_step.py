@@ -38,6 +38,13 @@ from jmem.remat import remat as _remat
 from jmem.remat import resolve_policy
 
 
+def _fresh(tree, ids):
+    """Copies the leaves of ``tree`` that are the caller's own arrays (``id`` in ``ids``)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True)
+                        if id(x) in ids and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                        else x, tree)
+
+
 @struct.dataclass
 class TrainState:
     """Everything a step reads and writes; a pytree that jits, donates and checkpoints.
@@ -168,9 +175,12 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     default_scale = loss_scale if loss_scale is not None else NoOpLossScale()
 
     def init(params, frozen, fp8, scale):
+        callers = {id(x) for x in jax.tree.leaves((params, frozen, fp8))}
         opt_state = opt.init(params)
         if policy is not None:
             params = policy.cast_to_param(params)
+        # The step donates the state: own fresh buffers, so the caller's arrays survive.
+        params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                           loss_scale=scale if scale is not None else default_scale,
                           frozen=frozen, fp8=fp8)
