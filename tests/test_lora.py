@@ -1,0 +1,169 @@
+"""LoRA adapters: init semantics (PEFT), unmerged apply == merged model, adapter-only grads."""
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmem import implicit, lora
+
+IN, OUT, HID, R = 48, 40, 56, 4
+
+
+def _params(key=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    return {"up": {"kernel": jax.random.normal(k1, (IN, HID)) * 0.1, "bias": jnp.zeros(HID)},
+            "down": {"kernel": jax.random.normal(k2, (HID, OUT)) * 0.1},
+            "stack": {"kernel": jax.random.normal(k3, (3, OUT, OUT)) * 0.1}}
+
+
+def mlp(params, x):
+    """Uses weights as rhs, as lhs (einsum order), transposed and scanned."""
+    h = jax.nn.gelu(x @ params["up"]["kernel"] + params["up"]["bias"])
+    y = jnp.einsum("ho,bh->bo", params["down"]["kernel"], h)         # weight as lhs
+    y = y + (y @ params["down"]["kernel"].T) @ params["down"]["kernel"]  # contract 'out'
+    y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None),
+                        y, params["stack"]["kernel"])
+    return y
+
+
+def _nonzero(ad, key=5):
+    leaves, tree = jax.tree.flatten(ad)
+    keys = jax.random.split(jax.random.key(key), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def test_init_shapes_scale_and_distribution():
+    p = _params()
+    ad = lora.init(jax.random.key(1), p, rank=R, alpha=8.0, targets=r".*kernel")
+    assert list(ad) == ["down/kernel", "stack/kernel", "up/kernel"]
+    chex.assert_shape(ad["up/kernel"].a, (IN, R))
+    chex.assert_shape(ad["up/kernel"].b, (R, HID))
+    chex.assert_shape(ad["stack/kernel"].a, (3, OUT, R))
+    assert ad["up/kernel"].scale == 8.0 / R
+    assert all(float(jnp.abs(w.b).max()) == 0 for w in ad.values())
+    big = lora.init(jax.random.key(1), {"w": jnp.zeros((1024, 512))}, rank=64, targets="w")["w"].a
+    bound = 1 / math.sqrt(1024)  # kaiming_uniform(a=sqrt(5)) on lora_A [r, in]
+    assert float(jnp.abs(big).max()) <= bound and float(jnp.abs(big).max()) > 0.99 * bound
+    np.testing.assert_allclose(float(jnp.std(big)), bound / math.sqrt(3), rtol=0.02)
+    g = lora.init(jax.random.key(1), {"w": jnp.zeros((1024, 512))}, rank=16, targets="w", init="gaussian")["w"].a
+    np.testing.assert_allclose(float(jnp.std(g)), 1 / 16, rtol=0.02)
+    rs = lora.init(jax.random.key(1), p, rank=16, alpha=8.0, targets=r".*kernel", rslora=True)
+    assert rs["up/kernel"].scale == 8.0 / 4.0
+    # Biases (rank 1) are never adapted; parameters are counted.
+    assert "up/bias" not in lora.init(jax.random.key(0), p, targets=r"up/.*")
+    assert lora.num_trainable(ad) == (IN * R + R * HID) + (HID * R + R * OUT) + 3 * 2 * OUT * R
+    with pytest.raises(ValueError, match="No weight"):
+        lora.init(jax.random.key(0), p, targets="nothing")
+    with pytest.raises(ValueError, match="rank"):
+        lora.init(jax.random.key(0), p, rank=0, targets=r".*kernel")
+
+
+class ApplyTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_apply_equals_merged_and_identity_at_init(self):
+        p = _params()
+        x = jax.random.normal(jax.random.key(2), (5, IN))
+        ad0 = lora.init(jax.random.key(1), p, rank=R, targets=r".*kernel")
+        f = self.variant(lora.apply(mlp))
+        chex.assert_trees_all_close(f(p, ad0, x), mlp(p, x), atol=1e-6)
+        ad = _nonzero(ad0)
+        out = f(p, ad, x)
+        chex.assert_trees_all_close(out, mlp(lora.merge(p, ad), x), atol=2e-5, rtol=1e-5)
+        assert float(jnp.abs(out - mlp(p, x)).max()) > 1e-3  # the adapters do something
+
+    def test_grads_match_merged_and_only_adapters(self):
+        p = _params()
+        x = jax.random.normal(jax.random.key(2), (5, IN))
+        ad = _nonzero(lora.init(jax.random.key(1), p, rank=R, targets=r".*kernel"))
+        loss = lambda p, ad, x: jnp.sum(lora.apply(mlp)(p, ad, x) ** 2)  # noqa: E731
+        g = jax.jit(jax.grad(loss, argnums=1))(p, ad, x)
+        g_ref = jax.grad(lambda ad: jnp.sum(mlp(lora.merge(p, ad), x) ** 2))(ad)
+        chex.assert_trees_all_close(g, g_ref, atol=2e-4, rtol=1e-4)  # grads are O(10)
+        # No gradient buffer for the base: nothing in the backward jaxpr has a base weight's
+        # shape (the only [IN, HID] / [HID, OUT] arrays are the inputs themselves).
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(p, ad, x).jaxpr
+        shapes = {(IN, HID), (HID, IN), (HID, OUT), (OUT, HID)}
+
+        def walk(j):
+            for e in j.eqns:
+                for v in e.outvars:
+                    assert tuple(getattr(v.aval, "shape", ())) not in shapes, e
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    walk(sub)
+        walk(jaxpr)
+
+    def test_lossy_cast_chain_is_kept(self):
+        """``w.astype(bf16).astype(f32)`` rounds w to bf16 before the matmul, as in fn."""
+        p = _params()
+        x = jax.random.normal(jax.random.key(2), (5, IN))
+        f = lambda p, x: x @ p["up"]["kernel"].astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+        ad = lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel")
+        chex.assert_trees_all_close(lora.apply(f)(p, ad, x), f(p, x), atol=1e-6)
+        assert float(jnp.abs(f(p, x) - x @ p["up"]["kernel"]).max()) > 1e-4
+
+    def test_nnx_model(self):
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.q_proj = nnx.Linear(IN, HID, rngs=rngs)
+                self.v_proj = nnx.Linear(HID, OUT, rngs=rngs)
+
+            def __call__(self, x):
+                return self.v_proj(nnx.relu(self.q_proj(x)))
+
+        graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+        fwd = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
+        ad = _nonzero(lora.init(jax.random.key(1), state, rank=R))
+        assert set(ad) == {"q_proj/kernel", "v_proj/kernel"}
+        x = jax.random.normal(jax.random.key(2), (3, IN))
+        chex.assert_trees_all_close(jax.jit(lora.apply(fwd))(state, ad, x),
+                                    fwd(lora.merge(state, ad), x), atol=1e-5)
+
+    def test_errors(self):
+        p = _params()
+        x = jax.random.normal(jax.random.key(2), (5, IN))
+        ad = lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel")
+        with self.assertRaisesRegex(ValueError, "no matching leaf"):
+            lora.apply(mlp)(p, {"nope/kernel": ad["up/kernel"]}, x)
+        bad = lambda p, x: x @ jnp.exp(p["up"]["kernel"])  # noqa: E731
+        with self.assertRaisesRegex(implicit.ImplicitWeightError, "up/kernel.*'exp'"):
+            lora.apply(bad)(p, ad, x)
+        out = lora.apply(bad, allow_materialize=True)(p, ad, x)
+        chex.assert_trees_all_close(out, bad(lora.merge(p, ad), x), atol=1e-6)
+
+
+def test_matches_peft():
+    torch = pytest.importorskip("torch", reason="PEFT oracle needs torch")
+    peft = pytest.importorskip("peft", reason="PEFT is the LoRA oracle")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(IN, OUT, bias=False)
+
+        def forward(self, x):
+            return self.q_proj(x)
+
+    for rslora in (False, True):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(Net(), peft.LoraConfig(r=R, lora_alpha=12, target_modules=["q_proj"],
+                                                           lora_dropout=0.0, use_rslora=rslora))
+        layer = model.base_model.model.q_proj
+        lora_a = layer.lora_A["default"].weight  # [r, in], kaiming-uniform
+        assert float(lora_a.detach().abs().max()) <= 1 / math.sqrt(IN)
+        with torch.no_grad():
+            layer.lora_B["default"].weight.normal_()
+        x = np.random.default_rng(0).standard_normal((6, IN)).astype(np.float32)
+        want = model(torch.tensor(x)).detach().numpy()
+        p = {"q_proj": {"kernel": jnp.asarray(layer.base_layer.weight.detach().numpy().T)}}
+        ad = lora.init(jax.random.key(0), p, rank=R, alpha=12, rslora=rslora)
+        assert ad["q_proj/kernel"].scale == pytest.approx(layer.scaling["default"])
+        ad = {"q_proj/kernel": lora.LoraWeight(a=jnp.asarray(lora_a.detach().numpy().T),
+                                               b=jnp.asarray(layer.lora_B["default"].weight.detach().numpy().T),
+                                               scale=ad["q_proj/kernel"].scale)}
+        got = lora.apply(lambda p, x: x @ p["q_proj"]["kernel"])(p, ad, jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,198 @@
+"""QLoRA: NF4 base + LoRA on a plain function, a Flax NNX model and the reference Llama."""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jmem import implicit, lora, nf4, qlora
+from jmem.models import llama
+
+CFG = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=128,
+                       num_heads=4, num_kv_heads=2, vocab_size=64)
+PROJ = r"layers/.*_proj/kernel"
+
+
+def _nonzero(ad, key=7, s=0.05):
+    leaves, tree = jax.tree.flatten(ad)
+    keys = jax.random.split(jax.random.key(key), len(leaves))
+    return jax.tree.unflatten(tree, [x + s * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def _batch(b=2, s=8, key=1):
+    tok = jax.random.randint(jax.random.key(key), (b, s + 1), 0, CFG.vocab_size)
+    return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+
+
+def _max_diff(a, b):
+    return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_quantize_default_targets():
+    p = llama.init(jax.random.key(0), CFG)
+    q = qlora.quantize(p)
+    is_q = lambda x: isinstance(x, nf4.NF4Array)  # noqa: E731
+    for name in llama.LINEAR_NAMES:
+        assert is_q(q["layers"][name]["kernel"]), name
+        assert q["layers"][name]["kernel"].shape == p["layers"][name]["kernel"].shape
+    for path in (("embed", "embedding"), ("lm_head", "kernel"), ("final_norm", "scale"),
+                 ("layers", "attn_norm", "scale")):
+        leaf = functools.reduce(lambda t, k: t[k], path, q)
+        assert not is_q(leaf), path
+    assert nf4.nbytes(q) < 0.35 * nf4.nbytes(p)
+    with pytest.raises(ValueError, match="matched no weight"):
+        qlora.quantize(p, targets="nothing")
+
+
+def test_llama_outputs_and_grads_match_dequantized_merged():
+    p = llama.init(jax.random.key(0), CFG)
+    q = qlora.quantize(p)
+    deq = qlora.dequantize(q)
+    ad = _nonzero(lora.init(jax.random.key(2), q, targets=PROJ))
+    batch = _batch()
+    fwd = jax.jit(qlora.apply(lambda p, t: llama.forward(p, t, CFG)))
+    ref_fwd = jax.jit(lambda p, t: llama.forward(p, t, CFG))
+    chex.assert_trees_all_close(fwd(q, ad, batch["inputs"]), ref_fwd(lora.merge(deq, ad), batch["inputs"]),
+                                atol=2e-5)
+    loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG))
+    g = jax.jit(jax.grad(loss, argnums=1))(q, ad, batch)
+    g_ref = jax.jit(jax.grad(lambda a: llama.loss_fn(lora.merge(deq, a), batch, CFG)))(ad)
+    chex.assert_trees_all_close(g, g_ref, atol=2e-5, rtol=1e-4)
+    # lora=None: plain quantized inference equals the dequantized model.
+    chex.assert_trees_all_close(fwd(q, None, batch["inputs"]),
+                                ref_fwd(deq, batch["inputs"]), atol=2e-5)
+
+
+def test_no_dequantized_weight_kept_for_backward():
+    """The forward scan's residuals (its stacked outputs) hold no weight-sized array: the
+    NF4 matmul saves x and the packed codes (forwarded scan inputs), not bf16 weights."""
+    p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
+    q = qlora.quantize(p)
+    ad = lora.init(jax.random.key(2), q, targets=PROJ)
+    loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(q, ad, _batch()).jaxpr
+    weight_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(p["layers"]) if x.ndim == 3}
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) >= 2  # forward and backward
+    for e in scans:
+        for v in e.outvars:
+            assert tuple(v.aval.shape[-2:]) not in weight_shapes, (v.aval, e.primitive)
+
+
+def test_plain_function_python_loop_and_fori_loop():
+    """A function not written for jmem: stacked weights indexed in a Python loop and in a
+    fori_loop (dynamic_slice), a weight transposed, and an einsum with the weight first."""
+    k = jax.random.split(jax.random.key(3), 3)
+    p = {"stack": jax.random.normal(k[0], (3, 32, 32)) * 0.2,
+         "head": jax.random.normal(k[1], (32, 64)) * 0.2}
+
+    def fn(p, x):
+        for i in range(3):
+            x = jnp.tanh(x @ p["stack"][i])
+        x = jax.lax.fori_loop(0, 3, lambda i, x: jnp.tanh(x @ p["stack"][i].T), x)
+        return jnp.einsum("hv,bh->bv", p["head"], x)
+
+    q = qlora.quantize(p, targets=r".*")
+    ad = _nonzero(lora.init(jax.random.key(4), q, targets=r".*", rank=4), s=0.2)
+    x = jax.random.normal(k[2], (4, 32))
+    deq = qlora.dequantize(q)
+    f = jax.jit(qlora.apply(fn))
+    chex.assert_trees_all_close(f(q, ad, x), jax.jit(fn)(lora.merge(deq, ad), x), atol=1e-5)
+    g = jax.jit(jax.grad(lambda a: jnp.sum(qlora.apply(fn)(q, a, x) ** 2)))(ad)
+    g_ref = jax.jit(jax.grad(lambda a: jnp.sum(fn(lora.merge(deq, a), x) ** 2)))(ad)
+    scale = max(float(jnp.abs(t).max()) for t in jax.tree.leaves(g_ref))  # grads are O(100)
+    chex.assert_trees_all_close(g, g_ref, atol=1e-5 * scale, rtol=1e-4)
+    with pytest.raises(implicit.ImplicitWeightError, match="'stack'.*'reduce_sum'"):
+        qlora.apply(lambda p, x: x * jnp.sum(p["stack"]))(q, None, x)
+
+
+def test_nnx_model():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(32, 64, rngs=rngs)
+            self.fc2 = nnx.Linear(64, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(nnx.gelu(self.fc1(x)))
+
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+    fwd = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
+    q = qlora.quantize(state)
+    flat, _ = implicit.flatten_params(q)
+    assert {p for p, x in flat if isinstance(x, nf4.NF4Array)} == {"fc1/kernel", "fc2/kernel"}
+    ad = _nonzero(lora.init(jax.random.key(1), q, targets=r".*kernel", rank=4), s=0.2)
+    x = jax.random.normal(jax.random.key(2), (5, 32))
+    deq = qlora.dequantize(q)
+    chex.assert_trees_all_close(jax.jit(qlora.apply(fwd))(q, ad, x), fwd(lora.merge(deq, ad), x), atol=1e-5)
+    g = jax.jit(jax.grad(lambda a: jnp.sum(qlora.apply(fwd)(q, a, x) ** 2)))(ad)
+    g_ref = jax.jit(jax.grad(lambda a: jnp.sum(fwd(lora.merge(deq, a), x) ** 2)))(ad)
+    scale = max(float(jnp.abs(t).max()) for t in jax.tree.leaves(g_ref))
+    chex.assert_trees_all_close(g, g_ref, atol=1e-5 * scale, rtol=1e-4)
+
+
+def _train(loss, q, ad, opt, steps=6):
+    state = opt.init(ad)
+
+    @jax.jit
+    def step(ad, state, batch):
+        value, g = jax.value_and_grad(loss, argnums=1)(q, ad, batch)
+        updates, state = opt.update(g, state, ad)
+        return optax.apply_updates(ad, updates), state, value
+
+    batch = _batch(b=4, s=16, key=9)
+    losses = []
+    for _ in range(steps):
+        ad, state, value = step(ad, state, batch)
+        losses.append(float(value))
+    return losses
+
+
+def test_training_step_lowers_loss():
+    p = llama.init(jax.random.key(0), CFG)
+    q = qlora.quantize(p)
+    ad = lora.init(jax.random.key(2), q, targets=PROJ, rank=8)
+    losses = _train(qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG)), q, ad, optax.adamw(3e-3))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_training_step_remat_bf16_8bit_adamw():
+    """QLoRA + per-layer remat + bf16 compute + (8-bit) AdamW together."""
+    from jmem.remat import remat
+    try:
+        from jmem.optimizers import adamw_8bit
+        opt = adamw_8bit(3e-3)
+    except ImportError:
+        opt = optax.adamw(3e-3)
+    p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)  # bf16 weights and activations
+    q = qlora.quantize(p)
+    assert q["layers"]["q_proj"]["kernel"].dtype == jnp.bfloat16
+    ad = lora.init(jax.random.key(2), q, targets=PROJ, rank=8)
+    loss = qlora.apply(remat(lambda p, b: llama.loss_fn(p, b, CFG), "full"))
+    losses = _train(loss, q, ad, opt)
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_7b_arguments_fit_in_about_3_6_gib():
+    """Llama-2-7B shapes, abstract (nothing allocated): NF4 body + bf16 embed/head ~3.6 GiB
+    of arguments for the compiled QLoRA forward, vs 12.55 GiB for the bf16 model."""
+    import sys
+    import jmem.measure  # noqa: F401
+    measure = sys.modules["jmem.measure"].measure
+    cfg = llama.get_config("llama2_7b")
+    ap = llama.abstract_params(cfg, jnp.bfloat16)
+    qp = jax.eval_shape(qlora.quantize, ap)
+    ad = jax.eval_shape(lambda: lora.init(jax.random.key(0), qp))  # q_proj, v_proj; r=8
+    assert lora.num_trainable(ad) == 32 * 2 * (4096 * 8 + 8 * 4096)
+    tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    report = measure(qlora.apply(lambda p, t: llama.forward(p, t, cfg)), qp, ad, tokens)
+    gib = report.argument_bytes / 2 ** 30
+    bf16_gib = nf4.nbytes(ap) / 2 ** 30
+    assert 3.4 < gib < 3.8, gib
+    assert bf16_gib > 12.5 and gib < 0.3 * bf16_gib
+    quantized = [x for x in jax.tree.leaves(qp, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
+                 if isinstance(x, nf4.NF4Array)]
+    assert sum(nf4.nbytes(x) for x in quantized) / sum(x.size for x in quantized) <= 0.52
