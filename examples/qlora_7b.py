@@ -174,6 +174,24 @@ def dataclasses_asdict(x):
     return dataclasses.asdict(x)
 
 
+#: Dense bf16 peak FLOP/s by device kind (vendor specs), for model FLOPs utilization.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def train_flops_per_token(cfg, seq_len: int, n_adapter: int) -> float:
+    """Model FLOPs per trained token, excluding remat recomputation (the MFU convention of
+    Chowdhery et al. 2022), for a frozen base: forward 2N plus input-gradient 2N over the
+    base matmuls, 6 per adapter parameter, and attention 12 * L * H * S (scores and context,
+    forward and backward; causal masking not discounted)."""
+    n_matmul = llama.num_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
+    return 4.0 * n_matmul + 6.0 * n_adapter + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
 def device_memory() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -244,7 +262,12 @@ def train(args, cfg):
         "peak_bytes": device_memory() or compiled_peak,
         "peak_source": "device memory_stats" if device_memory() else "compiled (jmem.measure)",
         "trainable_params": jlora.num_trainable(adapters), "losses": losses,
+        "device": jax.devices()[0].device_kind,
     }
+    peak = peak_flops()
+    if summary["tokens_per_s"] and peak:
+        fpt = train_flops_per_token(cfg, args.seq_len, summary["trainable_params"])
+        summary["mfu"] = summary["tokens_per_s"] * fpt / peak
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -252,7 +275,8 @@ def train(args, cfg):
     if losses:
         print(f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} steps; "
               f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; peak {format_bytes(summary['peak_bytes'])} "
-              f"({summary['peak_source']}); curve: {os.path.join(args.out, 'loss.png')}")
+              f"({summary['peak_source']}); curve: {os.path.join(args.out, 'loss.png')}"
+              + (f"; MFU {summary['mfu']:.1%}" if "mfu" in summary else ""))
     return summary
 
 

@@ -252,4 +252,5 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
         init = _sharding.sharded_init(init, mesh, strategy, opt_state_memory_kind=mem_kind)
         return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init)
     jitted = jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
-    return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init)
+    # One compiled program builds the state (op-by-op quantization of 8-bit moments is slow).
+    return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=jax.jit(init))

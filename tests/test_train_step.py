@@ -150,3 +150,22 @@ def test_fp8_state_is_carried_and_updated_by_the_builder(params):
     assert any(float(jnp.max(x)) > 0 for x in leaves if x.ndim >= 2)
     assert jax.tree.structure(s2.fp8) == jax.tree.structure(metas)
     del hist0
+
+
+def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
+    """8-bit AdamW with fp32 masters: offloaded state gives the same params as on-device state,
+    and every state leaf lives in pinned_host after each step."""
+    from jmem.optimizers import adamw_8bit
+
+    batch = _batch(jax.random.key(8))
+    kw = dict(policy="p=bf16,c=bf16,o=f32", master_weights=True)
+    dev = train_step(_loss, adamw_8bit(1e-3), **kw)
+    off = train_step(_loss, adamw_8bit(1e-3), offload_optimizer=True, **kw)
+    a, b = dev.init(params), off.init(params)
+    for _ in range(2):
+        a, _ = dev(a, batch)
+        b, _ = off(b, batch)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(b.opt_state)}
+        assert kinds == {"pinned_host"}, kinds
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(b.params)} == {"device"}
+    chex.assert_trees_all_equal(a.params, b.params)
