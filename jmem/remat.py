@@ -119,9 +119,10 @@ def bind_eqn(eqn, invals):
 class _Interpreter:
     """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint``."""
 
-    def __init__(self, policy: Callable, prevent_cse: bool):
+    def __init__(self, policy: Callable | None, prevent_cse: bool, every: int | str | None = None):
         self.policy = policy
         self.prevent_cse = prevent_cse
+        self.every = every
 
     def eval(self, jaxpr, consts, args):
         env: dict[Any, Any] = {}
@@ -187,14 +188,52 @@ class _Interpreter:
             outs = jcore.jaxpr_as_fun(body)(*consts, *carry, *x)
             return list(outs[:ncarry]), list(outs[ncarry:])
 
-        step = jax.checkpoint(step, policy=self.policy, prevent_cse=self.prevent_cse)
-        carry, ys = lax.scan(lambda c, x: step(consts, c, x), list(init), list(xs),
-                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-        return [*carry, *ys]
+        if self.policy is not None:
+            step = jax.checkpoint(step, policy=self.policy, prevent_cse=self.prevent_cse)
+        length = p["length"]
+        k = group_size(length, self.every)
+        if k == 1:
+            carry, ys = lax.scan(lambda c, x: step(consts, c, x), list(init), list(xs),
+                                 length=length, reverse=p["reverse"], unroll=p["unroll"])
+            return [*carry, *ys]
+
+        # Chen et al. 2016: checkpoint groups of k iterations (only each group's input is
+        # saved); a group's iterations are recomputed, under `policy`, in the backward pass.
+        def group(consts, carry, xg):
+            return lax.scan(lambda c, x: step(consts, c, x), carry, xg, length=k,
+                            reverse=p["reverse"])
+
+        group = jax.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable,
+                               prevent_cse=self.prevent_cse)
+        xs_g = [x.reshape(length // k, k, *x.shape[1:]) for x in xs]
+        carry, ys = lax.scan(lambda c, x: group(consts, c, x), list(init), xs_g,
+                             length=length // k, reverse=p["reverse"])
+        return [*carry, *[y.reshape(length, *y.shape[2:]) for y in ys]]
+
+
+def group_size(length: int, every: int | str | None) -> int:
+    """Iterations per checkpointed group for ``every`` (1: no grouping).
+
+    ``"sqrt"`` picks the divisor of ``length`` nearest to ``sqrt(length)``; an int ``k`` must
+    divide ``length`` (else ``ValueError``).
+    """
+    if every is None or every == 1 or length <= 1:
+        return 1
+    if every == "sqrt":
+        divisors = [d for d in range(1, length + 1) if length % d == 0]
+        k = min(divisors, key=lambda d: (abs(d - length ** 0.5), d))
+        return k if 1 < k < length else 1
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive int or 'sqrt'; got {every!r}.")
+    if length % every:
+        raise ValueError(f"every={every} does not divide the scan length {length}; pick a divisor "
+                         f"or every='sqrt'.")
+    return every if every < length else 1
 
 
 def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | None = "full", *,
-          prevent_cse: bool | None = None, static_argnums: int | Sequence[int] = ()) -> Callable:
+          prevent_cse: bool | None = None, static_argnums: int | Sequence[int] = (),
+          every: int | str | None = None) -> Callable:
     """Rematerializes ``fn``'s activations per layer under a named policy.
 
     Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``)
@@ -210,6 +249,11 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
         already blocks CSE, and True costs speed there) and True for a function without scan.
       static_argnums: positional arguments that are not arrays (hashable Python values).
         Non-array pytree leaves in any argument are treated as static automatically.
+      every: group ``every`` consecutive scan iterations into one checkpoint that saves only
+        the group's input (Chen et al. 2016); ``"sqrt"`` picks ~sqrt(L), the O(sqrt(L))
+        memory scheme. Inside a group, iterations follow ``policy`` when the group is
+        recomputed (``policy="none"`` with ``every="sqrt"`` is Chen et al.'s scheme: each
+        layer's forward runs twice). Applies to scans only.
 
     Returns:
       A function with ``fn``'s signature and outputs.
@@ -219,9 +263,11 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
     """
     if fn is None:
         return functools.partial(remat, policy=policy, prevent_cse=prevent_cse,
-                                 static_argnums=static_argnums)
+                                 static_argnums=static_argnums, every=every)
     pol = resolve_policy(policy)
-    if pol is None:
+    if every is not None and every != "sqrt" and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"every must be a positive int or 'sqrt'; got {every!r}.")
+    if pol is None and every is None:
         return fn
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
@@ -253,10 +299,12 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
         if not _has_scan(closed.jaxpr):
+            if pol is None:
+                return flat_fn(*dyn)
             cse = True if prevent_cse is None else prevent_cse
             return jax.checkpoint(flat_fn, policy=pol, prevent_cse=cse)(*dyn)
         cse = False if prevent_cse is None else prevent_cse
-        out = _Interpreter(pol, cse).eval_closed(closed, dyn)
+        out = _Interpreter(pol, cse, every).eval_closed(closed, dyn)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return wrapped

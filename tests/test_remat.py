@@ -137,3 +137,28 @@ def test_unknown_policy_lists_valid_names():
 def test_none_policy_returns_function_unchanged():
     f = lambda x: x
     assert jmem.remat(f, "none") is f
+
+
+def test_every_groups_scan_iterations_sqrt_scheme():
+    """Chen et al. 2016: checkpoint groups of ~sqrt(L) layers; same gradients, less memory."""
+    cfg = llama.get_config("tiny", num_layers=16, hidden_size=64, intermediate_size=172,
+                           num_heads=4, num_kv_heads=2)
+    params = llama.init(jax.random.key(0), cfg)
+    toks = jax.random.randint(jax.random.key(1), (2, 129), 0, cfg.vocab_size)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    loss = lambda p, b: llama.loss_fn(p, b, cfg)
+    ref = jax.jit(jax.grad(loss))(params, batch)
+    got = jax.jit(jax.grad(jmem.remat(loss, "none", every="sqrt")))(params, batch)
+    chex.assert_trees_all_equal(got, ref)
+    none = jmem.measure(jax.grad(loss), params, batch).temp_bytes
+    sqrt = jmem.measure(jax.grad(jmem.remat(loss, "none", every="sqrt")), params, batch).temp_bytes
+    assert sqrt < 0.5 * none, (sqrt, none)
+
+
+def test_every_must_divide_the_scan_length():
+    from jmem.remat import group_size
+    assert group_size(16, "sqrt") == 4 and group_size(32, "sqrt") in (4, 8) and group_size(7, "sqrt") == 1
+    with pytest.raises(ValueError, match="divide"):
+        group_size(10, 3)
+    with pytest.raises(ValueError, match="positive"):
+        jmem.remat(lambda x: x, "full", every=0)
