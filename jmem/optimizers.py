@@ -9,10 +9,10 @@ bitsandbytes.
 
 Non-finite gradients: a NaN/inf gradient *element* is treated as a zero gradient for that
 element (its moments decay by ``b1``/``b2``; its update is computed from the decayed moments),
-so the stored moments of the other elements in its block stay finite and exact. The second
-moment is also clamped to the largest float32 so that a huge finite gradient cannot store
-``inf``. To skip whole steps with non-finite gradients, wrap the optimizer in
-``optax.apply_if_finite``.
+so the stored moments of the other elements in its block stay finite and exact. The squared
+gradient entering the second moment is also clamped to half the largest float32, so that a
+huge finite gradient cannot store ``inf``. To skip whole steps with non-finite gradients,
+wrap the optimizer in ``optax.apply_if_finite``.
 
 Sources:
   * Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization" (arXiv:2110.02861);
@@ -177,7 +177,12 @@ def scale_by_quantized_adam(
         def moments(g, m, v):
             g = jnp.where(jnp.isfinite(g), g, 0.0)
             m = b1_ * m + (1.0 - b1_) * g
-            v = jnp.minimum(b2_ * v + (1.0 - b2_) * (g * g), _F32_MAX)
+            # The clamp keeps a huge finite gradient from storing inf: by induction v stays
+            # <= MAX / 2 (up to rounding) for any b2 in [0, 1], so it is finite. It sits on
+            # g * g rather than on the sum because XLA:CPU then fuses the decode lookup into
+            # the one pass that materializes v, instead of writing the looked-up values to
+            # memory and recomputing v in three passes (about 25% of the step time).
+            v = b2_ * v + (1.0 - b2_) * jnp.minimum(g * g, 0.5 * _F32_MAX)
             u = (m / c1) / (jnp.sqrt(v / c2) + eps_)
             return u, m, v
 

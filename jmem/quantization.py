@@ -16,10 +16,16 @@ Sources:
     4-bit maps, block size 128 and the zero-free linear map for second moments
     (:func:`linear_map`).
 
-Rounding is implemented without an ``[n, 256]`` distance matrix and without a binary search:
-for every code book a small lookup table indexed by the high bits of the float32 pattern of
-the scaled value gives the candidate code, and one comparison with the next midpoint picks
-the nearest neighbour. The tables are built (and checked) once per code book in NumPy.
+Rounding is exact nearest (the index ``#{j : s > mids[j]}`` over the float32 midpoints) and
+is implemented without an ``[n, 256]`` distance matrix and without a binary search. Maps
+with at most 16 values count the midpoints below ``s`` (vectorized compares, no lookup).
+Larger maps use one int32 lookup per element, indexed by the high bits of the float32
+pattern of the scaled value, holding the candidate code and the low bits of the one midpoint
+that can lie in that bin. Decoding uses one lookup per element (8-bit) or a select tree on
+the code bits (4-bit). Gathers do not vectorize on XLA:CPU, so the number of lookups per
+element, and that each has a single user (so XLA fuses it instead of writing it to memory),
+is what sets the speed of the 8-/4-bit optimizers. The tables are built once per code book
+in NumPy.
 """
 
 from __future__ import annotations
@@ -136,6 +142,8 @@ class _Lut:
     num_abs_bins: int  # bins per sign
     signed: bool  # whether the table has a negative half
     bits: int  # 4 (packed) or 8
+    packed: np.ndarray  # int32 [T]: base | key << 8 (one lookup per element, see _nearest_codes)
+    mids: np.ndarray  # float32 [K - 1]: rounding thresholds (midpoints), ascending
 
 
 def _canonical_code(code: Any) -> tuple[float, ...]:
@@ -188,6 +196,11 @@ def _build_lut(code: tuple[float, ...]) -> _Lut:
                 continue
             base = pos_base
         thr = np.where(base < k - 1, mids[np.minimum(base, k - 2)], np.float32(np.inf))
+        packed = _pack_thresholds(base, thr.astype(np.float32), lo, hi, shift, signed)
+        if packed is None:
+            if k > 16:
+                continue
+            packed = np.zeros(0, np.int32)  # maps <= 16 values round by counting midpoints
         return _Lut(
             code=c,
             base=base.astype(np.uint8),
@@ -197,24 +210,101 @@ def _build_lut(code: tuple[float, ...]) -> _Lut:
             num_abs_bins=int(n_abs),
             signed=signed,
             bits=4 if k <= 16 else 8,
+            packed=packed,
+            mids=mids,
         )
     raise ValueError("`code` values are too close together to tabulate; spread them out.")
 
 
+def _pack_thresholds(base, thr, lo, hi, shift, signed) -> Optional[np.ndarray]:
+    """Merge each bin's candidate code and threshold into one int32 (one lookup, not two).
+
+    Inside abs bin ``a`` (``|s|`` in ``[lo_a, hi_a)``, a > 0) every float32 pattern has the
+    same bits above ``shift``, so ``s > thr`` only depends on the low ``shift`` bits:
+    positive half: ``low(|s|) > low(thr)``; negative half (``s > thr <=> |s| < |thr|``):
+    ``low(|s|) < low(|thr|)``. ``key`` stores that low part, or a value that makes the
+    comparison always false when the bin holds no threshold (``2**shift`` positive, 0
+    negative). Returns None if some threshold is not tabulable this way (caller refines).
+    """
+    n_abs = lo.size
+    mask = (1 << shift) - 1
+    thr_bits = np.abs(thr.astype(np.float64)).astype(np.float32).view(np.int32).astype(np.int64)
+
+    def keys(t_abs, t_bits, positive):
+        inside = np.isfinite(t_abs) & (t_abs >= lo) & (t_abs < hi)
+        if np.any(inside[:1]):  # bin 0 (from 0) mixes exponents: no threshold may be in it
+            return None
+        none = (1 << shift) if positive else 0
+        return np.where(inside, t_bits & mask, none)
+
+    if signed:
+        neg_thr = thr[:n_abs][::-1].astype(np.float64)
+        pos_thr = thr[n_abs:].astype(np.float64)
+        # A negative-half threshold inside (-hi, -lo] has |thr| in [lo, hi).
+        k_neg = keys(np.where(neg_thr <= 0, -neg_thr, np.inf), thr_bits[:n_abs][::-1], False)
+        k_pos = keys(np.where(pos_thr >= 0, pos_thr, np.inf), thr_bits[n_abs:], True)
+        if k_neg is None or k_pos is None:
+            return None
+        key = np.concatenate([k_neg[::-1], k_pos])
+    else:
+        key = keys(thr.astype(np.float64), thr_bits, True)
+        if key is None:
+            return None
+    return (base.astype(np.int64) | (key << 8)).astype(np.int32)
+
+
 def _nearest_codes(s: jax.Array, lut: _Lut) -> jax.Array:
-    """uint8 index of the nearest code value for ``s`` in [-1, 1] (elementwise)."""
+    """uint8 index of the nearest code value for ``s`` in [-1, 1] (elementwise).
+
+    Maps with at most 16 values: the number of midpoints below ``s`` (vectorizes, no
+    lookup). Larger maps: one int32 table lookup per element, indexed by the high bits of the
+    float32 pattern of ``|s|``, that gives the candidate code and the low bits of the one
+    midpoint that can lie in that bin (see :func:`_pack_thresholds`). Both give
+    ``#{j : s > mids[j]}``, the index of the nearest code (ties at an exact midpoint go
+    down).
+    """
     lo_clip = -1.0 if lut.signed else 0.0
     s = jnp.clip(s, lo_clip, 1.0)
+    if lut.code.size <= 16:
+        count = jnp.zeros(s.shape, jnp.uint8)
+        for m in lut.mids:
+            count = count + (s > m).astype(jnp.uint8)
+        return count
     ab = jax.lax.bitcast_convert_type(jnp.abs(s), jnp.int32)
     abin = jnp.clip((ab >> lut.shift) - lut.base_off, 0, lut.num_abs_bins - 1)
+    low = ab & ((1 << lut.shift) - 1)
     if lut.signed:
         n = lut.num_abs_bins
-        idx = jnp.where(s < 0, n - 1 - abin, n + abin)
+        neg = s < 0
+        idx = jnp.where(neg, n - 1 - abin, n + abin)
     else:
         idx = abin
-    base = jnp.asarray(lut.base)[idx]
-    thr = jnp.asarray(lut.thr)[idx]
-    return base + (s > thr).astype(jnp.uint8)
+    # t = (low - key) * 256 + (255 - base): the looked-up entry has a single user, so XLA
+    # fuses the lookup instead of writing it to memory. low > key <=> t >= 256 and
+    # low < key <=> t < 0; the low byte of t is 255 - base.
+    t = ((low << 8) | 0xFF) - jnp.asarray(lut.packed)[idx]
+    base = (255 - (t & 0xFF)).astype(jnp.uint8)
+    up = t >= 256
+    if lut.signed:
+        up = jnp.where(neg, t < 0, up)
+    return base + up.astype(jnp.uint8)
+
+
+def _decode_unscaled(codes: jax.Array, table: np.ndarray) -> jax.Array:
+    """``table[codes]`` as float32. Tables of at most 16 values use a select tree on the
+    code bits (vectorizes; a gather does not on XLA:CPU); larger ones one gather."""
+    table = np.asarray(table, np.float32)
+    if table.size > 16:
+        return jnp.asarray(table)[codes]
+    t = np.zeros(16, np.float32)
+    t[: table.size] = table
+    level = [jnp.float32(v) for v in t]
+    bit = 0
+    while len(level) > 1:
+        sel = ((codes >> bit) & 1).astype(jnp.bool_)
+        level = [jnp.where(sel, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+        bit += 1
+    return jnp.broadcast_to(level[0], codes.shape).astype(jnp.float32)
 
 
 def _pack4(codes: jax.Array) -> jax.Array:
@@ -256,7 +346,7 @@ def dequantize_blocks(
     if lut.bits == 4:
         codes = _unpack4(codes)
     table = lut.code if values is None else np.asarray(values, np.float32)
-    return jnp.asarray(table)[codes] * absmax[:, None]
+    return _decode_unscaled(codes, table) * absmax[:, None]
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-import jmem.offload as off
 from jmem.offload import abstract_like, offload, to_device, to_host
+
+off = importlib.import_module("jmem.offload")  # `jmem.offload` the attribute is the function
 
 HOST = "pinned_host"
 DEVICE = "device"

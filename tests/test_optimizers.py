@@ -141,6 +141,20 @@ def test_nonfinite_gradient_elements_do_not_poison_state():
     chex.assert_tree_all_finite(s)
 
 
+@pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
+def test_repeated_huge_gradients_keep_state_finite(factory):
+    # The squared gradient is clamped to MAX / 2, so the second moment stays <= MAX / 2 for
+    # any b2 and can never round up to inf, however many huge steps are taken.
+    params = _params()
+    huge = {"big": jnp.full((64, 130), 3e38, jnp.float32), "small": jnp.full((10, 10), -3e38, jnp.float32)}
+    for b2 in (0.0, 0.5, 0.999):
+        tx = factory(1e-2, b2=b2)
+        p, s = _run(tx, params, [huge] * 3)
+        chex.assert_tree_all_finite((p, s))
+        v = qz.dequantize_blockwise(s[0].nu["big"])
+        assert float(jnp.max(v)) <= np.finfo(np.float32).max / 2 * (1 + 1e-6)
+
+
 def test_inject_hyperparams_and_chain():
     params, grads = _params(), _grads(_params(), 3)
     tx = optax.inject_hyperparams(opt_lib.adamw_8bit)(learning_rate=1e-2, weight_decay=0.01)

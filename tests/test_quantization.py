@@ -83,6 +83,45 @@ def test_nearest_rounding_is_exact(name):
     assert excess.max() <= ULP
 
 
+@pytest.mark.parametrize("name", list(CODES))
+def test_nearest_codes_equal_midpoint_count(name):
+    # The one-lookup table (8-bit maps) and the compare-count path (<= 16 values) must both
+    # give exactly #{j : s > mids[j]} with float32 midpoints (ties at a midpoint go down).
+    code = CODES[name]
+    lut = qz._build_lut(qz._canonical_code(code))
+    mids = ((code[:-1].astype(np.float64) + code[1:].astype(np.float64)) / 2).astype(np.float32)
+    lo = -1.0 if code[0] < 0 else 0.0
+    rng = np.random.default_rng(7)
+    tiny = np.float32(np.abs(mids[mids != 0]).min())
+    s = np.concatenate([
+        rng.uniform(lo, 1.0, 20_000),
+        np.logspace(-40, 0, 5_000),
+        mids, np.nextafter(mids, np.float32(2)), np.nextafter(mids, np.float32(-2)),
+        code, [0.0, -0.0, 1.0, lo, tiny / 2, np.nextafter(tiny, 0), 1e-45],
+    ]).astype(np.float32)
+    if lo < 0:
+        s = np.concatenate([s, -s])
+    s = np.clip(s, lo, 1.0).astype(np.float32)
+    got = np.asarray(jax.jit(lambda v: qz._nearest_codes(v, lut))(jnp.asarray(s)))
+    want = (s[:, None] > mids[None, :]).sum(axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", list(CODES))
+def test_decode_every_code_exactly(name):
+    code = CODES[name]
+    k = code.size
+    if k <= 16:
+        bs = 2 * k
+        idx = np.concatenate([np.arange(k), np.arange(k)[::-1]]).astype(np.uint8)
+        packed = jnp.asarray((idx[: bs // 2] | (idx[bs // 2 :] << 4))[None, :])
+    else:
+        idx = np.arange(k, dtype=np.uint8)
+        packed = jnp.asarray(idx[None, :])
+    out = np.asarray(qz.dequantize_blocks(packed, jnp.ones((1,), jnp.float32), code))
+    np.testing.assert_array_equal(out[0], code[idx])
+
+
 def _blocks_of(x, bs):
     n = x.size
     return np.pad(x.reshape(-1), (0, (-n) % bs)).reshape(-1, bs)
