@@ -46,3 +46,24 @@ def test_dry_run_plans_from_abstract_shapes(example, tmp_path):
 def test_resume_without_checkpoint_is_a_clear_error(example, tmp_path):
     with pytest.raises(FileNotFoundError, match="No checkpoint"):
         example.main(SMALL + ["--steps", "1", "--out", str(tmp_path), "--resume"])
+
+
+def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_path):
+    """--checkpoint DIR: weights quantized to NF4 on load, the checkpoint's own tokenizer."""
+    transformers = pytest.importorskip("transformers", reason="writes the tiny HF checkpoint")
+    tokenizers = pytest.importorskip("tokenizers", reason="the checkpoint's tokenizer.json")
+    from jmem import data
+
+    words = sorted(set(data.load_text()[:20000].split()))[:90]
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    ckpt = tmp_path / "hf"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
+    tok.save(str(ckpt / "tokenizer.json"))
+    assert data.HFTokenizer(str(ckpt)).vocab_size == len(vocab)
+    out = example.main(["--checkpoint", str(ckpt), "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                        "--lora-rank", "2", "--no-progress", "--out", str(tmp_path / "run")])
+    assert len(out["losses"]) == 3 and all(np.isfinite(out["losses"]))
