@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None,
                    help="Hugging Face checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--data", default=None, help=".txt or .jsonl (text field); default: pydoc_data.topics")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300 tiny, 20 otherwise)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200 tiny, 20 otherwise)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 tiny, 1 otherwise)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128 tiny, 2048 otherwise)")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step")
@@ -79,7 +79,7 @@ def parse_args(argv=None):
             print("No GPU found: training the `tiny` config on CPU "
                   "(use --config llama2_7b --dry-run to plan the 7B run).", flush=True)
     small = args.config == "tiny"
-    args.steps = args.steps if args.steps is not None else (300 if small else 20)
+    args.steps = args.steps if args.steps is not None else (200 if small else 20)
     args.batch_size = args.batch_size or (16 if small else 1)
     args.seq_len = args.seq_len or (128 if small else 2048)
     args.lr = args.lr if args.lr is not None else (3e-3 if small else 2e-4)
