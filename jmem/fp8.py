@@ -72,9 +72,11 @@ keeps the FP8 matmul outputs, ``nothing_saveable`` recomputes them, re-running t
 quantization deterministically). The FP8 residuals are stored bit-cast to ``uint8``
 because JAX's remat wraps saved float residuals in ``reduce_precision``, which on
 XLA:CPU flushes ``float8_e4m3fn`` subnormals to zero. LoRA: keep the low-rank path a
-separate bf16 matmul, ``fp8_dot(x, W, meta) + s * (x @ a) @ b``; ``jmem.lora.apply``
-cannot see through ``fp8_dot`` (it computes ``amax(|W|)``) unless given
-``allow_materialize=True``, which quantizes the merged weight instead.
+separate bf16 matmul, ``fp8_dot(x, W, meta) + s * (x @ a) @ b``. ``jmem.lora.apply``
+and ``jmem.qlora.apply`` do exactly that for a model calling ``fp8_dot``: the traced
+``custom_vjp`` carries its ``Fp8DotConfig`` (``dot_config_of``), which ``jmem.implicit``
+matches to run the frozen (NF4-dequantized) base in FP8 and the adapters in the compute
+dtype, re-quantizing the FP8 kernel in the backward pass instead of saving it.
 """
 from __future__ import annotations
 
@@ -340,44 +342,117 @@ def quantize(x: jax.Array, scale_inv: jax.Array, fp8_dtype) -> jax.Array:
 # The FP8 matmul.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _fp8_dg(x, kernel, meta, dimension_numbers, out_dtype, x_dtype, k_dtype, algo, margin):
-    return _fp8_dg_fwd(x, kernel, meta, dimension_numbers, out_dtype, x_dtype, k_dtype,
-                       algo, margin)[0]
+class Fp8DotConfig(NamedTuple):
+    """The static part of one ``fp8_dot_general`` call (hashable).
+
+    Attributes:
+        dimension_numbers: as ``lax.dot_general`` (tuples of ints).
+        out_dtype: dtype of the result.
+        x_dtype, k_dtype: dtypes of ``x`` and ``kernel`` (and of their gradients).
+        amax_compute_algo, margin: the meta's recipe (``Fp8Meta`` static fields).
+    """
+
+    dimension_numbers: tuple
+    out_dtype: Any
+    x_dtype: Any
+    k_dtype: Any
+    amax_compute_algo: str
+    margin: float
+
+    def unflatten_meta(self, leaves: Sequence[jax.Array]) -> Fp8Meta:
+        """Rebuilds the ``Fp8Meta`` from its 6 leaves (``jax.tree.leaves`` order)."""
+        xs, xh, ks, kh, gs, gh = leaves
+        return Fp8Meta(Fp8TensorMeta(xs, xh), Fp8TensorMeta(ks, kh), Fp8TensorMeta(gs, gh),
+                       self.amax_compute_algo, self.margin)
 
 
-def _fp8_dg_fwd(x, kernel, meta, dimension_numbers, out_dtype, x_dtype, k_dtype, algo, margin):
-    x_meta = update_tensor_meta(x, meta.x, E4M3, algo, margin)
-    k_meta = update_tensor_meta(kernel, meta.kernel, E4M3, algo, margin)
+def fp8_bits(t: jax.Array, scale_inv: jax.Array, fp8_dtype=E4M3) -> jax.Array:
+    """``quantize(t, scale_inv, fp8_dtype)`` bit-cast to ``uint8`` (the residual format).
+
+    Saved FP8 residuals travel as ``uint8``: under ``jax.checkpoint``, JAX wraps every
+    saved floating residual in ``reduce_precision(finfo(dtype))``, which on XLA:CPU (jax
+    0.10) flushes ``float8_e4m3fn`` subnormals to zero and so changed the forward result.
+    The bit-cast is free (same width) and integers are left alone.
+    """
+    return lax.bitcast_convert_type(quantize(t, scale_inv, fp8_dtype), jnp.uint8)
+
+
+def fp8_dot_forward(cfg: Fp8DotConfig, x: jax.Array, kernel: jax.Array, meta: Fp8Meta):
+    """Forward rule of ``fp8_dot_general``: ``(y, residuals)``.
+
+    ``residuals = (qx, qk, x_meta, k_meta, grad_meta)``: ``qx``/``qk`` are the E4M3
+    operands as ``uint8`` (``fp8_bits``), ``x_meta``/``k_meta`` the updated states used
+    to quantize them, ``grad_meta`` the incoming (not yet updated) gradient state.
+    Exposed so that a jaxpr interpreter (``jmem.implicit``) can wrap it in its own
+    ``custom_vjp`` (e.g. to recompute ``qk`` in the backward pass from a compact weight).
+    """
+    x_meta = update_tensor_meta(x, meta.x, E4M3, cfg.amax_compute_algo, cfg.margin)
+    k_meta = update_tensor_meta(kernel, meta.kernel, E4M3, cfg.amax_compute_algo, cfg.margin)
     qx = quantize(x, x_meta.scale_inv, E4M3)
     qk = quantize(kernel, k_meta.scale_inv, E4M3)
-    y = lax.dot_general(qx, qk, dimension_numbers, preferred_element_type=jnp.float32)
+    y = lax.dot_general(qx, qk, cfg.dimension_numbers, preferred_element_type=jnp.float32)
     y = fp8_ops.dequantize(y, jnp.float32, x_meta.scale_inv * k_meta.scale_inv)
-    # The FP8 residuals travel bit-cast to uint8: under jax.checkpoint, JAX wraps every
-    # saved floating residual in reduce_precision(finfo(dtype)), which on XLA:CPU (jax
-    # 0.10) flushes float8_e4m3fn subnormals to zero and so changed the forward result.
-    # The bit-cast is free (same width) and integers are left alone.
     res = (lax.bitcast_convert_type(qx, jnp.uint8), lax.bitcast_convert_type(qk, jnp.uint8),
            x_meta, k_meta, meta.grad)
-    return y.astype(out_dtype), res
+    return y.astype(cfg.out_dtype), res
 
 
-def _fp8_dg_bwd(dimension_numbers, out_dtype, x_dtype, k_dtype, algo, margin, res, g):
+def fp8_dot_backward(cfg: Fp8DotConfig, res, g: jax.Array):
+    """Backward rule of ``fp8_dot_general``: ``(grad_x, grad_kernel, new_meta)`` from the
+    residuals of ``fp8_dot_forward`` and the output cotangent ``g``."""
     qx, qk, x_meta, k_meta, g_meta = res
     qx, qk = lax.bitcast_convert_type(qx, E4M3), lax.bitcast_convert_type(qk, E4M3)
+    algo, margin, dn = cfg.amax_compute_algo, cfg.margin, cfg.dimension_numbers
     g_meta = update_tensor_meta(g, g_meta, E5M2, algo, margin)
     qg = quantize(g, g_meta.scale_inv, E5M2)
-    gx = fp8_ops.dot_general_transpose_lhs(qg, qx, qk, dimension_numbers=dimension_numbers,
+    gx = fp8_ops.dot_general_transpose_lhs(qg, qx, qk, dimension_numbers=dn,
                                            precision=None, preferred_element_type=jnp.float32)
     gx = fp8_ops.dequantize(gx, jnp.float32, g_meta.scale_inv * k_meta.scale_inv)
-    gk = fp8_ops.dot_general_transpose_rhs(qg, qx, qk, dimension_numbers=dimension_numbers,
+    gk = fp8_ops.dot_general_transpose_rhs(qg, qx, qk, dimension_numbers=dn,
                                            precision=None, preferred_element_type=jnp.float32)
     gk = fp8_ops.dequantize(gk, jnp.float32, g_meta.scale_inv * x_meta.scale_inv)
     new_meta = Fp8Meta(x_meta, k_meta, g_meta, algo, margin)
-    return gx.astype(x_dtype), gk.astype(k_dtype), new_meta
+    return gx.astype(cfg.x_dtype), gk.astype(cfg.k_dtype), new_meta
 
 
-_fp8_dg.defvjp(_fp8_dg_fwd, _fp8_dg_bwd)
+_CONFIG_ATTR = "_jmem_fp8_dot_config"
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_dg(cfg: Fp8DotConfig) -> Callable:
+    """The ``custom_vjp`` FP8 matmul for one static config (cached per config).
+
+    Its backward function carries ``cfg`` as an attribute: the ``custom_vjp_call``
+    equation of a traced ``fp8_dot_general`` holds it in ``params["bwd"]``, which is how
+    ``dot_config_of`` (and so ``jmem.implicit``) recognizes an FP8 matmul in a jaxpr.
+    """
+    def fwd(x, kernel, meta):
+        return fp8_dot_forward(cfg, x, kernel, meta)
+
+    def bwd(res, g):
+        return fp8_dot_backward(cfg, res, g)
+
+    def fp8_dg(x, kernel, meta):
+        return fp8_dot_forward(cfg, x, kernel, meta)[0]
+
+    setattr(bwd, _CONFIG_ATTR, cfg)
+    f = jax.custom_vjp(fp8_dg)
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def dot_config_of(custom_vjp_params: dict) -> Fp8DotConfig | None:
+    """The ``Fp8DotConfig`` of a traced ``fp8_dot_general``, or None for any other call.
+
+    Args:
+        custom_vjp_params: ``eqn.params`` of a ``custom_vjp_call`` jaxpr equation. Its
+            operands are ``(x, kernel, *meta_leaves)`` (after ``num_consts`` consts) and
+            ``cfg.unflatten_meta(meta_leaves)`` rebuilds the ``Fp8Meta``.
+    """
+    bwd = custom_vjp_params.get("bwd")
+    fn = getattr(bwd, "f", bwd)  # lu.WrappedFun in JAX 0.10: .f is the user's bwd
+    cfg = getattr(fn, _CONFIG_ATTR, None)
+    return cfg if isinstance(cfg, Fp8DotConfig) else None
 
 
 def _check_operands(x, kernel, meta, fn):
@@ -423,8 +498,9 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: Fp8Meta, dimension_nu
     (lc, rc), (lb, rb) = dimension_numbers
     dn = ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
           (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
-    return _fp8_dg(x, kernel, meta, dn, out_dtype, x.dtype, kernel.dtype,
-                   meta.amax_compute_algo, meta.margin)
+    cfg = Fp8DotConfig(dn, out_dtype, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype),
+                       meta.amax_compute_algo, meta.margin)
+    return _fp8_dg(cfg)(x, kernel, meta)
 
 
 def fp8_dot(x: jax.Array, kernel: jax.Array, meta: Fp8Meta,
@@ -446,5 +522,6 @@ __all__ = [
     "E4M3", "E5M2", "AMAX_COMPUTE_ALGOS", "DEFAULT_HISTORY_LEN", "Fp8TensorMeta", "Fp8Meta",
     "init_meta", "init_metas", "is_meta", "partition", "combine", "amax_from_history",
     "compute_scale_inv", "roll_history", "update_tensor_meta", "quantize", "fp8_dot_general",
-    "fp8_dot",
+    "fp8_dot", "Fp8DotConfig", "fp8_bits", "fp8_dot_forward", "fp8_dot_backward",
+    "dot_config_of",
 ]

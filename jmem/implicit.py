@@ -33,8 +33,21 @@ qax / "implicit arrays"). ``call(fn, params, lora, args, kwargs)``:
      compiles the whole program); ``checkpoint``/``remat`` is re-wrapped in
      ``jax.checkpoint`` with the same ``policy`` and ``prevent_cse``; ``cond`` becomes
      ``lax.switch``; ``while`` accepts ``Weight``s among its consts only.
-   - ``custom_jvp_call`` / ``custom_vjp_call`` that receive a ``Weight`` are inlined: their
-     primal body is interpreted and differentiated by JAX's rules, i.e. the custom
+   - ``jmem.fp8.fp8_dot_general`` (recognized by ``jmem.fp8.dot_config_of``) whose kernel
+     is a ``Weight``: ``fp8_dot_general(x, base, meta) + s·(x·a)·b``. The base of this
+     call (the NF4 slice dequantized to the view dtype, or the plain array, in its view)
+     goes through the FP8 matmul with ``meta``'s delayed scaling; the low-rank path runs
+     in the view (compute) dtype, e.g. bf16 — Transformer Engine + PEFT semantics. The
+     ``meta``'s cotangent is its updated state (``jmem.fp8``'s overwrite-with-gradient).
+     The backward pass re-quantizes the FP8 kernel from the NF4 codes / frozen array
+     instead of keeping it: the residuals are ``x``'s FP8 bits and the (forwarded) base,
+     never a dequantized or FP8 weight stack. The call is rewritten when the weight is
+     the kernel operand and, with LoRA factors, contracts one matrix axis with its
+     stacked axes as batch dims; otherwise it is inlined as below (and its ``abs``
+     (amax) of the weight raises, or with ``allow_materialize`` quantizes the merged
+     weight). FP8 calls whose kernel is not targeted are bound unchanged.
+   - other ``custom_jvp_call`` / ``custom_vjp_call`` that receive a ``Weight`` are inlined:
+     their primal body is interpreted and differentiated by JAX's rules, i.e. the custom
      derivative rule of *that* call is dropped (calls that don't receive a weight, e.g.
      ``jax.nn.relu``, keep theirs).
 
@@ -61,6 +74,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem import fp8 as _fp8
 from jmem import nf4 as _nf4
 
 __all__ = ["ImplicitWeightError", "Weight", "call", "path_str", "flatten_params"]
@@ -256,13 +270,8 @@ def _dot_general(interp, eqn, invals):
     wi = 0 if _is_weight(lhs) else 1
     w, x = (lhs, rhs) if wi == 0 else (rhs, lhs)
     (lc, rc), (lb, rb) = params["dimension_numbers"]
-    wc, xc = (lc, rc) if wi == 0 else (rc, lc)
-    wb, xb = (lb, rb) if wi == 0 else (rb, lb)
-    orig_c = [w.perm[d] for d in wc]
-    orig_b = [w.perm[d] for d in wb]
-    nl = w.n_lead
-    lowrank_ok = (len(orig_c) == 1 and orig_c[0] >= nl and sorted(orig_b) == list(range(nl)))
-    if w.a is not None and not lowrank_ok:
+    wc, wb = (lc, lb) if wi == 0 else (rc, rb)
+    if w.a is not None and not _lowrank_ok(w, wc, wb):
         if not interp.allow_materialize:
             raise _err(w, "dot_general", "the LoRA path needs the weight to contract exactly one "
                        "matrix axis with its stacked axes as batch dimensions")
@@ -275,9 +284,32 @@ def _dot_general(interp, eqn, invals):
         y = _weight_dot(x, w.dense_base(), wi=wi, perm=w.perm, params=params)
     if w.a is None:
         return y
+    u = _lora_term(x, w, wi=wi, dimension_numbers=params["dimension_numbers"],
+                   precision=params.get("precision"),
+                   preferred_element_type=params.get("preferred_element_type"))
+    return y + u.astype(y.dtype)
 
-    pet = params.get("preferred_element_type")
-    precision = params.get("precision")
+
+def _lowrank_ok(w: Weight, wc, wb) -> bool:
+    """Whether ``w`` contracts exactly one matrix axis and its stacked axes are batch dims."""
+    orig_c = [w.perm[d] for d in wc]
+    orig_b = [w.perm[d] for d in wb]
+    nl = w.n_lead
+    return len(orig_c) == 1 and orig_c[0] >= nl and sorted(orig_b) == list(range(nl))
+
+
+def _lora_term(x, w: Weight, *, wi: int, dimension_numbers, precision=None,
+               preferred_element_type=None):
+    """``s·(x·a)·b`` laid out as ``dot_general(x, W)`` (``wi=1``) or ``(W, x)`` (``wi=0``)
+    would lay it out, computed in the weight's view dtype (the compute dtype). The caller
+    checked ``_lowrank_ok``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    wc, xc = (lc, rc) if wi == 0 else (rc, lc)
+    wb, xb = (lb, rb) if wi == 0 else (rb, lb)
+    orig_c = [w.perm[d] for d in wc]
+    orig_b = [w.perm[d] for d in wb]
+    nl = w.n_lead
+    pet = preferred_element_type
     a, b = w.a.astype(w.dtype), w.b.astype(w.dtype)
     if orig_c[0] == nl:   # x contracts W's input axis:  (x·a)·b
         first, first_c, second, second_c = a, nl, b, nl
@@ -293,7 +325,75 @@ def _dot_general(interp, eqn, invals):
                         precision=precision, preferred_element_type=pet)
     if wi == 0:  # dot_general(W, x) puts W's free axis before x's free axes.
         u = jnp.moveaxis(u, -1, nb)
-    return y + (u * jnp.asarray(w.scale, u.dtype)).astype(y.dtype)
+    return u * jnp.asarray(w.scale, u.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 matmuls (``jmem.fp8.fp8_dot_general``).
+
+
+def _fp8_base_dot(x, src, meta, *, w: Weight, cfg):
+    """``fp8_dot_general(x, view(src), meta)`` whose backward pass re-quantizes the kernel
+    from ``src`` (the NF4 fields or the frozen array of *this* layer) instead of keeping
+    its FP8 copy: the residuals are ``x``'s FP8 bits, ``src`` (a slice of a scan input,
+    which ``lax.scan`` forwards instead of stacking) and the small states. The forward
+    and the re-quantization run the same ops, so the backward sees the forward's bits.
+    ``meta``'s cotangent is the updated ``Fp8Meta`` (``jmem.fp8``'s overwrite rule); an
+    NF4 ``src`` gets no cotangent, a plain array gets ``∂L/∂W`` through its view."""
+    view = w.replace(base=None, a=None, b=None)  # static view only; no tracers captured
+    nf4_src = _is_nf4(src)
+
+    def build(src):
+        k = view.replace(base=src).dense_base()
+        if tuple(view.perm) != tuple(range(len(view.perm))):
+            k = jnp.transpose(k, view.perm)
+        return k.astype(cfg.k_dtype)
+
+    @jax.custom_vjp
+    def f(x, src, meta):
+        return _fp8.fp8_dot_forward(cfg, x, build(src), meta)[0]
+
+    def fwd(x, src, meta):
+        y, (qx, _, x_meta, k_meta, g_meta) = _fp8.fp8_dot_forward(cfg, x, build(src), meta)
+        return y, (qx, src, x_meta, k_meta, g_meta)
+
+    def bwd(res, g):
+        qx, src, x_meta, k_meta, g_meta = res
+        if nf4_src:
+            k, k_vjp = build(src), None
+        else:
+            k, k_vjp = jax.vjp(build, src)
+        qk = _fp8.fp8_bits(k, k_meta.scale_inv, _fp8.E4M3)
+        gx, gk, new_meta = _fp8.fp8_dot_backward(cfg, (qx, qk, x_meta, k_meta, g_meta), g)
+        return gx, (None if k_vjp is None else k_vjp(gk)[0]), new_meta
+
+    f.defvjp(fwd, bwd)
+    return f(x, src, meta)
+
+
+def _fp8_dot(interp, eqn, invals, cfg):
+    """``fp8_dot_general(x, W, meta)`` with an implicit kernel ``W``: the frozen base of
+    this call (dequantized if NF4) goes through the FP8 matmul with ``meta``'s delayed
+    scaling; the LoRA term ``s·(x·a)·b`` is added in the compute dtype. Returns None when
+    the call cannot be rewritten (the caller then inlines it, which raises)."""
+    nc = eqn.params.get("num_consts", 0)
+    consts, ops = invals[:nc], invals[nc:]
+    if len(ops) != 8 or any(_is_weight(v) for v in consts):
+        return None
+    x, w, *meta_leaves = ops
+    if not _is_weight(w) or _is_weight(x) or any(_is_weight(m) for m in meta_leaves):
+        return None
+    (lc, rc), (lb, rb) = cfg.dimension_numbers
+    if w.a is not None and not _lowrank_ok(w, rc, rb):
+        return None
+    if tuple(w.shape) != tuple(eqn.invars[nc + 1].aval.shape):
+        return None
+    meta = cfg.unflatten_meta(meta_leaves)
+    y = _fp8_base_dot(x, w.base, meta, w=w, cfg=cfg)
+    if w.a is None:
+        return [y]
+    u = _lora_term(x, w, wi=1, dimension_numbers=cfg.dimension_numbers)
+    return [y + u.astype(y.dtype)]
 
 
 # --------------------------------------------------------------------------------------
@@ -412,6 +512,15 @@ def _inline_closed(key):
     return rule
 
 
+def _custom_vjp(interp, eqn, invals):
+    cfg = _fp8.dot_config_of(eqn.params)
+    if cfg is not None:
+        outs = _fp8_dot(interp, eqn, invals, cfg)
+        if outs is not None:
+            return outs
+    return _inline_custom(interp, eqn, invals)
+
+
 def _inline_custom(interp, eqn, invals):
     sub = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
     if sub is None:
@@ -521,8 +630,8 @@ _RULES: dict[str, Callable] = {
     "cond": _cond,
     "while": _while,
     "custom_jvp_call": _inline_custom,
-    "custom_vjp_call": _inline_custom,
-    "custom_vjp_call_jaxpr": _inline_custom,
+    "custom_vjp_call": _custom_vjp,
+    "custom_vjp_call_jaxpr": _custom_vjp,
 }
 
 

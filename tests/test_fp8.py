@@ -393,3 +393,25 @@ def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
     with pytest.raises(ValueError, match="layers"):
         llama.forward(params, batch["inputs"], cfg,
                       fp8=fp8.init_metas(params, ("q_proj", "lm_head")))
+
+
+def test_dot_config_marks_the_fp8_custom_vjp():
+    """``dot_config_of`` finds the static config of a traced ``fp8_dot_general`` (what
+    ``jmem.implicit`` matches to run LoRA/QLoRA over FP8) and nothing else."""
+    x, w = _data(shape_x=(2, 4, 32))
+    m = fp8.init_meta(4, amax_compute_algo="most_recent", margin=1)
+    jaxpr = jax.make_jaxpr(lambda x, w, m: fp8.fp8_dot(x.astype(BF16), w, m))(x, w, m).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name.startswith("custom_vjp_call")]
+    cfg = fp8.dot_config_of(eqn.params)
+    assert cfg == fp8.Fp8DotConfig((((2,), (0,)), ((), ())), jnp.dtype(F32), jnp.dtype(BF16),
+                                   jnp.dtype(F32), "most_recent", 1)
+    leaves = [jnp.full_like(a, i) for i, a in enumerate(jax.tree.leaves(m))]
+    chex.assert_trees_all_equal(cfg.unflatten_meta(leaves), jax.tree.unflatten(jax.tree.structure(m), leaves))
+
+    @jax.custom_vjp
+    def other(x):
+        return x
+
+    other.defvjp(lambda x: (x, None), lambda _, g: (g,))
+    (eqn,) = jax.make_jaxpr(other)(x).jaxpr.eqns
+    assert fp8.dot_config_of(eqn.params) is None

@@ -196,3 +196,87 @@ def test_7b_arguments_fit_in_about_3_6_gib():
     quantized = [x for x in jax.tree.leaves(qp, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
                  if isinstance(x, nf4.NF4Array)]
     assert sum(nf4.nbytes(x) for x in quantized) / sum(x.size for x in quantized) <= 0.52
+
+
+# ----------------------------------------------------------------------------- FP8 base
+
+FP8_NAMES = ("q_proj", "o_proj", "down_proj")  # FP8 + LoRA (q, down), FP8 only (o)
+FP8_LORA = r"layers/(q|v|down)_proj/kernel"     # LoRA only (v)
+
+
+def test_fp8_base_exact_at_init_and_no_weight_residuals():
+    """NF4 base + FP8 matmuls + LoRA: at init (b = 0) the logits equal the FP8 model run
+    on the dequantized weights bit for bit; for backward, neither the dequantized bf16
+    weight nor its FP8 copy is saved (the FP8 kernel is re-quantized from the NF4 codes /
+    the frozen array in the backward pass): no residual has a weight's shape."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jmem import fp8
+    p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
+    q = qlora.quantize(p)
+    metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
+    ad = lora.init(jax.random.key(2), q, targets=FP8_LORA)
+    batch = _batch()
+    fwd = jax.jit(qlora.apply(lambda p, t, m: llama.forward(p, t, CFG, fp8=m)))
+    ref = jax.jit(lambda p, t, m: llama.forward(p, t, CFG, fp8=m))
+    chex.assert_trees_all_equal(fwd(q, ad, batch["inputs"], metas),
+                                ref(qlora.dequantize(q), batch["inputs"], metas))
+
+    loss = qlora.apply(lambda p, b, m: llama.loss_fn(p, b, CFG, fp8=m))
+
+    def saved(base, names):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(lambda a, m: loss(base, a, batch, m), ad,
+                                  fp8.init_metas(p, names, history_len=4))
+        return [ln for ln in buf.getvalue().splitlines()
+                if not ln.endswith("from a constant")]  # the closed-over frozen base itself
+
+    weight_shapes = {"[{},{},{}]".format(*x.shape) for x in jax.tree.leaves(p["layers"]) if x.ndim == 3}
+    # NF4 base: every projection is implicit. Plain bf16 base: FP8 only where LoRA is.
+    for base, names in ((q, FP8_NAMES), (p, ("q_proj", "down_proj"))):
+        lines = saved(base, names)
+        assert any("u8[2,2,8,128]" in ln for ln in lines)  # FP8 bits of x (1 byte/element)
+        for ln in lines:
+            assert not any(s in ln for s in weight_shapes), ln
+    # Contrast: a plain FP8 projection without LoRA (o_proj [128, 64]) is not rewritten and
+    # keeps its FP8 kernel for backward, as jmem.fp8 does.
+    assert any("u8[2,128,64]" in ln for ln in saved(p, ("o_proj",)))
+
+
+def test_fp8_remat_train_step():
+    """QLoRA (NF4 base) + FP8 projections + ``train_step(remat="full")``: the builder passes
+    ``frozen=`` and ``fp8=``, differentiates (adapters, metas); the loss goes down and the
+    metas are replaced by their updated states every step."""
+    from jmem import fp8
+    from jmem.train_step import train_step
+    p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
+    q = qlora.quantize(p)
+    metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
+    ad = lora.init(jax.random.key(2), q, targets=FP8_LORA, rank=8)
+    lq = qlora.apply(lambda p, b, m: llama.loss_fn(p, b, CFG, fp8=m))
+
+    def loss(adapters, batch, *, frozen, fp8):
+        return lq(frozen, adapters, batch, fp8)
+
+    step = train_step(loss, optax.adam(3e-3), remat="full")
+    state = step.init(ad, frozen=q, fp8=metas)
+    batch = _batch(b=4, s=16, key=9)
+    losses, hist = [], []
+    for _ in range(5):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        hist.append(jax.device_get(state.fp8["layers"]["down_proj"]["kernel"]))  # state is donated
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.05, losses
+    assert int(state.step) == 5
+    m1, m5 = hist[0], hist[-1]
+    for t in (m5.x, m5.kernel, m5.grad):  # 4 steps of amaxes in a 4-long history
+        assert np.all(t.amax_history > 0)
+    assert np.all(m1.x.amax_history[:, 0] > 0) and np.all(m1.x.amax_history[:, 1:] == 0)
+    assert not np.all(m5.grad.scale_inv == 1.0)  # the scales follow the data
+    # The NF4 kernel amax is the same every step (frozen base): its history is constant.
+    np.testing.assert_allclose(m5.kernel.amax_history, m5.kernel.amax_history[:, :1] *
+                               np.ones_like(m5.kernel.amax_history), rtol=0)
