@@ -46,19 +46,19 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=None, choices=sorted(llama.CONFIGS),
-                   help="model shape (default: llama2_7b on GPU, tiny on CPU)")
+                   help="model shape; unset: llama2_7b on GPU, tiny on CPU")
     p.add_argument("--checkpoint", default=None,
                    help="Hugging Face checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--data", default=None, help=".txt or .jsonl (text field); default: pydoc_data.topics")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200 tiny, 20 otherwise)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 tiny, 1 otherwise)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128 tiny, 2048 otherwise)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps; unset: 200 for tiny, 20 otherwise")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step; unset: 16 for tiny, 1 otherwise")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; unset: 128 for tiny, 2048 otherwise")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step")
-    p.add_argument("--remat", default="full", choices=list(jmem.REMAT_POLICIES))
-    p.add_argument("--optimizer", default="adamw_8bit", choices=sorted(OPTIMIZERS))
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 tiny, 2e-4 otherwise)")
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=None, help="default: 2 * rank")
+    p.add_argument("--remat", default="full", choices=list(jmem.REMAT_POLICIES), help="remat policy")
+    p.add_argument("--optimizer", default="adamw_8bit", choices=sorted(OPTIMIZERS), help="optimizer")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate; unset: 3e-3 for tiny, 2e-4 otherwise")
+    p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; unset: 2 * rank")
     p.add_argument("--lora-targets", default=r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*",
                    help="regex over weight paths (e.g. '.*(q_proj|v_proj).*' as in the QLoRA seed table)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16"],
@@ -254,6 +254,10 @@ def train(args, cfg):
                                        "args": {k: v for k, v in vars(args).items() if k != "resume"}})
     if bar is not None:
         bar.close()
+    if losses and args.steps > start and args.steps not in ckpt.all_steps():
+        # Always keep the final state, whatever --save-every says.
+        ckpt.save(args.steps, state, {"data": pos.to_dict(), "losses": losses, "seed": args.seed,
+                                      "args": {k: v for k, v in vars(args).items() if k != "resume"}})
     ckpt.close()
     summary = {
         "config": args.config, "steps": args.steps, "first_loss": losses[0] if losses else None,

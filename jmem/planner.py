@@ -539,6 +539,10 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     S = _state_bytes_per_param(opt, accounting, state_block_size)
     notes: list[str] = []
     detail: dict[str, int] = {}
+    if opt.bits < 32:
+        notes.append("not counted: float32 transients of the quantized update (dequantized m and "
+                     "v, up to 8 bytes per trainable parameter where the compiler materializes "
+                     "them, as XLA:CPU does; check with jmem.measure)")
 
     if spec is None:
         trainable = n
@@ -658,6 +662,9 @@ def parse_memory(memory: Any) -> int:
         raise TypeError(f"memory must be bytes or a string like '24GB'; got {type(memory).__name__}.")
     if value <= 0:
         raise ValueError(f"memory must be positive; got {memory!r}.")
+    if isinstance(memory, str) and not re.search(r"[A-Za-z]", memory) and value < 2**20:
+        raise ValueError(f"memory {memory!r} has no unit and is under 1 MiB; write e.g. "
+                         f"'{memory}GB' or '{memory}GiB' (a bare number means bytes).")
     return int(value)
 
 
@@ -827,6 +834,9 @@ def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice
     """
     mem = parse_memory(memory)
     reserve = int(reserve)
+    if reserve < 0 or reserve >= mem:
+        raise ValueError(f"reserve ({reserve} bytes) must be >= 0 and below the memory ({mem} "
+                         "bytes); did you forget a unit, e.g. '24GB'?")
     led = estimate(model, **config)
     avail = mem - reserve
     fits = led.total <= avail
@@ -883,6 +893,8 @@ def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice
         try:
             t = estimate(model, **{**config, **changes}).total
         except ValueError:
+            continue
+        if t >= led.total:  # a lever that saves nothing here is no advice
             continue
         levers.append(Lever(name, cost, changes, t, t <= avail))
     return Advice(False, short, led.total - avail, mem, reserve, led, tuple(levers),

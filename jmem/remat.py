@@ -31,7 +31,8 @@ standard behaviour: it saves memory only when that function is one piece of a la
 differentiated computation, e.g. a layer you call in a Python loop). A function that
 already calls ``jax.grad`` inside has made its residual choices when it traced the
 gradient; wrap the loss instead (``jmem.train_step(..., remat=...)`` does). The bodies
-of ``custom_vjp`` functions are left alone: their ``fwd`` rule decides what is saved.
+of ``custom_vjp`` and ``custom_jvp`` functions are left alone (their rules are kept, and
+a ``custom_vjp``'s ``fwd`` decides what is saved), so scans inside them are not rematted.
 
 Source: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), Korthikanti
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and
@@ -90,7 +91,8 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
 
 
 def _is_array_like(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or \
+    # Python bools and ints are static (flags, lengths, range bounds); floats are traced.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, complex)) or \
         hasattr(x, "__jax_array__")
 
 
@@ -98,8 +100,8 @@ def _has_scan(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             return True
-        if eqn.primitive.name.startswith("custom_vjp"):
-            continue
+        if eqn.primitive.name.startswith(("custom_vjp", "custom_jvp")):
+            continue  # their custom rules decide what is saved; left as they are
         for sub in jcore.jaxprs_in_params(eqn.params):
             if _has_scan(sub):
                 return True
@@ -152,7 +154,7 @@ class _Interpreter:
         subs = list(jcore.jaxprs_in_params(eqn.params))
         if name == "scan":
             return self.scan(eqn, invals)
-        if not name.startswith("custom_vjp") and any(_has_scan(s) for s in subs):
+        if not name.startswith(("custom_vjp", "custom_jvp")) and any(_has_scan(s) for s in subs):
             if name in ("pjit", "jit", "closed_call", "core_call"):
                 return self.eval_closed(eqn.params["jaxpr"], invals) if hasattr(
                     eqn.params["jaxpr"], "jaxpr") else self.eval(eqn.params["jaxpr"], (), invals)
@@ -165,10 +167,6 @@ class _Interpreter:
                 fn = functools.partial(self._call_open, inner)
                 return jax.checkpoint(fn, policy=eqn.params.get("policy"),
                                       prevent_cse=eqn.params.get("prevent_cse", True))(*invals)
-            if name == "custom_jvp_call":
-                # The scan inside is differentiated through its body (the custom JVP rule of
-                # a function that scans is rare); values are unchanged.
-                return self.eval_closed(eqn.params["call_jaxpr"], invals)
         return bind_eqn(eqn, invals)
 
     def _call_closed(self, closed, *args):
@@ -214,8 +212,8 @@ class _Interpreter:
 def group_size(length: int, every: int | str | None) -> int:
     """Iterations per checkpointed group for ``every`` (1: no grouping).
 
-    ``"sqrt"`` picks the divisor of ``length`` nearest to ``sqrt(length)``; an int ``k`` must
-    divide ``length`` (else ``ValueError``).
+    ``"sqrt"`` picks the divisor of ``length`` nearest to ``sqrt(length)``; an int ``k`` groups
+    scans whose length it divides and leaves the others ungrouped.
     """
     if every is None or every == 1 or length <= 1:
         return 1
@@ -226,8 +224,7 @@ def group_size(length: int, every: int | str | None) -> int:
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int or 'sqrt'; got {every!r}.")
     if length % every:
-        raise ValueError(f"every={every} does not divide the scan length {length}; pick a divisor "
-                         f"or every='sqrt'.")
+        return 1  # a scan whose length `every` does not divide is not grouped
     return every if every < length else 1
 
 
@@ -248,12 +245,15 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
       prevent_cse: passed to ``jax.checkpoint``. Default (None): False for scan bodies (scan
         already blocks CSE, and True costs speed there) and True for a function without scan.
       static_argnums: positional arguments that are not arrays (hashable Python values).
-        Non-array pytree leaves in any argument are treated as static automatically.
+        Non-array pytree leaves in any argument, and Python bools and ints (flags, lengths),
+        are treated as static automatically; Python floats are traced.
       every: group ``every`` consecutive scan iterations into one checkpoint that saves only
         the group's input (Chen et al. 2016); ``"sqrt"`` picks ~sqrt(L), the O(sqrt(L))
         memory scheme. Inside a group, iterations follow ``policy`` when the group is
         recomputed (``policy="none"`` with ``every="sqrt"`` is Chen et al.'s scheme: each
-        layer's forward runs twice). Applies to scans only.
+        layer's forward runs twice). Applies to scans only; an int applies to the scans whose
+        length it divides. A weight shared by all iterations (closed over, not scanned) gets
+        its gradient summed in another order, so it may differ in the last bits.
 
     Returns:
       A function with ``fn``'s signature and outputs.

@@ -209,7 +209,8 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
 
         (grads, fp8_new), (loss, aux) = accumulation.accumulate_gradients(
             grad_fn, (state.params, state.fp8), batch, microbatches)
-        if master_weights:  # unscale in float32: fp16 would flush tiny gradients again
+        if master_weights and not isinstance(scale, NoOpLossScale):
+            # unscale in float32: fp16 would flush tiny gradients again
             grads = jax.tree.map(
                 lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g,
                 grads)

@@ -318,3 +318,15 @@ def test_convergence_on_text_matches_adamw():
     assert abs(l8 - ref) <= 0.02 * ref, (l8, ref)
     assert abs(l4 - ref) <= 0.05 * ref, (l4, ref)
     assert abs(l4_linear - ref) <= 0.05 * ref, (l4_linear, ref)
+
+
+def test_huge_finite_gradients_give_a_bounded_adam_step():
+    """|g| ~ 1e30 (finite, diverging run): the update stays ~lr, as optax.adam's does."""
+    import jmem.optimizers as jo
+
+    p, g = {"w": jnp.ones((4096,))}, {"w": jnp.full((4096,), 1e30)}
+    for opt in (jo.adam_8bit(1e-3), jo.adamw_4bit(1e-3, weight_decay=0.0)):
+        u, state = opt.update(g, opt.init(p), p)
+        assert float(jnp.max(jnp.abs(u["w"]))) <= 1.1e-3
+        u2, _ = opt.update(g, state, p)
+        assert bool(jnp.all(jnp.isfinite(u2["w"]))) and float(jnp.max(jnp.abs(u2["w"]))) <= 1.1e-3

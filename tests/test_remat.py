@@ -169,7 +169,25 @@ def test_every_groups_scan_iterations_sqrt_scheme():
 def test_every_must_divide_the_scan_length():
     from jmem.remat import group_size
     assert group_size(16, "sqrt") == 4 and group_size(32, "sqrt") in (4, 8) and group_size(7, "sqrt") == 1
-    with pytest.raises(ValueError, match="divide"):
-        group_size(10, 3)
+    assert group_size(10, 3) == 1  # not a divisor: that scan is left ungrouped
     with pytest.raises(ValueError, match="positive"):
         jmem.remat(lambda x: x, "full", every=0)
+
+
+def test_custom_jvp_rule_is_kept_and_python_flags_are_static():
+    ws = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+
+    @jax.custom_jvp
+    def f(w, x):
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0].sum()
+
+    f.defjvp(lambda primals, tangents: (f(*primals), jnp.zeros(())))  # a "stop" rule
+    chex.assert_trees_all_equal(jax.grad(jmem.remat(f, "full"))(ws, x), jax.grad(f)(ws, x))
+
+    def model(w, x, *, train=True, n=2):
+        h = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w[:n])[0]
+        return (h * (0.5 if train else 1.0)).sum()
+
+    got = jax.grad(jmem.remat(model, "full"))(ws, x, train=False, n=3)
+    chex.assert_trees_all_equal(got, jax.grad(model)(ws, x, train=False, n=3))
