@@ -42,7 +42,7 @@ def split_microbatches(batch: Any, microbatches: int) -> Any:
 
 
 def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatches: int,
-                         *, accum_dtype=jnp.float32):
+                         *, accum_dtype=jnp.float32, maximum: Any = None):
     """Mean gradient over ``microbatches`` slices of ``batch``.
 
     Args:
@@ -53,6 +53,9 @@ def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatche
       batch: pytree of arrays with a leading batch axis divisible by ``microbatches``.
       microbatches: number of slices (1 calls ``grad_fn`` once, without a scan).
       accum_dtype: dtype of the gradient accumulator for floating-point gradients.
+      maximum: optional pytree prefix of ``params`` with bools: subtrees marked True are
+        combined by elementwise maximum over microbatches instead of averaged (FP8 scaling
+        state, whose "gradient" is its new amax history: the step's amax is the max).
 
     Returns:
       ``(grads, aux)``: grads averaged over microbatches (in ``accum_dtype`` when
@@ -67,22 +70,36 @@ def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatche
     mbs = split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda x: x[0], mbs)
     g_shape, aux_shape = jax.eval_shape(grad_fn, params, first)
+    if maximum is None:
+        maximum = False
+    is_max = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), maximum, g_shape,
+                          is_leaf=lambda x: isinstance(x, bool))
 
     def zeros(s):
         dt = accum_dtype if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype
         return jnp.zeros(s.shape, dt)
 
+    def init_leaf(s, m):
+        if m:
+            return jnp.full(s.shape, -jnp.inf if jnp.issubdtype(s.dtype, jnp.floating)
+                            else jnp.iinfo(s.dtype).min, s.dtype)
+        return zeros(s)
+
+    def combine(a, x, m):
+        return jnp.maximum(a, x.astype(a.dtype)) if m else a + x.astype(a.dtype)
+
     def body(acc, mb):
         g_acc, aux_acc = acc
         g, aux = grad_fn(params, mb)
-        g_acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), g_acc, g)
+        g_acc = jax.tree.map(combine, g_acc, g, is_max)
         aux_acc = jax.tree.map(
             lambda a, x: a + x.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else x,
             aux_acc, aux)
         return (g_acc, aux_acc), None
 
-    init = (jax.tree.map(zeros, g_shape), jax.tree.map(zeros, aux_shape))
+    init = (jax.tree.map(init_leaf, g_shape, is_max), jax.tree.map(zeros, aux_shape))
     (g_sum, aux_sum), _ = jax.lax.scan(body, init, mbs)
     scale = 1.0 / microbatches
     mean = lambda x: x * scale if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(mean, g_sum), jax.tree.map(mean, aux_sum)
+    grads = jax.tree.map(lambda x, m: x if m else mean(x), g_sum, is_max)
+    return grads, jax.tree.map(mean, aux_sum)

@@ -40,9 +40,13 @@ def load_text(path: str | None = None) -> str:
             for i, line in enumerate(f):
                 if not line.strip():
                     continue
-                obj = json.loads(line)
-                if "text" not in obj:
-                    raise ValueError(f"{path}:{i + 1}: JSON line has no 'text' field.")
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}).") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a "
+                                     "string 'text' field.")
                 docs.append(obj["text"])
         return "\n\n".join(docs)
     raise ValueError(f"Unsupported data file {path!r}: use .txt or .jsonl (a 'text' field per line).")
@@ -112,6 +116,8 @@ class PackedDataset:
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0):
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1; got {seq_len}, {batch_size}.")
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         n = len(tokens) // (seq_len + 1)
         if n < batch_size:
@@ -125,6 +131,8 @@ class PackedDataset:
 
     def batch_at(self, pos: Position) -> tuple[dict, Position]:
         """The batch at ``pos`` (``{"inputs", "targets"}``, int32 ``[B, S]``) and the next position."""
+        if pos.epoch < 0 or pos.index < 0:
+            raise ValueError(f"Position must be non-negative; got {pos}.")
         if pos.index + self.batch_size > self.batches_per_epoch * self.batch_size:
             pos = Position(pos.epoch + 1, 0)
         idx = self._order(pos.epoch)[pos.index: pos.index + self.batch_size]

@@ -45,6 +45,17 @@ def _fresh(tree, ids):
                         else x, tree)
 
 
+def _opt_state_to_host(state):
+    """Moves optimizer-state leaves that arrive in device memory (e.g. restored from a
+    checkpoint into an abstract target) to ``pinned_host``, as the offloaded step expects;
+    a donated buffer of the wrong memory kind would abort the runtime."""
+    leaves = [x for x in jax.tree.leaves(state.opt_state) if isinstance(x, jax.Array)]
+    if all(getattr(x.sharding, "memory_kind", None) == "pinned_host" for x in leaves):
+        return state
+    from jmem.offload import to_host  # noqa: PLC0415
+    return state.replace(opt_state=to_host(state.opt_state))
+
+
 @struct.dataclass
 class TrainState:
     """Everything a step reads and writes; a pytree that jits, donates and checkpoints.
@@ -80,8 +91,11 @@ class TrainStep:
     optimizer: optax.GradientTransformation
     policy: Policy | None
     _init: Callable
+    offload_optimizer: bool = False
 
     def __call__(self, state: TrainState, batch: Any):
+        if self.offload_optimizer:
+            state = _opt_state_to_host(state)
         return self.jitted(state, batch)
 
     def init(self, params: Any, *, frozen: Any = None, fp8: Any = None,
@@ -208,7 +222,7 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
             return jax.grad(loss_for_grad, has_aux=True)(diff, mb, state.frozen, scale)
 
         (grads, fp8_new), (loss, aux) = accumulation.accumulate_gradients(
-            grad_fn, (state.params, state.fp8), batch, microbatches)
+            grad_fn, (state.params, state.fp8), batch, microbatches, maximum=(False, True))
         if master_weights and not isinstance(scale, NoOpLossScale):
             # unscale in float32: fp16 would flush tiny gradients again
             grads = jax.tree.map(
@@ -251,7 +265,9 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
         jitted = _sharding.ShardedStep(step, mesh, strategy, donate=donate, jit_kwargs=jit_kwargs,
                                        opt_state_memory_kind=mem_kind)
         init = _sharding.sharded_init(init, mesh, strategy, opt_state_memory_kind=mem_kind)
-        return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init)
+        return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init,
+                         offload_optimizer=offload_optimizer)
     jitted = jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
     # One compiled program builds the state (op-by-op quantization of 8-bit moments is slow).
-    return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=jax.jit(init))
+    return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=jax.jit(init),
+                     offload_optimizer=offload_optimizer)

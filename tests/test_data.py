@@ -48,11 +48,20 @@ def test_txt_and_jsonl(tmp_path):
         data.load_text(str(tmp_path / "d.csv"))
     with pytest.raises(FileNotFoundError):
         data.load_text(str(tmp_path / "missing.txt"))
+    for bad in ('"just a string"', "42", '{"text": null}', "{not json"):
+        (tmp_path / "e.jsonl").write_text(bad + "\n")
+        with pytest.raises(ValueError, match="e.jsonl:1"):
+            data.load_text(str(tmp_path / "e.jsonl"))
 
 
-def test_too_short_corpus_is_a_clear_error():
+def test_too_short_corpus_and_bad_sizes_are_clear_errors():
     with pytest.raises(ValueError, match="fewer than one batch"):
         data.PackedDataset(np.arange(100), seq_len=64, batch_size=4)
+    for s, b in ((0, 4), (16, 0), (-1, 4)):
+        with pytest.raises(ValueError, match=">= 1"):
+            data.PackedDataset(np.arange(1000), seq_len=s, batch_size=b)
+    with pytest.raises(ValueError, match="non-negative"):
+        data.PackedDataset(np.arange(1000), 16, 4).batch_at(data.Position(0, -8))
 
 
 def test_byte_tokenizer_round_trip():

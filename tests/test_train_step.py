@@ -169,3 +169,42 @@ def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
         assert kinds == {"pinned_host"}, kinds
         assert {x.sharding.memory_kind for x in jax.tree.leaves(b.params)} == {"device"}
     chex.assert_trees_all_equal(a.params, b.params)
+
+
+def test_fp8_scaling_state_is_maxed_not_averaged_over_microbatches():
+    """The step's amax is the max over microbatches: 1 and 2 microbatches record the same."""
+    from jmem import fp8
+
+    params = {"l": {"kernel": jax.random.normal(jax.random.key(0), (16, 16)) * 0.1}}
+    metas = fp8.init_metas(params, ("l",), history_len=4)
+
+    def loss(p, b, *, fp8):
+        return jnp.mean(fp8_lib.fp8_dot(b["x"], p["l"]["kernel"], fp8["l"]["kernel"]) ** 2)
+
+    fp8_lib = fp8
+    x = jnp.concatenate([jnp.ones((4, 16)), jnp.ones((4, 16)) * 10.0])
+    hist = {}
+    for mb in (1, 2):
+        step = train_step(loss, optax.sgd(0.0), microbatches=mb, donate=False)
+        s, _ = step(step.init(params, fp8=metas), {"x": x})
+        hist[mb] = s.fp8["l"]["kernel"]
+    # inputs and kernel: the same amax whatever the split (max, not mean: 10, not 5.5)
+    chex.assert_trees_all_close((hist[2].x, hist[2].kernel), (hist[1].x, hist[1].kernel))
+    assert float(hist[2].x.amax_history[0]) == 10.0
+    # output gradients: each microbatch's mean loss scales its cotangent by `microbatches`
+    np.testing.assert_allclose(hist[2].grad.amax_history[0], 2 * hist[1].grad.amax_history[0],
+                               rtol=1e-2)
+
+
+def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_path):
+    from jmem.checkpoint import Checkpointer
+
+    step = train_step(_loss, optax.adamw(1e-3), offload_optimizer=True)
+    state, _ = step(step.init(params), _batch(jax.random.key(9)))
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, state)
+    ck.wait()
+    restored, _ = Checkpointer(str(tmp_path)).restore(jax.eval_shape(lambda: step.init(params)))
+    s2, m = step(restored, _batch(jax.random.key(9)))
+    assert bool(m["grads_finite"])
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(s2.opt_state)} == {"pinned_host"}
