@@ -236,7 +236,8 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
     Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``)
     and on a whole loss: every ``lax.scan`` traced inside ``fn`` gets its body checkpointed,
     so ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer. Values and
-    gradients are unchanged (bitwise on CPU in jmem's tests).
+    gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA may
+    fuse a recomputed region differently elsewhere, changing the last bits).
 
     Args:
       fn: the function; may be omitted to use ``remat`` as a decorator factory.
