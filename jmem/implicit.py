@@ -76,6 +76,7 @@ from jax.extend import core as jcore
 
 from jmem import fp8 as _fp8
 from jmem import nf4 as _nf4
+from jmem.interpret import bind_eqn, eval_jaxpr
 
 __all__ = ["ImplicitWeightError", "Weight", "call", "path_str", "flatten_params"]
 
@@ -635,13 +636,7 @@ _RULES: dict[str, Callable] = {
 }
 
 
-def _bind(eqn, invals):
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: tuple = ()
-    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
-        subfuns, bind_params = bind_params
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+_bind = bind_eqn
 
 
 class _Interpreter:
@@ -654,32 +649,16 @@ class _Interpreter:
         return _bind(eqn, [v.materialize() if _is_weight(v) else v for v in invals])
 
     def eval(self, jaxpr, consts, args):
-        env: dict[Any, Any] = {}
+        return eval_jaxpr(jaxpr, consts, args, self.eval_eqn)
 
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = c
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            if any(_is_weight(v) for v in invals):
-                rule = _RULES.get(eqn.primitive.name)
-                if rule is None:
-                    w = next(v for v in invals if _is_weight(v))
-                    outs = self.fallback(eqn, invals, w)
-                else:
-                    outs = rule(self, eqn, invals)
-            else:
-                outs = _bind(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+    def eval_eqn(self, eqn, invals):
+        if any(_is_weight(v) for v in invals):
+            rule = _RULES.get(eqn.primitive.name)
+            if rule is None:
+                w = next(v for v in invals if _is_weight(v))
+                return self.fallback(eqn, invals, w)
+            return rule(self, eqn, invals)
+        return _bind(eqn, invals)
 
 
 # --------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem.interpret import bind_eqn, eval_jaxpr
+
 REMAT_POLICIES: dict[str, str] = {
     "none": "no recomputation; most memory (every intermediate of every layer), no extra FLOPs",
     "dots": "save all matmul outputs incl. attention scores; recompute element-wise ops",
@@ -108,16 +110,6 @@ def _has_scan(jaxpr) -> bool:
     return False
 
 
-def bind_eqn(eqn, invals):
-    """Binds ``eqn``'s primitive on new inputs, as ``jax.core.eval_jaxpr`` does."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: tuple = ()
-    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
-        subfuns, bind_params = bind_params
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *invals, **bind_params)
-
-
 class _Interpreter:
     """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint``."""
 
@@ -127,24 +119,7 @@ class _Interpreter:
         self.every = every
 
     def eval(self, jaxpr, consts, args):
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = c
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            outs = self.eval_eqn(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+        return eval_jaxpr(jaxpr, consts, args, self.eval_eqn)
 
     def eval_closed(self, closed, args):
         return self.eval(closed.jaxpr, closed.consts, args)
