@@ -338,7 +338,6 @@ def adam_4bit(
     nu_map: str = "dynamic_no_zero",
 ) -> optax.GradientTransformation:
     """Adam with 4-bit block-wise quantized moments (Li et al. 2023); see :func:`adamw_4bit`."""
-    _ = _nu_map_4bit(nu_map)
     return _make(
         learning_rate, b1, b2, eps, None, None,
         mu_code=qz.dynamic_map(True, 4), nu_code=_nu_map_4bit(nu_map),

@@ -142,14 +142,12 @@ def test_fp8_state_is_carried_and_updated_by_the_builder(params):
     state = step.init(params, fp8=metas)
     batch = _batch(jax.random.key(7))
     s1, m1 = step(state, batch)
-    hist0 = s1.fp8["layers"]["q_proj"]["kernel"]
     s2, m2 = step(s1, batch)
     assert bool(m1["grads_finite"]) and float(m2["loss"]) < float(m1["loss"])
     # the FP8 state came out of the step as its "gradient": amax recorded, not optimized
     leaves = jax.tree.leaves(s2.fp8)
     assert any(float(jnp.max(x)) > 0 for x in leaves if x.ndim >= 2)
     assert jax.tree.structure(s2.fp8) == jax.tree.structure(metas)
-    del hist0
 
 
 def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
