@@ -3,8 +3,10 @@
 Model: jmem's reference Llama ("llama_1b", ~1.1B params, on GPU; "tiny" on CPU), bf16
 params, ``jmem.master_weights.mixed_precision(optax.adamw)`` (fp32 masters + fp32 Adam
 moments = 12 bytes/param of optimizer state), step jitted with the state donated.
-Variants: ``baseline`` (state in device memory) and ``offload``
-(``jmem.offload.offload(...)``, state in ``pinned_host``).
+Variants: ``baseline`` (state in device memory), ``offload``
+(``jmem.offload.offload(...)``, state in ``pinned_host``) and, with ``--leaf-by-leaf``,
+``leaf_by_leaf`` (``offload(..., leaf_by_leaf=True)``: the update runs one parameter leaf
+at a time, so about two leaves' state is on the device at once instead of up to all of it).
 
 Each variant runs in its own subprocess, because ``peak_bytes_in_use`` is a process-wide
 high-water mark that cannot be reset. Reported per variant: device bytes in use between
@@ -15,6 +17,7 @@ by about the state bytes (12 B/param) when the step's peak is in forward/backwar
 Usage (one command; ~3-4 min on an H200, mostly compilation):
     python benchmarks/offload_gpu.py               # llama_1b on GPU, tiny on CPU
     python benchmarks/offload_gpu.py --config tiny --steps 3
+    python benchmarks/offload_gpu.py --leaf-by-leaf   # adds the leaf-by-leaf variant
 On CPU memory kinds are emulated: the numbers show that the code runs, savings are not
 measurable (``memory_stats()`` is unavailable and host == device memory).
 """
@@ -54,8 +57,8 @@ def run_variant(variant, config_name, batch, seq, steps):
   config = llama.get_config(config_name)
   params = llama.init(jax.random.key(0), config, dtype=jnp.bfloat16)
   opt = master_weights.mixed_precision(optax.adamw(1e-4, weight_decay=0.1))
-  if variant == "offload":
-    opt = offload(opt)
+  if variant in ("offload", "leaf_by_leaf"):
+    opt = offload(opt, leaf_by_leaf=variant == "leaf_by_leaf")
   state = opt.init(params)
 
   def step(state, params, batch):
@@ -112,7 +115,10 @@ def main():
   parser.add_argument("--batch", type=int, default=None)
   parser.add_argument("--seq", type=int, default=None)
   parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--single", choices=["baseline", "offload"], help=argparse.SUPPRESS)
+  parser.add_argument("--leaf-by-leaf", action="store_true",
+                      help="also run offload(..., leaf_by_leaf=True)")
+  parser.add_argument("--single", choices=["baseline", "offload", "leaf_by_leaf"],
+                      help=argparse.SUPPRESS)
   args = parser.parse_args()
 
   if args.single:
@@ -129,7 +135,8 @@ def main():
   steps = args.steps or (3 if on_cpu else 10)
 
   results = {}
-  for variant in ("baseline", "offload"):
+  variants = ("baseline", "offload") + (("leaf_by_leaf",) if args.leaf_by_leaf else ())
+  for variant in variants:
     cmd = [sys.executable, __file__, "--single", variant, "--config", config,
            "--batch", str(batch), "--seq", str(seq), "--steps", str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
@@ -150,6 +157,14 @@ def main():
     drop = base["peak_bytes_in_use"] - off["peak_bytes_in_use"]
     summary["peak_drop_bytes"] = drop
     summary["peak_drop_over_state_bytes"] = drop / base["state_bytes"]
+  if "leaf_by_leaf" in results:
+    lbl = results["leaf_by_leaf"]
+    summary["losses_equal_leaf_by_leaf"] = base["losses"] == lbl["losses"]
+    summary["step_time_ratio_leaf_by_leaf_over_baseline"] = (
+        lbl["step_time_s_median"] / base["step_time_s_median"])
+    if base["peak_bytes_in_use"] is not None and lbl["peak_bytes_in_use"] is not None:
+      summary["peak_drop_leaf_by_leaf_bytes"] = (base["peak_bytes_in_use"]
+                                                 - lbl["peak_bytes_in_use"])
   if base["bytes_in_use_between_steps"] is not None:
     summary["between_steps_drop_bytes"] = (base["bytes_in_use_between_steps"]
                                            - off["bytes_in_use_between_steps"])
@@ -157,11 +172,11 @@ def main():
   print(f"\n{config} on {base['device_kind']} ({platform}): {base['num_params'] / 1e9:.3f}B "
         f"params, bf16 params + fp32 masters/Adam state, batch {batch} x seq {seq}, "
         f"median of {steps} steps")
-  print(f"{'variant':<10} {'state kind':<12} {'state GiB':>9} {'in use GiB':>10} "
+  print(f"{'variant':<12} {'state kind':<12} {'state GiB':>9} {'in use GiB':>10} "
         f"{'peak GiB':>9} {'XLA temp GiB':>12} {'host arg GiB':>12} {'step ms':>9}")
-  for r in (base, off):
+  for r in results.values():
     a = r["compiled_memory_analysis"]
-    print(f"{r['variant']:<10} {','.join(r['state_memory_kinds']):<12} "
+    print(f"{r['variant']:<12} {','.join(r['state_memory_kinds']):<12} "
           f"{r['state_bytes'] / GiB:9.2f} {_fmt_gib(r['bytes_in_use_between_steps']):>10} "
           f"{_fmt_gib(r['peak_bytes_in_use']):>9} {_fmt_gib(a.get('temp_size_in_bytes')):>12} "
           f"{_fmt_gib(a.get('host_argument_size_in_bytes')):>12} "
@@ -172,6 +187,12 @@ def main():
   if "peak_drop_bytes" in summary:
     print(f"peak drop: {summary['peak_drop_bytes'] / GiB:.2f} GiB = "
           f"{summary['peak_drop_over_state_bytes']:.2f} x state bytes")
+  if "peak_drop_leaf_by_leaf_bytes" in summary:
+    print(f"peak drop, leaf by leaf: {summary['peak_drop_leaf_by_leaf_bytes'] / GiB:.2f} GiB")
+  if "leaf_by_leaf" in results:
+    print(f"leaf by leaf: step time ratio "
+          f"{summary['step_time_ratio_leaf_by_leaf_over_baseline']:.2f}x; losses bitwise "
+          f"equal: {summary['losses_equal_leaf_by_leaf']}")
   if on_cpu:
     summary["note"] = ("CPU run: memory kinds are emulated (host and device memory are the "
                        "same RAM, memory_stats() is unavailable); savings are not "

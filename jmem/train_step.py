@@ -129,7 +129,7 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                loss_scale: Any = None,
                remat: str | Callable | None = None,
                microbatches: int = 1,
-               offload_optimizer: bool = False,
+               offload_optimizer: bool | str = False,
                has_aux: bool = False,
                skip_nonfinite: bool = True,
                donate: bool = True,
@@ -152,7 +152,12 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
         with ``jmem.remat`` to the loss, so each layer scan body is checkpointed.
       microbatches: gradient accumulation steps within one call (``jmem.accumulation``).
       offload_optimizer: keep the optimizer state (and the masters, with ``master_weights``)
-        in ``pinned_host`` memory between steps (``jmem.offload``).
+        in ``pinned_host`` memory between steps (``jmem.offload``). ``True`` or
+        ``"whole_tree"``: ``offload(opt)``, any optimizer. ``"leaf_by_leaf"``:
+        ``offload(opt, leaf_by_leaf=True)``, the update runs one parameter leaf at a time,
+        so about two leaves' state is on the device at once; separable optimizers only
+        (AdamW, 8-/4-bit AdamW, with or without ``master_weights``; not global-norm
+        clipping), checked when the step is traced.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches and
         returned in ``metrics["aux"]``.
       skip_nonfinite: a step with non-finite gradients leaves params, optimizer state and
@@ -172,17 +177,27 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     ``loss_scale``, ``grads_finite``, ``step`` (after the update).
 
     Raises:
-      ValueError: for an unknown remat policy or precision string, or ``microbatches < 1``.
+      ValueError: for an unknown remat policy or precision string, ``microbatches < 1``,
+        or an ``offload_optimizer`` other than False/True/"whole_tree"/"leaf_by_leaf".
     """
     if isinstance(policy, str):
         policy = get_policy(policy)
     resolve_policy(remat)  # validate early
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}.")
+    if isinstance(offload_optimizer, str) and offload_optimizer in ("whole_tree",
+                                                                   "leaf_by_leaf"):
+        leaf_by_leaf, offload_optimizer = offload_optimizer == "leaf_by_leaf", True
+    elif isinstance(offload_optimizer, bool):
+        leaf_by_leaf, offload_optimizer = False, bool(offload_optimizer)
+    else:
+        raise ValueError(
+            f"offload_optimizer must be False, True (= 'whole_tree') or 'leaf_by_leaf', got "
+            f"{offload_optimizer!r}.")
     opt = mixed_precision(optimizer) if master_weights else optimizer
     if offload_optimizer:
         from jmem.offload import offload  # noqa: PLC0415 (leaf; imported lazily)
-        opt = offload(opt)
+        opt = offload(opt, leaf_by_leaf=leaf_by_leaf)
     if mesh is not None:  # jmem.sharding (issue 8): gradients placed per strategy
         from jmem import sharding as _sharding  # noqa: PLC0415
         opt = _sharding.constrain_gradients(opt, mesh, strategy)

@@ -5,6 +5,7 @@ memory kinds, shardings, donation and checkpointing are checked here; the memory
 need an accelerator (benchmarks/offload_gpu.py).
 """
 import importlib
+import re
 
 import chex
 import jax
@@ -155,14 +156,15 @@ def test_extra_args_and_chains_pass_through():
   _assert_kind(upd, DEVICE)
 
 
+@pytest.mark.parametrize("leaf_by_leaf", [False, True], ids=["whole_tree", "leaf_by_leaf"])
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
                          ids=["explicit", "auto"])
-def test_named_sharding_state_keeps_spec_on_host(axis_type):
+def test_named_sharding_state_keeps_spec_on_host(axis_type, leaf_by_leaf):
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
   specs = {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data")}
   params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                         _params(jax.random.key(4)), specs)
-  opt = offload(optax.adamw(1e-2))
+  opt = offload(optax.adamw(1e-2), leaf_by_leaf=leaf_by_leaf)
   ref_opt = optax.adamw(1e-2)
   step = _make_step(opt, _elementwise_loss)
   ref_step = _make_step(ref_opt, _elementwise_loss)
@@ -326,3 +328,189 @@ def test_skip_keeps_old_state_on_device_side(skip):
   with pytest.raises(TypeError, match="scalar bool"):
     opt.update(grads, state, params, skip=jnp.ones((2,), bool))
 
+
+
+# ----------------------------------------------------------------------- leaf by leaf
+
+
+def _leaf_by_leaf_optimizers():
+  schedule = optax.linear_schedule(1e-2, 0.0, 10)
+  injected = pytest.param(
+      lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=schedule),
+      jnp.float32, None, id="inject_hyperparams_adamw_schedule")
+  # An update jitted as a whole: its call is inlined so that it can be split by leaf.
+  adamw = optax.adamw(1e-2, weight_decay=0.1)
+  jitted = pytest.param(
+      lambda: optax.GradientTransformation(adamw.init, jax.jit(adamw.update)),
+      jnp.float32, None, id="adamw_update_under_jit")
+  return _inner_optimizers() + [injected, jitted]
+
+
+@pytest.mark.parametrize("factory,dtype,skip_reason", _leaf_by_leaf_optimizers())
+def test_leaf_by_leaf_training_bitwise_identical_and_state_on_host(factory, dtype,
+                                                                   skip_reason):
+  if skip_reason:
+    pytest.skip(skip_reason)
+  params = _params(jax.random.key(0), dtype)
+  ref_state, ref_params, ref_losses = _train(factory(), params, num_steps=3)
+  state, new_params, losses = _train(offload(factory(), leaf_by_leaf=True), params,
+                                     num_steps=3, check_kinds=True)
+  chex.assert_trees_all_equal(losses, ref_losses)
+  chex.assert_trees_all_equal(new_params, ref_params)
+  # The same state pytree as the inner optimizer (checkpoints interchangeable).
+  assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, ref_state)
+  chex.assert_trees_all_equal(jax.device_get(state), jax.device_get(ref_state))
+  assert float(losses[-1]) < float(losses[0])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_leaf_by_leaf_skip_keeps_old_state(skip):
+  params = _params(jax.random.key(8))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+  inner = optax.adamw(1e-2)
+  opt = offload(inner, leaf_by_leaf=True)
+  state = opt.init(params)
+  _, state = jax.jit(opt.update)(grads, state, params)  # a non-trivial state first
+  before = jax.device_get(state)
+  upd, new_state = jax.jit(lambda g, s, p, k: opt.update(g, s, p, skip=k))(
+      grads, state, params, jnp.bool_(skip))
+  _assert_kind(new_state, HOST)
+  _assert_kind(upd, DEVICE)
+  if skip:
+    chex.assert_trees_all_equal(jax.device_get(new_state), before)
+    chex.assert_trees_all_equal(upd, jax.tree.map(jnp.zeros_like, params))
+  else:
+    ref_upd, ref_state = jax.jit(inner.update)(grads, jax.device_get(before), params)
+    chex.assert_trees_all_equal(jax.device_get(new_state), jax.device_get(ref_state))
+    chex.assert_trees_all_equal(upd, ref_upd)
+
+
+def _load_after_store_problems(lowered_text, arg_paths, names):
+  """Checks the lowered StableHLO of ``jit(opt.update, keep_unused=True)``.
+
+  For each parameter leaf (in ``names`` order) after the first: every state argument of
+  that leaf is used only by one ``stablehlo.optimization_barrier`` and that barrier also
+  produces the returned new state of the previous leaf. Then the leaf's state is read
+  (moved to the device) only after the previous leaf's new state exists on host.
+  Returns a list of problems (empty: the chain is there).
+  """
+  start = lowered_text.index("func.func public @main")
+  header, body = lowered_text[start:].split("\n", 1)
+  body = body[:body.index("\n  }")].splitlines()
+  returned = re.search(r"^\s*return (.*?) :", "\n".join(body), re.M).group(1).split(", ")
+  result_of = dict(zip(re.findall(r'jax\.result_info = "([^"]*)"', header), returned))
+  barriers = {}
+  for line in body:
+    m = re.match(r"\s*%(\w+)(?::\d+)? = stablehlo\.optimization_barrier (.*?) :", line)
+    if m:
+      barriers[m.group(1)] = m.group(2).split(", ")
+  problems = []
+  for prev, cur in zip(names, names[1:]):
+    args = [k for k, p in enumerate(arg_paths) if p.startswith("[1]") and cur in p]
+    users = set()
+    for k in args:
+      uses = [line for line in body if re.search(rf"%arg{k}\b", line)]
+      users |= {re.match(r"\s*%(\w+)", line).group(1) for line in uses}
+      if not uses or any("optimization_barrier" not in line for line in uses):
+        problems.append(f"state of {cur} (%arg{k}) is used outside a barrier")
+    if len(users) != 1:
+      problems.append(f"state of {cur} goes through barriers {sorted(users)}, not one")
+      continue
+    barrier = users.pop()
+    stored = [v for p, v in result_of.items() if p.startswith("result[1]") and prev in p]
+    if not stored or any(not v.startswith(f"%{barrier}#") for v in stored):
+      problems.append(f"new state of {prev} ({stored}) is not ordered by %{barrier}")
+  return problems
+
+
+def test_leaf_by_leaf_hlo_loads_each_leaf_after_the_previous_store(monkeypatch):
+  params = _params(jax.random.key(9))
+  grads = jax.tree.map(lambda p: p * 0.1, params)
+  opt = offload(optax.adamw(1e-2), leaf_by_leaf=True)
+  state = opt.init(params)
+  args = (grads, state, params)
+  arg_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+  def lowered():
+    return jax.jit(opt.update, keep_unused=True).lower(*args).as_text()
+
+  text = lowered()
+  assert text.count("stablehlo.optimization_barrier") >= len(names) - 1
+  assert _load_after_store_problems(text, arg_paths, names) == []
+  # The checker is not vacuous: without the barrier the chain is gone.
+  monkeypatch.setattr(off, "_order_after", lambda loads, stores: (loads, stores))
+  opt = offload(optax.adamw(1e-2), leaf_by_leaf=True)
+  text = lowered()
+  assert "optimization_barrier" not in text
+  assert len(_load_after_store_problems(text, arg_paths, names)) >= 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+    lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+], ids=["clip_by_global_norm", "apply_if_finite", "multi_steps"])
+def test_leaf_by_leaf_rejects_cross_leaf_optimizers(make):
+  params = _params(jax.random.key(10))
+  opt = offload(make(), leaf_by_leaf=True)
+  state = opt.init(params)
+  with pytest.raises(ValueError, match="separable optimizer.*depends on"):
+    jax.jit(opt.update)(params, state, params)
+  # Whole-tree mode takes any optimizer.
+  _, new_state = jax.jit(offload(make()).update)(params, state, params)
+  _assert_kind(new_state, HOST)
+
+
+def test_leaf_by_leaf_detects_a_dependency_through_the_state():
+  # A (made-up) transform whose update of each leaf reads every leaf's trace.
+  def init(params):
+    return {"trace": jax.tree.map(jnp.zeros_like, params)}
+
+  def update(updates, state, params=None):
+    total = sum(jnp.sum(t) for t in jax.tree.leaves(state["trace"]))
+    trace = jax.tree.map(lambda t, g: t + g, state["trace"], updates)
+    return jax.tree.map(lambda g: g + total, updates), {"trace": trace}
+
+  params = _params(jax.random.key(11))
+  opt = offload(optax.GradientTransformation(init, update), leaf_by_leaf=True)
+  with pytest.raises(ValueError, match=r"the update of \['b1'\] depends on"):
+    jax.jit(opt.update)(params, opt.init(params), params)
+
+
+def test_leaf_by_leaf_eager_extra_args_and_bad_flag():
+  params = _params(jax.random.key(12))
+  grads = jax.tree.map(lambda p: p * 0.1, params)
+  inner = optax.adamw(1e-2)
+  opt = offload(inner, leaf_by_leaf=True)
+  state = opt.init(params)
+  upd, new_state = opt.update(grads, state, params, unused_extra=1.0)  # not jitted
+  ref_upd, ref_state = jax.jit(inner.update)(grads, inner.init(params), params)
+  chex.assert_trees_all_close(upd, ref_upd, rtol=1e-6, atol=0)
+  chex.assert_trees_all_close(jax.device_get(new_state), jax.device_get(ref_state),
+                              rtol=1e-6, atol=0)
+  _assert_kind(new_state, HOST)
+  # One parameter leaf: nothing to split, same as whole tree.
+  one = {"w": params["w1"]}
+  upd1, _ = jax.jit(opt.update)({"w": grads["w1"]}, opt.init(one), one)
+  chex.assert_trees_all_equal(upd1["w"], jax.jit(inner.update)(
+      {"w": grads["w1"]}, inner.init(one), one)[0]["w"])
+  with pytest.raises(TypeError, match="leaf_by_leaf must be a bool"):
+    offload(inner, leaf_by_leaf="yes")
+  with pytest.raises(ValueError, match="params structure"):
+    jax.jit(opt.update)(grads, state, {"w1": params["w1"]})
+
+
+def test_leaf_by_leaf_rejects_a_state_not_split_by_leaf():
+  # A (made-up) transform keeping one flat buffer for all parameters.
+  def init(params):
+    return {"flat": jnp.zeros((sum(p.size for p in jax.tree.leaves(params)),))}
+
+  def update(updates, state, params=None):
+    return updates, state
+
+  params = _params(jax.random.key(13))
+  opt = offload(optax.GradientTransformation(init, update), leaf_by_leaf=True)
+  with pytest.raises(ValueError, match=r"state leaf \['flat'\] of shape \(128,\)"):
+    jax.jit(opt.update)(params, opt.init(params), params)
