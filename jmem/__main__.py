@@ -47,7 +47,7 @@ def _estimate(args: argparse.Namespace) -> int:
         targets = tuple(t for t in args.lora_targets.split(",") if t)
         lora = (args.lora_rank, targets if targets != ("all",) else "all")
     shape_kw = {k: v for k, v in (("hidden_size", args.hidden_size),
-                                   ("num_layers", args.num_layers)) if v}
+                                   ("num_layers", args.num_layers)) if v is not None}
     optimizers = [o for o in args.optimizer.split(",") if o]
     remats = [r for r in args.remat.split(",") if r]
     for opt, remat in itertools.product(optimizers, remats):

@@ -142,10 +142,14 @@ def standard_shape(n_params: float, *, vocab_size: int = 32000, **overrides) -> 
     TinyLlama keep ``h / L = 128``, so ``L = (N / (12 * 128^2))^(1/3)`` and ``h = 128 L``
     (rounded: ``L >= 1``, ``h`` a multiple of 128, ``F`` a multiple of 256, head_dim 128).
     Keywords (``hidden_size``, ``num_layers``, ``intermediate_size``, ``num_heads``,
-    ``num_kv_heads``, ``head_dim``, ``tie_embeddings``) override the derived values.
+    ``num_kv_heads``, ``head_dim``, ``tie_embeddings``) override the derived values; with
+    ``hidden_size`` alone the layers are derived from the count at that width
+    (``L = N / (12 h^2)``).
 
     Raises:
-      ValueError: for a non-positive ``n_params`` or unknown keyword.
+      ValueError: for a non-positive ``n_params``, an unknown keyword, a keyword that is
+        not a positive int, or keywords that make a shape with less than half or more
+        than twice ``n_params`` parameters.
     """
     if not n_params > 0:
         raise ValueError(f"n_params must be positive; got {n_params!r}.")
@@ -156,14 +160,31 @@ def standard_shape(n_params: float, *, vocab_size: int = 32000, **overrides) -> 
     bad = set(overrides) - known
     if bad:
         raise ValueError(f"Unknown shape keywords {sorted(bad)}; use {sorted(known)}.")
-    L = overrides.get("num_layers") or max(1, round((n_params / (12 * 128**2)) ** (1 / 3)))
-    h = overrides.get("hidden_size") or max(128, 128 * round(math.sqrt(n_params / (12 * L)) / 128))
+    for k, v in overrides.items():
+        if k != "tie_embeddings" and v is not None and (
+                isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{k} must be a positive int; got {v!r}.")
+    if overrides.get("hidden_size") and not overrides.get("num_layers"):
+        # The layers that give about n_params at this width (not the default depth).
+        h = overrides["hidden_size"]
+        L = max(1, round(n_params / (12 * h * h)))
+    else:
+        L = overrides.get("num_layers") or max(1, round((n_params / (12 * 128**2)) ** (1 / 3)))
+        h = overrides.get("hidden_size") or max(
+            128, 128 * round(math.sqrt(n_params / (12 * L)) / 128))
     f = overrides.get("intermediate_size") or max(256, 256 * round(8 * h / 3 / 256))
     hd = overrides.get("head_dim") or min(128, h)
     nh = overrides.get("num_heads") or max(1, h // hd)
     nkv = overrides.get("num_kv_heads") or nh
-    return ModelShape(vocab_size, h, f, L, nh, nkv, hd,
-                      bool(overrides.get("tie_embeddings", False)), f"~{n_params / 1e9:.3g}B")
+    shape = ModelShape(vocab_size, h, f, L, nh, nkv, hd,
+                       bool(overrides.get("tie_embeddings", False)), f"~{n_params / 1e9:.3g}B")
+    if overrides and not 0.5 <= shape.n_params / n_params <= 2.0:
+        raise ValueError(
+            f"The shape h={h}, L={L}, F={f} has {shape.n_params / 1e9:.3g}B parameters, not "
+            f"about {n_params / 1e9:.3g}B: the shape keywords {sorted(overrides)} do not fit "
+            f"the parameter count. Give one of hidden_size/num_layers and let the other be "
+            f"derived, or pass a config.")
+    return shape
 
 
 def _parse_count(s: str) -> float:
@@ -515,6 +536,7 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     quantization = None if quantization == "none" else quantization
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be a positive int; got {num_shards!r}.")
+    zero_without_shards = zero_stage not in (None, 0) and num_shards == 1
     if zero_stage is None:
         zero_stage = 3 if num_shards > 1 else 0
     if zero_stage not in (0, 1, 2, 3):
@@ -531,6 +553,11 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     shape, n = resolve_shape(model, **shape_kwargs)
 
     P = _dtype_bytes(param_dtype, "param_dtype")
+    if P < 2:
+        raise ValueError(
+            f"param_dtype={param_dtype!r}: trained weights must be fp32, bf16 or fp16. For "
+            f"frozen 4-bit base weights use quantization='nf4' with lora=(rank, targets) "
+            f"(QLoRA); FP8 matmuls (jmem.fp8) keep the weights in bf16/fp32.")
     G = _dtype_bytes(grad_dtype, "grad_dtype") if grad_dtype is not None else P
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
     if master_weights is None:
@@ -600,6 +627,9 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
             notes.append(f"ZeRO-3 gathers one layer's weights at a time (~{layer / GB:.3g} GB, "
                          "twice with prefetch; not counted)")
         notes.append(f"ZeRO-{zero_stage} over {k} shards")
+    elif zero_without_shards:
+        notes.append(f"ZeRO-{zero_stage} over 1 shard divides nothing; pass num_shards "
+                     "(CLI: --shards) for the number of devices")
 
     host: dict[str, int] = {}
     moved = _OFFLOAD[offload]

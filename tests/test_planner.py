@@ -358,3 +358,40 @@ def test_cli_estimate(capsys):
     assert re.search(r"total \(device\)\s+112\.000", out)
     with pytest.raises(SystemExit):
         main(["estimate", "--model", "llama2_7b", "--memory", "lots"])
+
+
+def test_shape_keywords_must_fit_the_parameter_count():
+    # One keyword given: the other dimension is derived from the count.
+    s = planner.standard_shape(7e9, hidden_size=4096)
+    assert s.hidden_size == 4096 and s.n_params == pytest.approx(7e9, rel=0.15)
+    s = planner.standard_shape(7e9, num_layers=32)
+    assert s.num_layers == 32 and s.n_params == pytest.approx(7e9, rel=0.15)
+    with pytest.raises(ValueError, match="do not fit the parameter count"):
+        planner.standard_shape(7e9, hidden_size=3)  # F is at least 256: 152B parameters
+    with pytest.raises(ValueError, match="do not fit the parameter count"):
+        planner.standard_shape(7e9, num_layers=100_000)
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        planner.standard_shape(7e9, hidden_size=0)
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        estimate("7B", num_layers=2.5)
+
+
+def test_param_dtype_must_be_trainable_float():
+    for dt in ("int8", "fp8"):
+        with pytest.raises(ValueError, match="nf4"):
+            estimate("llama2_7b", param_dtype=dt)
+
+
+def test_zero_stage_without_shards_says_so():
+    led = estimate("llama2_7b", zero_stage=3)
+    assert any("divides nothing" in n for n in led.notes)
+    assert led.total == estimate("llama2_7b").total
+    assert not any("divides nothing" in n for n in estimate("llama2_7b", zero_stage=3, num_shards=8).notes)
+
+
+def test_cli_rejects_a_zero_hidden_size(capsys):
+    from jmem.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--model", "7B", "--hidden-size", "0"])
+    assert e.value.code == 2
+    assert "hidden_size must be a positive int" in capsys.readouterr().err
