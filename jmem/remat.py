@@ -232,7 +232,8 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
         its gradient summed in another order, so it may differ in the last bits.
 
     Returns:
-      A function with ``fn``'s signature and outputs.
+      A function with ``fn``'s signature and outputs (Python scalars that ``fn`` returns,
+      e.g. in an aux dict, come back as Python scalars, not 0-d arrays).
 
     Raises:
       ValueError / TypeError: for an unknown policy (see ``resolve_policy``).
@@ -267,20 +268,29 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
         is_static = [s or not _is_array_like(x) for s, x in zip(is_static, flat)]
         dyn = [x for x, s in zip(flat, is_static) if not s]
 
+        traced_out = {}
+
         def flat_fn(*dyn_leaves):
             it = iter(dyn_leaves)
             leaves = [x if s else next(it) for x, s in zip(flat, is_static)]
             a, kw = jax.tree.unflatten(treedef, leaves)
-            return fn(*a, **kw)
+            out = fn(*a, **kw)
+            traced_out.setdefault("out", out)
+            return out
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
         if not _has_scan(closed.jaxpr):
             if pol is None:
                 return flat_fn(*dyn)
             cse = True if prevent_cse is None else prevent_cse
-            return jax.checkpoint(flat_fn, policy=pol, prevent_cse=cse)(*dyn)
-        cse = False if prevent_cse is None else prevent_cse
-        out = _Interpreter(pol, cse, every).eval_closed(closed, dyn)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+            out = jax.checkpoint(flat_fn, policy=pol, prevent_cse=cse)(*dyn)
+        else:
+            cse = False if prevent_cse is None else prevent_cse
+            out = jax.tree.unflatten(
+                jax.tree.structure(out_shape), _Interpreter(pol, cse, every).eval_closed(closed, dyn))
+        # Python scalars returned by ``fn`` (e.g. a step count in aux) do not depend on the
+        # traced inputs: give them back as they were, not as 0-d arrays.
+        return jax.tree.map(lambda o, t: t if isinstance(t, (bool, int, float, complex)) else o,
+                            out, traced_out["out"])
 
     return wrapped

@@ -193,3 +193,17 @@ def test_custom_jvp_rule_is_kept_and_python_flags_are_static():
 
     got = jax.grad(jmem.remat(model, "full"))(ws, x, train=False, n=3)
     chex.assert_trees_all_equal(got, jax.grad(model)(ws, x, train=False, n=3))
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "none"])
+@pytest.mark.parametrize("with_scan", [True, False])
+def test_python_scalars_in_outputs_come_back_as_python_scalars(policy, with_scan):
+    def loss(x):
+        if with_scan:
+            x, _ = jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=3)
+        return jnp.sum(x ** 2), {"count": 3, "flag": True, "scale": 0.5, "y": x * 2}
+
+    value, aux = jmem.remat(loss, policy)(jnp.ones(4))
+    assert type(aux["count"]) is int and type(aux["flag"]) is bool and type(aux["scale"]) is float
+    ref_value, ref_aux = loss(jnp.ones(4))
+    chex.assert_trees_all_close((value, aux["y"]), (ref_value, ref_aux["y"]))
