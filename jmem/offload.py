@@ -282,12 +282,20 @@ def _call_body(eqn: Any):
 
 def _abstract(x: Any) -> Any:
   """``ShapeDtypeStruct`` of an array leaf in device memory (a traced leaf keeps its
-  sharding, which matters with ``Explicit`` mesh axes); other leaves unchanged."""
+  sharding, which matters with ``Explicit`` mesh axes, and every leaf its weak type, so
+  the re-emitted update returns the dtypes of the plain one); other leaves unchanged."""
   if _is_tracer(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.aval.sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.aval.sharding,
+                                weak_type=x.aval.weak_type)
   if _is_array(x):
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=_weak(x))
   return x
+
+
+def _weak(x: Any) -> bool:
+  if _is_tracer(x):
+    return bool(x.aval.weak_type)
+  return bool(getattr(x, "weak_type", False))
 
 
 def _cache_key(*trees: Any) -> tuple | None:
@@ -297,7 +305,7 @@ def _cache_key(*trees: Any) -> tuple | None:
   for tree in trees:
     leaves, treedef = jax.tree.flatten(tree)
     key.append(treedef)
-    key.extend((np.shape(x), np.dtype(x.dtype),
+    key.extend((np.shape(x), x.dtype, _weak(x),
                 x.aval.sharding if _is_tracer(x) else None) if _is_array(x)
                else ("static", x) for x in leaves)
   key = tuple(key)
@@ -327,7 +335,9 @@ def _not_separable(what: str, others: list[str]) -> ValueError:
       f"offload(leaf_by_leaf=True) needs a separable optimizer: each parameter's update "
       f"and state may depend only on its own gradient, param and state and on shared "
       f"scalars (step count, schedules). In inner.update, {what} depends on the "
-      f"gradients/params/state of {others[:8]}{more} too, so it cannot run leaf by leaf. "
+      f"gradients/params/state of {others[:8]}{more} too (or sits in a cond/scan/while "
+      f"that runs over several leaves at once, which counts as a dependency), so it "
+      f"cannot run leaf by leaf. "
       f"Cross-leaf transforms (optax.clip_by_global_norm, optax.apply_if_finite, "
       f"optax.MultiSteps, anything reducing over all leaves) need offload(inner) "
       f"(whole-tree mode), or move them out of the offloaded optimizer.")
@@ -500,6 +510,14 @@ def _trace_program(inner: Any, u_def: Any, u_leaves: list, p_leaves: list | None
           operator.or_, (deps[r] for r in ins if not isinstance(r, jcore.Literal)), 0)
       body = _call_body(eqn)
       if body is not None and d & (d - 1):  # spans several leaves: inline
+        shardings = (*eqn.params.get("in_shardings", ()), *eqn.params.get("out_shardings", ()))
+        if any(isinstance(x, jax.sharding.Sharding) for x in shardings):
+          raise ValueError(
+              "offload(leaf_by_leaf=True): inner.update contains a jax.jit over several "
+              "parameter leaves with in_shardings/out_shardings; splitting it by leaf would "
+              "drop those shardings. Constrain inside the function instead "
+              "(jax.lax.with_sharding_constraint is kept), or use offload(inner) "
+              "(whole-tree mode).")
         sub_ref_of = dict(zip(body[0].invars, ins))
         walk(body[0], body[1], sub_ref_of)
         for v, w in zip(eqn.outvars, body[0].outvars):
@@ -690,8 +708,21 @@ def offload(inner: optax.GradientTransformation, *,
     separable). The split of the state by leaf comes from
     ``jax.eval_shape(inner.init, params_i)`` with every other param None (key paths;
     optax's and jmem's transforms accept None leaves); a state that does not split
-    this way raises. Both are done once per tree structure and shapes. With one
-    parameter leaf this is the whole-tree update.
+    this way raises. Both are done once per tree structure and shapes (trace time grows
+    faster than linearly with the leaf count: lowering took 1.7 s for 200 leaves and
+    11 s for 800, against 0.6 s and 2.4 s whole-tree). With one parameter leaf this is
+    the whole-tree update. Bitwise equality holds under ``jit`` (eagerly, op-by-op
+    dispatch can differ from a jitted update by an ulp). Not supported: ``jax.grad``
+    through a leaf-by-leaf update (JAX cannot transpose the barrier chain on host-memory
+    values; whole-tree mode is differentiable), and a ``jax.jit`` with
+    ``in_shardings``/``out_shardings`` inside ``inner.update`` spanning several leaves
+    (raises instead of dropping the shardings).
+
+  Donation: JAX pairs a donated input buffer with an output of the same shape and dtype
+  whatever their memory kinds, so ``jax.jit(opt.update, donate_argnums=1)`` can hand a
+  ``pinned_host`` state buffer to a device-side update of the same shape and abort the
+  runtime ("memory kind does not match"). Donate the state in a step whose outputs list
+  the state where it came in (as ``jmem.train_step`` does), or do not donate it.
 
   Shardings: with ``Explicit`` mesh axes the abstract values carry the sharding and it
   is kept exactly; with ``Auto`` axes it follows the jitted function's input sharding

@@ -123,6 +123,18 @@ class TrainStep:
                                                        kw.get("loss_scale")), params, kwargs)
 
 
+def _new_params_from_masters(mp: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``mp`` (a ``mixed_precision`` optimizer) returning the new params instead of updates:
+    ``params_from_masters(new_state, params)``, computed where the new masters are (on the
+    device, inside ``jmem.offload``). Same state; for the builder only."""
+
+    def update(grads, state, params=None, **extra_args):
+        _, new_state = mp.update(grads, state, params, **extra_args)
+        return params_from_masters(new_state, params), new_state
+
+    return optax.GradientTransformationExtraArgs(mp.init, update)
+
+
 def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                policy: Policy | str | None = None,
                master_weights: bool = False,
@@ -194,13 +206,24 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
         raise ValueError(
             f"offload_optimizer must be False, True (= 'whole_tree') or 'leaf_by_leaf', got "
             f"{offload_optimizer!r}.")
-    opt = mixed_precision(optimizer) if master_weights else optimizer
-    if offload_optimizer:
-        from jmem.offload import offload  # noqa: PLC0415 (leaf; imported lazily)
-        opt = offload(opt, leaf_by_leaf=leaf_by_leaf)
-    if mesh is not None:  # jmem.sharding (issue 8): gradients placed per strategy
+    base = mixed_precision(optimizer) if master_weights else optimizer
+    # Offloaded masters are in host memory after the update, so the new params cannot be
+    # cast from them there: the step's optimizer returns the new params (the masters cast
+    # down, on the device, inside the offloaded update) in place of the updates.
+    stepper = _new_params_from_masters(base) if master_weights and offload_optimizer else base
+
+    def wrap(o):
+        if offload_optimizer:
+            from jmem.offload import offload  # noqa: PLC0415 (leaf; imported lazily)
+            o = offload(o, leaf_by_leaf=leaf_by_leaf)
+        if mesh is not None:  # jmem.sharding (issue 8): gradients placed per strategy
+            o = _sharding.constrain_gradients(o, mesh, strategy)
+        return o
+
+    if mesh is not None:
         from jmem import sharding as _sharding  # noqa: PLC0415
-        opt = _sharding.constrain_gradients(opt, mesh, strategy)
+    opt = wrap(base)
+    step_opt = wrap(stepper) if stepper is not base else opt
     default_scale = loss_scale if loss_scale is not None else NoOpLossScale()
 
     def init(params, frozen, fp8, scale):
@@ -250,11 +273,13 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         if offload_optimizer and skip_nonfinite:
             # The host-resident state is selected inside the offload wrapper, on the device.
-            updates, opt_state = opt.update(grads, state.opt_state, state.params,
-                                            skip=jnp.logical_not(finite))
+            updates, opt_state = step_opt.update(grads, state.opt_state, state.params,
+                                                 skip=jnp.logical_not(finite))
         else:
-            updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        if master_weights and not offload_optimizer:
+            updates, opt_state = step_opt.update(grads, state.opt_state, state.params)
+        if master_weights and offload_optimizer:
+            params = updates  # the new masters cast down (see _new_params_from_masters)
+        elif master_weights:
             params = params_from_masters(opt_state, state.params)  # bitwise masters cast down
         else:
             params = optax.apply_updates(state.params, updates)
