@@ -5,6 +5,7 @@ For a ~16M-parameter tree (four 2048x2048 matrices) measures, in one process:
     optax.adamw, jmem adamw_8bit/adamw_4bit) or ``optimizer.step()`` (PyTorch:
     bitsandbytes AdamW8bit, torchao AdamW8bit when installed), with the gradients passed
     in, and for JAX also inside a train step whose gradients come from a matmul,
+  * minor page faults per step (fresh pages of the step's temporary buffers),
   * optimizer-state bytes per parameter,
   * ratio to optax.adamw's time.
 Prints a markdown table and writes benchmarks/results/optimizers.json.
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 
@@ -62,12 +64,17 @@ class _JaxRunner:
             self.p, self.s = self.step(self.p, self.s, grads)
         jax.block_until_ready((self.p, self.s))
         self.times = []
+        self.faults = []
 
     def run_once(self):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         self.p, self.s = self.step(self.p, self.s, self.grads)
         jax.block_until_ready((self.p, self.s))
         self.times.append(time.perf_counter() - t0)
+        # Minor page faults: fresh pages for the step's temporary buffers (XLA:CPU allocates
+        # them anew on each execution).
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 
 def _time_torch(make_opt, params, grads, reps):
@@ -123,6 +130,7 @@ def main():
                 "optimizer": name if mode == "update" else f"{name}, in a train step",
                 "mode": mode, "median_ms": statistics.median(r.times) * 1e3,
                 "min_ms": min(r.times) * 1e3,
+                "page_faults_per_step": statistics.median(r.faults),
                 "state_bytes_per_param": opt_lib.state_bytes(r.s) / n, "skipped": None,
             })
         del runners
@@ -155,15 +163,16 @@ def main():
 
     print(f"\n{n / 1e6:.1f}M params ({args.num} x [{args.dim}, {args.dim}] float32), "
           f"median of {args.reps} steps, {jax.devices()[0].platform}, {os.cpu_count()} CPUs\n")
-    print("| optimizer | median step (ms) | min (ms) | x optax.adamw | state bytes/param |")
-    print("|---|---:|---:|---:|---:|")
+    print("| optimizer | median step (ms) | min (ms) | x optax.adamw | page faults/step | state bytes/param |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if r.get("skipped"):
-            print(f"| {r['optimizer']} | skipped: {r['skipped']} | | | |")
+            print(f"| {r['optimizer']} | skipped: {r['skipped']} | | | | |")
         else:
             mn = f"{r['min_ms']:.1f}" if "min_ms" in r else ""
+            pf = f"{r['page_faults_per_step']:.0f}" if "page_faults_per_step" in r else ""
             print(f"| {r['optimizer']} | {r['median_ms']:.1f} | {mn} | {r['ratio_to_optax_adamw']:.2f} | "
-                  f"{r['state_bytes_per_param']:.3f} |")
+                  f"{pf} | {r['state_bytes_per_param']:.3f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({

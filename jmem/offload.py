@@ -709,8 +709,8 @@ def offload(inner: optax.GradientTransformation, *,
     ``jax.eval_shape(inner.init, params_i)`` with every other param None (key paths;
     optax's and jmem's transforms accept None leaves); a state that does not split
     this way raises. Both are done once per tree structure and shapes (trace time grows
-    faster than linearly with the leaf count: lowering took 1.7 s for 200 leaves and
-    11 s for 800, against 0.6 s and 2.4 s whole-tree). With one parameter leaf this is
+    faster than linearly with the leaf count: several times the whole-tree trace at
+    hundreds of leaves, in a review run). With one parameter leaf this is
     the whole-tree update. Bitwise equality holds under ``jit`` (eagerly, op-by-op
     dispatch can differ from a jitted update by an ulp). Not supported: ``jax.grad``
     through a leaf-by-leaf update (JAX cannot transpose the barrier chain on host-memory
