@@ -1,12 +1,48 @@
 """Re-evaluating a jaxpr with custom rules: the shared core of ``jmem.remat`` (which wraps
 scan bodies in ``jax.checkpoint``) and ``jmem.implicit`` (which swaps matmuls against NF4 /
 LoRA weights). The same walk as ``jax.core.eval_jaxpr``, with a hook per equation.
+
+Also :func:`zero_after`, the ordering dependency used by the quantized optimizers, which
+jaxpr rewriters (``jmem.offload`` leaf by leaf) recognize by :data:`ZERO_AFTER_NAME`.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
+
+ZERO_AFTER_NAME = "_jmem_zero_after"
+
+
+def _jmem_zero_after(*arrays):
+    total = sum(jnp.max(a[:, 0]).astype(jnp.float32) for a in arrays)
+    return total * jnp.float32(0.0)
+
+
+_zero_after = jax.jit(_jmem_zero_after)
+assert _jmem_zero_after.__name__ == ZERO_AFTER_NAME
+
+
+def zero_after(*arrays: jax.Array) -> jax.Array:
+    """A float32 ``+0.0`` that data-depends on ``arrays``; adding it to a scalar orders work.
+
+    XLA:CPU drops ``jax.lax.optimization_barrier`` before scheduling, so only a real data
+    dependency makes one computation wait for another there. ``0 * x`` is not folded by XLA
+    for floats (it would be NaN for an infinite ``x``); here ``x`` is a converted integer, so
+    the result is exactly ``+0.0``. It reads one column of each array (under sharding: a
+    local reduction and a scalar all-reduce). It is a ``jit`` named :data:`ZERO_AFTER_NAME`,
+    so a jaxpr rewriter can replace it by the literal 0 (``jmem.offload`` leaf by leaf, which
+    orders the leaves itself).
+
+    Args:
+      arrays: integer arrays of rank 2 (e.g. ``uint8`` codes ``[num_blocks, width]``).
+
+    Returns:
+      float32 scalar ``0.0``.
+    """
+    return _zero_after(*arrays)
 
 
 def bind_eqn(eqn, invals):

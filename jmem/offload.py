@@ -84,7 +84,7 @@ import numpy as np
 import optax
 from jax.extend import core as jcore
 
-from jmem.interpret import bind_eqn
+from jmem.interpret import ZERO_AFTER_NAME, bind_eqn
 
 __all__ = ["offload", "to_host", "to_device", "abstract_like", "memory_kinds"]
 
@@ -508,6 +508,12 @@ def _trace_program(inner: Any, u_def: Any, u_leaves: list, p_leaves: list | None
       ins = [v if isinstance(v, jcore.Literal) else ref_of[v] for v in eqn.invars]
       d = functools.reduce(
           operator.or_, (deps[r] for r in ins if not isinstance(r, jcore.Literal)), 0)
+      if eqn.params.get("name") == ZERO_AFTER_NAME and eqn.primitive.name in ("pjit", "jit"):
+        # An ordering dependency between leaves (jmem's quantized optimizers): its value is
+        # exactly 0 and the leaves are ordered here anyway, so it becomes the literal 0.
+        for v in eqn.outvars:
+          ref_of[v] = jcore.Literal(np.zeros((), v.aval.dtype), v.aval)
+        continue
       body = _call_body(eqn)
       if body is not None and d & (d - 1):  # spans several leaves: inline
         shardings = (*eqn.params.get("in_shardings", ()), *eqn.params.get("out_shardings", ()))

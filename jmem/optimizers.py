@@ -14,6 +14,22 @@ gradient entering the second moment is also clamped to half the largest float32,
 huge finite gradient cannot store ``inf``. To skip whole steps with non-finite gradients,
 wrap the optimizer in ``optax.apply_if_finite``.
 
+Transients: each step dequantizes a tensor's moments to float32, so the update needs float32
+temporaries of about 8 bytes per element (4-bit: 9, with the unpacked codes) of the tensor
+being updated. Left to itself XLA schedules these for every tensor at once (8 bytes per
+trainable parameter: 54 GB for a 7B model). Here the tensors are updated one after another:
+each tensor's moments wait, through a data dependency on an exact zero computed from the
+previous tensor's new codes (``jmem.interpret.zero_after``; XLA:CPU drops
+``optimization_barrier`` before scheduling), until the previous tensor is requantized. A
+tensor with more than ``chunk_size`` elements (default ``2**24``, e.g. the layer-stacked
+weights of ``jmem.models.llama``) is updated in equal chunks of whole blocks in a
+``fori_loop``; chunk ``j`` holds blocks ``j, j + k, j + 2k, ...`` so a blocks axis sharded
+over devices is sliced locally, the update overwrites the gradient's blocks in place and the
+new codes the old ones. The temporaries of the update are then about
+``8 * min(largest tensor, chunk_size)`` bytes (128 MiB by default), and a full fine-tuning
+step needs no more temporaries than with ``optax.sgd`` (``benchmarks/optimizer_memory.py``).
+Under sharding each ordering dependency is one scalar all-reduce.
+
 Sources:
   * Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization" (arXiv:2110.02861);
     reference implementation ``bitsandbytes.optim.AdamW8bit`` (block size 256, signed dynamic
@@ -43,6 +59,7 @@ import numpy as np
 import optax
 
 from jmem import quantization as qz
+from jmem.interpret import zero_after
 
 __all__ = [
     "ScaleByQuantizedAdamState",
@@ -110,6 +127,16 @@ def _nu_decode_values(code: tuple[float, ...]) -> np.ndarray:
     return np.where(c == 0, pos.min() / 2, c).astype(np.float32)
 
 
+def _num_chunks(num_blocks: int, block_size: int, chunk_size: int) -> int:
+    """Chunks to update a tensor of ``num_blocks`` blocks in: 1 if it fits ``chunk_size``
+    elements, else the smallest divisor of ``num_blocks`` in ``[k, 4k]`` with ``k`` the
+    minimum count (chunks are equal), or 1 (no chunking) if there is none."""
+    k = -(-num_blocks * block_size // chunk_size)
+    if k <= 1:
+        return 1
+    return next((d for d in range(k, min(4 * k, num_blocks) + 1) if num_blocks % d == 0), 1)
+
+
 def scale_by_quantized_adam(
     b1: jax.typing.ArrayLike = 0.9,
     b2: jax.typing.ArrayLike = 0.999,
@@ -119,6 +146,7 @@ def scale_by_quantized_adam(
     nu_code: Any,
     block_size: int = 256,
     min_quantized_size: int = 4096,
+    chunk_size: int = 1 << 24,
 ) -> optax.GradientTransformation:
     """Adam scaling (``optax.scale_by_adam``) with block-wise quantized moments.
 
@@ -131,6 +159,9 @@ def scale_by_quantized_adam(
       block_size: elements per quantization block.
       min_quantized_size: parameters with fewer elements (global ``x.size``, never a shard's
         size) keep float32 moments.
+      chunk_size: elements (global) updated at a time within one tensor: larger tensors are
+        updated in chunks of whole blocks (see the module docstring, "Transients"), so their
+        float32 transients are about ``8 * chunk_size`` bytes, not 8 per element.
 
     Returns:
       ``optax.GradientTransformation``; updates have the gradients' shapes and dtypes, the
@@ -141,6 +172,9 @@ def scale_by_quantized_adam(
     """
     mu_code = qz._canonical_code(mu_code)
     nu_code = qz._canonical_code(nu_code)
+    chunk = _static_int(chunk_size, "chunk_size")
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}.")
 
     def init_fn(params):
         bs = _static_int(block_size, "block_size")
@@ -177,7 +211,7 @@ def scale_by_quantized_adam(
         c1 = 1.0 - b1_**t
         c2 = 1.0 - b2_**t
 
-        def moments(g, m, v):
+        def moments(g, m, v, b1_, b2_):
             # Non-finite elements act as zero; a huge finite gradient is clipped to
             # +-sqrt(MAX / 2), so g * g <= MAX / 2 and, by induction, v stays finite for any
             # b2 in [0, 1] while m / sqrt(v) stays the bounded Adam ratio (no m without its v).
@@ -189,27 +223,72 @@ def scale_by_quantized_adam(
             u = (m / c1) / (jnp.sqrt(v / c2) + eps_)
             return u, m, v
 
-        def leaf(g, mq, vq):
+        def blocks_update(gb, mcodes, mabs, vcodes, vabs, mq, vq, lb1, lb2):
+            """One run of whole blocks: float32 [r, bs] grads -> (u, m codes/absmax, v ...)."""
+            m = qz.dequantize_blocks(mcodes, mabs, mq.code)
+            v = qz.dequantize_blocks(vcodes, vabs, vq.code, _nu_decode_values(vq.code))
+            u, m, v = moments(gb, m, v, lb1, lb2)
+            return u, qz.quantize_blocks(m, mq.code), qz.quantize_blocks(v, vq.code)
+
+        def leaf(g, mq, vq, after):
+            """(update, new mu, new nu, ordering zero for the next leaf) of one leaf."""
             if g is None:
-                return None, mq, vq
+                return None, mq, vq, after
             if not _is_q(mq):
-                u, m, v = moments(g.astype(jnp.float32), mq, vq)
-                return u.astype(g.dtype), m, v
+                u, m, v = moments(g.astype(jnp.float32), mq, vq, b1_, b2_)
+                return u.astype(g.dtype), m, v, after
+            # `after` is a float32 zero computed from the previous quantized leaf's new codes
+            # (or None): adding it to b1/b2 (and the packed codes, whose unpacking is a
+            # separate op) makes this leaf's float32 moments start only once the previous
+            # leaf's are requantized, so that one leaf's transients are live at a time.
+            lb1, lb2 = (b1_, b2_) if after is None else (b1_ + after, b2_ + after)
+            mcodes, vcodes = mq.codes, vq.codes
+            if after is not None and mq.bits == 4:
+                zero = after.astype(jnp.uint8)
+                mcodes, vcodes = mcodes | zero, vcodes | zero
             bs = mq.block_size
-            gb = qz.to_blocks(g.astype(jnp.float32), bs)
-            m = qz.dequantize_blocks(mq.codes, mq.absmax, mq.code)
-            v = qz.dequantize_blocks(vq.codes, vq.absmax, vq.code, _nu_decode_values(vq.code))
-            u, m, v = moments(gb, m, v)
-            mc, ma = qz.quantize_blocks(m, mq.code)
-            vc, va = qz.quantize_blocks(v, vq.code)
+            gb = qz.to_blocks(g, bs)
+            nb = gb.shape[0]
+            k = _num_chunks(nb, bs, chunk)
+            if k == 1:
+                u, (mc, ma), (vc, va) = blocks_update(
+                    gb.astype(jnp.float32), mcodes, mq.absmax, vcodes, vq.absmax, mq, vq, lb1, lb2)
+                u = qz.from_blocks(u, g.shape, g.dtype)
+            else:
+                # Chunk j holds blocks j, j + k, j + 2k, ...: a slice of an unsharded axis of
+                # [nb / k, k, ...], so a blocks axis sharded over devices stays local. The
+                # update overwrites the gradient's blocks in place (it has their dtype) and
+                # the new codes overwrite the old ones, so the float32 transients are one
+                # chunk's.
+                r = nb // k
+                split = lambda x: x.reshape(r, k, *x.shape[1:])  # noqa: E731
+                take = lambda x, j: jax.lax.dynamic_index_in_dim(x, j, 1, keepdims=False)  # noqa: E731
+                put = lambda x, y, j: jax.lax.dynamic_update_index_in_dim(x, y, j, 1)  # noqa: E731
+
+                def body(j, carry):
+                    ub, mcb, vcb, mab, vab = carry
+                    u, (mc, ma), (vc, va) = blocks_update(
+                        take(ub, j).astype(jnp.float32), take(mcb, j), take(mab, j),
+                        take(vcb, j), take(vab, j), mq, vq, lb1, lb2)
+                    return (put(ub, u.astype(ub.dtype), j), put(mcb, mc, j), put(vcb, vc, j),
+                            put(mab, ma, j), put(vab, va, j))
+
+                ub, mc, vc, ma, va = jax.lax.fori_loop(0, k, body, tuple(map(split, (
+                    gb, mcodes, vcodes, mq.absmax, vq.absmax))))
+                u = qz.from_blocks(ub.reshape(nb, bs), g.shape, g.dtype)
+                mc, vc = mc.reshape(nb, -1), vc.reshape(nb, -1)
+                ma, va = ma.reshape(nb), va.reshape(nb)
             mq = qz.QuantizedArray(mc, ma, mq.shape, mq.dtype, bs, mq.code)
             vq = qz.QuantizedArray(vc, va, vq.shape, vq.dtype, bs, vq.code)
-            return qz.from_blocks(u, g.shape, g.dtype), mq, vq
+            return u, mq, vq, zero_after(mc, vc)
 
         g_leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
         mu_leaves = treedef.flatten_up_to(state.mu)
         nu_leaves = treedef.flatten_up_to(state.nu)
-        out = [leaf(g, m, v) for g, m, v in zip(g_leaves, mu_leaves, nu_leaves)]
+        out, after = [], None
+        for g, m, v in zip(g_leaves, mu_leaves, nu_leaves):
+            u, m, v, after = leaf(g, m, v, after)
+            out.append((u, m, v))
         new_updates = treedef.unflatten([o[0] for o in out])
         mu = treedef.unflatten([o[1] for o in out])
         nu = treedef.unflatten([o[2] for o in out])
