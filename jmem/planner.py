@@ -567,9 +567,9 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     notes: list[str] = []
     detail: dict[str, int] = {}
     if opt.bits < 32:
-        notes.append("not counted: float32 transients of the quantized update (dequantized m and "
-                     "v, up to 8 bytes per trainable parameter where the compiler materializes "
-                     "them, as XLA:CPU does; check with jmem.measure)")
+        notes.append("not counted: float32 transients of the quantized update, one tensor or "
+                     "chunk at a time (jmem.optimizers: <= 8 bytes x min(largest tensor, "
+                     "chunk_size=2**24 elements), ~128 MiB)")
 
     if spec is None:
         trainable = n
