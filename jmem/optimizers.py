@@ -24,11 +24,14 @@ previous tensor's new codes (``jmem.interpret.zero_after``; XLA:CPU drops
 tensor with more than ``chunk_size`` elements (default ``2**24``, e.g. the layer-stacked
 weights of ``jmem.models.llama``) is updated in equal chunks of whole blocks in a
 ``fori_loop``; chunk ``j`` holds blocks ``j, j + k, j + 2k, ...`` so a blocks axis sharded
-over devices is sliced locally, the update overwrites the gradient's blocks in place and the
-new codes the old ones. The temporaries of the update are then about
+over devices is sliced locally (``k`` is picked so that the blocks of a chunk divide by up to
+256 devices where the block count allows), the update overwrites the gradient's blocks in
+place and the new codes the old ones. The temporaries of the update are then about
 ``8 * min(largest tensor, chunk_size)`` bytes (128 MiB by default), and a full fine-tuning
 step needs no more temporaries than with ``optax.sgd`` (``benchmarks/optimizer_memory.py``).
-Under sharding each ordering dependency is one scalar all-reduce.
+A tensor whose block count has no divisor giving chunks between ``chunk_size / 64`` and
+``chunk_size`` elements (e.g. a prime count) is updated whole, with a warning. Under sharding
+each ordering dependency is one scalar all-reduce.
 
 Sources:
   * Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization" (arXiv:2110.02861);
@@ -51,6 +54,7 @@ problem; it showed up on embedding rows of rare tokens). bitsandbytes decodes it
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -62,6 +66,7 @@ from jmem import quantization as qz
 from jmem.interpret import zero_after
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "ScaleByQuantizedAdamState",
     "scale_by_quantized_adam",
     "adam_8bit",
@@ -73,6 +78,8 @@ __all__ = [
 ]
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
+#: Elements of a tensor updated at a time by the quantized optimizers (``chunk_size=None``).
+DEFAULT_CHUNK_SIZE = 1 << 24
 _F32_MAX = float(np.finfo(np.float32).max)
 _G_MAX = float(np.sqrt(np.float32(0.5) * np.finfo(np.float32).max))  # |g| clip: g*g <= MAX/2
 
@@ -93,19 +100,23 @@ class ScaleByQuantizedAdamState(NamedTuple):
 
 
 def _static_int(value: Any, name: str) -> int:
-    """int() of a Python or concrete array value (inject_hyperparams turns ints into arrays)."""
+    """int() of a Python or concrete array value (inject_hyperparams turns ints into arrays).
+
+    Raises:
+      TypeError: ``value`` is traced, or not an integer (a bool, a float, a string).
+    """
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"{name} is traced: under optax.inject_hyperparams the block size and the 8-bit "
-            "size threshold must stay static, e.g. optax.inject_hyperparams(jmem.adamw_8bit, "
-            "static_args=('block_size', 'min_8bit_size'))(learning_rate=...), or call init "
-            "outside a traced function."
+            f"{name} is traced: under optax.inject_hyperparams the integer arguments (block "
+            "size, size threshold, chunk size) must stay static, e.g. "
+            "optax.inject_hyperparams(jmem.adamw_8bit, static_args=('block_size', "
+            "'min_8bit_size', 'chunk_size'))(learning_rate=...), or call init outside a traced "
+            "function."
         )
-    try:
-        out = int(np.asarray(value))
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name} must be an integer, got {value!r}.") from e
-    return out
+    arr = np.asarray(value)
+    if isinstance(value, bool) or arr.dtype.kind not in "iu" or arr.ndim:
+        raise TypeError(f"{name} must be an integer, got {value!r}.")
+    return int(arr)
 
 
 def _is_q(x: Any) -> bool:
@@ -128,13 +139,29 @@ def _nu_decode_values(code: tuple[float, ...]) -> np.ndarray:
 
 
 def _num_chunks(num_blocks: int, block_size: int, chunk_size: int) -> int:
-    """Chunks to update a tensor of ``num_blocks`` blocks in: 1 if it fits ``chunk_size``
-    elements, else the smallest divisor of ``num_blocks`` in ``[k, 4k]`` with ``k`` the
-    minimum count (chunks are equal), or 1 (no chunking) if there is none."""
-    k = -(-num_blocks * block_size // chunk_size)
-    if k <= 1:
+    """How many equal chunks to update a tensor of ``num_blocks`` blocks in.
+
+    1 if it fits ``chunk_size`` elements. Else a divisor ``k`` of ``num_blocks`` between the
+    minimum count ``k0`` (chunks of at most ``chunk_size`` elements, at least one block) and
+    ``64 * k0``, chosen so that ``num_blocks / k``, the blocks of a chunk, keeps as many
+    factors of 2 as possible up to ``2**8`` (then the smallest such ``k``): chunk ``j`` is
+    blocks ``j, j + k, ...``, and it is a local slice on every device when the blocks axis
+    is split over a number of devices dividing ``num_blocks / k``. 1 (no chunking) if there
+    is no such divisor, e.g. for a prime ``num_blocks``.
+    """
+    per_chunk = max(1, chunk_size // block_size)
+    k0 = -(-num_blocks // per_chunk)
+    if k0 <= 1:
         return 1
-    return next((d for d in range(k, min(4 * k, num_blocks) + 1) if num_blocks % d == 0), 1)
+    divisors = [d for d in range(k0, min(64 * k0, num_blocks) + 1) if num_blocks % d == 0]
+    if not divisors:
+        return 1
+
+    def twos(d):  # factors of 2 in the blocks per chunk, capped at 8 (256 devices)
+        r = num_blocks // d
+        return min((r & -r).bit_length() - 1, 8)
+
+    return max(divisors, key=lambda d: (twos(d), -d))
 
 
 def scale_by_quantized_adam(
@@ -146,7 +173,7 @@ def scale_by_quantized_adam(
     nu_code: Any,
     block_size: int = 256,
     min_quantized_size: int = 4096,
-    chunk_size: int = 1 << 24,
+    chunk_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """Adam scaling (``optax.scale_by_adam``) with block-wise quantized moments.
 
@@ -159,9 +186,11 @@ def scale_by_quantized_adam(
       block_size: elements per quantization block.
       min_quantized_size: parameters with fewer elements (global ``x.size``, never a shard's
         size) keep float32 moments.
-      chunk_size: elements (global) updated at a time within one tensor: larger tensors are
-        updated in chunks of whole blocks (see the module docstring, "Transients"), so their
-        float32 transients are about ``8 * chunk_size`` bytes, not 8 per element.
+      chunk_size: elements (global) updated at a time within one tensor (None:
+        ``DEFAULT_CHUNK_SIZE``, ``2**24``): larger tensors are updated in chunks of whole
+        blocks (module docstring, "Transients"), so their float32 transients are about
+        ``8 * chunk_size`` bytes, not 8 per element. Under ``optax.inject_hyperparams`` an
+        explicit value must be in ``static_args``.
 
     Returns:
       ``optax.GradientTransformation``; updates have the gradients' shapes and dtypes, the
@@ -172,7 +201,7 @@ def scale_by_quantized_adam(
     """
     mu_code = qz._canonical_code(mu_code)
     nu_code = qz._canonical_code(nu_code)
-    chunk = _static_int(chunk_size, "chunk_size")
+    chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else _static_int(chunk_size, "chunk_size")
     if chunk < 1:
         raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}.")
 
@@ -211,7 +240,7 @@ def scale_by_quantized_adam(
         c1 = 1.0 - b1_**t
         c2 = 1.0 - b2_**t
 
-        def moments(g, m, v, b1_, b2_):
+        def moments(g, m, v):
             # Non-finite elements act as zero; a huge finite gradient is clipped to
             # +-sqrt(MAX / 2), so g * g <= MAX / 2 and, by induction, v stays finite for any
             # b2 in [0, 1] while m / sqrt(v) stays the bounded Adam ratio (no m without its v).
@@ -223,11 +252,11 @@ def scale_by_quantized_adam(
             u = (m / c1) / (jnp.sqrt(v / c2) + eps_)
             return u, m, v
 
-        def blocks_update(gb, mcodes, mabs, vcodes, vabs, mq, vq, lb1, lb2):
+        def blocks_update(gb, mcodes, mabs, vcodes, vabs, mq, vq):
             """One run of whole blocks: float32 [r, bs] grads -> (u, m codes/absmax, v ...)."""
             m = qz.dequantize_blocks(mcodes, mabs, mq.code)
             v = qz.dequantize_blocks(vcodes, vabs, vq.code, _nu_decode_values(vq.code))
-            u, m, v = moments(gb, m, v, lb1, lb2)
+            u, m, v = moments(gb, m, v)
             return u, qz.quantize_blocks(m, mq.code), qz.quantize_blocks(v, vq.code)
 
         def leaf(g, mq, vq, after):
@@ -235,24 +264,29 @@ def scale_by_quantized_adam(
             if g is None:
                 return None, mq, vq, after
             if not _is_q(mq):
-                u, m, v = moments(g.astype(jnp.float32), mq, vq, b1_, b2_)
+                u, m, v = moments(g.astype(jnp.float32), mq, vq)
                 return u.astype(g.dtype), m, v, after
             # `after` is a float32 zero computed from the previous quantized leaf's new codes
-            # (or None): adding it to b1/b2 (and the packed codes, whose unpacking is a
-            # separate op) makes this leaf's float32 moments start only once the previous
+            # (or None): OR-ing it into this leaf's codes (exact, and the constants b1/b2 stay
+            # constants) makes this leaf's float32 moments start only once the previous
             # leaf's are requantized, so that one leaf's transients are live at a time.
-            lb1, lb2 = (b1_, b2_) if after is None else (b1_ + after, b2_ + after)
             mcodes, vcodes = mq.codes, vq.codes
-            if after is not None and mq.bits == 4:
+            if after is not None:
                 zero = after.astype(jnp.uint8)
                 mcodes, vcodes = mcodes | zero, vcodes | zero
             bs = mq.block_size
             gb = qz.to_blocks(g, bs)
             nb = gb.shape[0]
             k = _num_chunks(nb, bs, chunk)
+            if k == 1 and nb * bs > chunk:
+                warnings.warn(
+                    f"jmem quantized Adam: a tensor of shape {tuple(g.shape)} ({nb} blocks) is "
+                    f"updated whole, not in chunks of chunk_size={chunk} elements: no divisor of "
+                    f"its block count gives chunks of about that size. Its float32 transients "
+                    f"are about {8 * nb * bs / 2**20:.0f} MiB.", stacklevel=2)
             if k == 1:
                 u, (mc, ma), (vc, va) = blocks_update(
-                    gb.astype(jnp.float32), mcodes, mq.absmax, vcodes, vq.absmax, mq, vq, lb1, lb2)
+                    gb.astype(jnp.float32), mcodes, mq.absmax, vcodes, vq.absmax, mq, vq)
                 u = qz.from_blocks(u, g.shape, g.dtype)
             else:
                 # Chunk j holds blocks j, j + k, j + 2k, ...: a slice of an unsharded axis of
@@ -269,7 +303,7 @@ def scale_by_quantized_adam(
                     ub, mcb, vcb, mab, vab = carry
                     u, (mc, ma), (vc, va) = blocks_update(
                         take(ub, j).astype(jnp.float32), take(mcb, j), take(mab, j),
-                        take(vcb, j), take(vab, j), mq, vq, lb1, lb2)
+                        take(vcb, j), take(vab, j), mq, vq)
                     return (put(ub, u.astype(ub.dtype), j), put(mcb, mc, j), put(vcb, vc, j),
                             put(mab, ma, j), put(vab, va, j))
 
@@ -309,10 +343,12 @@ def _make(
     nu_code,
     block_size,
     min_size,
+    chunk_size,
 ) -> optax.GradientTransformation:
     parts = [
         scale_by_quantized_adam(
-            b1, b2, eps, mu_code=mu_code, nu_code=nu_code, block_size=block_size, min_quantized_size=min_size
+            b1, b2, eps, mu_code=mu_code, nu_code=nu_code, block_size=block_size,
+            min_quantized_size=min_size, chunk_size=chunk_size,
         )
     ]
     if weight_decay is not None:
@@ -329,6 +365,7 @@ def adam_8bit(
     *,
     block_size: int = 256,
     min_8bit_size: int = 4096,
+    chunk_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """Adam with 8-bit block-wise quantized moments (bitsandbytes ``Adam8bit``).
 
@@ -342,6 +379,9 @@ def adam_8bit(
       b1, b2, eps: as ``optax.adam``.
       block_size: elements per quantization block (bitsandbytes: 256).
       min_8bit_size: tensors with fewer elements (global size) keep float32 moments.
+      chunk_size: larger tensors are updated in chunks of about this many elements (None:
+        ``2**24``), which bounds the update's float32 transients (module docstring,
+        "Transients").
 
     Returns:
       ``optax.GradientTransformation`` (works inside ``optax.chain`` and
@@ -353,7 +393,7 @@ def adam_8bit(
     return _make(
         learning_rate, b1, b2, eps, None, None,
         mu_code=qz.dynamic_map(True, 8), nu_code=qz.dynamic_map(False, 8),
-        block_size=block_size, min_size=min_8bit_size,
+        block_size=block_size, min_size=min_8bit_size, chunk_size=chunk_size,
     )
 
 
@@ -367,6 +407,7 @@ def adamw_8bit(
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     block_size: int = 256,
     min_8bit_size: int = 4096,
+    chunk_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """AdamW with 8-bit block-wise quantized moments (bitsandbytes ``AdamW8bit``).
 
@@ -382,6 +423,9 @@ def adamw_8bit(
         bitsandbytes).
       block_size: elements per quantization block (bitsandbytes: 256).
       min_8bit_size: tensors with fewer elements (global size) keep float32 moments.
+      chunk_size: larger tensors are updated in chunks of about this many elements (None:
+        ``2**24``), which bounds the update's float32 transients (module docstring,
+        "Transients").
 
     Returns:
       ``optax.GradientTransformation``.
@@ -392,7 +436,7 @@ def adamw_8bit(
     return _make(
         learning_rate, b1, b2, eps, weight_decay, mask,
         mu_code=qz.dynamic_map(True, 8), nu_code=qz.dynamic_map(False, 8),
-        block_size=block_size, min_size=min_8bit_size,
+        block_size=block_size, min_size=min_8bit_size, chunk_size=chunk_size,
     )
 
 
@@ -415,12 +459,13 @@ def adam_4bit(
     block_size: int = 128,
     min_4bit_size: int = 4096,
     nu_map: str = "dynamic_no_zero",
+    chunk_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """Adam with 4-bit block-wise quantized moments (Li et al. 2023); see :func:`adamw_4bit`."""
     return _make(
         learning_rate, b1, b2, eps, None, None,
         mu_code=qz.dynamic_map(True, 4), nu_code=_nu_map_4bit(nu_map),
-        block_size=block_size, min_size=min_4bit_size,
+        block_size=block_size, min_size=min_4bit_size, chunk_size=chunk_size,
     )
 
 
@@ -435,6 +480,7 @@ def adamw_4bit(
     block_size: int = 128,
     min_4bit_size: int = 4096,
     nu_map: str = "dynamic_no_zero",
+    chunk_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """AdamW with 4-bit moments after Li et al. 2023, "Memory Efficient Optimizers with 4-bit
     States" (arXiv:2309.01507).
@@ -453,6 +499,7 @@ def adamw_4bit(
       learning_rate, b1, b2, eps, weight_decay, mask: as :func:`adamw_8bit`.
       block_size: elements per block (even; paper: 128).
       min_4bit_size: tensors with fewer elements (global size) keep float32 moments.
+      chunk_size: as :func:`adamw_8bit`.
       nu_map: ``"linear"`` or ``"dynamic_no_zero"``.
 
     Returns:
@@ -464,7 +511,7 @@ def adamw_4bit(
     return _make(
         learning_rate, b1, b2, eps, weight_decay, mask,
         mu_code=qz.dynamic_map(True, 4), nu_code=_nu_map_4bit(nu_map),
-        block_size=block_size, min_size=min_4bit_size,
+        block_size=block_size, min_size=min_4bit_size, chunk_size=chunk_size,
     )
 
 

@@ -432,9 +432,23 @@ def test_chunked_update_transients_are_one_chunk():
 def test_num_chunks():
     assert opt_lib._num_chunks(100, 256, 1 << 24) == 1
     assert opt_lib._num_chunks(5636096, 256, 1 << 24) == 86  # Llama-2-7B MLP, 32 layers stacked
-    assert opt_lib._num_chunks(512000, 256, 1 << 24) == 8  # 7B embedding
-    assert opt_lib._num_chunks(101, 256, 256) == 101  # prime block count: one block a chunk
-    assert opt_lib._num_chunks(1009 * 2, 256, 256 * 4) == 1009  # divisor within [k, 4k]
-    assert opt_lib._num_chunks(1009 * 2, 256, 256 * 200) == 1  # none within [11, 44]: whole
+    assert opt_lib._num_chunks(512000, 256, 1 << 24) == 8  # Llama-2-7B embedding
+    # Falcon-7B embedding (2**7 * 71 * 127 blocks): 71 chunks of 2**7 * 127 blocks, which
+    # divide by 8 devices (32 chunks, the smallest count, would leave 4 * 9017 blocks).
+    assert opt_lib._num_chunks(1154176, 256, 1 << 24) == 71
+    assert opt_lib._num_chunks(1024, 256, 128) == 1024  # chunk below a block: one block each
+    assert opt_lib._num_chunks(1009 * 2, 256, 256 * 4) == 1009
+    assert opt_lib._num_chunks(65537, 256, 1 << 24) == 1  # prime block count: whole
     with pytest.raises(ValueError, match="chunk_size"):
         _quantized_adam(8, 0)
+    for bad in (1.5, True, "4096"):
+        with pytest.raises(TypeError, match="chunk_size must be an integer"):
+            opt_lib.adamw_8bit(1e-3, chunk_size=bad)
+
+
+def test_unchunkable_tensor_warns():
+    # 1031 blocks (prime), chunks of 512 blocks: no divisor in [3, 192].
+    tx = _quantized_adam(8, 256 * 512)
+    params = {"w": jnp.zeros((1031, 256), jnp.float32)}
+    with pytest.warns(UserWarning, match=r"updated whole.*chunk_size=131072"):
+        tx.update(params, tx.init(params), params)
