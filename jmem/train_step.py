@@ -305,8 +305,18 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
             # A branch, not a select of old and new values: the update can then write the
             # state in place (a select keeps the old state alive next to the new one, which
             # costs a copy of any state leaf updated through a loop, e.g. chunked 8-bit Adam).
-            params, opt_state = jax.lax.cond(
-                finite, apply, lambda g, s, p: (p, s), grads, state.opt_state, state.params)
+            try:
+                params, opt_state = jax.lax.cond(
+                    finite, apply, lambda g, s, p: (p, s), grads, state.opt_state, state.params)
+            except TypeError as e:
+                if "branch" not in str(e):
+                    raise
+                raise TypeError(
+                    "train_step(skip_nonfinite=True): the optimizer's update returns params or a "
+                    "state whose types differ from those it was given (a skipped step keeps the "
+                    "old ones, so they must match; e.g. a state leaf whose dtype changes after "
+                    f"the first step). Initialize the state in the dtypes the update returns, or "
+                    f"pass skip_nonfinite=False. JAX said: {e}") from e
         else:
             params, opt_state = apply(grads, state.opt_state, state.params)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,

@@ -299,3 +299,15 @@ def test_update_and_skipping_need_no_temporaries_beyond_sgd(make_opt):
     n = sum(x.size for x in jax.tree.leaves(params))
     floor, ours = temp(optax.sgd(1e-3)), temp(make_opt())
     assert ours <= floor + 0.05 * n, (ours, floor, n)
+
+
+def test_state_changing_dtype_is_a_clear_error_when_skipping():
+    # A skipped step keeps the old state, so the update must return the types it was given.
+    def counts_as_float():
+        return optax.GradientTransformation(
+            lambda p: {"c": jnp.zeros([], jnp.int32)},
+            lambda u, s, p=None: (u, {"c": s["c"].astype(jnp.float32) + 1}))
+
+    step = train_step(lambda p, b: jnp.sum(p["w"] * b), optax.chain(counts_as_float(), optax.sgd(1e-3)))
+    with pytest.raises(TypeError, match="skip_nonfinite=True.*types differ.*skip_nonfinite=False"):
+        step(step.init({"w": jnp.ones(3)}), jnp.ones(3))
