@@ -17,17 +17,19 @@ wrap the optimizer in ``optax.apply_if_finite``.
 Transients: each step dequantizes a tensor's moments to float32, so the update needs float32
 temporaries of about 8 bytes per element (4-bit: 9, with the unpacked codes) of the tensor
 being updated. Left to itself XLA schedules these for every tensor at once (8 bytes per
-trainable parameter: 54 GB for a 7B model). Here the tensors are updated one after another:
-each tensor's moments wait, through a data dependency on an exact zero computed from the
-previous tensor's new codes (``jmem.interpret.zero_after``; XLA:CPU drops
-``optimization_barrier`` before scheduling), until the previous tensor is requantized. A
+trainable parameter: 54 GB for a 7B model). Here the tensors are updated in groups of at
+least ``chunk_size / 16`` elements (a large tensor is a group of its own; the small ones of
+a group run concurrently), one group after another: each group's moments wait, through a
+data dependency on an exact zero computed from the previous group's new codes
+(``jmem.interpret.zero_after``, OR-ed into the codes; XLA:CPU drops
+``optimization_barrier`` before scheduling), until the previous group is requantized. A
 tensor with more than ``chunk_size`` elements (default ``2**24``, e.g. the layer-stacked
 weights of ``jmem.models.llama``) is updated in equal chunks of whole blocks in a
 ``fori_loop``; chunk ``j`` holds blocks ``j, j + k, j + 2k, ...`` so a blocks axis sharded
 over devices is sliced locally (``k`` is picked so that the blocks of a chunk divide by up to
 256 devices where the block count allows), the update overwrites the gradient's blocks in
 place and the new codes the old ones. The temporaries of the update are then about
-``8 * min(largest tensor, chunk_size)`` bytes (128 MiB by default), and a full fine-tuning
+``8 * min(largest group, chunk_size)`` bytes (128 MiB by default), and a full fine-tuning
 step needs no more temporaries than with ``optax.sgd`` (``benchmarks/optimizer_memory.py``).
 A tensor whose block count has no divisor giving chunks between ``chunk_size / 64`` and
 ``chunk_size`` elements (e.g. a prime count) is updated whole, with a warning. Under sharding
@@ -260,16 +262,16 @@ def scale_by_quantized_adam(
             return u, qz.quantize_blocks(m, mq.code), qz.quantize_blocks(v, vq.code)
 
         def leaf(g, mq, vq, after):
-            """(update, new mu, new nu, ordering zero for the next leaf) of one leaf."""
+            """(update, new mu, new nu) of one leaf."""
             if g is None:
-                return None, mq, vq, after
+                return None, mq, vq
             if not _is_q(mq):
                 u, m, v = moments(g.astype(jnp.float32), mq, vq)
-                return u.astype(g.dtype), m, v, after
-            # `after` is a float32 zero computed from the previous quantized leaf's new codes
-            # (or None): OR-ing it into this leaf's codes (exact, and the constants b1/b2 stay
+                return u.astype(g.dtype), m, v
+            # `after` is a float32 zero computed from the previous group's new codes (or
+            # None): OR-ing it into this leaf's codes (exact, and the constants b1/b2 stay
             # constants) makes this leaf's float32 moments start only once the previous
-            # leaf's are requantized, so that one leaf's transients are live at a time.
+            # group is requantized, so that one group's transients are live at a time.
             mcodes, vcodes = mq.codes, vq.codes
             if after is not None:
                 zero = after.astype(jnp.uint8)
@@ -314,15 +316,25 @@ def scale_by_quantized_adam(
                 ma, va = ma.reshape(nb), va.reshape(nb)
             mq = qz.QuantizedArray(mc, ma, mq.shape, mq.dtype, bs, mq.code)
             vq = qz.QuantizedArray(vc, va, vq.shape, vq.dtype, bs, vq.code)
-            return u, mq, vq, zero_after(mc, vc)
+            return u, mq, vq
 
         g_leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
         mu_leaves = treedef.flatten_up_to(state.mu)
         nu_leaves = treedef.flatten_up_to(state.nu)
-        out, after = [], None
+        # Leaves are updated in groups of at least chunk / 16 elements (a larger tensor is a
+        # group of its own): the leaves of a group run concurrently (many small tensors keep
+        # the CPU's cores busy), each group waits for the previous one's new codes.
+        out, after, group, group_size = [], None, [], 0
         for g, m, v in zip(g_leaves, mu_leaves, nu_leaves):
-            u, m, v, after = leaf(g, m, v, after)
-            out.append((u, m, v))
+            if group and g is not None and _is_q(m) and m.size * 16 >= chunk:
+                after, group, group_size = zero_after(*group), [], 0  # a large tensor alone
+            u, m_new, v_new = leaf(g, m, v, after)
+            out.append((u, m_new, v_new))
+            if g is not None and _is_q(m_new):
+                group += [m_new.codes, v_new.codes]
+                group_size += m_new.size
+                if group_size * 16 >= chunk:
+                    after, group, group_size = zero_after(*group), [], 0
         new_updates = treedef.unflatten([o[0] for o in out])
         mu = treedef.unflatten([o[1] for o in out])
         nu = treedef.unflatten([o[2] for o in out])

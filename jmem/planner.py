@@ -567,9 +567,9 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     notes: list[str] = []
     detail: dict[str, int] = {}
     if opt.bits < 32:
-        notes.append("not counted: float32 transients of the quantized update, one tensor or "
-                     "chunk at a time (jmem.optimizers: <= 8 bytes x min(largest tensor, "
-                     "chunk_size=2**24 elements), ~128 MiB)")
+        notes.append("not counted: float32 transients of the quantized update, one group of "
+                     "tensors or one chunk at a time (jmem.optimizers: about 8 bytes x "
+                     "chunk_size=2**24 elements, ~128 MiB)")
 
     if spec is None:
         trainable = n

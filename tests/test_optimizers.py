@@ -346,15 +346,19 @@ def _update_temp_bytes(tx, params):
 
 
 @pytest.mark.parametrize("factory, per_element", [(opt_lib.adamw_8bit, 8), (opt_lib.adamw_4bit, 9)])
-def test_update_transients_are_one_leaf_at_a_time(factory, per_element):
-    # The float32 moments of the update are transients; the leaves are ordered so that at
-    # most one leaf's are live: 8 bytes per element of that leaf (4-bit: + the unpacked
-    # codes), whatever the number of leaves. Without the ordering XLA:CPU kept all 16 (8x).
+def test_update_transients_are_one_group_at_a_time(factory, per_element):
+    # The float32 moments of the update are transients; the leaves are updated in groups of
+    # at least chunk_size / 16 elements, one group after another: 8 bytes per element of a
+    # group (4-bit: + the unpacked codes), whatever the number of leaves. Without the
+    # ordering XLA:CPU kept all of them (16x here).
     leaf = 256 * 256
     params = {f"w{i:02d}": jnp.zeros((256, 256), jnp.float32) for i in range(16)}
-    temp = _update_temp_bytes(factory(1e-3), params)
+    one_leaf_groups = factory(1e-3, chunk_size=16 * leaf)
+    temp = _update_temp_bytes(one_leaf_groups, params)
     assert temp <= per_element * leaf + 64 * 1024, temp
-    assert _update_temp_bytes(factory(1e-3), {"w": params["w00"]}) <= temp
+    assert _update_temp_bytes(one_leaf_groups, {"w": params["w00"]}) <= temp
+    four_leaf_groups = factory(1e-3, chunk_size=16 * 4 * leaf)
+    assert _update_temp_bytes(four_leaf_groups, params) <= 4 * per_element * leaf + 64 * 1024
 
 
 @pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
