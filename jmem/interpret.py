@@ -26,7 +26,8 @@ assert _jmem_zero_after.__name__ == ZERO_AFTER_NAME
 
 
 def zero_after(*arrays: jax.Array) -> jax.Array:
-    """A float32 ``+0.0`` that data-depends on ``arrays``; adding it to a scalar orders work.
+    """A float32 ``+0.0`` that data-depends on ``arrays``; folding it into another input
+    (the quantized optimizers OR it, cast to ``uint8``, into the next codes) orders work.
 
     XLA:CPU drops ``jax.lax.optimization_barrier`` before scheduling, so only a real data
     dependency makes one computation wait for another there. ``0 * x`` is not folded by XLA

@@ -280,12 +280,14 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
         grad_norm = optax.tree.norm(grads)
         # The norm, a metric, is computed before the update: an update may write over the
         # gradients' buffers (chunked 8-bit Adam does), and a read after it costs a copy.
-        # With skipping, the branch predicate reads it (a term that is always true: a norm is
-        # never negative, NaN < 0 is false); without, an optimization barrier orders it.
+        # In the lax.cond path below the branch predicate reads it (a term that is always
+        # true: a norm is never negative, NaN < 0 is false); elsewhere an optimization
+        # barrier orders it.
         if skip_nonfinite and not offload_optimizer:
             finite = jnp.logical_and(finite, jnp.logical_not(grad_norm < 0))
         else:
             grads, grad_norm = jax.lax.optimization_barrier((grads, grad_norm))
+
         def apply(grads, opt_state, params, **skip):
             updates, opt_state = step_opt.update(grads, opt_state, params, **skip)
             if master_weights and offload_optimizer:
