@@ -8,8 +8,8 @@ put in a pass by the array it writes (read from the compiled HLO):
 * ``uint8 codes`` from float32 operands -> ``requantize`` (scale by the new absmax, nearest
   code), from codes only -> ``unpack 4-bit codes`` (the two nibbles of each byte);
 * ``float32 [blocks]`` -> ``block absmax`` (the reduction, and the tiny scale fusions);
-* ``float32 [blocks, block_size]`` -> ``dequantize + moment`` (float32 moments written as
-  temporaries);
+* ``float32 [blocks, block_size]`` (4-bit: ``[blocks, 2, block_size / 2]``) ->
+  ``dequantize + moment`` (float32 moments written as temporaries);
 * the parameter's shape -> ``parameter`` for jmem (update and apply), ``moment or
   parameter`` for optax.adamw (its three element-wise passes write m, v and the params);
 * anything else -> ``other`` (step count, bias correction, the ordering dependency).
@@ -75,7 +75,7 @@ def _classify(name, ops, param_shape, quantized: bool) -> str:
         return "unpack 4-bit codes"
     if shape == param_shape:
         return "parameter" if quantized else "moment or parameter"
-    if dtype == "f32" and len(shape) == 2:
+    if dtype == "f32" and len(shape) >= 2:
         return "dequantize + moment"
     if dtype == "f32" and len(shape) == 1 and shape[0] > 1:
         return "block absmax"

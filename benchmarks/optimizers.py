@@ -10,7 +10,8 @@ For a ~16M-parameter tree (four 2048x2048 matrices) measures, in one process:
   * ratio to optax.adamw's time.
 Prints a markdown table and writes benchmarks/results/optimizers.json.
 
-Run: ``python benchmarks/optimizers.py [--reps 10] [--dim 2048] [--num 4]``.
+Run: ``python benchmarks/optimizers.py [--reps 10] [--dim 2048] [--num 4] [--skip-torch]``
+(on a GPU: ``--dim 8192 --skip-torch``, 268M parameters).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--num", type=int, default=4)
+    ap.add_argument("--skip-torch", action="store_true",
+                    help="skip the PyTorch optimizers (bitsandbytes, torchao; they run on the CPU), "
+                         "e.g. for a large tree on a GPU")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "optimizers.json"))
     args = ap.parse_args()
 
@@ -136,18 +140,21 @@ def main():
         del runners
 
     torch_opts = []
-    try:
-        import bitsandbytes as bnb  # noqa: F401
+    if args.skip_torch:
+        rows.append({"optimizer": "bitsandbytes, torchao (CPU)", "skipped": "--skip-torch"})
+    else:
+        try:
+            import bitsandbytes as bnb  # noqa: F401
 
-        torch_opts.append(("bitsandbytes AdamW8bit (CPU)", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)))
-    except Exception as e:  # pragma: no cover - optional
-        rows.append({"optimizer": "bitsandbytes AdamW8bit (CPU)", "skipped": f"not available: {e}"})
-    try:
-        from torchao.optim import AdamW8bit as TaoAdamW8bit
+            torch_opts.append(("bitsandbytes AdamW8bit (CPU)", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)))
+        except Exception as e:  # pragma: no cover - optional
+            rows.append({"optimizer": "bitsandbytes AdamW8bit (CPU)", "skipped": f"not available: {e}"})
+        try:
+            from torchao.optim import AdamW8bit as TaoAdamW8bit
 
-        torch_opts.append(("torchao AdamW8bit (CPU)", lambda ps: TaoAdamW8bit(ps, lr=1e-3)))
-    except Exception as e:
-        rows.append({"optimizer": "torchao AdamW8bit (CPU)", "skipped": f"not available: {type(e).__name__}"})
+            torch_opts.append(("torchao AdamW8bit (CPU)", lambda ps: TaoAdamW8bit(ps, lr=1e-3)))
+        except Exception as e:
+            rows.append({"optimizer": "torchao AdamW8bit (CPU)", "skipped": f"not available: {type(e).__name__}"})
     for name, make in torch_opts:
         try:
             t, tmin, b = _time_torch(make, params, grads, max(3, args.reps // 2))
