@@ -37,13 +37,13 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jmem import optimizers as opt_lib
+from optimizers import _JaxRunner  # benchmarks/optimizers.py (this script's folder)
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w-]*)\(([^)]*)\)")
 
@@ -82,28 +82,15 @@ def _classify(name, ops, param_shape, quantized: bool) -> str:
     return "other"
 
 
-class _Profiled:
-    """One optimizer's jitted, donated update step; times and traces it."""
+class _Profiled(_JaxRunner):
+    """``benchmarks/optimizers.py``'s jitted, donated update step, also traced."""
 
     def __init__(self, name, tx, params, grads, quantized):
-        def step(p, s, g):
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
-
-        self.name, self.quantized, self.grads = name, quantized, grads
+        super().__init__(tx, params, grads, mode="update")  # compiles, warms up
+        self.name, self.quantized = name, quantized
         self.param_shape = tuple(jax.tree.leaves(params)[0].shape)
-        self.fn = jax.jit(step, donate_argnums=(0, 1))
-        self.p, self.s = jax.tree.map(jnp.copy, params), tx.init(params)
-        self.ops = _ops(self.fn.lower(self.p, self.s, grads).compile().as_text())
-        for _ in range(3):  # compile + warm up
-            self.run_once()
-        self.walls, self.events, self.traced_steps = [], [], 0
-
-    def run_once(self) -> float:
-        t0 = time.perf_counter()
-        self.p, self.s = self.fn(self.p, self.s, self.grads)
-        jax.block_until_ready((self.p, self.s))
-        return time.perf_counter() - t0
+        self.ops = _ops(self.step.lower(self.p, self.s, self.grads).compile().as_text())
+        self.events, self.traced_steps = [], 0
 
     def trace(self):
         """One traced step; keeps its XLA op events."""
@@ -118,6 +105,7 @@ class _Profiled:
                 events = json.load(f)["traceEvents"]
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        del self.times[-1], self.faults[-1]  # wall times: untraced steps only
         self.events += [e for e in events
                         if e.get("ph") == "X" and _norm(e.get("name", "")) in self.ops]
         self.traced_steps += 1
@@ -130,7 +118,7 @@ class _Profiled:
             per_pass[kind]["ops"].add(e["name"])
         passes = {k: {"ms_per_step": v["ms_per_step"], "ops_per_step": len(v["ops"])}
                   for k, v in sorted(per_pass.items(), key=lambda kv: -kv[1]["ms_per_step"])}
-        return {"optimizer": self.name, "wall_ms_median": statistics.median(self.walls) * 1e3,
+        return {"optimizer": self.name, "wall_ms_median": statistics.median(self.times) * 1e3,
                 "traced_steps": self.traced_steps,
                 "op_ms_sum": sum(v["ms_per_step"] for v in passes.values()), "passes": passes}
 
@@ -157,7 +145,7 @@ def main():
     # Interleaved, step by step, so that load from other processes affects all alike.
     for _ in range(2 * args.steps + 1):
         for r in runs:
-            r.walls.append(r.run_once())
+            r.run_once()
     for _ in range(args.steps):
         for r in runs:
             r.trace()
