@@ -49,9 +49,9 @@ def run_variant(variant, config_name, batch, seq, steps):
   import jax
   import jax.numpy as jnp
   import optax
-  from jmem import master_weights
+  from jmem._src import master_weights
   from jmem.models import llama
-  from jmem.offload import offload
+  from jmem import offload
 
   device = jax.devices()[0]
   config = llama.get_config(config_name)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmem import optimizers as opt_lib
+from jmem._src.optim import quantized_adam as opt_lib
 from optimizers import _JaxRunner  # benchmarks/optimizers.py (this script's folder)
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w-]*)\(([^)]*)\)")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmem import optimizers as opt_lib
+from jmem._src.optim import quantized_adam as opt_lib
 
 
 class _JaxRunner:
@@ -135,7 +135,7 @@ def main():
                 "mode": mode, "median_ms": statistics.median(r.times) * 1e3,
                 "min_ms": min(r.times) * 1e3,
                 "page_faults_per_step": statistics.median(r.faults),
-                "state_bytes_per_param": opt_lib.state_bytes(r.s) / n, "skipped": None,
+                "state_bytes_per_param": jmem.tree.nbytes(r.s) / n, "skipped": None,
             })
         del runners
 

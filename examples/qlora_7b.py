@@ -33,11 +33,11 @@ import jmem
 from jmem import data as jdata
 from jmem import lora as jlora
 from jmem import nf4, planner, qlora
-from jmem.checkpoint import Checkpointer
-from jmem.loss_scale import DynamicLossScale, NoOpLossScale
-from jmem.measure import format_bytes, report_from_compiled
+from jmem import Checkpointer
+from jmem import DynamicLossScale, NoOpLossScale
+from jmem._src.measure import format_bytes, report_from_compiled
 from jmem.models import hf, llama
-from jmem.optimizers import adamw_4bit, adamw_8bit
+from jmem import adamw_4bit, adamw_8bit
 
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 
@@ -103,7 +103,7 @@ def build(args, cfg):
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
     step = jmem.train_step(
-        loss_fn, opt, policy=f"p=f32,c={jnp.dtype(dtype).name},o=f32", loss_scale=scale,
+        loss_fn, opt, precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32", loss_scale=scale,
         remat=args.remat, microbatches=args.grad_accum, offload_optimizer=args.offload)
     return step, dtype
 
@@ -112,10 +112,10 @@ def quantized_base(args, cfg, dtype, abstract: bool):
     """NF4 base params: from a checkpoint, or random (quantized on the device, in one jit)."""
     if args.checkpoint:
         if abstract:
-            return jax.eval_shape(lambda: qlora.quantize(llama.abstract_params(cfg, dtype)))
+            return jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, dtype)))
         params, _ = hf.load_params(args.checkpoint, cfg, dtype=dtype, quantize="nf4")
         return params
-    make = lambda k: qlora.quantize(llama.init(k, cfg, dtype))
+    make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))
     if abstract:
         return jax.eval_shape(make, jax.random.key(args.seed))
     return jax.jit(make)(jax.random.key(args.seed))
@@ -125,7 +125,7 @@ def base_bytes(frozen) -> tuple[int, int, int]:
     """(bytes of NF4 leaves, their parameter count, bytes of all frozen leaves)."""
     q = [x for x in jax.tree.leaves(frozen, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
          if isinstance(x, nf4.NF4Array)]
-    nbytes = sum(nf4.nbytes(x) for x in q)
+    nbytes = sum(jmem.tree.nbytes(x) for x in q)
     count = sum(math.prod(x.shape) for x in q)
     total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(frozen))
     return nbytes, count, total

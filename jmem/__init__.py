@@ -1,27 +1,91 @@
-"""jmem: fit LLM training in less accelerator memory, in pure JAX.
+"""jmem: fit LLM training in less accelerator memory, in pure JAX."""
 
-Training memory is five ledgers: parameters, gradients, optimizer state, fp32 master
-weights and activations. Each jmem transform shrinks one of them and composes with any
-JAX train step; ``jmem.train_step`` stacks them into one jitted, donating step.
-"""
-from jmem import fp8, implicit, lora, nf4, qlora, sharding
-from jmem.accumulation import accumulate_gradients
-from jmem.checkpoint import Checkpointer
-from jmem.lora import LoraWeight
-from jmem.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale,
-                             all_finite, loss_scale_from_name, select_tree)
-from jmem.master_weights import MixedPrecisionState, mixed_precision, params_from_masters
-from jmem.measure import MemoryReport, format_bytes, measure
-from jmem.offload import abstract_like, memory_kinds, offload, to_device, to_host
-from jmem.nf4 import NF4Array
-from jmem.optimizers import (adam_4bit, adam_8bit, adamw_4bit, adamw_8bit,
-                             scale_by_quantized_adam, state_bytes, state_bytes_per_param)
-from jmem.planner import (Advice, Ledger, activation_bytes, advise, estimate, largest_batch,
-                          largest_model, largest_seq_len, parse_memory)
-from jmem.precision import Policy, cast_floating, get_policy
-from jmem.quantization import (QuantizedArray, dequantize_blockwise, dynamic_map, linear_map,
-                               quantize_blockwise)
-from jmem.remat import REMAT_POLICIES, remat, resolve_policy
-from jmem.train_step import TrainState, TrainStep, train_step
+from jmem import data as data
+from jmem import fp8 as fp8
+from jmem import lora as lora
+from jmem import nf4 as nf4
+from jmem import planner as planner
+from jmem import qlora as qlora
+from jmem import sharding as sharding
+from jmem import tree as tree
+from jmem._src.checkpointing import Checkpointer
+from jmem._src.loss_scale import DynamicLossScale
+from jmem._src.loss_scale import LossScale
+from jmem._src.loss_scale import NoOpLossScale
+from jmem._src.loss_scale import StaticLossScale
+from jmem._src.loss_scale import all_finite
+from jmem._src.master_weights import MixedPrecisionState
+from jmem._src.master_weights import mixed_precision
+from jmem._src.master_weights import params_from_masters
+from jmem._src.measure import MemoryReport
+from jmem._src.measure import measure
+from jmem._src.offload.transform import offload
+from jmem._src.offload.transform import to_device
+from jmem._src.offload.transform import to_host
+from jmem._src.optim.quantized_adam import ScaleByQuantizedAdamState
+from jmem._src.optim.quantized_adam import adam_4bit
+from jmem._src.optim.quantized_adam import adam_8bit
+from jmem._src.optim.quantized_adam import adamw_4bit
+from jmem._src.optim.quantized_adam import adamw_8bit
+from jmem._src.optim.quantized_adam import scale_by_quantized_adam
+from jmem._src.precision import Policy
+from jmem._src.precision import cast_floating
+from jmem._src.precision import get_policy
+from jmem._src.quantization import QuantizedArray
+from jmem._src.quantization import dequantize_blockwise
+from jmem._src.quantization import dynamic_map
+from jmem._src.quantization import linear_map
+from jmem._src.quantization import quantize_blockwise
+from jmem._src.remat import REMAT_POLICIES
+from jmem._src.remat import remat
+from jmem._src.train.accumulation import accumulate_gradients
+from jmem._src.train.builder import TrainState
+from jmem._src.train.builder import TrainStep
+from jmem._src.train.builder import train_step
 
 __version__ = "0.1.0"
+
+__all__ = (
+    "REMAT_POLICIES",
+    "Checkpointer",
+    "DynamicLossScale",
+    "LossScale",
+    "MemoryReport",
+    "MixedPrecisionState",
+    "NoOpLossScale",
+    "Policy",
+    "QuantizedArray",
+    "ScaleByQuantizedAdamState",
+    "StaticLossScale",
+    "TrainState",
+    "TrainStep",
+    "accumulate_gradients",
+    "adam_4bit",
+    "adam_8bit",
+    "adamw_4bit",
+    "adamw_8bit",
+    "all_finite",
+    "cast_floating",
+    "data",
+    "dequantize_blockwise",
+    "dynamic_map",
+    "fp8",
+    "get_policy",
+    "linear_map",
+    "lora",
+    "measure",
+    "mixed_precision",
+    "nf4",
+    "offload",
+    "params_from_masters",
+    "planner",
+    "qlora",
+    "quantize_blockwise",
+    "remat",
+    "scale_by_quantized_adam",
+    "sharding",
+    "to_device",
+    "to_host",
+    "train_step",
+    "tree",
+)

@@ -34,12 +34,12 @@ def _resolve_model(name: str):
 
 
 def _bytes_or_zero(text: str) -> int:
-    from jmem import planner
+    from jmem import planner  # noqa: PLC0415
     return 0 if text.strip() in ("0", "0B", "0GB") else planner.parse_memory(text)
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from jmem import planner
+    from jmem import planner  # noqa: PLC0415
 
     model = _resolve_model(args.model)
     lora = None

@@ -26,7 +26,7 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from jmem import sharding  # noqa: E402
-from jmem.train_step import train_step  # noqa: E402
+from jmem import train_step  # noqa: E402
 
 
 def mlp(p, b):

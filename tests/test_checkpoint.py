@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jmem.checkpoint import Checkpointer
-from jmem.loss_scale import DynamicLossScale
-from jmem.train_step import TrainState
+from jmem import Checkpointer
+from jmem import DynamicLossScale
+from jmem import TrainState
 
 
 def _state(v):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmem import fp8, implicit, lora
+from jmem import fp8, lora
+from jmem._src.implicit import interpreter as implicit
 
 IN, OUT, HID, R = 48, 40, 56, 4
 

@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jmem.loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
+from jmem._src.loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
                              loss_scale_from_name, select_tree)
 
 _FIELDS = ("loss_scale", "period", "factor", "min_loss_scale", "counter")

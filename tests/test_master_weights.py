@@ -7,8 +7,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from jmem.master_weights import MixedPrecisionState, mixed_precision, params_from_masters
-from jmem.precision import cast_floating
+from jmem import MixedPrecisionState, mixed_precision, params_from_masters
+from jmem import cast_floating
 
 
 def _params(key, dtype):

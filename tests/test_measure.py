@@ -25,5 +25,5 @@ def test_donation_shows_as_alias_and_big_abstract_model_allocates_nothing():
 
 
 def test_format_bytes():
-    assert jmem.format_bytes(1536) == "1.50 KiB"
-    assert jmem.format_bytes(12) == "12 B"
+    assert jmem._src.measure.format_bytes(1536) == "1.50 KiB"
+    assert jmem._src.measure.format_bytes(12) == "12 B"

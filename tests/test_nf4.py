@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jmem
 from jmem import nf4
 
 
@@ -23,7 +24,7 @@ def _weights(shape, seed=0):
 def test_table_and_dynamic_map_match_bitsandbytes():
     F, _ = _bnb()
     np.testing.assert_array_equal(nf4.NF4_TABLE, F.get_4bit_type("nf4", device="cpu").numpy())
-    np.testing.assert_array_equal(nf4._DYNAMIC_MAP, F.create_dynamic_map(signed=True).numpy())
+    np.testing.assert_array_equal(jmem.dynamic_map(True, 8), F.create_dynamic_map(signed=True).numpy())
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (64, 640), (33, 65), (3, 7)])
@@ -91,7 +92,7 @@ def test_bytes_per_param():
     single = nf4.quantize(jnp.ones((4096, 4096), jnp.bfloat16), double_quant=False)
     assert nf4.bytes_per_param(single) == pytest.approx(0.5 + 4 / 64)
     abstract = jax.eval_shape(nf4.quantize, jax.ShapeDtypeStruct((32, 4096, 11008), jnp.bfloat16))
-    assert nf4.nbytes(abstract) / (32 * 4096 * 11008) <= 0.52
+    assert jmem.tree.nbytes(abstract) / (32 * 4096 * 11008) <= 0.52
 
 
 class NF4Test(chex.TestCase):

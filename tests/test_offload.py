@@ -15,9 +15,9 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jmem.offload import abstract_like, offload, to_device, to_host
+from jmem._src.offload.transform import abstract_like, offload, to_device, to_host
 
-off = importlib.import_module("jmem.offload")  # `jmem.offload` the attribute is the function
+off = importlib.import_module("jmem._src.offload.transform")  # `jmem.offload` the attribute is the function
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -89,13 +89,13 @@ def _inner_optimizers():
   f32, bf16 = jnp.float32, jnp.bfloat16
   cases = [("optax_adamw", lambda: optax.adamw(1e-2, weight_decay=0.1), f32, None)]
   try:
-    optimizers = importlib.import_module("jmem.optimizers")
+    optimizers = importlib.import_module("jmem._src.optim.quantized_adam")
     fn = getattr(optimizers, "adamw_8bit")
     cases.append(("jmem_adamw_8bit", lambda: fn(1e-2), f32, None))
   except (ImportError, AttributeError) as e:
     cases.append(("jmem_adamw_8bit", None, f32, f"jmem.optimizers.adamw_8bit missing: {e}"))
   try:
-    mw = importlib.import_module("jmem.master_weights")
+    mw = importlib.import_module("jmem._src.master_weights")
     mp = getattr(mw, "mixed_precision")
     # bf16 params, fp32 masters in the state: offloading moves the masters too.
     cases.append(("mixed_precision_adamw", lambda: mp(optax.adamw(1e-2)), bf16, None))
@@ -189,7 +189,7 @@ def test_named_sharding_state_keeps_spec_on_host(axis_type, leaf_by_leaf):
 
 
 def test_orbax_save_restore_keeps_memory_kind_and_values(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
+  import orbax.checkpoint as ocp
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))),
                         _params(jax.random.key(5)))
@@ -595,7 +595,7 @@ def test_builder_offload_with_master_weights_is_bitwise_like_no_offload():
   # With master_weights the non-offloaded builder takes params_from_masters (exact) but the
   # offloaded one (both modes) optax.apply_updates(params, masters_new - params), which is
   # off by an ulp when a weight's relative change is large (f32 params here).
-  from jmem.train_step import train_step  # noqa: PLC0415
+  from jmem import train_step  # noqa: PLC0415
   k = jax.random.key(0)
   params = {"w": jax.random.normal(k, (256,)) * 1e-3,
             "v": jax.random.normal(jax.random.fold_in(k, 1), (256,))}

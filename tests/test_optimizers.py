@@ -16,8 +16,9 @@ import numpy as np
 import optax
 import pytest
 
-from jmem import optimizers as opt_lib
-from jmem import quantization as qz
+import jmem
+from jmem._src.optim import quantized_adam as opt_lib
+from jmem._src import quantization as qz
 
 
 def _params(seed=0):
@@ -183,15 +184,15 @@ def test_state_bytes_per_param_bounds():
     s8 = opt_lib.adamw_8bit(1e-3).init(params)
     s4 = opt_lib.adamw_4bit(1e-3).init(params)
     s32 = optax.adamw(1e-3).init(params)
-    assert opt_lib.state_bytes_per_param(s8, params) <= 2.04
-    assert opt_lib.state_bytes_per_param(s4, params) <= 1.07
-    assert opt_lib.state_bytes_per_param(s32, params) >= 8.0
+    assert jmem.tree.bytes_per_param(s8, params) <= 2.04
+    assert jmem.tree.bytes_per_param(s4, params) <= 1.07
+    assert jmem.tree.bytes_per_param(s32, params) >= 8.0
     # Exact accounting: codes + absmax + the int32 step counter.
     nb8 = 4096 // 256 + -(-64 * 300 // 256)
-    assert opt_lib.state_bytes(s8) == 2 * (nb8 * 256 + nb8 * 4) + 4
+    assert jmem.tree.nbytes(s8) == 2 * (nb8 * 256 + nb8 * 4) + 4
     # Works on abstract states too.
     abstract = jax.eval_shape(opt_lib.adamw_8bit(1e-3).init, params)
-    assert opt_lib.state_bytes(abstract) == opt_lib.state_bytes(s8)
+    assert jmem.tree.nbytes(abstract) == jmem.tree.nbytes(s8)
 
 
 def test_threshold_uses_global_size_under_sharding():
@@ -322,7 +323,7 @@ def test_convergence_on_text_matches_adamw():
 
 def test_huge_finite_gradients_give_a_bounded_adam_step():
     """|g| ~ 1e30 (finite, diverging run): the update stays ~lr, as optax.adam's does."""
-    import jmem.optimizers as jo
+    from jmem._src.optim import quantized_adam as jo
 
     p, g = {"w": jnp.ones((4096,))}, {"w": jnp.full((4096,), 1e30)}
     for opt in (jo.adam_8bit(1e-3), jo.adamw_4bit(1e-3, weight_decay=0.0)):

@@ -30,7 +30,7 @@ import pytest
 from jmem import planner
 from jmem.planner import GB, Ledger, advise, estimate, largest_batch, largest_model, largest_seq_len
 
-llama = pytest.importorskip("jmem.models.llama")
+from jmem.models import llama
 
 
 def _nbytes(tree) -> int:
@@ -193,7 +193,7 @@ def _scan_residual_bytes(cfg, dtype, b, s, policy=None):
     """Bytes of residuals the loss's VJP saves from the layer scan (per JAX's own report)."""
     loss = lambda p, x, y: llama.loss_fn(p, {"inputs": x, "targets": y}, cfg)
     if policy is not None:
-        loss = importlib.import_module("jmem.remat").remat(loss, policy)
+        loss = importlib.import_module("jmem._src.remat").remat(loss, policy)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         jax.ad_checkpoint.print_saved_residuals(
@@ -217,8 +217,6 @@ def _scan_residual_bytes(cfg, dtype, b, s, policy=None):
 def test_layer_activations_match_saved_residuals(dtype, act, remat):
     cfg = llama.get_config("tiny")
     b, s = 2, 64
-    if remat != "none":
-        pytest.importorskip("jmem.remat")
     got = _scan_residual_bytes(cfg, dtype, b, s, None if remat == "none" else remat)
     want = planner.activation_bytes(planner.resolve_shape(cfg)[0], batch_size=b, seq_len=s,
                                     activation_dtype=act, remat=remat)["layers"]
@@ -240,13 +238,13 @@ def test_state_ledgers_match_optimizer_states():
         cfg = llama.get_config(name)
         cases = [("adamw fp32", jnp.float32, optax.adamw(1e-3), dict(param_dtype="fp32"))]
         try:
-            mw = importlib.import_module("jmem.master_weights")
+            mw = importlib.import_module("jmem._src.master_weights")
             cases.append(("adamw + fp32 masters", jnp.bfloat16,
                           mw.mixed_precision(optax.adamw(1e-3)), dict(param_dtype="bf16")))
         except (ImportError, AttributeError):
             pass
         try:
-            opts = importlib.import_module("jmem.optimizers")
+            opts = importlib.import_module("jmem._src.optim.quantized_adam")
             cases.append(("adamw_8bit fp32", jnp.float32, opts.adamw_8bit(1e-3),
                           dict(param_dtype="fp32", optimizer="adamw_8bit")))
             cases.append(("adamw_4bit fp32", jnp.float32, opts.adamw_4bit(1e-3),

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem import precision
-from jmem.precision import Policy, cast_floating, get_policy
+from jmem._src import precision
+from jmem import Policy, cast_floating, get_policy
 
 F32, BF16, F16, F64 = (jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16,
                                                  jnp.float64))

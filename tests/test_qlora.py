@@ -9,7 +9,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jmem import implicit, lora, nf4, qlora
+import jmem
+from jmem import lora, nf4, qlora
+from jmem._src.implicit import interpreter as implicit
 from jmem.models import llama
 
 CFG = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=128,
@@ -34,7 +36,7 @@ def _max_diff(a, b):
 
 def test_quantize_default_targets():
     p = llama.init(jax.random.key(0), CFG)
-    q = qlora.quantize(p)
+    q = qlora.quantize_params(p)
     is_q = lambda x: isinstance(x, nf4.NF4Array)  # noqa: E731
     for name in llama.LINEAR_NAMES:
         assert is_q(q["layers"][name]["kernel"]), name
@@ -43,15 +45,15 @@ def test_quantize_default_targets():
                  ("layers", "attn_norm", "scale")):
         leaf = functools.reduce(lambda t, k: t[k], path, q)
         assert not is_q(leaf), path
-    assert nf4.nbytes(q) < 0.35 * nf4.nbytes(p)
+    assert jmem.tree.nbytes(q) < 0.35 * jmem.tree.nbytes(p)
     with pytest.raises(ValueError, match="matched no weight"):
-        qlora.quantize(p, targets="nothing")
+        qlora.quantize_params(p, targets="nothing")
 
 
 def test_llama_outputs_and_grads_match_dequantized_merged():
     p = llama.init(jax.random.key(0), CFG)
-    q = qlora.quantize(p)
-    deq = qlora.dequantize(q)
+    q = qlora.quantize_params(p)
+    deq = qlora.dequantize_params(q)
     ad = _nonzero(lora.init(jax.random.key(2), q, targets=PROJ))
     batch = _batch()
     fwd = jax.jit(qlora.apply(lambda p, t: llama.forward(p, t, CFG)))
@@ -71,7 +73,7 @@ def test_no_dequantized_weight_kept_for_backward():
     """The forward scan's residuals (its stacked outputs) hold no weight-sized array: the
     NF4 matmul saves x and the packed codes (forwarded scan inputs), not bf16 weights."""
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
-    q = qlora.quantize(p)
+    q = qlora.quantize_params(p)
     ad = lora.init(jax.random.key(2), q, targets=PROJ)
     loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG))
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(q, ad, _batch()).jaxpr
@@ -96,10 +98,10 @@ def test_plain_function_python_loop_and_fori_loop():
         x = jax.lax.fori_loop(0, 3, lambda i, x: jnp.tanh(x @ p["stack"][i].T), x)
         return jnp.einsum("hv,bh->bv", p["head"], x)
 
-    q = qlora.quantize(p, targets=r".*")
+    q = qlora.quantize_params(p, targets=r".*")
     ad = _nonzero(lora.init(jax.random.key(4), q, targets=r".*", rank=4), s=0.2)
     x = jax.random.normal(k[2], (4, 32))
-    deq = qlora.dequantize(q)
+    deq = qlora.dequantize_params(q)
     f = jax.jit(qlora.apply(fn))
     chex.assert_trees_all_close(f(q, ad, x), jax.jit(fn)(lora.merge(deq, ad), x), atol=1e-5)
     g = jax.jit(jax.grad(lambda a: jnp.sum(qlora.apply(fn)(q, a, x) ** 2)))(ad)
@@ -121,12 +123,12 @@ def test_nnx_model():
 
     graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
     fwd = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
-    q = qlora.quantize(state)
+    q = qlora.quantize_params(state)
     flat, _ = implicit.flatten_params(q)
     assert {p for p, x in flat if isinstance(x, nf4.NF4Array)} == {"fc1/kernel", "fc2/kernel"}
     ad = _nonzero(lora.init(jax.random.key(1), q, targets=r".*kernel", rank=4), s=0.2)
     x = jax.random.normal(jax.random.key(2), (5, 32))
-    deq = qlora.dequantize(q)
+    deq = qlora.dequantize_params(q)
     chex.assert_trees_all_close(jax.jit(qlora.apply(fwd))(q, ad, x), fwd(lora.merge(deq, ad), x), atol=1e-5)
     g = jax.jit(jax.grad(lambda a: jnp.sum(qlora.apply(fwd)(q, a, x) ** 2)))(ad)
     g_ref = jax.jit(jax.grad(lambda a: jnp.sum(fwd(lora.merge(deq, a), x) ** 2)))(ad)
@@ -153,7 +155,7 @@ def _train(loss, q, ad, opt, steps=6):
 
 def test_training_step_lowers_loss():
     p = llama.init(jax.random.key(0), CFG)
-    q = qlora.quantize(p)
+    q = qlora.quantize_params(p)
     ad = lora.init(jax.random.key(2), q, targets=PROJ, rank=8)
     losses = _train(qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG)), q, ad, optax.adamw(3e-3))
     assert losses[-1] < losses[0] - 0.05, losses
@@ -161,14 +163,14 @@ def test_training_step_lowers_loss():
 
 def test_training_step_remat_bf16_8bit_adamw():
     """QLoRA + per-layer remat + bf16 compute + (8-bit) AdamW together."""
-    from jmem.remat import remat
+    from jmem._src.remat import remat
     try:
-        from jmem.optimizers import adamw_8bit
+        from jmem import adamw_8bit
         opt = adamw_8bit(3e-3)
     except ImportError:
         opt = optax.adamw(3e-3)
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)  # bf16 weights and activations
-    q = qlora.quantize(p)
+    q = qlora.quantize_params(p)
     assert q["layers"]["q_proj"]["kernel"].dtype == jnp.bfloat16
     ad = lora.init(jax.random.key(2), q, targets=PROJ, rank=8)
     loss = qlora.apply(remat(lambda p, b: llama.loss_fn(p, b, CFG), "full"))
@@ -179,23 +181,21 @@ def test_training_step_remat_bf16_8bit_adamw():
 def test_7b_arguments_fit_in_about_3_6_gib():
     """Llama-2-7B shapes, abstract (nothing allocated): NF4 body + bf16 embed/head ~3.6 GiB
     of arguments for the compiled QLoRA forward, vs 12.55 GiB for the bf16 model."""
-    import sys
-    import jmem.measure  # noqa: F401
-    measure = sys.modules["jmem.measure"].measure
+    measure = jmem.measure
     cfg = llama.get_config("llama2_7b")
     ap = llama.abstract_params(cfg, jnp.bfloat16)
-    qp = jax.eval_shape(qlora.quantize, ap)
+    qp = jax.eval_shape(qlora.quantize_params, ap)
     ad = jax.eval_shape(lambda: lora.init(jax.random.key(0), qp))  # q_proj, v_proj; r=8
     assert lora.num_trainable(ad) == 32 * 2 * (4096 * 8 + 8 * 4096)
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     report = measure(qlora.apply(lambda p, t: llama.forward(p, t, cfg)), qp, ad, tokens)
     gib = report.argument_bytes / 2 ** 30
-    bf16_gib = nf4.nbytes(ap) / 2 ** 30
+    bf16_gib = jmem.tree.nbytes(ap) / 2 ** 30
     assert 3.4 < gib < 3.8, gib
     assert bf16_gib > 12.5 and gib < 0.3 * bf16_gib
     quantized = [x for x in jax.tree.leaves(qp, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
                  if isinstance(x, nf4.NF4Array)]
-    assert sum(nf4.nbytes(x) for x in quantized) / sum(x.size for x in quantized) <= 0.52
+    assert sum(jmem.tree.nbytes(x) for x in quantized) / sum(x.size for x in quantized) <= 0.52
 
 
 # ----------------------------------------------------------------------------- FP8 base
@@ -216,14 +216,14 @@ def test_fp8_base_exact_at_init_and_no_weight_residuals():
 
     from jmem import fp8
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
-    q = qlora.quantize(p)
+    q = qlora.quantize_params(p)
     metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
     ad = lora.init(jax.random.key(2), q, targets=FP8_LORA)
     batch = _batch()
     fwd = jax.jit(qlora.apply(lambda p, t, m: llama.forward(p, t, CFG, fp8=m)))
     ref = jax.jit(lambda p, t, m: llama.forward(p, t, CFG, fp8=m))
     chex.assert_trees_all_equal(fwd(q, ad, batch["inputs"], metas),
-                                ref(qlora.dequantize(q), batch["inputs"], metas))
+                                ref(qlora.dequantize_params(q), batch["inputs"], metas))
 
     loss = qlora.apply(lambda p, b, m: llama.loss_fn(p, b, CFG, fp8=m))
 
@@ -252,9 +252,9 @@ def test_fp8_remat_train_step():
     ``frozen=`` and ``fp8=``, differentiates (adapters, metas); the loss goes down and the
     metas are replaced by their updated states every step."""
     from jmem import fp8
-    from jmem.train_step import train_step
+    from jmem import train_step
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
-    q = qlora.quantize(p)
+    q = qlora.quantize_params(p)
     metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
     ad = lora.init(jax.random.key(2), q, targets=FP8_LORA, rank=8)
     lq = qlora.apply(lambda p, b, m: llama.loss_fn(p, b, CFG, fp8=m))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem import quantization as qz
+from jmem._src import quantization as qz
 
 ULP = 6e-8  # float32 ulp just below 1.0
 

@@ -169,7 +169,7 @@ def test_every_groups_scan_iterations_sqrt_scheme():
 
 
 def test_every_must_divide_the_scan_length():
-    from jmem.remat import group_size
+    from jmem._src.remat import group_size
     assert group_size(16, "sqrt") == 4 and group_size(32, "sqrt") in (4, 8) and group_size(7, "sqrt") == 1
     assert group_size(10, 3) == 1  # not a divisor: that scan is left ungrouped
     with pytest.raises(ValueError, match="positive"):

@@ -8,10 +8,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmem
-from jmem import accumulation
-from jmem.loss_scale import DynamicLossScale
+from jmem._src.train import accumulation
+from jmem import DynamicLossScale
 from jmem.models import llama
-from jmem.train_step import TrainState, train_step
+from jmem import TrainState, train_step
 
 CFG = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=172,
                        num_heads=4, num_kv_heads=2)
@@ -88,7 +88,7 @@ def test_fp16_with_dynamic_loss_scale_recovers_from_overflow(params):
     def loss(p, b):
         return _loss(p, b) * b["boost"][0]
 
-    step = train_step(loss, optax.adam(3e-3), policy="p=f16,c=f16,o=f32", master_weights=True,
+    step = train_step(loss, optax.adam(3e-3), precision="p=f16,c=f16,o=f32", master_weights=True,
                       loss_scale=DynamicLossScale(2.0**15, period=1000), donate=False)
     state = step.init(params)
     assert jax.tree.leaves(state.params)[0].dtype == jnp.float16
@@ -153,10 +153,10 @@ def test_fp8_state_is_carried_and_updated_by_the_builder(params):
 def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
     """8-bit AdamW with fp32 masters: offloaded state gives the same params as on-device state,
     and every state leaf lives in pinned_host after each step."""
-    from jmem.optimizers import adamw_8bit
+    from jmem import adamw_8bit
 
     batch = _batch(jax.random.key(8))
-    kw = dict(policy="p=bf16,c=bf16,o=f32", master_weights=True)
+    kw = dict(precision="p=bf16,c=bf16,o=f32", master_weights=True)
     dev = train_step(_loss, adamw_8bit(1e-3), **kw)
     off = train_step(_loss, adamw_8bit(1e-3), offload_optimizer=True, **kw)
     a, b = dev.init(params), off.init(params)
@@ -183,7 +183,7 @@ def test_offload_leaf_by_leaf_in_builder_trains_like_whole_tree():
         h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
 
-    kw = dict(policy="p=bf16,c=bf16,o=f32", master_weights=True)
+    kw = dict(precision="p=bf16,c=bf16,o=f32", master_weights=True)
     whole = train_step(loss, optax.adamw(1e-2), offload_optimizer=True, **kw)
     lbl = train_step(loss, optax.adamw(1e-2), offload_optimizer="leaf_by_leaf", **kw)
     a, b = whole.init(params), lbl.init(params)
@@ -217,7 +217,7 @@ def test_offload_leaf_by_leaf_on_a_zero3_mesh_matches_whole_tree():
         return jnp.mean((h @ p["w2"]["kernel"] - b["y"]) ** 2)
 
     mesh = sharding.make_mesh(data=2, fsdp=4)
-    kw = dict(master_weights=True, policy="p=bf16,c=bf16,o=f32", mesh=mesh, strategy="zero3")
+    kw = dict(master_weights=True, precision="p=bf16,c=bf16,o=f32", mesh=mesh, strategy="zero3")
     states = {}
     for mode in (True, "leaf_by_leaf"):
         step = train_step(loss, optax.adam(1e-2), offload_optimizer=mode, **kw)
@@ -261,7 +261,7 @@ def test_fp8_scaling_state_is_maxed_not_averaged_over_microbatches():
 
 
 def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_path):
-    from jmem.checkpoint import Checkpointer
+    from jmem import Checkpointer
 
     step = train_step(_loss, optax.adamw(1e-3), offload_optimizer=True)
     state, _ = step(step.init(params), _batch(jax.random.key(9)))
@@ -276,7 +276,7 @@ def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_pa
 
 @pytest.mark.parametrize("make_opt", [
     lambda: optax.adamw(1e-3),
-    lambda: optax.chain(jmem.optimizers.scale_by_quantized_adam(
+    lambda: optax.chain(jmem.scale_by_quantized_adam(
         mu_code=jmem.dynamic_map(True), nu_code=jmem.dynamic_map(False), chunk_size=4096),
         optax.scale(-1e-3)),
 ], ids=["optax.adamw", "8-bit adam, chunked"])

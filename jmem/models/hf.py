@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem import nf4
+from jmem._src import nf4
 from jmem.models.llama import LINEAR_NAMES, LlamaConfig, param_shapes
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")

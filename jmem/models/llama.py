@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jmem import fp8 as fp8_lib
+from jmem._src import fp8 as fp8_lib
 
 Params = dict[str, Any]
 

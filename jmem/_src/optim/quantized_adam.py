@@ -64,8 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmem import quantization as qz
-from jmem.interpret import zero_after
+from jmem._src import quantization as qz
+from jmem._src.ordering import zero_after
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -75,8 +75,6 @@ __all__ = [
     "adamw_8bit",
     "adam_4bit",
     "adamw_4bit",
-    "state_bytes",
-    "state_bytes_per_param",
 ]
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
@@ -525,25 +523,3 @@ def adamw_4bit(
         mu_code=qz.dynamic_map(True, 4), nu_code=_nu_map_4bit(nu_map),
         block_size=block_size, min_size=min_4bit_size, chunk_size=chunk_size,
     )
-
-
-def state_bytes(state: Any) -> int:
-    """Bytes held by all array leaves of an optimizer state (codes, absmax, fp32 moments,
-    counters, injected hyperparameters). Works on arrays and ``jax.ShapeDtypeStruct``."""
-    total = 0
-    for leaf in jax.tree.leaves(state):
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            total += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
-def state_bytes_per_param(state: Any, params: Any) -> float:
-    """``state_bytes(state)`` divided by the number of parameter elements.
-
-    Raises:
-      ValueError: if ``params`` has no elements.
-    """
-    n = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
-    if n == 0:
-        raise ValueError("params has no elements; cannot compute bytes per parameter.")
-    return state_bytes(state) / n

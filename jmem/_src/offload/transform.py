@@ -84,7 +84,8 @@ import numpy as np
 import optax
 from jax.extend import core as jcore
 
-from jmem.interpret import ZERO_AFTER_NAME, bind_eqn
+from jmem._src.interpret import bind_eqn
+from jmem._src.ordering import ZERO_AFTER_NAME
 
 __all__ = ["offload", "to_host", "to_device", "abstract_like", "memory_kinds"]
 

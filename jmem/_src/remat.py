@@ -48,16 +48,19 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmem.interpret import bind_eqn, eval_jaxpr
+from jmem._src import tree as _tree
+from jmem._src.interpret import bind_eqn, eval_jaxpr
 
-REMAT_POLICIES: dict[str, str] = {
-    "none": "no recomputation; most memory (every intermediate of every layer), no extra FLOPs",
-    "dots": "save all matmul outputs incl. attention scores; recompute element-wise ops",
-    "selective": "save weight matmul outputs (QKV/out/MLP); recompute attention and element-wise"
-                 " ops (Korthikanti et al. 2022); a few % extra FLOPs",
-    "full": "save only each layer's input; recompute the layer (~1/3 extra forward FLOPs)",
-    "offload": "like selective, but saved residuals live in pinned_host memory (device memory"
-               " near 'full', costs host<->device copies)",
+_cp = jax.checkpoint_policies
+
+#: Remat policies by name, from most device memory to least (module docstring's table):
+#: each maps to the ``jax.checkpoint_policies`` callable it uses (``None``: no remat).
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "dots": _cp.dots_saveable,
+    "selective": _cp.dots_with_no_batch_dims_saveable,
+    "full": _cp.nothing_saveable,
+    "offload": _cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 
@@ -69,33 +72,20 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
       ValueError: for an unknown name (the message lists ``REMAT_POLICIES``).
       TypeError: for anything that is not a str, a sequence of str, or a callable.
     """
-    cp = jax.checkpoint_policies
-    if policy is None or policy == "none":
+    if policy is None:
         return None
     if isinstance(policy, str):
-        table = {
-            "dots": cp.dots_saveable,
-            "selective": cp.dots_with_no_batch_dims_saveable,
-            "full": cp.nothing_saveable,
-            "offload": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
-        }
-        if policy not in table:
+        if policy not in REMAT_POLICIES:
             raise ValueError(
                 f"Unknown remat policy {policy!r}. Valid names: {list(REMAT_POLICIES)}; or pass a "
                 "tuple of checkpoint_name names to save, or a jax.checkpoint_policies callable.")
-        return table[policy]
+        return REMAT_POLICIES[policy]
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
-        return cp.save_only_these_names(*policy)
+        return _cp.save_only_these_names(*policy)
     if callable(policy):
         return policy
     raise TypeError(f"remat policy must be a name, a sequence of checkpoint names or a callable; "
                     f"got {type(policy).__name__}.")
-
-
-def _is_array_like(x) -> bool:
-    # Python bools and ints are static (flags, lengths, range bounds); floats are traced.
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, complex)) or \
-        hasattr(x, "__jax_array__")
 
 
 def _has_scan(jaxpr) -> bool:
@@ -258,22 +248,14 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
                 raise ValueError(f"static_argnums={static_argnums} out of range for {len(args)} args.")
         static_ids = {i % len(args) for i in static_argnums}
         # Leaves of static positional args, and non-array leaves anywhere, are closed over.
-        arg_leaf_counts = [len(jax.tree.leaves(a)) for a in args]
-        is_static = []
-        pos = 0
-        for i, n in enumerate(arg_leaf_counts):
-            is_static += [i in static_ids] * n
-            pos += n
-        is_static += [False] * (len(flat) - pos)
-        is_static = [s or not _is_array_like(x) for s, x in zip(is_static, flat)]
-        dyn = [x for x, s in zip(flat, is_static) if not s]
+        forced = [i in static_ids for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+        forced += [False] * (len(flat) - len(forced))
+        dyn, combine = _tree.partition(flat, forced)
 
         traced_out = {}
 
         def flat_fn(*dyn_leaves):
-            it = iter(dyn_leaves)
-            leaves = [x if s else next(it) for x, s in zip(flat, is_static)]
-            a, kw = jax.tree.unflatten(treedef, leaves)
+            a, kw = jax.tree.unflatten(treedef, combine(dyn_leaves))
             out = fn(*a, **kw)
             traced_out.setdefault("out", out)
             return out

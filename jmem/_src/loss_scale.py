@@ -40,8 +40,8 @@ T = TypeVar("T")
 _F32 = jnp.float32
 
 
-def _is_float_array(x) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+from jmem._src.tree import is_float_array as _is_float_array
+from jmem._src.tree import select_tree  # noqa: F401  (re-exported)
 
 
 def _scale_leaf(x, s):
@@ -77,41 +77,6 @@ def all_finite(tree: Any) -> jax.Array:
   if not leaves:
     return jnp.array(True)
   return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
-
-
-def select_tree(pred: Any, a: T, b: T) -> T:
-  """Elementwise ``a if pred else b`` over two pytrees of the same structure.
-
-  Args:
-    pred: scalar boolean (``bool[]`` array or Python bool), e.g. from :func:`all_finite`.
-    a, b: pytrees with the same structure and matching leaf shapes/dtypes.
-
-  Returns:
-    A tree like ``a``: each leaf is ``jax.lax.select(pred, a_leaf, b_leaf)``.
-
-  Raises:
-    ValueError: ``pred`` is not a scalar, or ``a`` and ``b`` differ in structure.
-    TypeError: ``pred`` is not boolean, or two leaves differ in dtype.
-
-  Source: ``jmp.select_tree``.
-  """
-  pred = jnp.asarray(pred)
-  if pred.shape != ():
-    raise ValueError(f"select_tree: pred must be a scalar, got shape {pred.shape}.")
-  if pred.dtype != jnp.bool_:
-    raise TypeError(f"select_tree: pred must be boolean, got {pred.dtype}; compare first "
-                    "(e.g. all_finite(grads)).")
-  ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
-  if ta != tb:
-    raise ValueError(f"select_tree: a and b must have the same structure, got {ta} and {tb}.")
-
-  def sel(x, y):
-    x, y = jnp.asarray(x), jnp.asarray(y)
-    if x.dtype != y.dtype:
-      raise TypeError(f"select_tree: leaf dtypes differ ({x.dtype} vs {y.dtype}).")
-    return jax.lax.select(pred, x, y)
-
-  return jax.tree_util.tree_map(sel, a, b)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,18 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem._src.dtypes import dtype_name
+from jmem._src.dtypes import parse_dtype
+
 T = TypeVar("T")
 
-# Canonical name first; the first name is what ``str(policy)`` prints.
-_DTYPE_NAMES: dict[Any, tuple[str, ...]] = {
-    jnp.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
-    jnp.dtype(jnp.float16): ("f16", "fp16", "float16", "half"),
-    jnp.dtype(jnp.float32): ("f32", "fp32", "float32", "full", "single"),
-    jnp.dtype(jnp.float64): ("f64", "fp64", "float64", "double"),
-}
-_NAME_TO_DTYPE: dict[str, Any] = {
-    name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names
-}
 _KEYS = {
     "p": "param_dtype", "param": "param_dtype", "params": "param_dtype",
     "c": "compute_dtype", "compute": "compute_dtype",
@@ -106,35 +99,6 @@ def cast_floating(tree: T, dtype) -> T:
   """
   dtype = _as_float_dtype(dtype, "dtype")
   return jax.tree_util.tree_map(lambda x: _cast_leaf(x, dtype), tree)
-
-
-def parse_dtype(name: str):
-  """Parses a dtype name into a floating ``np.dtype``.
-
-  Accepted names (case-insensitive): ``bf16``/``bfloat16``; ``f16``/``fp16``/``float16``/
-  ``half``; ``f32``/``fp32``/``float32``/``full``/``single``; ``f64``/``fp64``/``float64``/
-  ``double``.
-
-  Raises:
-    TypeError: ``name`` is not a string.
-    ValueError: unknown name; the message lists the valid ones.
-  """
-  if not isinstance(name, str):
-    raise TypeError(f"dtype name must be a string, got {type(name).__name__}: {name!r}.")
-  key = name.strip().lower()
-  try:
-    return _NAME_TO_DTYPE[key]
-  except KeyError:
-    valid = ", ".join(sorted(_NAME_TO_DTYPE))
-    raise ValueError(f"Unknown dtype name {name!r}; valid names are: {valid}.") from None
-
-
-def dtype_name(dtype) -> str:
-  """Short canonical name of a floating dtype (``"bf16"``, ``"f16"``, ``"f32"``, ``"f64"``);
-  other dtypes fall back to ``np.dtype(dtype).name``."""
-  d = jnp.dtype(dtype)
-  names = _DTYPE_NAMES.get(d)
-  return names[0] if names else d.name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,34 +74,16 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jmem import fp8 as _fp8
-from jmem import nf4 as _nf4
-from jmem.interpret import bind_eqn, eval_jaxpr
+from jmem._src import fp8 as _fp8
+from jmem._src import nf4 as _nf4
+from jmem._src import tree as _tree
+from jmem._src.interpret import bind_eqn, eval_jaxpr
 
-__all__ = ["ImplicitWeightError", "Weight", "call", "path_str", "flatten_params"]
+__all__ = ["ImplicitWeightError", "Weight", "call", "flatten_params"]
 
 
 class ImplicitWeightError(ValueError):
     """A targeted (NF4 / LoRA) weight is used in a way the interpreter cannot rewrite."""
-
-
-def path_str(path) -> str:
-    """'/'-joined key path (``layers/q_proj/kernel``); a trailing NNX ``.value`` is dropped."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(str(k.name))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    if len(parts) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
-        parts = parts[:-1]
-    return "/".join(parts)
 
 
 def _is_nf4(x) -> bool:
@@ -111,7 +93,7 @@ def _is_nf4(x) -> bool:
 def flatten_params(params):
     """``([(path_str, leaf)], treedef)`` with ``NF4Array``s kept as leaves."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_nf4)
-    return [(path_str(p), x) for p, x in leaves], treedef
+    return [(_tree.path_str(p), x) for p, x in leaves], treedef
 
 
 # --------------------------------------------------------------------------------------
@@ -665,10 +647,6 @@ class _Interpreter:
 # Entry point.
 
 
-def _is_dynamic(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "__jax_array__")
-
-
 def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *,
          allow_materialize: bool = False):
     """Evaluates ``fn(params, *args, **kwargs)`` with NF4 leaves and LoRA adapters implicit.
@@ -721,14 +699,12 @@ def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *,
             p_vals.append(leaf)
 
     a_flat, a_tree = jax.tree.flatten((args, kwargs))
-    dyn_mask = [_is_dynamic(x) for x in a_flat]
-    a_dyn = [x for x, d in zip(a_flat, dyn_mask) if d]
+    a_dyn, a_combine = _tree.partition(a_flat)
     n_p = len(p_avals)
 
     def flat_fn(*leaves):
-        ps, dyn = leaves[:n_p], iter(leaves[n_p:])
-        full = [next(dyn) if d else x for x, d in zip(a_flat, dyn_mask)]
-        a, kw = jax.tree.unflatten(a_tree, full)
+        ps = leaves[:n_p]
+        a, kw = jax.tree.unflatten(a_tree, a_combine(leaves[n_p:]))
         return fn(jax.tree.unflatten(treedef, list(ps)), *a, **kw)
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*p_avals, *a_dyn)

@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jmem import accumulation
-from jmem.loss_scale import NoOpLossScale, all_finite, select_tree
-from jmem.master_weights import mixed_precision, params_from_masters
-from jmem.measure import MemoryReport, measure
-from jmem.precision import Policy, get_policy
-from jmem.remat import remat as _remat
-from jmem.remat import resolve_policy
+from jmem._src.train import accumulation
+from jmem._src.loss_scale import NoOpLossScale, all_finite, select_tree
+from jmem._src.master_weights import mixed_precision, params_from_masters
+from jmem._src.measure import MemoryReport, measure
+from jmem._src.precision import Policy, get_policy
+from jmem._src.remat import remat as _remat
+from jmem._src.remat import resolve_policy
 
 
 def _fresh(tree, ids):
@@ -53,7 +53,7 @@ def _opt_state_to_host(state):
     leaves = [x for x in jax.tree.leaves(state.opt_state) if isinstance(x, jax.Array)]
     if all(getattr(x.sharding, "memory_kind", None) == "pinned_host" for x in leaves):
         return state
-    from jmem.offload import to_host  # noqa: PLC0415
+    from jmem._src.offload.transform import to_host  # noqa: PLC0415
     return state.replace(opt_state=to_host(state.opt_state))
 
 
@@ -137,7 +137,7 @@ def _new_params_from_masters(mp: optax.GradientTransformation) -> optax.Gradient
 
 
 def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-               policy: Policy | str | None = None,
+               precision: Policy | str | None = None,
                master_weights: bool = False,
                loss_scale: Any = None,
                remat: str | Callable | None = None,
@@ -156,7 +156,7 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
         ``has_aux``), a float scalar mean over the batch. ``extras`` has ``frozen=`` and/or
         ``fp8=`` when the state holds them (module docstring).
       optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
-      policy: a ``jmem.Policy`` or its string form (``"p=f32,c=bf16,o=f32"``): params are
+      precision: a ``jmem.Policy`` or its string form (``"p=f32,c=bf16,o=f32"``): params are
         stored in ``param_dtype`` and cast to ``compute_dtype`` inside the loss.
       master_weights: wrap the optimizer in ``jmem.mixed_precision``: params live in the
         policy's param dtype (e.g. bf16), fp32 masters in the optimizer state.
@@ -198,8 +198,7 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
       ValueError: for an unknown remat policy or precision string, ``microbatches < 1``,
         or an ``offload_optimizer`` other than False/True/"whole_tree"/"leaf_by_leaf".
     """
-    if isinstance(policy, str):
-        policy = get_policy(policy)
+    policy = get_policy(precision) if isinstance(precision, str) else precision
     resolve_policy(remat)  # validate early
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}.")
@@ -220,14 +219,14 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
 
     def wrap(o):
         if offload_optimizer:
-            from jmem.offload import offload  # noqa: PLC0415 (leaf; imported lazily)
+            from jmem._src.offload.transform import offload  # noqa: PLC0415
             o = offload(o, leaf_by_leaf=leaf_by_leaf)
         if mesh is not None:  # jmem.sharding (issue 8): gradients placed per strategy
             o = _sharding.constrain_gradients(o, mesh, strategy)
         return o
 
     if mesh is not None:
-        from jmem import sharding as _sharding  # noqa: PLC0415
+        from jmem._src import sharding as _sharding  # noqa: PLC0415
     opt = wrap(base)
     step_opt = wrap(stepper) if stepper is not base else opt
     default_scale = loss_scale if loss_scale is not None else NoOpLossScale()

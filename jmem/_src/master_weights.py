@@ -68,8 +68,7 @@ class MixedPrecisionState(NamedTuple):
   inner_state: Any
 
 
-def _is_float(x) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+from jmem._src.tree import is_float_array as _is_float
 
 
 def _master_dtype(p, master_dtype):

@@ -1,0 +1,519 @@
+"""FP8 matmuls with delayed (per-tensor, amax-history) scaling.
+
+``fp8_dot(x, kernel, meta)`` computes ``x @ kernel`` with both operands quantized to
+E4M3 (``float8_e4m3fn``) and, in the backward pass, the output gradient quantized to
+E5M2 (``float8_e5m2``): the "hybrid" format of Micikevicius et al. 2022 ("FP8 Formats
+for Deep Learning", arXiv:2209.05433) and the default of NVIDIA Transformer Engine's
+``DelayedScaling`` recipe. On GPUs with FP8 tensor cores (H100/H200) XLA lowers the
+FP8 ``dot_general`` to cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``); on CPU the same
+numerics run with the operands upcast inside the dot (useful for tests, not faster).
+
+Delayed scaling (Transformer Engine's recipe)
+---------------------------------------------
+Each of the three tensors of one matmul (input ``x``, ``kernel``, output gradient
+``grad``) has a ``Fp8TensorMeta``: an amax history and the scale in use. At every step,
+before quantizing tensor ``t``::
+
+        amax     = max(amax_history)          # amax_compute_algo="max"
+                          | amax_history[0]            # amax_compute_algo="most_recent"
+        scale    = fp8_max / amax / 2**margin # TE convention; fp8_max = 448 (E4M3), 57344 (E5M2)
+        q        = fp8(clip(t * scale, -fp8_max, fp8_max))   # overflow saturates
+        history  = [amax(|t|), history[0], ..., history[-2]] # new amax at index 0, oldest drops
+
+The scale of step ``n`` thus comes from the amaxes of steps ``< n`` (the "delayed"
+part); the tensor's own amax enters the history for the next step.
+
+**What is stored is the inverse**, ``scale_inv = 1 / scale = amax * 2**margin / fp8_max``
+(TE's ``scale_inv``; flax ``fp8_ops`` calls the same quantity ``scale``): quantize
+divides by it, dequantize multiplies by it. ``Fp8TensorMeta.scale`` gives ``scale``.
+
+Edge cases: an amax of zero (all-zero tensor, or a fresh all-zero history) keeps the
+previous scale; a scale that is not finite or not positive (amax below ~1e-36, a zeroed
+state) falls back to the previous one, or to 1.0. A non-finite amax (inf/NaN in the
+tensor, e.g. a loss-scale overflow) is recorded as 0 so that it does not poison the
+history for ``history_len`` steps. At initialization (zero history, ``scale_inv = 1``)
+the first step quantizes unscaled, exactly as TE does.
+
+History layout: index ``i`` holds the amax of ``i + 1`` steps before the next use
+(chronological, index 0 newest). TE and flax keep the same window of the last
+``history_len`` amaxes but roll by -1 (index 0 newest, the rest a ring); for "max" and
+"most_recent" the results are identical, the chronological order is easier to inspect.
+
+State updates: "overwrite with gradient"
+---------------------------------------
+As flax's ``fp8_ops`` (and MaxText/Praxis) do, the meta is an *input* of the loss, and
+the custom VJP of ``fp8_dot`` returns the *updated meta* as its "gradient". So
+``jax.grad(loss, argnums=(0, 1))(params, metas, ...)`` gives ``(param_grads,
+new_metas)``: the train step stores ``new_metas`` as they are and must not pass them to
+the optimizer. When metas sit inside a larger tree use ``partition``/``combine``.
+Consequences (documented limitations): a meta must be used by exactly one ``fp8_dot``
+per differentiated function (two uses would *sum* two states; stack one meta per layer
+and scan, as ``init_metas`` does); do not ``vmap`` ``fp8_dot`` over a shared meta
+(use leading batch dims of ``x`` instead); a meta that is not used at all gets a zero
+"gradient", i.e. it is reset (zero history, and scale 1.0 at its next use).
+
+What comes from flax (``flax.linen.fp8_ops``, flax 0.12) and what is written here
+----------------------------------------------------------------------------------
+Used from flax: ``quantize`` (scale, clip to +-fp8_max, cast), ``dequantize``,
+``compute_scale`` (the TE formula, with ``margin`` and the amax <= 0 / non-finite
+fallback), ``get_fp8_max``, and ``dot_general_transpose_lhs``/``_rhs`` (the backward
+dot_generals for arbitrary ``dimension_numbers``).
+Written here: the pytree state (``Fp8Meta``, stacked per-layer metas, ``init_metas``),
+``amax_compute_algo`` (flax only has "max"), passing ``margin`` through (flax's
+``update_fp8_meta`` hard-codes 0), the chronological history roll, the guards for
+non-finite/zero scales and non-finite amaxes, and one custom VJP for the whole matmul
+(flax's ``fp8_scaled_dot_general`` splits it into ``in_q``/``quantized_dot``/``out_dq``
+and keeps the unquantized operands as residuals; here only the FP8 operands, 1 byte per
+element, are saved for the backward pass). Output and gradient accumulation is float32,
+then cast to the output dtype.
+
+Composition: under ``jax.checkpoint`` the policy decides as usual (``dots_saveable``
+keeps the FP8 matmul outputs, ``nothing_saveable`` recomputes them, re-running the
+quantization deterministically). The FP8 residuals are stored bit-cast to ``uint8``
+because JAX's remat wraps saved float residuals in ``reduce_precision``, which on
+XLA:CPU flushes ``float8_e4m3fn`` subnormals to zero. LoRA: keep the low-rank path a
+separate bf16 matmul, ``fp8_dot(x, W, meta) + s * (x @ a) @ b``. ``jmem.lora.apply``
+and ``jmem.qlora.apply`` do exactly that for a model calling ``fp8_dot``: the traced
+``custom_vjp`` carries its ``Fp8DotConfig`` (``dot_config_of``), which ``jmem.implicit``
+matches to run the frozen (NF4-dequantized) base in FP8 and the adapters in the compute
+dtype, re-quantizing the FP8 kernel in the backward pass instead of saving it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import fp8_ops
+from jax import lax
+
+from jmem._src import tree as _tree
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+DEFAULT_HISTORY_LEN = 1024
+
+
+class Fp8TensorMeta(NamedTuple):
+    """Delayed-scaling state of one tensor (or a stack of them).
+
+    Attributes:
+        scale_inv: float32 ``[*batch]``; ``1 / scale = amax * 2**margin / fp8_max``, the
+            factor that dequantizes (quantize divides by it).
+        amax_history: float32 ``[*batch, history_len]``; index 0 is the newest amax.
+    """
+
+    scale_inv: jax.Array
+    amax_history: jax.Array
+
+    @property
+    def scale(self) -> jax.Array:
+        """The TE ``scale`` (``fp8_max / amax / 2**margin``) = ``1 / scale_inv``."""
+        return 1.0 / self.scale_inv
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["x", "kernel", "grad"],
+                   meta_fields=["amax_compute_algo", "margin"])
+@dataclasses.dataclass(frozen=True)
+class Fp8Meta:
+    """FP8 scaling state of one matmul ``x @ kernel`` (a pytree; or a stack of them).
+
+    Attributes:
+        x: state of the input (E4M3).
+        kernel: state of the weights (E4M3).
+        grad: state of the output gradient (E5M2).
+        amax_compute_algo: ``"max"`` (max over the history) or ``"most_recent"``; static.
+        margin: the scale is divided by ``2**margin`` (headroom); static.
+    """
+
+    x: Fp8TensorMeta
+    kernel: Fp8TensorMeta
+    grad: Fp8TensorMeta
+    amax_compute_algo: str = "max"
+    margin: float = 0
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """Leading stack dims (``()`` for one matmul, ``(L,)`` for per-layer metas)."""
+        return tuple(self.x.scale_inv.shape)
+
+    @property
+    def history_len(self) -> int:
+        return int(self.x.amax_history.shape[-1])
+
+
+def _check_recipe(history_len: int, amax_compute_algo: str, margin) -> None:
+    if not isinstance(history_len, (int, np.integer)) or history_len < 1:
+        raise ValueError(f"history_len must be a positive int; got {history_len!r}.")
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}; "
+                         f"got {amax_compute_algo!r}.")
+    if not isinstance(margin, (int, float, np.integer, np.floating)) or not np.isfinite(margin):
+        raise ValueError(f"margin must be a finite number (a power-of-two exponent, usually 0); "
+                         f"got {margin!r}.")
+
+
+def init_meta(history_len: int = DEFAULT_HISTORY_LEN, *, amax_compute_algo: str = "max",
+              margin: float = 0, batch_shape: Sequence[int] = ()) -> Fp8Meta:
+    """Fresh scaling state for one matmul (``batch_shape=(L,)``: a stack of ``L``).
+
+    Every tensor starts with ``scale_inv = 1`` and an all-zero amax history
+    (Transformer Engine's initialization): the first step quantizes unscaled, and the
+    scales follow the data from the second step on.
+
+    Args:
+        history_len: amax history length (TE's ``amax_history_len``), in steps.
+        amax_compute_algo: ``"max"`` or ``"most_recent"`` (TE's ``amax_compute_algo``).
+        margin: scale headroom exponent, ``scale = fp8_max / amax / 2**margin``.
+        batch_shape: leading stack dims of every leaf.
+
+    Returns:
+        An ``Fp8Meta`` with float32 leaves ``scale_inv [*batch_shape]`` and
+        ``amax_history [*batch_shape, history_len]`` for ``x``, ``kernel`` and ``grad``.
+
+    Raises:
+        ValueError: for a non-positive ``history_len``, an unknown ``amax_compute_algo`` or
+            a non-finite ``margin``.
+    """
+    _check_recipe(history_len, amax_compute_algo, margin)
+    batch_shape = tuple(int(d) for d in batch_shape)
+
+    def one():
+        return Fp8TensorMeta(jnp.ones(batch_shape, jnp.float32),
+                             jnp.zeros(batch_shape + (int(history_len),), jnp.float32))
+
+    return Fp8Meta(one(), one(), one(), amax_compute_algo, margin)
+
+
+def init_metas(params: Any, targets: Sequence[str] | Callable[[str, Any], bool], *,
+               history_len: int = DEFAULT_HISTORY_LEN, amax_compute_algo: str = "max",
+               margin: float = 0) -> Any:
+    """Scaling states for the matmul kernels of a params pytree, stacked where they are.
+
+    A kernel ``[*stack, in, out]`` (e.g. ``[L, in, out]`` for layers stacked on a
+    leading axis and run under ``lax.scan``) gets an ``Fp8Meta`` with
+    ``batch_shape = stack``: one state per layer, which ``lax.scan`` slices together
+    with the kernel when passed as ``xs``.
+
+    Args:
+        params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
+        targets: module names (a leaf is selected when one of its path components equals
+            a name and its last component is ``"kernel"``, e.g. ``("q_proj", "down_proj")``
+            selects ``layers/q_proj/kernel``), or a predicate ``(path, leaf) -> bool`` with
+            ``path`` the ``/``-joined key names.
+        history_len, amax_compute_algo, margin: see ``init_meta``.
+
+    Returns:
+        A pytree with ``params``' structure: an ``Fp8Meta`` at each selected leaf and
+        ``None`` elsewhere.
+
+    Raises:
+        ValueError: if a selected leaf has fewer than 2 dims, a name in ``targets``
+            selects nothing (probably a typo), or the recipe arguments are invalid.
+        TypeError: if ``targets`` is a single string or neither names nor a callable.
+    """
+    _check_recipe(history_len, amax_compute_algo, margin)
+    if isinstance(targets, str):
+        raise TypeError(f"targets must be a sequence of names or a callable, not the string "
+                        f"{targets!r}; write ({targets!r},).")
+    if callable(targets):
+        names, pred = None, targets
+    else:
+        names = tuple(targets)
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"targets must be strings (module names) or a callable; got {names!r}.")
+
+        def pred(path, leaf):
+            parts = path.split("/")
+            return parts[-1] == "kernel" and any(p in names for p in parts)
+
+    used: set[str] = set()
+
+    def make(path, leaf):
+        p = _tree.path_str(path)
+        if not pred(p, leaf):
+            return None
+        shape = tuple(leaf.shape)
+        if len(shape) < 2:
+            raise ValueError(f"{p} has shape {shape}; FP8 targets must be kernels [..., in, out].")
+        if names is not None:
+            used.update(n for n in p.split("/") if n in names)
+        return init_meta(history_len, amax_compute_algo=amax_compute_algo, margin=margin,
+                         batch_shape=shape[:-2])
+
+    metas = jax.tree_util.tree_map_with_path(make, params)
+    if names is not None and set(names) - used:
+        raise ValueError(f"targets {sorted(set(names) - used)} matched no '.../<name>/.../kernel' "
+                         f"leaf of params; check the names.")
+    return metas
+
+
+def is_meta(x: Any) -> bool:
+    """True for an ``Fp8Meta`` (use as ``is_leaf`` in ``jax.tree`` functions)."""
+    return isinstance(x, Fp8Meta)
+
+
+def partition(tree: Any) -> tuple[Any, Any]:
+    """Splits a tree into ``(rest, metas)``: ``Fp8Meta`` subtrees vs. everything else.
+
+    Each output keeps ``tree``'s structure with ``None`` in place of the other part, so
+    ``rest`` can go to an optax optimizer and ``metas`` (from ``jax.grad``: the *new*
+    states) replace the old ones unchanged. ``combine`` is the inverse.
+    """
+    rest = jax.tree.map(lambda x: None if is_meta(x) else x, tree, is_leaf=is_meta)
+    metas = jax.tree.map(lambda x: x if is_meta(x) else None, tree, is_leaf=is_meta)
+    return rest, metas
+
+
+def combine(rest: Any, metas: Any) -> Any:
+    """Inverse of ``partition``: fills the ``None`` holes of ``rest`` from ``metas``."""
+    return jax.tree.map(lambda r, m: m if r is None else r, rest, metas,
+                        is_leaf=lambda x: x is None or is_meta(x))
+
+
+# --------------------------------------------------------------------------------------
+# Scale and history updates.
+
+
+def amax_from_history(amax_history: jax.Array, amax_compute_algo: str = "max") -> jax.Array:
+    """The amax a scale is computed from. ``[*batch, H]`` -> ``[*batch]`` float32."""
+    if amax_compute_algo == "max":
+        return jnp.max(amax_history, axis=-1)
+    if amax_compute_algo == "most_recent":
+        return amax_history[..., 0]
+    raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}; "
+                     f"got {amax_compute_algo!r}.")
+
+
+def compute_scale_inv(amax: jax.Array, prev_scale_inv: jax.Array, fp8_dtype,
+                      margin: float = 0) -> jax.Array:
+    """``1 / (fp8_max / amax / 2**margin)``, keeping ``prev_scale_inv`` (else 1) when
+    ``amax`` is 0 or not finite or the result is not finite and positive. float32.
+
+    Source: Transformer Engine's delayed-scaling update (via flax ``compute_scale``).
+    """
+    prev = prev_scale_inv.astype(jnp.float32)
+    prev_ok = jnp.isfinite(prev) & (prev > 0)
+    prev = jnp.where(prev_ok, prev, jnp.ones_like(prev))
+    fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
+    s = fp8_ops.compute_scale(amax.astype(jnp.float32), prev, fp8_max, margin)
+    return jnp.where(jnp.isfinite(s) & (s > 0), s, prev)
+
+
+def roll_history(amax_history: jax.Array, amax: jax.Array) -> jax.Array:
+    """Puts ``amax [*batch]`` at index 0 and shifts older entries up (oldest drops)."""
+    return jnp.concatenate([amax[..., None].astype(amax_history.dtype),
+                            amax_history[..., :-1]], axis=-1)
+
+
+def update_tensor_meta(x: jax.Array, meta: Fp8TensorMeta, fp8_dtype, amax_compute_algo: str,
+                       margin: float) -> Fp8TensorMeta:
+    """One delayed-scaling step for tensor ``x`` (unstacked meta).
+
+    Returns ``Fp8TensorMeta(scale_inv to quantize x with now, history with amax(|x|)
+    at index 0)``. A non-finite ``amax(|x|)`` is recorded as 0.
+    """
+    scale_inv = compute_scale_inv(amax_from_history(meta.amax_history, amax_compute_algo),
+                                  meta.scale_inv, fp8_dtype, margin)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+    return Fp8TensorMeta(scale_inv, roll_history(meta.amax_history.astype(jnp.float32), amax))
+
+
+def quantize(x: jax.Array, scale_inv: jax.Array, fp8_dtype) -> jax.Array:
+    """``fp8(clip(x / scale_inv, +-fp8_max))`` computed in float32 (flax ``quantize``)."""
+    return fp8_ops.quantize(x.astype(jnp.float32), fp8_dtype, scale_inv, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------
+# The FP8 matmul.
+
+
+class Fp8DotConfig(NamedTuple):
+    """The static part of one ``fp8_dot_general`` call (hashable).
+
+    Attributes:
+        dimension_numbers: as ``lax.dot_general`` (tuples of ints).
+        out_dtype: dtype of the result.
+        x_dtype, k_dtype: dtypes of ``x`` and ``kernel`` (and of their gradients).
+        amax_compute_algo, margin: the meta's recipe (``Fp8Meta`` static fields).
+    """
+
+    dimension_numbers: tuple
+    out_dtype: Any
+    x_dtype: Any
+    k_dtype: Any
+    amax_compute_algo: str
+    margin: float
+
+    def unflatten_meta(self, leaves: Sequence[jax.Array]) -> Fp8Meta:
+        """Rebuilds the ``Fp8Meta`` from its 6 leaves (``jax.tree.leaves`` order)."""
+        xs, xh, ks, kh, gs, gh = leaves
+        return Fp8Meta(Fp8TensorMeta(xs, xh), Fp8TensorMeta(ks, kh), Fp8TensorMeta(gs, gh),
+                       self.amax_compute_algo, self.margin)
+
+
+def fp8_bits(t: jax.Array, scale_inv: jax.Array, fp8_dtype=E4M3) -> jax.Array:
+    """``quantize(t, scale_inv, fp8_dtype)`` bit-cast to ``uint8`` (the residual format).
+
+    Saved FP8 residuals travel as ``uint8``: under ``jax.checkpoint``, JAX wraps every
+    saved floating residual in ``reduce_precision(finfo(dtype))``, which on XLA:CPU (jax
+    0.10) flushes ``float8_e4m3fn`` subnormals to zero and so changed the forward result.
+    The bit-cast is free (same width) and integers are left alone.
+    """
+    return lax.bitcast_convert_type(quantize(t, scale_inv, fp8_dtype), jnp.uint8)
+
+
+def fp8_dot_forward(cfg: Fp8DotConfig, x: jax.Array, kernel: jax.Array, meta: Fp8Meta):
+    """Forward rule of ``fp8_dot_general``: ``(y, residuals)``.
+
+    ``residuals = (qx, qk, x_meta, k_meta, grad_meta)``: ``qx``/``qk`` are the E4M3
+    operands as ``uint8`` (``fp8_bits``), ``x_meta``/``k_meta`` the updated states used
+    to quantize them, ``grad_meta`` the incoming (not yet updated) gradient state.
+    Exposed so that a jaxpr interpreter (``jmem.implicit``) can wrap it in its own
+    ``custom_vjp`` (e.g. to recompute ``qk`` in the backward pass from a compact weight).
+    """
+    x_meta = update_tensor_meta(x, meta.x, E4M3, cfg.amax_compute_algo, cfg.margin)
+    k_meta = update_tensor_meta(kernel, meta.kernel, E4M3, cfg.amax_compute_algo, cfg.margin)
+    qx = quantize(x, x_meta.scale_inv, E4M3)
+    qk = quantize(kernel, k_meta.scale_inv, E4M3)
+    y = lax.dot_general(qx, qk, cfg.dimension_numbers, preferred_element_type=jnp.float32)
+    y = fp8_ops.dequantize(y, jnp.float32, x_meta.scale_inv * k_meta.scale_inv)
+    res = (lax.bitcast_convert_type(qx, jnp.uint8), lax.bitcast_convert_type(qk, jnp.uint8),
+           x_meta, k_meta, meta.grad)
+    return y.astype(cfg.out_dtype), res
+
+
+def fp8_dot_backward(cfg: Fp8DotConfig, res, g: jax.Array):
+    """Backward rule of ``fp8_dot_general``: ``(grad_x, grad_kernel, new_meta)`` from the
+    residuals of ``fp8_dot_forward`` and the output cotangent ``g``."""
+    qx, qk, x_meta, k_meta, g_meta = res
+    qx, qk = lax.bitcast_convert_type(qx, E4M3), lax.bitcast_convert_type(qk, E4M3)
+    algo, margin, dn = cfg.amax_compute_algo, cfg.margin, cfg.dimension_numbers
+    g_meta = update_tensor_meta(g, g_meta, E5M2, algo, margin)
+    qg = quantize(g, g_meta.scale_inv, E5M2)
+    gx = fp8_ops.dot_general_transpose_lhs(qg, qx, qk, dimension_numbers=dn,
+                                           precision=None, preferred_element_type=jnp.float32)
+    gx = fp8_ops.dequantize(gx, jnp.float32, g_meta.scale_inv * k_meta.scale_inv)
+    gk = fp8_ops.dot_general_transpose_rhs(qg, qx, qk, dimension_numbers=dn,
+                                           precision=None, preferred_element_type=jnp.float32)
+    gk = fp8_ops.dequantize(gk, jnp.float32, g_meta.scale_inv * x_meta.scale_inv)
+    new_meta = Fp8Meta(x_meta, k_meta, g_meta, algo, margin)
+    return gx.astype(cfg.x_dtype), gk.astype(cfg.k_dtype), new_meta
+
+
+_CONFIG_ATTR = "_jmem_fp8_dot_config"
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_dg(cfg: Fp8DotConfig) -> Callable:
+    """The ``custom_vjp`` FP8 matmul for one static config (cached per config).
+
+    Its backward function carries ``cfg`` as an attribute: the ``custom_vjp_call``
+    equation of a traced ``fp8_dot_general`` holds it in ``params["bwd"]``, which is how
+    ``dot_config_of`` (and so ``jmem.implicit``) recognizes an FP8 matmul in a jaxpr.
+    """
+    def fwd(x, kernel, meta):
+        return fp8_dot_forward(cfg, x, kernel, meta)
+
+    def bwd(res, g):
+        return fp8_dot_backward(cfg, res, g)
+
+    def fp8_dg(x, kernel, meta):
+        return fp8_dot_forward(cfg, x, kernel, meta)[0]
+
+    setattr(bwd, _CONFIG_ATTR, cfg)
+    f = jax.custom_vjp(fp8_dg)
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def dot_config_of(custom_vjp_params: dict) -> Fp8DotConfig | None:
+    """The ``Fp8DotConfig`` of a traced ``fp8_dot_general``, or None for any other call.
+
+    Args:
+        custom_vjp_params: ``eqn.params`` of a ``custom_vjp_call`` jaxpr equation. Its
+            operands are ``(x, kernel, *meta_leaves)`` (after ``num_consts`` consts) and
+            ``cfg.unflatten_meta(meta_leaves)`` rebuilds the ``Fp8Meta``.
+    """
+    bwd = custom_vjp_params.get("bwd")
+    fn = getattr(bwd, "f", bwd)  # lu.WrappedFun in JAX 0.10: .f is the user's bwd
+    cfg = getattr(fn, _CONFIG_ATTR, None)
+    return cfg if isinstance(cfg, Fp8DotConfig) else None
+
+
+def _check_operands(x, kernel, meta, fn):
+    if not is_meta(meta):
+        raise TypeError(f"{fn}: meta must be an Fp8Meta (from fp8.init_meta / init_metas); "
+                        f"got {type(meta).__name__}.")
+    if meta.batch_shape != ():
+        raise ValueError(f"{fn}: meta is a stack of shape {meta.batch_shape}; pass one matmul's "
+                         f"meta (slice it per layer, e.g. scan over the stacked metas as xs).")
+    for name, a in (("x", x), ("kernel", kernel)):
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            raise TypeError(f"{fn}: {name} must be a floating array; got {jnp.result_type(a)}.")
+
+
+def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: Fp8Meta, dimension_numbers,
+                    preferred_element_type=None) -> jax.Array:
+    """``lax.dot_general(x, kernel, dimension_numbers)`` in FP8 with delayed scaling.
+
+    Forward: ``x`` and ``kernel`` are quantized to E4M3 with their delayed scales, the dot
+    accumulates in float32 and is dequantized by ``x_scale_inv * kernel_scale_inv``.
+    Backward (custom VJP): the output gradient is quantized to E5M2 with its delayed
+    scale and both input gradients are FP8 dots against the saved FP8 operands; the
+    cotangent of ``meta`` is the updated ``Fp8Meta`` (see the module docstring).
+
+    Args:
+        x: floating array (any float dtype, e.g. bfloat16 activations).
+        kernel: floating array.
+        meta: one matmul's ``Fp8Meta`` (``batch_shape == ()``).
+        dimension_numbers: as ``lax.dot_general``.
+        preferred_element_type: output dtype; default ``jnp.result_type(x, kernel)``.
+
+    Returns:
+        The ``dot_general`` result in ``preferred_element_type``. Gradients have ``x``'s and
+        ``kernel``'s dtypes.
+
+    Raises:
+        TypeError: if ``meta`` is not an ``Fp8Meta`` or an operand is not floating.
+        ValueError: if ``meta`` is a stack of metas.
+    """
+    _check_operands(x, kernel, meta, "fp8_dot_general")
+    x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, kernel))
+    (lc, rc), (lb, rb) = dimension_numbers
+    dn = ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+    cfg = Fp8DotConfig(dn, out_dtype, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype),
+                       meta.amax_compute_algo, meta.margin)
+    return _fp8_dg(cfg)(x, kernel, meta)
+
+
+def fp8_dot(x: jax.Array, kernel: jax.Array, meta: Fp8Meta,
+            preferred_element_type=None) -> jax.Array:
+    """``x @ kernel`` in FP8 with delayed scaling: x ``[..., in]``, kernel ``[in, out]``
+    -> ``[..., out]``. See ``fp8_dot_general``.
+
+    Raises:
+        ValueError: if ``kernel`` is not 2-D or its ``in`` does not match ``x``'s last dim.
+    """
+    if jnp.ndim(kernel) != 2 or jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(kernel)[0]:
+        raise ValueError(f"fp8_dot computes x[..., in] @ kernel[in, out]; got x{jnp.shape(x)} "
+                         f"and kernel{jnp.shape(kernel)}.")
+    nd = jnp.ndim(x)
+    return fp8_dot_general(x, kernel, meta, (((nd - 1,), (0,)), ((), ())), preferred_element_type)
+
+
+__all__ = [
+    "E4M3", "E5M2", "AMAX_COMPUTE_ALGOS", "DEFAULT_HISTORY_LEN", "Fp8TensorMeta", "Fp8Meta",
+    "init_meta", "init_metas", "is_meta", "partition", "combine", "amax_from_history",
+    "compute_scale_inv", "roll_history", "update_tensor_meta", "quantize", "fp8_dot_general",
+    "fp8_dot", "Fp8DotConfig", "fp8_bits", "fp8_dot_forward", "fp8_dot_backward",
+    "dot_config_of",
+]

@@ -1,0 +1,96 @@
+"""QLoRA: NF4-quantized frozen base weights + LoRA adapters, on any JAX/Flax model.
+
+Recipe (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs",
+arXiv:2305.14314; bitsandbytes ``Linear4bit`` + PEFT)::
+
+    qparams = jmem.qlora.quantize_params(params)                 # NF4Array leaves, ~0.516 B/param
+    lora = jmem.lora.init(key, qparams, targets=r"layers/.*_proj/kernel")
+    loss_q = jmem.qlora.apply(loss_fn)                     # loss_q(qparams, lora, batch)
+    grads = jax.grad(loss_q, argnums=1)(qparams, lora, batch)
+
+``apply`` is ``jmem.lora.apply``: it traces the model once and rewrites every matmul
+against an ``NF4Array`` weight into a matmul that dequantizes that weight (per layer,
+inside the layer ``scan``) right before use and again in the backward pass, so neither a
+dequantized copy of the model nor per-layer dequantized weights are kept as residuals.
+See ``jmem.implicit`` for the mechanism and its limits. Embeddings are gathered, not
+multiplied, so they stay in float (as in bitsandbytes/PEFT QLoRA); the output head and
+norms are also kept by default (``lm_head`` is small relative to a 7B body and sensitive).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jmem._src.implicit import interpreter as _implicit
+from jmem._src import lora as _lora
+from jmem._src import tree as _tree
+from jmem._src import nf4 as _nf4
+
+__all__ = ["quantize_params", "dequantize_params", "apply", "default_targets", "EXCLUDE"]
+
+#: Leaves whose path matches this (case-insensitive) are never quantized by default.
+EXCLUDE = r"(embed|embedding|wte|wpe|lm_head|output_head|norm|ln_|layernorm|bias)"
+
+
+def default_targets(path: str, leaf: Any) -> bool:
+    """Every floating weight of rank >= 2 except embeddings, the output head and norms."""
+    shape = getattr(leaf, "shape", ())
+    dtype = getattr(leaf, "dtype", None)
+    return (len(shape) >= 2 and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+            and re.search(EXCLUDE, path, re.IGNORECASE) is None)
+
+
+def quantize_params(params, targets: str | Callable[[str, Any], bool] | None = None, *,
+             block_size: int = 64, double_quant: bool = True):
+    """Replaces the targeted weights of ``params`` with ``jmem.nf4.NF4Array`` leaves.
+
+    Args:
+      params: a params pytree (arrays; ``jax.ShapeDtypeStruct`` under ``jax.eval_shape``).
+      targets: ``None`` for ``default_targets``, a regex (``re.fullmatch`` on the
+        '/'-joined path) or a predicate ``(path, leaf) -> bool``. Only floating leaves of
+        rank >= 2 can be quantized; rank >= 3 leaves are stacks ``[*L, in, out]`` quantized
+        per matrix, so a layer ``scan`` slices them into per-layer ``NF4Array``s.
+      block_size, double_quant: see ``jmem.nf4.quantize``.
+
+    Returns:
+      The same pytree structure with ``NF4Array`` leaves at the targeted paths; the
+      ``NF4Array`` keeps the original dtype, which the model sees when it runs.
+
+    Raises:
+      ValueError: if a targeted leaf is not a floating array of rank >= 2, or nothing matched.
+    """
+    pred = _tree.path_predicate(default_targets if targets is None else targets)
+    flat, treedef = _implicit.flatten_params(params)
+    out, n = [], 0
+    for path, leaf in flat:
+        if isinstance(leaf, _nf4.NF4Array) or not pred(path, leaf):
+            out.append(leaf)
+            continue
+        shape = getattr(leaf, "shape", ())
+        if len(shape) < 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise ValueError(f"Cannot NF4-quantize {path!r} ({getattr(leaf, 'dtype', type(leaf))}"
+                             f"{tuple(shape)}): only floating weights of rank >= 2 are supported.")
+        out.append(_nf4.quantize(leaf, block_size=block_size, double_quant=double_quant))
+        n += 1
+    if n == 0:
+        raise ValueError("qlora.quantize_params matched no weight; pass targets= (a regex on paths "
+                         f"such as {[p for p, _ in flat][:8]}).")
+    return jax.tree.unflatten(treedef, out)
+
+
+def dequantize_params(qparams, dtype=None):
+    """Replaces every ``NF4Array`` leaf by its dequantized array (its own dtype by default)."""
+    return jax.tree.map(lambda x: _nf4.dequantize(x, x.dtype if dtype is None else dtype)
+                        if isinstance(x, _nf4.NF4Array) else x,
+                        qparams, is_leaf=lambda x: isinstance(x, _nf4.NF4Array))
+
+
+def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
+    """``fn(params, *args)`` -> ``fn_q(qparams, lora, *args)`` (``lora`` may be ``None``).
+
+    Same as ``jmem.lora.apply``; see there and ``jmem.implicit``.
+    """
+    return _lora.apply(fn, allow_materialize=allow_materialize)
