@@ -17,6 +17,7 @@ Prints a table and writes ``benchmarks/results/fp8_gpu.json``. On a backend with
 GEMMs (CPU) it runs only the HLO check on small shapes, reports that no FP8 GEMM is
 emitted there, writes the JSON and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,40 +58,57 @@ def hlo_check(n: int) -> dict:
     w = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
     meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), fp8.init_meta(16))
     fwd = lambda x, w, m: fp8.fp8_dot(x, w, m)
-    bwd = jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(jnp.float32)),
-                   argnums=(0, 1, 2))
+    bwd = jax.grad(
+        lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(jnp.float32)), argnums=(0, 1, 2)
+    )
     out = {}
     for name, f in (("forward", fwd), ("forward_backward", bwd)):
         text = jax.jit(f).lower(x, w, meta).compile().as_text()
-        out[name] = {"fp8_gemm_calls": text.count(F8_GEMM),
-                     "f8e4m3fn_mentions": text.count("f8e4m3fn"),
-                     "f8e5m2_mentions": text.count("f8e5m2"),
-                     "any_cublas_gemm": text.count("__cublas$")}
+        out[name] = {
+            "fp8_gemm_calls": text.count(F8_GEMM),
+            "f8e4m3fn_mentions": text.count("f8e4m3fn"),
+            "f8e5m2_mentions": text.count("f8e5m2"),
+            "any_cublas_gemm": text.count("__cublas$"),
+        }
     return out
 
 
 def bench_matmul(n: int, iters: int) -> list[dict]:
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     x = jax.random.normal(k1, (n, n), jnp.bfloat16)
-    w = (jax.random.normal(k2, (n, n), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
+    w = (jax.random.normal(k2, (n, n), jnp.float32) / n**0.5).astype(jnp.bfloat16)
     meta = fp8.init_meta(16)
     # Settle the scales once so the timed calls quantize with real scales.
     meta = jax.jit(jax.grad(lambda m: jnp.sum(fp8.fp8_dot(x, w, m).astype(jnp.float32))))(meta)
     qx = fp8.quantize(x, meta.x.scale_inv, fp8.E4M3)
     qw = fp8.quantize(w, meta.kernel.scale_inv, fp8.E4M3)
-    flops = 2.0 * n ** 3
+    flops = 2.0 * n**3
     dn = (((1,), (0,)), ((), ()))
     cases = {
         "bf16 forward": (jax.jit(lambda x, w: x @ w), (x, w), 1),
         "fp8_dot forward": (jax.jit(fp8.fp8_dot), (x, w, meta), 1),
         "fp8 bare GEMM (pre-quantized)": (
-            jax.jit(lambda a, b: jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)),
-            (qx, qw), 1),
-        "bf16 fwd+bwd": (jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32)),
-                                          argnums=(0, 1))), (x, w), 3),
-        "fp8_dot fwd+bwd": (jax.jit(jax.grad(
-            lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(jnp.float32)),
-            argnums=(0, 1, 2))), (x, w, meta), 3),
+            jax.jit(
+                lambda a, b: jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)
+            ),
+            (qx, qw),
+            1,
+        ),
+        "bf16 fwd+bwd": (
+            jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32)), argnums=(0, 1))),
+            (x, w),
+            3,
+        ),
+        "fp8_dot fwd+bwd": (
+            jax.jit(
+                jax.grad(
+                    lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(jnp.float32)),
+                    argnums=(0, 1, 2),
+                )
+            ),
+            (x, w, meta),
+            3,
+        ),
     }
     rows = []
     base = {}
@@ -98,13 +116,21 @@ def bench_matmul(n: int, iters: int) -> list[dict]:
         t = _median_s(f, *args, iters=iters)
         kind = "fwd+bwd" if "bwd" in name else "forward"
         base.setdefault(kind, t)
-        rows.append({"case": name, "n": n, "median_ms": t * 1e3,
-                     "tflops": mult * flops / t / 1e12, "speedup_vs_bf16": base[kind] / t})
+        rows.append(
+            {
+                "case": name,
+                "n": n,
+                "median_ms": t * 1e3,
+                "tflops": mult * flops / t / 1e12,
+                "speedup_vs_bf16": base[kind] / t,
+            }
+        )
     return rows
 
 
 def bench_model(model: str, layers: int, batch: int, seq: int, iters: int) -> list[dict]:
     from jmem.models import llama
+
     cfg = llama.get_config(model, num_layers=layers)
     params = llama.init(jax.random.PRNGKey(0), cfg, dtype=jnp.float32)
     metas = fp8.init_metas(params, llama.LINEAR_NAMES, history_len=16)
@@ -123,6 +149,7 @@ def bench_model(model: str, layers: int, batch: int, seq: int, iters: int) -> li
             l, (g, new_m) = jax.value_and_grad(loss, argnums=(0, 1))(p, m)
             upd, o = tx.update(g, o, p)
             return optax.apply_updates(p, upd), new_m, o, l
+
         return step
 
     rows, base = [], None
@@ -130,9 +157,17 @@ def bench_model(model: str, layers: int, batch: int, seq: int, iters: int) -> li
         step = make_step(use)
         t = _median_s(step, params, metas, opt, iters=iters)
         base = base or t
-        rows.append({"case": name, "model": model, "layers": layers, "tokens": batch * seq,
-                     "median_ms": t * 1e3, "tokens_per_s": batch * seq / t,
-                     "speedup_vs_bf16": base / t})
+        rows.append(
+            {
+                "case": name,
+                "model": model,
+                "layers": layers,
+                "tokens": batch * seq,
+                "median_ms": t * 1e3,
+                "tokens_per_s": batch * seq / t,
+                "speedup_vs_bf16": base / t,
+            }
+        )
     return rows
 
 
@@ -148,36 +183,47 @@ def main() -> int:
 
     backend = jax.default_backend()
     devices = [d.device_kind for d in jax.devices()]
-    result = {"backend": backend, "devices": devices, "jax": jax.__version__,
-              "args": vars(args)}
+    result = {"backend": backend, "devices": devices, "jax": jax.__version__, "args": vars(args)}
     on_gpu = backend == "gpu"
     result["hlo"] = hlo_check(args.size if on_gpu else 256)
     print(f"backend={backend} devices={devices[:1]}")
     print(f"{'HLO check':<18} {'fp8 GEMM calls':>15} {'f8e4m3fn':>9} {'f8e5m2':>8}")
     for k, v in result["hlo"].items():
-        print(f"{k:<18} {v['fp8_gemm_calls']:>15} {v['f8e4m3fn_mentions']:>9} "
-              f"{v['f8e5m2_mentions']:>8}")
+        print(
+            f"{k:<18} {v['fp8_gemm_calls']:>15} {v['f8e4m3fn_mentions']:>9} "
+            f"{v['f8e5m2_mentions']:>8}"
+        )
 
     if not on_gpu:
-        result["note"] = (f"backend {backend!r} has no FP8 GEMMs: XLA upcasts the FP8 operands "
-                          f"inside the dot ({F8_GEMM} never appears); run on an H100/H200 "
-                          f"for the FP8 GEMM check and the speed measurements.")
+        result["note"] = (
+            f"backend {backend!r} has no FP8 GEMMs: XLA upcasts the FP8 operands "
+            f"inside the dot ({F8_GEMM} never appears); run on an H100/H200 "
+            f"for the FP8 GEMM check and the speed measurements."
+        )
         print(result["note"])
     else:
-        ok = (result["hlo"]["forward"]["fp8_gemm_calls"] >= 1 and
-              result["hlo"]["forward_backward"]["fp8_gemm_calls"] >= 3)
+        ok = (
+            result["hlo"]["forward"]["fp8_gemm_calls"] >= 1
+            and result["hlo"]["forward_backward"]["fp8_gemm_calls"] >= 3
+        )
         result["fp8_gemm_ok"] = ok
         print("FP8 GEMMs in HLO:", "yes" if ok else "NO (check XLA version / GPU arch)")
         result["matmul"] = bench_matmul(args.size, args.iters)
-        result["model"] = bench_model(args.model, args.layers, args.batch, args.seq, max(5, args.iters // 2))
+        result["model"] = bench_model(
+            args.model, args.layers, args.batch, args.seq, max(5, args.iters // 2)
+        )
         print(f"\n{'case':<32} {'median ms':>10} {'TFLOP/s':>8} {'vs bf16':>8}")
         for r in result["matmul"]:
-            print(f"{r['case']:<32} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} "
-                  f"{r['speedup_vs_bf16']:>7.2f}x")
+            print(
+                f"{r['case']:<32} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} "
+                f"{r['speedup_vs_bf16']:>7.2f}x"
+            )
         print(f"\n{'case':<32} {'median ms':>10} {'tok/s':>10} {'vs bf16':>8}")
         for r in result["model"]:
-            print(f"{r['case']:<32} {r['median_ms']:>10.2f} {r['tokens_per_s']:>10.0f} "
-                  f"{r['speedup_vs_bf16']:>7.2f}x")
+            print(
+                f"{r['case']:<32} {r['median_ms']:>10.2f} {r['tokens_per_s']:>10.0f} "
+                f"{r['speedup_vs_bf16']:>7.2f}x"
+            )
 
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:

@@ -33,8 +33,13 @@ from jmem.models import llama
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(jmem.__file__)), check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(jmem.__file__)),
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -45,10 +50,14 @@ def main():
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--no-skip", action="store_true",
-                    help="train_step(skip_nonfinite=False): no skipping of non-finite steps")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "optimizer_memory.json"))
+    ap.add_argument(
+        "--no-skip",
+        action="store_true",
+        help="train_step(skip_nonfinite=False): no skipping of non-finite steps",
+    )
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "optimizer_memory.json")
+    )
     args = ap.parse_args()
 
     cfg = llama.get_config(args.config)
@@ -56,8 +65,10 @@ def main():
     params = llama.abstract_params(cfg, dtype)
     short = {"bfloat16": "bf16", "float32": "f32"}[args.param_dtype]
     n = sum(x.size for x in jax.tree.leaves(params))
-    batch = {k: jax.ShapeDtypeStruct((args.batch_size, args.seq_len), jnp.int32)
-             for k in ("inputs", "targets")}
+    batch = {
+        k: jax.ShapeDtypeStruct((args.batch_size, args.seq_len), jnp.int32)
+        for k in ("inputs", "targets")
+    }
     optimizers = [
         ("optax.sgd (no state)", optax.sgd(1e-5)),
         ("optax.adamw", optax.adamw(1e-5)),
@@ -66,34 +77,62 @@ def main():
     ]
     rows = []
     for name, opt in optimizers:
-        step = jmem.train_step(lambda p, b: llama.loss_fn(p, b, cfg), opt,
-                               policy=f"p={short},c={short},o=f32", remat="full",
-                               skip_nonfinite=not args.no_skip)
+        step = jmem.train_step(
+            lambda p, b: llama.loss_fn(p, b, cfg),
+            opt,
+            policy=f"p={short},c={short},o=f32",
+            remat="full",
+            skip_nonfinite=not args.no_skip,
+        )
         t0 = time.perf_counter()
         report = step.measure(step.abstract_state(params), batch)
-        rows.append({"optimizer": name, "argument_bytes": report.argument_bytes,
-                     "temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes,
-                     "compile_s": time.perf_counter() - t0})
+        rows.append(
+            {
+                "optimizer": name,
+                "argument_bytes": report.argument_bytes,
+                "temp_bytes": report.temp_bytes,
+                "peak_bytes": report.peak_bytes,
+                "compile_s": time.perf_counter() - t0,
+            }
+        )
     floor = rows[0]["temp_bytes"]
     for r in rows:
         r["temp_above_sgd_bytes"] = r["temp_bytes"] - floor
 
     gib = 2.0**30
-    print(f"\n{args.config}: {n / 1e9:.2f}B params, {args.param_dtype}, full fine-tune, batch "
-          f"{args.batch_size} x {args.seq_len}, remat full, skip_nonfinite={not args.no_skip}; "
-          f"compiled on {jax.devices()[0].platform} (GiB)\n")
+    print(
+        f"\n{args.config}: {n / 1e9:.2f}B params, {args.param_dtype}, full fine-tune, batch "
+        f"{args.batch_size} x {args.seq_len}, remat full, skip_nonfinite={not args.no_skip}; "
+        f"compiled on {jax.devices()[0].platform} (GiB)\n"
+    )
     print("| optimizer | arguments | temporaries | above optax.sgd | peak |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['optimizer']} | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
-              f"{r['temp_above_sgd_bytes'] / gib:.2f} | {r['peak_bytes'] / gib:.2f} |")
+        print(
+            f"| {r['optimizer']} | {r['argument_bytes'] / gib:.2f} | {r['temp_bytes'] / gib:.2f} | "
+            f"{r['temp_above_sgd_bytes'] / gib:.2f} | {r['peak_bytes'] / gib:.2f} |"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": args.config, "num_params": n, "param_dtype": args.param_dtype,
-                   "batch_size": args.batch_size, "seq_len": args.seq_len, "remat": "full",
-                   "skip_nonfinite": not args.no_skip, "backend": jax.devices()[0].platform,
-                   "jax": jax.__version__, "optax": optax.__version__,
-                   "machine": platform.machine(), "jmem_commit": _commit(), "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "config": args.config,
+                "num_params": n,
+                "param_dtype": args.param_dtype,
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "remat": "full",
+                "skip_nonfinite": not args.no_skip,
+                "backend": jax.devices()[0].platform,
+                "jax": jax.__version__,
+                "optax": optax.__version__,
+                "machine": platform.machine(),
+                "jmem_commit": _commit(),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"\nwrote {args.out}")
 
 

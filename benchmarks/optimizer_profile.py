@@ -41,9 +41,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import optax
+from optimizers import _JaxRunner  # benchmarks/optimizers.py (this script's folder)
 
 from jmem._src.optim import quantized_adam as opt_lib
-from optimizers import _JaxRunner  # benchmarks/optimizers.py (this script's folder)
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w-]*)\(([^)]*)\)")
 
@@ -106,8 +106,9 @@ class _Profiled(_JaxRunner):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         del self.times[-1], self.faults[-1]  # wall times: untraced steps only
-        self.events += [e for e in events
-                        if e.get("ph") == "X" and _norm(e.get("name", "")) in self.ops]
+        self.events += [
+            e for e in events if e.get("ph") == "X" and _norm(e.get("name", "")) in self.ops
+        ]
         self.traced_steps += 1
 
     def result(self) -> dict:
@@ -116,11 +117,17 @@ class _Profiled(_JaxRunner):
             kind = _classify(_norm(e["name"]), self.ops, self.param_shape, self.quantized)
             per_pass[kind]["ms_per_step"] += e["dur"] / 1e3 / self.traced_steps
             per_pass[kind]["ops"].add(e["name"])
-        passes = {k: {"ms_per_step": v["ms_per_step"], "ops_per_step": len(v["ops"])}
-                  for k, v in sorted(per_pass.items(), key=lambda kv: -kv[1]["ms_per_step"])}
-        return {"optimizer": self.name, "wall_ms_median": statistics.median(self.times) * 1e3,
-                "traced_steps": self.traced_steps,
-                "op_ms_sum": sum(v["ms_per_step"] for v in passes.values()), "passes": passes}
+        passes = {
+            k: {"ms_per_step": v["ms_per_step"], "ops_per_step": len(v["ops"])}
+            for k, v in sorted(per_pass.items(), key=lambda kv: -kv[1]["ms_per_step"])
+        }
+        return {
+            "optimizer": self.name,
+            "wall_ms_median": statistics.median(self.times) * 1e3,
+            "traced_steps": self.traced_steps,
+            "op_ms_sum": sum(v["ms_per_step"] for v in passes.values()),
+            "passes": passes,
+        }
 
 
 def main():
@@ -128,13 +135,16 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--num", type=int, default=4)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "optimizer_profile.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "results", "optimizer_profile.json"),
+    )
     args = ap.parse_args()
 
     keys = jax.random.split(jax.random.key(0), args.num)
-    params = {f"w{i}": jax.random.normal(k, (args.dim, args.dim), jnp.float32)
-              for i, k in enumerate(keys)}
+    params = {
+        f"w{i}": jax.random.normal(k, (args.dim, args.dim), jnp.float32) for i, k in enumerate(keys)
+    }
     grads = jax.tree.map(lambda p: 0.01 * p, params)
     n = sum(p.size for p in jax.tree.leaves(params))
     runs = [
@@ -151,28 +161,52 @@ def main():
             r.trace()
     rows = [r.result() for r in runs]
 
-    print(f"\n{n / 1e6:.1f}M params ({args.num} x [{args.dim}, {args.dim}] float32), "
-          f"{args.steps} traced steps, {jax.devices()[0].platform}, {os.cpu_count()} CPUs\n")
+    print(
+        f"\n{n / 1e6:.1f}M params ({args.num} x [{args.dim}, {args.dim}] float32), "
+        f"{args.steps} traced steps, {jax.devices()[0].platform}, {os.cpu_count()} CPUs\n"
+    )
     print("| optimizer | pass | ops/step | op time (ms/step) | share of op time |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
         for k, v in r["passes"].items():
-            print(f"| {r['optimizer']} | {k} | {v['ops_per_step']} | {v['ms_per_step']:.1f} | "
-                  f"{v['ms_per_step'] / r['op_ms_sum']:.0%} |")
-        print(f"| {r['optimizer']} | **all ops** (step wall time {r['wall_ms_median']:.1f} ms) | | "
-              f"{r['op_ms_sum']:.1f} | |")
+            print(
+                f"| {r['optimizer']} | {k} | {v['ops_per_step']} | {v['ms_per_step']:.1f} | "
+                f"{v['ms_per_step'] / r['op_ms_sum']:.0%} |"
+            )
+        print(
+            f"| {r['optimizer']} | **all ops** (step wall time {r['wall_ms_median']:.1f} ms) | | "
+            f"{r['op_ms_sum']:.1f} | |"
+        )
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(__file__),
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"num_params": n, "shapes": [[args.dim, args.dim]] * args.num,
-                   "steps": args.steps, "backend": jax.devices()[0].platform,
-                   "cpu_count": os.cpu_count(), "jax": jax.__version__,
-                   "optax": optax.__version__, "machine": platform.machine(),
-                   "jmem_commit": commit, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "num_params": n,
+                "shapes": [[args.dim, args.dim]] * args.num,
+                "steps": args.steps,
+                "backend": jax.devices()[0].platform,
+                "cpu_count": os.cpu_count(),
+                "jax": jax.__version__,
+                "optax": optax.__version__,
+                "machine": platform.machine(),
+                "jmem_commit": commit,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"\nwrote {args.out}")
 
 

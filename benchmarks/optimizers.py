@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem import tree as jmem_tree
 from jmem._src.optim import quantized_adam as opt_lib
 
 
@@ -43,20 +44,26 @@ class _JaxRunner:
 
     def __init__(self, tx, params, grads, mode="update"):
         if mode == "update":
+
             def step(p, s, g):
                 u, s = tx.update(g, s, p)
                 return optax.apply_updates(p, u), s
         else:
+
             def step(p, s, g):
                 x, y = g  # [8, dim] each
                 leaves, treedef = jax.tree.flatten(p)  # a different gradient per matrix
                 grads = treedef.unflatten(
-                    [(x.T @ (y * (i + 1.0))).astype(w.dtype) for i, w in enumerate(leaves)])
+                    [(x.T @ (y * (i + 1.0))).astype(w.dtype) for i, w in enumerate(leaves)]
+                )
                 u, s = tx.update(grads, s, p)
                 return optax.apply_updates(p, u), s
+
             dim = jax.tree.leaves(params)[0].shape[0]
-            grads = (jax.random.normal(jax.random.key(1), (8, dim)) * 0.1,
-                     jax.random.normal(jax.random.key(2), (8, dim)) * 0.1)
+            grads = (
+                jax.random.normal(jax.random.key(1), (8, dim)) * 0.1,
+                jax.random.normal(jax.random.key(2), (8, dim)) * 0.1,
+            )
 
         self.step = jax.jit(step, donate_argnums=(0, 1))
         self.grads = grads
@@ -105,14 +112,21 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--num", type=int, default=4)
-    ap.add_argument("--skip-torch", action="store_true",
-                    help="skip the PyTorch optimizers (bitsandbytes, torchao; they run on the CPU), "
-                         "e.g. for a large tree on a GPU")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "optimizers.json"))
+    ap.add_argument(
+        "--skip-torch",
+        action="store_true",
+        help="skip the PyTorch optimizers (bitsandbytes, torchao; they run on the CPU), "
+        "e.g. for a large tree on a GPU",
+    )
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "optimizers.json")
+    )
     args = ap.parse_args()
 
     keys = jax.random.split(jax.random.key(0), args.num)
-    params = {f"w{i}": jax.random.normal(k, (args.dim, args.dim), jnp.float32) for i, k in enumerate(keys)}
+    params = {
+        f"w{i}": jax.random.normal(k, (args.dim, args.dim), jnp.float32) for i, k in enumerate(keys)
+    }
     grads = jax.tree.map(lambda p: 0.01 * p, params)
     n = sum(p.size for p in jax.tree.leaves(params))
 
@@ -130,13 +144,17 @@ def main():
             for r in runners:
                 r.run_once()
         for (name, _), r in zip(jax_opts, runners):
-            rows.append({
-                "optimizer": name if mode == "update" else f"{name}, in a train step",
-                "mode": mode, "median_ms": statistics.median(r.times) * 1e3,
-                "min_ms": min(r.times) * 1e3,
-                "page_faults_per_step": statistics.median(r.faults),
-                "state_bytes_per_param": jmem.tree.nbytes(r.s) / n, "skipped": None,
-            })
+            rows.append(
+                {
+                    "optimizer": name if mode == "update" else f"{name}, in a train step",
+                    "mode": mode,
+                    "median_ms": statistics.median(r.times) * 1e3,
+                    "min_ms": min(r.times) * 1e3,
+                    "page_faults_per_step": statistics.median(r.faults),
+                    "state_bytes_per_param": jmem_tree.nbytes(r.s) / n,
+                    "skipped": None,
+                }
+            )
         del runners
 
     torch_opts = []
@@ -146,20 +164,37 @@ def main():
         try:
             import bitsandbytes as bnb  # noqa: F401
 
-            torch_opts.append(("bitsandbytes AdamW8bit (CPU)", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)))
+            torch_opts.append(
+                ("bitsandbytes AdamW8bit (CPU)", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3))
+            )
         except Exception as e:  # pragma: no cover - optional
-            rows.append({"optimizer": "bitsandbytes AdamW8bit (CPU)", "skipped": f"not available: {e}"})
+            rows.append(
+                {"optimizer": "bitsandbytes AdamW8bit (CPU)", "skipped": f"not available: {e}"}
+            )
         try:
             from torchao.optim import AdamW8bit as TaoAdamW8bit
 
             torch_opts.append(("torchao AdamW8bit (CPU)", lambda ps: TaoAdamW8bit(ps, lr=1e-3)))
         except Exception as e:
-            rows.append({"optimizer": "torchao AdamW8bit (CPU)", "skipped": f"not available: {type(e).__name__}"})
+            rows.append(
+                {
+                    "optimizer": "torchao AdamW8bit (CPU)",
+                    "skipped": f"not available: {type(e).__name__}",
+                }
+            )
     for name, make in torch_opts:
         try:
             t, tmin, b = _time_torch(make, params, grads, max(3, args.reps // 2))
-            rows.append({"optimizer": name, "mode": "update", "median_ms": t * 1e3, "min_ms": tmin * 1e3,
-                         "state_bytes_per_param": b / n, "skipped": None})
+            rows.append(
+                {
+                    "optimizer": name,
+                    "mode": "update",
+                    "median_ms": t * 1e3,
+                    "min_ms": tmin * 1e3,
+                    "state_bytes_per_param": b / n,
+                    "skipped": None,
+                }
+            )
         except Exception as e:  # pragma: no cover - optional
             rows.append({"optimizer": name, "skipped": f"failed: {type(e).__name__}: {e}"})
 
@@ -168,9 +203,13 @@ def main():
         if r.get("skipped") is None:
             r["ratio_to_optax_adamw"] = r["median_ms"] / base[r.get("mode", "update")]
 
-    print(f"\n{n / 1e6:.1f}M params ({args.num} x [{args.dim}, {args.dim}] float32), "
-          f"median of {args.reps} steps, {jax.devices()[0].platform}, {os.cpu_count()} CPUs\n")
-    print("| optimizer | median step (ms) | min (ms) | x optax.adamw | page faults/step | state bytes/param |")
+    print(
+        f"\n{n / 1e6:.1f}M params ({args.num} x [{args.dim}, {args.dim}] float32), "
+        f"median of {args.reps} steps, {jax.devices()[0].platform}, {os.cpu_count()} CPUs\n"
+    )
+    print(
+        "| optimizer | median step (ms) | min (ms) | x optax.adamw | page faults/step | state bytes/param |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if r.get("skipped"):
@@ -178,16 +217,27 @@ def main():
         else:
             mn = f"{r['min_ms']:.1f}" if "min_ms" in r else ""
             pf = f"{r['page_faults_per_step']:.0f}" if "page_faults_per_step" in r else ""
-            print(f"| {r['optimizer']} | {r['median_ms']:.1f} | {mn} | {r['ratio_to_optax_adamw']:.2f} | "
-                  f"{pf} | {r['state_bytes_per_param']:.3f} |")
+            print(
+                f"| {r['optimizer']} | {r['median_ms']:.1f} | {mn} | {r['ratio_to_optax_adamw']:.2f} | "
+                f"{pf} | {r['state_bytes_per_param']:.3f} |"
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({
-            "num_params": n, "shapes": [[args.dim, args.dim]] * args.num, "reps": args.reps,
-            "backend": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "optax": optax.__version__, "machine": platform.machine(),
-            "rows": rows,
-        }, f, indent=2)
+        json.dump(
+            {
+                "num_params": n,
+                "shapes": [[args.dim, args.dim]] * args.num,
+                "reps": args.reps,
+                "backend": jax.devices()[0].platform,
+                "cpu_count": os.cpu_count(),
+                "jax": jax.__version__,
+                "optax": optax.__version__,
+                "machine": platform.machine(),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"\nwrote {args.out}")
 
 

@@ -13,6 +13,7 @@ Example::
 combination. To add a command, write ``_add_<name>(subparsers)`` that registers its parser
 with ``set_defaults(func=...)`` and list it in ``_COMMANDS``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,8 @@ def _resolve_model(name: str):
     """A config for ``name``: jmem.models.llama's configs first, then the planner's table,
     then a parameter count (``7e9``, ``7B``)."""
     try:
-        from jmem.models import llama  # lazy: the CLI sits on top, the planner stays a leaf
+        from jmem.models import llama  # noqa: PLC0415 (lazy: only for config names)
+
         if name in llama.CONFIGS:
             return llama.get_config(name)
     except ImportError:
@@ -35,6 +37,7 @@ def _resolve_model(name: str):
 
 def _bytes_or_zero(text: str) -> int:
     from jmem import planner  # noqa: PLC0415
+
     return 0 if text.strip() in ("0", "0B", "0GB") else planner.parse_memory(text)
 
 
@@ -46,16 +49,29 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.lora_rank:
         targets = tuple(t for t in args.lora_targets.split(",") if t)
         lora = (args.lora_rank, targets if targets != ("all",) else "all")
-    shape_kw = {k: v for k, v in (("hidden_size", args.hidden_size),
-                                   ("num_layers", args.num_layers)) if v is not None}
+    shape_kw = {
+        k: v
+        for k, v in (("hidden_size", args.hidden_size), ("num_layers", args.num_layers))
+        if v is not None
+    }
     optimizers = [o for o in args.optimizer.split(",") if o]
     remats = [r for r in args.remat.split(",") if r]
     for opt, remat in itertools.product(optimizers, remats):
-        kw = dict(param_dtype=args.param_dtype, optimizer=opt, remat=remat,
-                  batch_size=args.batch_size, seq_len=args.seq_len, num_shards=args.shards,
-                  zero_stage=args.zero_stage, offload=args.offload or False, lora=lora,
-                  quantization=args.quant, accounting=args.accounting,
-                  master_weights=args.master_weights, **shape_kw)
+        kw = dict(
+            param_dtype=args.param_dtype,
+            optimizer=opt,
+            remat=remat,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            num_shards=args.shards,
+            zero_stage=args.zero_stage,
+            offload=args.offload or False,
+            lora=lora,
+            quantization=args.quant,
+            accounting=args.accounting,
+            master_weights=args.master_weights,
+            **shape_kw,
+        )
         if args.activation_budget is not None:
             kw["activations"] = _bytes_or_zero(args.activation_budget)
         print(f"== optimizer={opt} remat={remat} ==")
@@ -69,17 +85,27 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _add_estimate(sub) -> None:
-    p = sub.add_parser("estimate", help="memory ledgers of a training configuration",
-                       description="Estimate the device memory of a training step, ledger by "
-                                   "ledger, and (with --memory) whether it fits.")
-    p.add_argument("--model", required=True,
-                   help="config name (tiny, llama_1b, llama2_7b, llama3_8b) or parameter count (7e9, 7B)")
+    p = sub.add_parser(
+        "estimate",
+        help="memory ledgers of a training configuration",
+        description="Estimate the device memory of a training step, ledger by "
+        "ledger, and (with --memory) whether it fits.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="config name (tiny, llama_1b, llama2_7b, llama3_8b) or parameter count (7e9, 7B)",
+    )
     p.add_argument("--memory", help="device memory: 24GB, 24GiB, 80G or bytes")
     p.add_argument("--reserve", default="2GB", help="memory kept free (default 2GB)")
     p.add_argument("--param-dtype", default="bf16")
     p.add_argument("--optimizer", default="adamw", help="comma list, e.g. adamw,adamw_8bit")
-    p.add_argument("--master-weights", default=None, action=argparse.BooleanOptionalAction,
-                   help="fp32 masters (default: on for 16-bit params)")
+    p.add_argument(
+        "--master-weights",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="fp32 masters (default: on for 16-bit params)",
+    )
     p.add_argument("--offload", choices=["optimizer", "optimizer+masters"])
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--lora-targets", default="q_proj,v_proj", help="comma list or 'all'")
@@ -90,8 +116,11 @@ def _add_estimate(sub) -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=None)
     p.add_argument("--accounting", choices=["stored", "nominal"], default="stored")
-    p.add_argument("--activation-budget", default=None,
-                   help="fix activations to this many bytes (e.g. 6GB) instead of computing them")
+    p.add_argument(
+        "--activation-budget",
+        default=None,
+        help="fix activations to this many bytes (e.g. 6GB) instead of computing them",
+    )
     p.add_argument("--hidden-size", type=int, default=None, help="shape for a parameter count")
     p.add_argument("--num-layers", type=int, default=None, help="shape for a parameter count")
     p.set_defaults(func=_estimate)

@@ -6,6 +6,7 @@ the gloo CPU collectives. Both processes run the same sharded ``jmem.train_step`
 Adam) on the same global batch, then compare against a single-device step computed
 locally, and write what they saw to OUT_JSON.
 """
+
 import json
 import os
 import sys
@@ -17,16 +18,22 @@ import jax  # noqa: E402
 
 port, pid, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=pid, initialization_timeout=60)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=pid,
+    initialization_timeout=60,
+)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from jmem import sharding  # noqa: E402
-from jmem import train_step  # noqa: E402
+from jmem import (
+    sharding,  # noqa: E402
+    train_step,  # noqa: E402
+)
 
 
 def mlp(p, b):
@@ -35,11 +42,18 @@ def mlp(p, b):
 
 
 rng = np.random.default_rng(0)  # identical host values on both processes
-params = {"w1": (0.1 * rng.standard_normal((64, 128))).astype(np.float32),
-          "b1": np.zeros((128,), np.float32),
-          "w2": (0.1 * rng.standard_normal((128, 64))).astype(np.float32)}
-batches = [{"x": rng.standard_normal((8, 64)).astype(np.float32),
-            "y": rng.standard_normal((8, 64)).astype(np.float32)} for _ in range(2)]
+params = {
+    "w1": (0.1 * rng.standard_normal((64, 128))).astype(np.float32),
+    "b1": np.zeros((128,), np.float32),
+    "w2": (0.1 * rng.standard_normal((128, 64))).astype(np.float32),
+}
+batches = [
+    {
+        "x": rng.standard_normal((8, 64)).astype(np.float32),
+        "y": rng.standard_normal((8, 64)).astype(np.float32),
+    }
+    for _ in range(2)
+]
 
 mesh = sharding.make_mesh(data=1, fsdp=jax.device_count())
 step = train_step(mlp, optax.adam(1e-2), mesh=mesh, strategy="zero3")
@@ -58,12 +72,23 @@ ref_losses = []
 for b in batches:
     rstate, m = ref(rstate, jax.device_put(b, dev))
     ref_losses.append(float(m["loss"]))
-diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(r))))
-           for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(rstate.params)))
+diff = max(
+    float(np.max(np.abs(np.asarray(a) - np.asarray(r))))
+    for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(rstate.params))
+)
 
 with open(out_path, "w") as f:
-    json.dump({"process_id": jax.process_index(), "process_count": jax.process_count(),
-               "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
-               "losses": losses, "ref_losses": ref_losses, "max_param_diff": diff,
-               "w1_spec": str(state.params["w1"].sharding.spec)}, f)
+    json.dump(
+        {
+            "process_id": jax.process_index(),
+            "process_count": jax.process_count(),
+            "global_devices": jax.device_count(),
+            "local_devices": jax.local_device_count(),
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "max_param_diff": diff,
+            "w1_spec": str(state.params["w1"].sharding.spec),
+        },
+        f,
+    )
 jax.distributed.shutdown()

@@ -3,6 +3,7 @@
 XLA reads XLA_FLAGS once, when the backend starts, so this must run before any test
 imports jax and touches a device.
 """
+
 import os
 
 _flag = "--xla_force_host_platform_device_count=8"

@@ -1,21 +1,22 @@
 """Checkpointer: keep the last K, restore exactly, clear errors, frozen params re-attached."""
+
 import chex
-import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
-from jmem import Checkpointer
-from jmem import DynamicLossScale
-from jmem import TrainState
+from jmem import Checkpointer, DynamicLossScale, TrainState
 
 
 def _state(v):
     params = {"w": jnp.full((4, 4), v, jnp.float32)}
-    return TrainState(step=jnp.asarray(int(v), jnp.int32), params=params,
-                      opt_state=optax.adam(1e-3).init(params),
-                      loss_scale=DynamicLossScale(jnp.float32(2.0**v)),
-                      frozen={"base": jnp.ones((8,), jnp.bfloat16)})
+    return TrainState(
+        step=jnp.asarray(int(v), jnp.int32),
+        params=params,
+        opt_state=optax.adam(1e-3).init(params),
+        loss_scale=DynamicLossScale(jnp.float32(2.0**v)),
+        frozen={"base": jnp.ones((8,), jnp.bfloat16)},
+    )
 
 
 def test_keeps_last_k_and_restores_latest(tmp_path):

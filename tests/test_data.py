@@ -1,4 +1,5 @@
 """Data: real default corpus, packing, deterministic shuffling, exact resumable position."""
+
 import json
 
 import numpy as np

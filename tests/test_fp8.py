@@ -4,6 +4,7 @@ Measured on CPU (random normal data, scales settled, see the tests): forward rel
 Frobenius error ~4% (E4M3 x E4M3), input/kernel gradients ~6% (E5M2 output gradient);
 tiny Llama after 30 Adam steps: FP8 loss 0.842 vs bf16 0.835 (<1%).
 """
+
 import contextlib
 import io
 
@@ -37,7 +38,7 @@ def _sub_jaxprs(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
         for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from _sub_jaxprs(inner)
@@ -45,8 +46,8 @@ def _sub_jaxprs(jaxpr):
 
 # ----------------------------------------------------------------------------- state
 
-class MetaTest(parameterized.TestCase):
 
+class MetaTest(parameterized.TestCase):
     def test_init_meta_shapes(self):
         m = fp8.init_meta(16, amax_compute_algo="most_recent", margin=1)
         self.assertEqual(m.batch_shape, ())
@@ -62,18 +63,24 @@ class MetaTest(parameterized.TestCase):
         chex.assert_shape(s.grad.amax_history, (3, 4))
 
     @parameterized.parameters(
-        dict(kw=dict(history_len=0)), dict(kw=dict(amax_compute_algo="mean")),
-        dict(kw=dict(margin=float("nan"))))
+        dict(kw=dict(history_len=0)),
+        dict(kw=dict(amax_compute_algo="mean")),
+        dict(kw=dict(margin=float("nan"))),
+    )
     def test_init_meta_rejects_bad_recipe(self, kw):
         with self.assertRaises(ValueError):
             fp8.init_meta(**kw)
 
     def test_init_metas_stacks_per_layer_and_partition(self):
-        params = {"embed": {"embedding": jnp.zeros((10, 8))},
-                  "layers": {"norm": {"scale": jnp.zeros((3, 8))},
-                             "q_proj": {"kernel": jnp.zeros((3, 8, 12))},
-                             "down_proj": {"kernel": jnp.zeros((3, 12, 8))}},
-                  "lm_head": {"kernel": jnp.zeros((8, 10))}}
+        params = {
+            "embed": {"embedding": jnp.zeros((10, 8))},
+            "layers": {
+                "norm": {"scale": jnp.zeros((3, 8))},
+                "q_proj": {"kernel": jnp.zeros((3, 8, 12))},
+                "down_proj": {"kernel": jnp.zeros((3, 12, 8))},
+            },
+            "lm_head": {"kernel": jnp.zeros((8, 10))},
+        }
         metas = fp8.init_metas(params, ("q_proj", "down_proj"), history_len=5)
         self.assertIsNone(metas["embed"]["embedding"])
         self.assertIsNone(metas["layers"]["norm"]["scale"])
@@ -110,8 +117,10 @@ class MetaTest(parameterized.TestCase):
             fp8.fp8_dot(x, w, {"x": 1})
 
     def test_jit_and_orbax_roundtrip(self):
-        import orbax.checkpoint as ocp
         import tempfile
+
+        import orbax.checkpoint as ocp
+
         m = fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
         x, w = _data()
         m = jax.jit(jax.grad(lambda m: jnp.sum(fp8.fp8_dot(x, w, m))))(m)
@@ -120,13 +129,15 @@ class MetaTest(parameterized.TestCase):
             with ocp.StandardCheckpointer() as ckpt:
                 ckpt.save(d + "/m", m)
             with ocp.StandardCheckpointer() as ckpt:
-                restored = ckpt.restore(d + "/m", fp8.init_meta(8, amax_compute_algo="most_recent",
-                                                                margin=2))
+                restored = ckpt.restore(
+                    d + "/m", fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
+                )
         chex.assert_trees_all_equal(restored, m)
         self.assertTrue(fp8.is_meta(restored))
 
 
 # ----------------------------------------------------------------------------- scaling
+
 
 def _numpy_delayed_scaling(amaxes, history_len, algo, margin, fp8_max):
     """Reference: the scale_inv used at each step and the final history."""
@@ -136,14 +147,15 @@ def _numpy_delayed_scaling(amaxes, history_len, algo, margin, fp8_max):
     for a in amaxes:
         ref = hist.max() if algo == "max" else hist[0]
         if ref > 0 and np.isfinite(ref):
-            s_inv = np.float32(1.0) / (np.float32(fp8_max) / np.float32(ref) / np.float32(2.0 ** margin))
+            s_inv = np.float32(1.0) / (
+                np.float32(fp8_max) / np.float32(ref) / np.float32(2.0**margin)
+            )
         used.append(s_inv)
         hist = np.concatenate([[np.float32(a)], hist[:-1]]).astype(np.float32)
     return np.array(used, np.float32), hist
 
 
 class ScalingTest(parameterized.TestCase):
-
     @parameterized.product(algo=("max", "most_recent"), margin=(0, 1, 3))
     def test_scale_update_follows_formula_and_history_rolls(self, algo, margin):
         # Known amaxes for x (through the input), kernel (fixed) and the output gradient
@@ -165,9 +177,10 @@ class ScalingTest(parameterized.TestCase):
             got_k.append(m.kernel.scale_inv)
         wa = float(jnp.max(jnp.abs(w)))
         for got, amaxes, fmax, hist in (
-                (got_x, x_amax, E4M3_MAX, m.x.amax_history),
-                (got_g, g_amax, E5M2_MAX, m.grad.amax_history),
-                (got_k, [wa] * len(x_amax), E4M3_MAX, m.kernel.amax_history)):
+            (got_x, x_amax, E4M3_MAX, m.x.amax_history),
+            (got_g, g_amax, E5M2_MAX, m.grad.amax_history),
+            (got_k, [wa] * len(x_amax), E4M3_MAX, m.kernel.amax_history),
+        ):
             want, want_hist = _numpy_delayed_scaling(amaxes, hl, algo, margin, fmax)
             np.testing.assert_allclose(np.array(got), want, rtol=1e-6)
             np.testing.assert_allclose(hist, want_hist, rtol=1e-6)
@@ -191,16 +204,21 @@ class ScalingTest(parameterized.TestCase):
         # End to end: all-zero inputs give finite outputs, gradients and scales.
         x, w = _data()
         g = jax.jit(jax.grad(lambda x, m: jnp.sum(fp8.fp8_dot(x, w, m)), argnums=(0, 1)))(
-            jnp.zeros_like(x), m)
+            jnp.zeros_like(x), m
+        )
         chex.assert_tree_all_finite(g)
 
     def test_overflow_saturates(self):
         # Scales settled for amax 1; a value of 1000 saturates to 448 * scale_inv = 1.
         m = fp8.init_meta(4)
         hist = jnp.array([1.0, 0, 0, 0], F32)
-        m = fp8.Fp8Meta(fp8.Fp8TensorMeta(jnp.float32(1 / 448), hist),
-                        fp8.Fp8TensorMeta(jnp.float32(1.0), hist),
-                        m.grad, "max", 0)
+        m = fp8.Fp8Meta(
+            fp8.Fp8TensorMeta(jnp.float32(1 / 448), hist),
+            fp8.Fp8TensorMeta(jnp.float32(1.0), hist),
+            m.grad,
+            "max",
+            0,
+        )
         x = jnp.array([[1000.0, -1000.0, 0.5]])
         w = jnp.eye(3, dtype=F32)
         y = jax.jit(fp8.fp8_dot)(x, w, m)
@@ -212,12 +230,15 @@ class ScalingTest(parameterized.TestCase):
 
 # ----------------------------------------------------------------------------- numerics
 
-class NumericsTest(chex.TestCase):
 
+class NumericsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_settled_error_vs_f32(self):
-        step = self.variant(jax.value_and_grad(
-            lambda x, w, m: jnp.sum(jnp.tanh(fp8.fp8_dot(x, w, m))), argnums=(0, 1, 2)))
+        step = self.variant(
+            jax.value_and_grad(
+                lambda x, w, m: jnp.sum(jnp.tanh(fp8.fp8_dot(x, w, m))), argnums=(0, 1, 2)
+            )
+        )
         m = fp8.init_meta(16)
         for i in range(4):  # scales settle after one step; data changes every step
             x, w = _data(seed=i)
@@ -236,8 +257,9 @@ class NumericsTest(chex.TestCase):
     def test_mixed_precision_dtypes(self):
         x, w = _data()
         m = fp8.init_meta(4)
-        f = self.variant(jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(F32)),
-                                  argnums=(0, 1, 2)))
+        f = self.variant(
+            jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m).astype(F32)), argnums=(0, 1, 2))
+        )
         gx, gw, m2 = f(x.astype(BF16), w.astype(BF16), m)
         self.assertEqual((gx.dtype, gw.dtype), (BF16, BF16))
         self.assertEqual(m2.x.scale_inv.dtype, F32)
@@ -258,23 +280,33 @@ class NumericsTest(chex.TestCase):
         y = jax.jit(fp8.fp8_dot_general, static_argnums=3)(a, b, m, dn)
         self.assertLess(_rel(y, ref), 0.05)
         ga, gb, _ = grad(a, b, m)
-        ga_ref, gb_ref = jax.grad(lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) ** 2),
-                                  argnums=(0, 1))(a, b)
+        ga_ref, gb_ref = jax.grad(
+            lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) ** 2), argnums=(0, 1)
+        )(a, b)
         self.assertLess(_rel(ga, ga_ref), 0.10)
         self.assertLess(_rel(gb, gb_ref), 0.10)
 
     def test_jaxpr_uses_e4m3_forward_and_e5m2_gradient(self):
         x, w = _data()
         m = fp8.init_meta(4)
-        jaxpr = jax.make_jaxpr(jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m) ** 2),
-                                        argnums=(0, 1, 2)))(x.astype(BF16), w.astype(BF16), m)
+        jaxpr = jax.make_jaxpr(
+            jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m) ** 2), argnums=(0, 1, 2))
+        )(x.astype(BF16), w.astype(BF16), m)
         dots = [e for e in _sub_jaxprs(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
         operand_dtypes = sorted(tuple(sorted(str(v.aval.dtype) for v in e.invars)) for e in dots)
-        self.assertEqual(operand_dtypes, [("float8_e4m3fn", "float8_e4m3fn"),
-                                          ("float8_e4m3fn", "float8_e5m2"),
-                                          ("float8_e4m3fn", "float8_e5m2")])
-        converts = {str(e.params["new_dtype"]) for e in _sub_jaxprs(jaxpr.jaxpr)
-                    if e.primitive.name == "convert_element_type"}
+        self.assertEqual(
+            operand_dtypes,
+            [
+                ("float8_e4m3fn", "float8_e4m3fn"),
+                ("float8_e4m3fn", "float8_e5m2"),
+                ("float8_e4m3fn", "float8_e5m2"),
+            ],
+        )
+        converts = {
+            str(e.params["new_dtype"])
+            for e in _sub_jaxprs(jaxpr.jaxpr)
+            if e.primitive.name == "convert_element_type"
+        }
         self.assertTrue({"float8_e4m3fn", "float8_e5m2"} <= converts)
 
     def test_remat_policies(self):
@@ -313,8 +345,10 @@ class NumericsTest(chex.TestCase):
         x, w = _data()
         x, w = x.astype(BF16), w.astype(BF16)
         k1, k2 = jax.random.split(jax.random.PRNGKey(7))
-        lora = {"a": (0.1 * jax.random.normal(k1, (32, 3))).astype(BF16),
-                "b": (0.1 * jax.random.normal(k2, (3, 16))).astype(BF16)}
+        lora = {
+            "a": (0.1 * jax.random.normal(k1, (32, 3))).astype(BF16),
+            "b": (0.1 * jax.random.normal(k2, (3, 16))).astype(BF16),
+        }
 
         def fwd(lora, m, use_fp8):
             base = fp8.fp8_dot(x, jax.lax.stop_gradient(w), m) if use_fp8 else x @ w
@@ -330,8 +364,11 @@ class NumericsTest(chex.TestCase):
         for name in ("a", "b"):
             self.assertLess(_rel(g[name], g_ref[name]), 0.10)
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lora, m, True)
-        lora_dots = [e for e in _sub_jaxprs(jaxpr.jaxpr) if e.primitive.name == "dot_general"
-                     and any(3 in v.aval.shape for v in e.invars)]  # rank 3
+        lora_dots = [
+            e
+            for e in _sub_jaxprs(jaxpr.jaxpr)
+            if e.primitive.name == "dot_general" and any(3 in v.aval.shape for v in e.invars)
+        ]  # rank 3
         self.assertTrue(lora_dots)
         for e in lora_dots:
             self.assertEqual({str(v.aval.dtype) for v in e.invars}, {"bfloat16"})
@@ -339,13 +376,22 @@ class NumericsTest(chex.TestCase):
 
 # ----------------------------------------------------------------------------- training
 
+
 def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
     """The reference Llama with ``forward(..., fp8=metas)`` (all 7 projections per layer in
     FP8, stacked metas scanned with the layers; embedding/lm_head stay bf16) on a fixed
     token stream: the final loss is within 5% of the bf16 run (measured: 0.842 vs 0.835, <1%)."""
     from jmem.models import llama
-    cfg = llama.get_config("tiny", vocab_size=64, hidden_size=64, intermediate_size=128,
-                           num_layers=2, num_heads=4, num_kv_heads=2)
+
+    cfg = llama.get_config(
+        "tiny",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+    )
     params = llama.init(jax.random.PRNGKey(0), cfg)
     metas = fp8.init_metas(params, llama.LINEAR_NAMES, history_len=16)
     assert metas["layers"]["q_proj"]["kernel"].batch_shape == (2,)
@@ -392,8 +438,9 @@ def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
     assert bool(jnp.all(s_amax >= jnp.max(hist[:, 1:], axis=-1) * (1 - 1e-6)))
     assert bool(jnp.all(s_amax <= 2 * jnp.max(hist, axis=-1)))
     with pytest.raises(ValueError, match="layers"):
-        llama.forward(params, batch["inputs"], cfg,
-                      fp8=fp8.init_metas(params, ("q_proj", "lm_head")))
+        llama.forward(
+            params, batch["inputs"], cfg, fp8=fp8.init_metas(params, ("q_proj", "lm_head"))
+        )
 
 
 def test_dot_config_marks_the_fp8_custom_vjp():
@@ -404,10 +451,13 @@ def test_dot_config_marks_the_fp8_custom_vjp():
     jaxpr = jax.make_jaxpr(lambda x, w, m: fp8.fp8_dot(x.astype(BF16), w, m))(x, w, m).jaxpr
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name.startswith("custom_vjp_call")]
     cfg = fp8_src.dot_config_of(eqn.params)
-    assert cfg == fp8.Fp8DotConfig((((2,), (0,)), ((), ())), jnp.dtype(F32), jnp.dtype(BF16),
-                                   jnp.dtype(F32), "most_recent", 1)
+    assert cfg == fp8.Fp8DotConfig(
+        (((2,), (0,)), ((), ())), jnp.dtype(F32), jnp.dtype(BF16), jnp.dtype(F32), "most_recent", 1
+    )
     leaves = [jnp.full_like(a, i) for i, a in enumerate(jax.tree.leaves(m))]
-    chex.assert_trees_all_equal(cfg.unflatten_meta(leaves), jax.tree.unflatten(jax.tree.structure(m), leaves))
+    chex.assert_trees_all_equal(
+        cfg.unflatten_meta(leaves), jax.tree.unflatten(jax.tree.structure(m), leaves)
+    )
 
     @jax.custom_vjp
     def other(x):

@@ -1,8 +1,8 @@
 """Loading Hugging Face Llama checkpoints; oracle: transformers' LlamaForCausalLM (torch CPU)."""
+
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,23 +10,36 @@ import pytest
 from jmem import nf4
 from jmem.models import hf, llama
 
-torch = pytest.importorskip("torch", reason="torch (CPU) is the oracle's runtime; install the test extra")
-transformers = pytest.importorskip("transformers", reason="transformers' LlamaForCausalLM is the oracle")
+torch = pytest.importorskip(
+    "torch", reason="torch (CPU) is the oracle's runtime; install the test extra"
+)
+transformers = pytest.importorskip(
+    "transformers", reason="transformers' LlamaForCausalLM is the oracle"
+)
 
 
 def _save_tiny(tmp_path, tie=False, shard=True):
     cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=tie, max_position_embeddings=128)
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms, so a swapped norm would show
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path, safe_serialization=True,
-                          max_shard_size="100KB" if shard else "1GB")
+    model.save_pretrained(
+        tmp_path, safe_serialization=True, max_shard_size="100KB" if shard else "1GB"
+    )
     return model
 
 

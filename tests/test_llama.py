@@ -1,4 +1,5 @@
 """Reference Llama: shapes, parameter counts, GQA, tied embeddings, checkpoint names."""
+
 import jax
 import jax.numpy as jnp
 import pytest

@@ -1,4 +1,5 @@
 """LoRA adapters: init semantics (PEFT), unmerged apply == merged model, adapter-only grads."""
+
 import math
 
 import chex
@@ -16,25 +17,28 @@ IN, OUT, HID, R = 48, 40, 56, 4
 
 def _params(key=0):
     k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
-    return {"up": {"kernel": jax.random.normal(k1, (IN, HID)) * 0.1, "bias": jnp.zeros(HID)},
-            "down": {"kernel": jax.random.normal(k2, (HID, OUT)) * 0.1},
-            "stack": {"kernel": jax.random.normal(k3, (3, OUT, OUT)) * 0.1}}
+    return {
+        "up": {"kernel": jax.random.normal(k1, (IN, HID)) * 0.1, "bias": jnp.zeros(HID)},
+        "down": {"kernel": jax.random.normal(k2, (HID, OUT)) * 0.1},
+        "stack": {"kernel": jax.random.normal(k3, (3, OUT, OUT)) * 0.1},
+    }
 
 
 def mlp(params, x):
     """Uses weights as rhs, as lhs (einsum order), transposed and scanned."""
     h = jax.nn.gelu(x @ params["up"]["kernel"] + params["up"]["bias"])
-    y = jnp.einsum("ho,bh->bo", params["down"]["kernel"], h)         # weight as lhs
+    y = jnp.einsum("ho,bh->bo", params["down"]["kernel"], h)  # weight as lhs
     y = y + (y @ params["down"]["kernel"].T) @ params["down"]["kernel"]  # contract 'out'
-    y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None),
-                        y, params["stack"]["kernel"])
+    y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), y, params["stack"]["kernel"])
     return y
 
 
 def _nonzero(ad, key=5):
     leaves, tree = jax.tree.flatten(ad)
     keys = jax.random.split(jax.random.key(key), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        tree, [x + 0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+    )
 
 
 def test_init_shapes_scale_and_distribution():
@@ -50,7 +54,9 @@ def test_init_shapes_scale_and_distribution():
     bound = 1 / math.sqrt(1024)  # kaiming_uniform(a=sqrt(5)) on lora_A [r, in]
     assert float(jnp.abs(big).max()) <= bound and float(jnp.abs(big).max()) > 0.99 * bound
     np.testing.assert_allclose(float(jnp.std(big)), bound / math.sqrt(3), rtol=0.02)
-    g = lora.init(jax.random.key(1), {"w": jnp.zeros((1024, 512))}, rank=16, targets="w", init="gaussian")["w"].a
+    g = lora.init(
+        jax.random.key(1), {"w": jnp.zeros((1024, 512))}, rank=16, targets="w", init="gaussian"
+    )["w"].a
     np.testing.assert_allclose(float(jnp.std(g)), 1 / 16, rtol=0.02)
     rs = lora.init(jax.random.key(1), p, rank=16, alpha=8.0, targets=r".*kernel", rslora=True)
     assert rs["up/kernel"].scale == 8.0 / 4.0
@@ -64,7 +70,6 @@ def test_init_shapes_scale_and_distribution():
 
 
 class ApplyTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_apply_equals_merged_and_identity_at_init(self):
         p = _params()
@@ -96,6 +101,7 @@ class ApplyTest(chex.TestCase):
                     assert tuple(getattr(v.aval, "shape", ())) not in shapes, e
                 for sub in jax.extend.core.jaxprs_in_params(e.params):
                     walk(sub)
+
         walk(jaxpr)
 
     def test_lossy_cast_chain_is_kept(self):
@@ -121,8 +127,9 @@ class ApplyTest(chex.TestCase):
         ad = _nonzero(lora.init(jax.random.key(1), state, rank=R))
         assert set(ad) == {"q_proj/kernel", "v_proj/kernel"}
         x = jax.random.normal(jax.random.key(2), (3, IN))
-        chex.assert_trees_all_close(jax.jit(lora.apply(fwd))(state, ad, x),
-                                    fwd(lora.merge(state, ad), x), atol=1e-5)
+        chex.assert_trees_all_close(
+            jax.jit(lora.apply(fwd))(state, ad, x), fwd(lora.merge(state, ad), x), atol=1e-5
+        )
 
     def test_errors(self):
         p = _params()
@@ -151,8 +158,12 @@ def test_matches_peft():
 
     for rslora in (False, True):
         torch.manual_seed(0)
-        model = peft.get_peft_model(Net(), peft.LoraConfig(r=R, lora_alpha=12, target_modules=["q_proj"],
-                                                           lora_dropout=0.0, use_rslora=rslora))
+        model = peft.get_peft_model(
+            Net(),
+            peft.LoraConfig(
+                r=R, lora_alpha=12, target_modules=["q_proj"], lora_dropout=0.0, use_rslora=rslora
+            ),
+        )
         layer = model.base_model.model.q_proj
         lora_a = layer.lora_A["default"].weight  # [r, in], kaiming-uniform
         assert float(lora_a.detach().abs().max()) <= 1 / math.sqrt(IN)
@@ -163,20 +174,27 @@ def test_matches_peft():
         p = {"q_proj": {"kernel": jnp.asarray(layer.base_layer.weight.detach().numpy().T)}}
         ad = lora.init(jax.random.key(0), p, rank=R, alpha=12, rslora=rslora)
         assert ad["q_proj/kernel"].scale == pytest.approx(layer.scaling["default"])
-        ad = {"q_proj/kernel": lora.LoraWeight(a=jnp.asarray(lora_a.detach().numpy().T),
-                                               b=jnp.asarray(layer.lora_B["default"].weight.detach().numpy().T),
-                                               scale=ad["q_proj/kernel"].scale)}
+        ad = {
+            "q_proj/kernel": lora.LoraWeight(
+                a=jnp.asarray(lora_a.detach().numpy().T),
+                b=jnp.asarray(layer.lora_B["default"].weight.detach().numpy().T),
+                scale=ad["q_proj/kernel"].scale,
+            )
+        }
         got = lora.apply(lambda p, x: x @ p["q_proj"]["kernel"])(p, ad, jnp.asarray(x))
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- FP8 base
 
+
 def _fp8_stack_fn(p, x, metas):
     """A stacked FP8 layer loop (kernel transposed in its view, as in ``W.T``)."""
+
     def body(h, wm):
         w, m = wm
         return jnp.tanh(fp8.fp8_dot(h, w.T.astype(h.dtype), m)), None
+
     return jax.lax.scan(body, x, (p["stack"]["kernel"], metas))[0]
 
 
@@ -198,6 +216,7 @@ def test_fp8_base_plus_bf16_lowrank_matches_hand_written():
             base = fp8.fp8_dot(h, jax.lax.stop_gradient(k.T), m)
             low = (h @ b.T.astype(h.dtype)) @ a.T.astype(h.dtype)
             return jnp.tanh(base + low * jnp.asarray(s, h.dtype)), None
+
         w = ad["stack/kernel"]
         return jax.lax.scan(body, x, (p["stack"]["kernel"], w.a, w.b, metas))[0]
 
@@ -207,12 +226,15 @@ def test_fp8_base_plus_bf16_lowrank_matches_hand_written():
     chex.assert_trees_all_close(out, by_hand(ad, metas), atol=1e-2, rtol=1e-2)  # 1-2 bf16 ulps
     base = _fp8_stack_fn(p, x, metas)
     assert float(jnp.abs(out.astype(jnp.float32) - base.astype(jnp.float32)).max()) > 0.05
-    (g, m_new), (g_ref, m_ref) = (jax.jit(jax.grad(f, argnums=(0, 1)))(ad, metas)
-                                  for f in (loss_l, loss_h))
+    (g, m_new), (g_ref, m_ref) = (
+        jax.jit(jax.grad(f, argnums=(0, 1)))(ad, metas) for f in (loss_l, loss_h)
+    )
     chex.assert_trees_all_close(g, g_ref, atol=0.05, rtol=0.05)  # O(1-10) grads, bf16 path
     chex.assert_trees_all_close(m_new, m_ref, rtol=1e-2)
     assert all(bool(jnp.all(jnp.isfinite(t)) and jnp.any(t != 0)) for t in jax.tree.leaves(g))
-    assert bool(jnp.all(m_new.kernel.amax_history[:, 0] > 0)) and bool(jnp.all(m_new.grad.amax_history[:, 0] > 0))
+    assert bool(jnp.all(m_new.kernel.amax_history[:, 0] > 0)) and bool(
+        jnp.all(m_new.grad.amax_history[:, 0] > 0)
+    )
     # Without adapters on the weight, the FP8 call is untouched (same program as today).
     chex.assert_trees_all_close(lora.apply(_fp8_stack_fn)(p, None, x, metas), base, atol=0, rtol=0)
 
@@ -227,8 +249,9 @@ def test_fp8_unsupported_use_raises_or_materializes():
     m = fp8.init_meta(4)
     with pytest.raises(implicit.ImplicitWeightError, match="up/kernel.*'abs'"):
         lora.apply(fn)(p, ad, x, m)
-    chex.assert_trees_all_close(lora.apply(fn, allow_materialize=True)(p, ad, x, m),
-                                fn(lora.merge(p, ad), x, m), atol=1e-6)
+    chex.assert_trees_all_close(
+        lora.apply(fn, allow_materialize=True)(p, ad, x, m), fn(lora.merge(p, ad), x, m), atol=1e-6
+    )
 
 
 def test_llama_fp8_lora():
@@ -237,8 +260,16 @@ def test_llama_fp8_lora():
     adapter grads are finite and b's nonzero; with b != 0 the output moves, and stays
     within FP8 error of the FP8 model with merged weights."""
     from jmem.models import llama
-    cfg = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=128,
-                           num_heads=4, num_kv_heads=2, vocab_size=64)
+
+    cfg = llama.get_config(
+        "tiny",
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=64,
+    )
     p = llama.init(jax.random.key(0), cfg, dtype=jnp.bfloat16)
     # FP8 + LoRA (q, down), FP8 only (o), LoRA only (v); fewer FP8 matmuls compile faster.
     metas = fp8.init_metas(p, ("q_proj", "o_proj", "down_proj"), history_len=4)
@@ -250,17 +281,23 @@ def test_llama_fp8_lora():
     chex.assert_trees_all_equal(fwd(p, ad, batch["inputs"], metas), ref(p, batch["inputs"], metas))
     loss = lora.apply(lambda p, b, m: llama.loss_fn(p, b, cfg, fp8=m))
     g, new = jax.jit(jax.grad(loss, argnums=(1, 3)))(p, ad, batch, metas)
-    _, new_ref = jax.jit(jax.grad(lambda p, m: llama.loss_fn(p, batch, cfg, fp8=m), argnums=(0, 1)))(p, metas)
+    _, new_ref = jax.jit(
+        jax.grad(lambda p, m: llama.loss_fn(p, batch, cfg, fp8=m), argnums=(0, 1))
+    )(p, metas)
     chex.assert_trees_all_close(new, new_ref, rtol=1e-6)
-    assert jax.tree.structure(new, is_leaf=fp8.is_meta) == jax.tree.structure(metas, is_leaf=fp8.is_meta)
+    assert jax.tree.structure(new, is_leaf=fp8.is_meta) == jax.tree.structure(
+        metas, is_leaf=fp8.is_meta
+    )
     assert all(bool(jnp.all(jnp.isfinite(t))) for t in jax.tree.leaves(g))
     assert all(float(jnp.abs(w.b).max()) > 0 for w in g.values())
     # b != 0 (0.01·N, so the activations stay within the delayed scales' range): the
     # output moves away from the base, and only the base matmuls carry FP8 error, so it
     # stays as close to the bf16 merged model as the FP8 base is to the bf16 base
     # (measured: 0.29 from the base; 0.038 from bf16 merged; FP8 base vs bf16 base 0.037).
-    adn = {k: lora.LoraWeight(w.a, 0.01 * jax.random.normal(jax.random.key(3), w.b.shape), w.scale)
-           for k, w in ad.items()}
+    adn = {
+        k: lora.LoraWeight(w.a, 0.01 * jax.random.normal(jax.random.key(3), w.b.shape), w.scale)
+        for k, w in ad.items()
+    }
     out, base = fwd(p, adn, batch["inputs"], new), ref(p, batch["inputs"], new)
     bf16 = jax.jit(lambda p, t: llama.forward(p, t, cfg))
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731

@@ -1,4 +1,5 @@
 """jmem.measure: compiled memory without allocating, from arrays or abstract shapes."""
+
 import jax
 import jax.numpy as jnp
 
@@ -9,7 +10,9 @@ def test_abstract_and_concrete_arguments_agree():
     f = lambda a, b: jnp.tanh(a @ b).sum(0)
     a, b = jnp.ones((64, 128)), jnp.ones((128, 32))
     r1 = jmem.measure(f, a, b)
-    r2 = jmem.measure(f, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype))
+    r2 = jmem.measure(
+        f, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype)
+    )
     assert r1 == r2
     assert r1.argument_bytes == (64 * 128 + 128 * 32) * 4
     assert r1.output_bytes == 32 * 4

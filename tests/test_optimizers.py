@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import jmem
-from jmem._src.optim import quantized_adam as opt_lib
 from jmem._src import quantization as qz
+from jmem._src.optim import quantized_adam as opt_lib
 
 
 def _params(seed=0):
@@ -31,7 +31,10 @@ def _params(seed=0):
 
 def _grads(params, n, seed=1):
     rng = np.random.default_rng(seed)
-    return [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 0.1, jnp.float32), params) for _ in range(n)]
+    return [
+        jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 0.1, jnp.float32), params)
+        for _ in range(n)
+    ]
 
 
 def _run(tx, params, grads):
@@ -89,15 +92,21 @@ def test_matches_bitsandbytes_adamw8bit():
     grads = _grads(params, 10)
     tparams = {k: torch.nn.Parameter(torch.tensor(np.asarray(v))) for k, v in params.items()}
     try:
-        topt = bnb.optim.AdamW8bit(list(tparams.values()), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        topt = bnb.optim.AdamW8bit(
+            list(tparams.values()), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+        )
     except Exception as e:  # pragma: no cover - depends on the installed backend
         pytest.skip(f"bitsandbytes AdamW8bit unavailable on CPU: {e}")
     tx = opt_lib.adamw_8bit(lr)
     ref32 = optax.adamw(lr, weight_decay=0.01)
     p, s = params, tx.init(params)
     p32, s32 = params, ref32.init(params)
-    step = jax.jit(lambda p, s, g: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(tx.update(g, s, p)))
-    step32 = jax.jit(lambda p, s, g: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(ref32.update(g, s, p)))
+    step = jax.jit(
+        lambda p, s, g: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(tx.update(g, s, p))
+    )
+    step32 = jax.jit(
+        lambda p, s, g: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(ref32.update(g, s, p))
+    )
     for i, g in enumerate(grads):
         for k, tp in tparams.items():
             tp.grad = torch.tensor(np.asarray(g[k]))
@@ -147,7 +156,10 @@ def test_repeated_huge_gradients_keep_state_finite(factory):
     # The squared gradient is clamped to MAX / 2, so the second moment stays <= MAX / 2 for
     # any b2 and can never round up to inf, however many huge steps are taken.
     params = _params()
-    huge = {"big": jnp.full((64, 130), 3e38, jnp.float32), "small": jnp.full((10, 10), -3e38, jnp.float32)}
+    huge = {
+        "big": jnp.full((64, 130), 3e38, jnp.float32),
+        "small": jnp.full((10, 10), -3e38, jnp.float32),
+    }
     for b2 in (0.0, 0.5, 0.999):
         tx = factory(1e-2, b2=b2)
         p, s = _run(tx, params, [huge] * 3)
@@ -389,11 +401,15 @@ def test_leaf_ordering_does_not_change_values(factory):
 def _quantized_adam(bits, chunk_size):
     if bits == 8:
         inner = opt_lib.scale_by_quantized_adam(
-            mu_code=qz.dynamic_map(True), nu_code=qz.dynamic_map(False), chunk_size=chunk_size)
+            mu_code=qz.dynamic_map(True), nu_code=qz.dynamic_map(False), chunk_size=chunk_size
+        )
     else:
         inner = opt_lib.scale_by_quantized_adam(
-            mu_code=qz.dynamic_map(True, 4), nu_code=opt_lib._nu_map_4bit("dynamic_no_zero"),
-            block_size=128, chunk_size=chunk_size)
+            mu_code=qz.dynamic_map(True, 4),
+            nu_code=opt_lib._nu_map_4bit("dynamic_no_zero"),
+            block_size=128,
+            chunk_size=chunk_size,
+        )
     return optax.chain(inner, optax.scale(-1e-2))
 
 
@@ -402,8 +418,10 @@ def test_chunked_update_equals_whole_tensor_update(bits):
     # A tensor larger than chunk_size is updated chunk by chunk (here 8 chunks of 1024
     # elements for "a", 6 for the bf16 "b"); the values are those of the whole-tensor update.
     rng = np.random.default_rng(5)
-    params = {"a": jnp.asarray(rng.standard_normal((32, 256)), jnp.float32),
-              "b": jnp.asarray(rng.standard_normal((48, 128)), jnp.bfloat16)}
+    params = {
+        "a": jnp.asarray(rng.standard_normal((32, 256)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal((48, 128)), jnp.bfloat16),
+    }
     grads = [jax.tree.map(lambda p, i=i: (p * 0.1 + i).astype(p.dtype), params) for i in range(3)]
     whole = _run(_quantized_adam(bits, 1 << 24), params, grads)
     chunked = _run(_quantized_adam(bits, 1024), params, grads)

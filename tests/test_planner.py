@@ -13,6 +13,7 @@ Compiler findings (CPU backend, JAX 0.10.2), printed by the tests below:
   JAX-level residuals (``print_saved_residuals``) match the planner's bf16 count, which is
   what a GPU/TPU stores, so bf16 totals are not compared on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,8 @@ import optax
 import pytest
 
 from jmem import planner
-from jmem.planner import GB, Ledger, advise, estimate, largest_batch, largest_model, largest_seq_len
-
 from jmem.models import llama
+from jmem.planner import GB, Ledger, advise, estimate, largest_batch, largest_model, largest_seq_len
 
 
 def _nbytes(tree) -> int:
@@ -46,24 +46,48 @@ def test_seed_7b_static_ledgers():
     mixed = estimate(n, param_dtype="bf16", accounting="nominal", activations=0)
     eight = estimate(n, optimizer="adamw_8bit", accounting="nominal", activations=0)
     # ① pure fp32: 28 + 28 + (28 + 28) + 0
-    assert (fp32.params, fp32.grads, fp32.optimizer_state, fp32.master_weights) == (28e9, 28e9, 56e9, 0)
+    assert (fp32.params, fp32.grads, fp32.optimizer_state, fp32.master_weights) == (
+        28e9,
+        28e9,
+        56e9,
+        0,
+    )
     # ② mixed: 14 + 14 + 56 + 28
-    assert (mixed.params, mixed.grads, mixed.optimizer_state, mixed.master_weights) == (14e9, 14e9, 56e9, 28e9)
+    assert (mixed.params, mixed.grads, mixed.optimizer_state, mixed.master_weights) == (
+        14e9,
+        14e9,
+        56e9,
+        28e9,
+    )
     # ③ 8-bit states: 14 + 14 + (7 + 7) + 28
     assert eight.optimizer_state == 14e9
     assert [round(x.total / GB) for x in (fp32, mixed, eight)] == [112, 112, 70]
     # ZeRO-3 over 4 cards: 70 / 4 = 17.5 GB; LoRA on a bf16 base: 14 GB + 0.08 GB.
-    assert estimate(n, optimizer="adamw_8bit", accounting="nominal", activations=0,
-                    num_shards=4).total / GB == pytest.approx(17.5)
-    lora = estimate(n, lora=(8, ("q_proj", "v_proj")), accounting="nominal", activations=0,
-                    hidden_size=4096, num_layers=32)
+    assert estimate(
+        n, optimizer="adamw_8bit", accounting="nominal", activations=0, num_shards=4
+    ).total / GB == pytest.approx(17.5)
+    lora = estimate(
+        n,
+        lora=(8, ("q_proj", "v_proj")),
+        accounting="nominal",
+        activations=0,
+        hidden_size=4096,
+        num_layers=32,
+    )
     assert lora.params / GB == pytest.approx(14.0168, abs=1e-3)
     assert round(lora.total / GB, 2) == pytest.approx(14.08)
 
 
 def test_seed_qlora_7b():
-    led = estimate(7e9, quantization="nf4", lora=(8, ("q_proj", "v_proj")), accounting="nominal",
-                   activations=0, hidden_size=4096, num_layers=32)
+    led = estimate(
+        7e9,
+        quantization="nf4",
+        lora=(8, ("q_proj", "v_proj")),
+        accounting="nominal",
+        activations=0,
+        hidden_size=4096,
+        num_layers=32,
+    )
     # 64 matrices x 2 r d = 4.19M adapter params; five fp32 ledgers of 16.8 MB = 84 MB.
     assert led.trainable_params == 64 * 2 * 8 * 4096 == 4_194_304
     adapter = sum(v for k, v in led.detail.items() if k.startswith("lora:"))
@@ -77,12 +101,20 @@ def test_seed_qlora_7b():
     s = planner.MODEL_SHAPES["llama2_7b"]
     want = s.linear_params * 4.1270 / 8 + (s.n_params - s.linear_params) * 2 + 4_194_304 * 16
     assert real.total == pytest.approx(want, rel=1e-4)
-    print(f"\nQLoRA 7B static: nominal {led.total / GB:.3f} GB, jmem stored {real.total / GB:.3f} GB")
+    print(
+        f"\nQLoRA 7B static: nominal {led.total / GB:.3f} GB, jmem stored {real.total / GB:.3f} GB"
+    )
 
 
 def test_seed_largest_model_on_24gb():
-    got = [largest_model(24e9, accounting="nominal", **kw) for kw in (
-        {}, {"optimizer": "adamw_8bit"}, {"optimizer": "adamw_8bit", "offload": "optimizer"})]
+    got = [
+        largest_model(24e9, accounting="nominal", **kw)
+        for kw in (
+            {},
+            {"optimizer": "adamw_8bit"},
+            {"optimizer": "adamw_8bit", "offload": "optimizer"},
+        )
+    ]
     assert got == [1_000_000_000, 1_600_000_000, 2_000_000_000]
     # 16N, 10N, 8N <= 16 GB exactly at the answer, over it one parameter later.
     for n, per in zip(got, (16, 10, 8)):
@@ -99,7 +131,7 @@ def test_stored_state_bytes_per_param():
     n = 10**9
     per = lambda opt: estimate(n, optimizer=opt, activations=0).optimizer_state / n
     assert per("adamw") == 8
-    assert per("adamw_8bit") == pytest.approx(2 * (1 + 4 / 256))   # 2.03
+    assert per("adamw_8bit") == pytest.approx(2 * (1 + 4 / 256))  # 2.03
     assert per("adamw_4bit") == pytest.approx(2 * (0.5 + 4 / 128))  # 1.06
     assert per("sgd") == 0 and per("lion") == 4 and per("sgd_momentum") == 4
 
@@ -130,7 +162,15 @@ def test_zero_stages():
 def test_ledger_str_table():
     led = estimate("llama2_7b", optimizer="adamw_8bit", remat="full")
     text = str(led)
-    for word in ("params", "grads", "optimizer state", "master weights", "activations", "GB", "GiB"):
+    for word in (
+        "params",
+        "grads",
+        "optimizer state",
+        "master weights",
+        "activations",
+        "GB",
+        "GiB",
+    ):
         assert word in text
     assert f"{led.total / GB:.3f}" in text
     assert led.total == sum(led.as_dict()[k] for k in Ledger.LEDGERS)
@@ -197,8 +237,11 @@ def _scan_residual_bytes(cfg, dtype, b, s, policy=None):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         jax.ad_checkpoint.print_saved_residuals(
-            loss, llama.abstract_params(cfg, dtype),
-            jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32))
+            loss,
+            llama.abstract_params(cfg, dtype),
+            jax.ShapeDtypeStruct((b, s), jnp.int32),
+            jax.ShapeDtypeStruct((b, s), jnp.int32),
+        )
     total = 0
     for line in buf.getvalue().splitlines():
         if "output of scan" not in line and "from the argument" not in line:
@@ -218,8 +261,9 @@ def test_layer_activations_match_saved_residuals(dtype, act, remat):
     cfg = llama.get_config("tiny")
     b, s = 2, 64
     got = _scan_residual_bytes(cfg, dtype, b, s, None if remat == "none" else remat)
-    want = planner.activation_bytes(planner.resolve_shape(cfg)[0], batch_size=b, seq_len=s,
-                                    activation_dtype=act, remat=remat)["layers"]
+    want = planner.activation_bytes(
+        planner.resolve_shape(cfg)[0], batch_size=b, seq_len=s, activation_dtype=act, remat=remat
+    )["layers"]
     print(f"\n{act} remat={remat}: JAX saves {got} B in the scan, planner {want} B")
     assert want == pytest.approx(got, rel=0.05)
 
@@ -239,16 +283,34 @@ def test_state_ledgers_match_optimizer_states():
         cases = [("adamw fp32", jnp.float32, optax.adamw(1e-3), dict(param_dtype="fp32"))]
         try:
             mw = importlib.import_module("jmem._src.master_weights")
-            cases.append(("adamw + fp32 masters", jnp.bfloat16,
-                          mw.mixed_precision(optax.adamw(1e-3)), dict(param_dtype="bf16")))
+            cases.append(
+                (
+                    "adamw + fp32 masters",
+                    jnp.bfloat16,
+                    mw.mixed_precision(optax.adamw(1e-3)),
+                    dict(param_dtype="bf16"),
+                )
+            )
         except (ImportError, AttributeError):
             pass
         try:
             opts = importlib.import_module("jmem._src.optim.quantized_adam")
-            cases.append(("adamw_8bit fp32", jnp.float32, opts.adamw_8bit(1e-3),
-                          dict(param_dtype="fp32", optimizer="adamw_8bit")))
-            cases.append(("adamw_4bit fp32", jnp.float32, opts.adamw_4bit(1e-3),
-                          dict(param_dtype="fp32", optimizer="adamw_4bit")))
+            cases.append(
+                (
+                    "adamw_8bit fp32",
+                    jnp.float32,
+                    opts.adamw_8bit(1e-3),
+                    dict(param_dtype="fp32", optimizer="adamw_8bit"),
+                )
+            )
+            cases.append(
+                (
+                    "adamw_4bit fp32",
+                    jnp.float32,
+                    opts.adamw_4bit(1e-3),
+                    dict(param_dtype="fp32", optimizer="adamw_4bit"),
+                )
+            )
         except (ImportError, AttributeError):
             pass
         for label, dt, tx, kw in cases:
@@ -279,22 +341,30 @@ def _compiled_bytes(cfg, b, s, param_dtype=jnp.float32):
     batch = {k: jax.ShapeDtypeStruct((b, s), jnp.int32) for k in ("inputs", "targets")}
     ma = jax.jit(step, donate_argnums=(0, 1)).lower(p, o, batch).compile().memory_analysis()
     state = _nbytes(p) + _nbytes(o)
-    total = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-             - ma.alias_size_in_bytes)
+    total = (
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        + ma.temp_size_in_bytes
+        - ma.alias_size_in_bytes
+    )
     return state, ma.argument_size_in_bytes, ma.temp_size_in_bytes, total
 
 
-@pytest.mark.parametrize("name,b,s", [("tiny", 2, 128), ("llama_1b", 1, 256), ("llama2_7b", 1, 256)])
+@pytest.mark.parametrize(
+    "name,b,s", [("tiny", 2, 128), ("llama_1b", 1, 256), ("llama2_7b", 1, 256)]
+)
 def test_estimate_vs_compiled_train_step(name, b, s):
     """fp32 AdamW step, compiled from abstract shapes (nothing is allocated; 7B takes ~25 s)."""
     cfg = llama.get_config(name)
     state, args, temp, total = _compiled_bytes(cfg, b, s)
     led = estimate(cfg, param_dtype="fp32", batch_size=b, seq_len=s)
     est_state = led.params + led.optimizer_state + led.master_weights
-    print(f"\n{name} b={b} s={s}: state est {est_state / GB:.4f} GB vs args {args / GB:.4f} GB; "
-          f"grads+act est {(led.grads + led.activations) / GB:.4f} GB vs temp {temp / GB:.4f} GB; "
-          f"total est {led.total / GB:.4f} GB vs compiled {total / GB:.4f} GB "
-          f"(ratio {led.total / total:.3f})")
+    print(
+        f"\n{name} b={b} s={s}: state est {est_state / GB:.4f} GB vs args {args / GB:.4f} GB; "
+        f"grads+act est {(led.grads + led.activations) / GB:.4f} GB vs temp {temp / GB:.4f} GB; "
+        f"total est {led.total / GB:.4f} GB vs compiled {total / GB:.4f} GB "
+        f"(ratio {led.total / total:.3f})"
+    )
     assert est_state == pytest.approx(args, rel=0.15)
     assert est_state == pytest.approx(state, rel=0.001)
     assert led.total == pytest.approx(total, rel=0.30)
@@ -323,9 +393,10 @@ def test_advise_states_short_orders_levers():
     names = [lv.name for lv in a.levers]
     assert names[0] == "8-bit optimizer states"
     assert names.index("offload optimizer state to host") < names.index(
-        next(n for n in names if n.startswith("ZeRO-3")))
+        next(n for n in names if n.startswith("ZeRO-3"))
+    )
     assert all(lv.total < a.ledger.total for lv in a.levers)
-    assert any(lv.fits for lv in a.levers)   # QLoRA or sharding fits
+    assert any(lv.fits for lv in a.levers)  # QLoRA or sharding fits
     assert a.plan and a.plan[-1].fits
     assert "DOES NOT FIT" in str(a)
 
@@ -345,9 +416,28 @@ def test_advise_activations_short():
 
 def test_cli_estimate(capsys):
     from jmem.__main__ import main
-    rc = main(["estimate", "--model", "llama2_7b", "--memory", "24GB", "--optimizer",
-               "adamw,adamw_8bit", "--lora-rank", "8", "--quant", "nf4", "--remat", "full",
-               "--seq-len", "2048", "--batch-size", "1"])
+
+    rc = main(
+        [
+            "estimate",
+            "--model",
+            "llama2_7b",
+            "--memory",
+            "24GB",
+            "--optimizer",
+            "adamw,adamw_8bit",
+            "--lora-rank",
+            "8",
+            "--quant",
+            "nf4",
+            "--remat",
+            "full",
+            "--seq-len",
+            "2048",
+            "--batch-size",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("== optimizer=") == 2 and "verdict: FITS" in out
@@ -384,11 +474,14 @@ def test_zero_stage_without_shards_says_so():
     led = estimate("llama2_7b", zero_stage=3)
     assert any("divides nothing" in n for n in led.notes)
     assert led.total == estimate("llama2_7b").total
-    assert not any("divides nothing" in n for n in estimate("llama2_7b", zero_stage=3, num_shards=8).notes)
+    assert not any(
+        "divides nothing" in n for n in estimate("llama2_7b", zero_stage=3, num_shards=8).notes
+    )
 
 
 def test_cli_rejects_a_zero_hidden_size(capsys):
     from jmem.__main__ import main
+
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--model", "7B", "--hidden-size", "0"])
     assert e.value.code == 2

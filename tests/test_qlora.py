@@ -1,4 +1,5 @@
 """QLoRA: NF4 base + LoRA on a plain function, a Flax NNX model and the reference Llama."""
+
 import functools
 
 import chex
@@ -14,15 +15,24 @@ from jmem import lora, nf4, qlora
 from jmem._src.implicit import interpreter as implicit
 from jmem.models import llama
 
-CFG = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=128,
-                       num_heads=4, num_kv_heads=2, vocab_size=64)
+CFG = llama.get_config(
+    "tiny",
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    vocab_size=64,
+)
 PROJ = r"layers/.*_proj/kernel"
 
 
 def _nonzero(ad, key=7, s=0.05):
     leaves, tree = jax.tree.flatten(ad)
     keys = jax.random.split(jax.random.key(key), len(leaves))
-    return jax.tree.unflatten(tree, [x + s * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        tree, [x + s * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+    )
 
 
 def _batch(b=2, s=8, key=1):
@@ -41,8 +51,12 @@ def test_quantize_default_targets():
     for name in llama.LINEAR_NAMES:
         assert is_q(q["layers"][name]["kernel"]), name
         assert q["layers"][name]["kernel"].shape == p["layers"][name]["kernel"].shape
-    for path in (("embed", "embedding"), ("lm_head", "kernel"), ("final_norm", "scale"),
-                 ("layers", "attn_norm", "scale")):
+    for path in (
+        ("embed", "embedding"),
+        ("lm_head", "kernel"),
+        ("final_norm", "scale"),
+        ("layers", "attn_norm", "scale"),
+    ):
         leaf = functools.reduce(lambda t, k: t[k], path, q)
         assert not is_q(leaf), path
     assert jmem.tree.nbytes(q) < 0.35 * jmem.tree.nbytes(p)
@@ -58,15 +72,17 @@ def test_llama_outputs_and_grads_match_dequantized_merged():
     batch = _batch()
     fwd = jax.jit(qlora.apply(lambda p, t: llama.forward(p, t, CFG)))
     ref_fwd = jax.jit(lambda p, t: llama.forward(p, t, CFG))
-    chex.assert_trees_all_close(fwd(q, ad, batch["inputs"]), ref_fwd(lora.merge(deq, ad), batch["inputs"]),
-                                atol=2e-5)
+    chex.assert_trees_all_close(
+        fwd(q, ad, batch["inputs"]), ref_fwd(lora.merge(deq, ad), batch["inputs"]), atol=2e-5
+    )
     loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG))
     g = jax.jit(jax.grad(loss, argnums=1))(q, ad, batch)
     g_ref = jax.jit(jax.grad(lambda a: llama.loss_fn(lora.merge(deq, a), batch, CFG)))(ad)
     chex.assert_trees_all_close(g, g_ref, atol=2e-5, rtol=1e-4)
     # lora=None: plain quantized inference equals the dequantized model.
-    chex.assert_trees_all_close(fwd(q, None, batch["inputs"]),
-                                ref_fwd(deq, batch["inputs"]), atol=2e-5)
+    chex.assert_trees_all_close(
+        fwd(q, None, batch["inputs"]), ref_fwd(deq, batch["inputs"]), atol=2e-5
+    )
 
 
 def test_no_dequantized_weight_kept_for_backward():
@@ -89,8 +105,10 @@ def test_plain_function_python_loop_and_fori_loop():
     """A function not written for jmem: stacked weights indexed in a Python loop and in a
     fori_loop (dynamic_slice), a weight transposed, and an einsum with the weight first."""
     k = jax.random.split(jax.random.key(3), 3)
-    p = {"stack": jax.random.normal(k[0], (3, 32, 32)) * 0.2,
-         "head": jax.random.normal(k[1], (32, 64)) * 0.2}
+    p = {
+        "stack": jax.random.normal(k[0], (3, 32, 32)) * 0.2,
+        "head": jax.random.normal(k[1], (32, 64)) * 0.2,
+    }
 
     def fn(p, x):
         for i in range(3):
@@ -129,7 +147,9 @@ def test_nnx_model():
     ad = _nonzero(lora.init(jax.random.key(1), q, targets=r".*kernel", rank=4), s=0.2)
     x = jax.random.normal(jax.random.key(2), (5, 32))
     deq = qlora.dequantize_params(q)
-    chex.assert_trees_all_close(jax.jit(qlora.apply(fwd))(q, ad, x), fwd(lora.merge(deq, ad), x), atol=1e-5)
+    chex.assert_trees_all_close(
+        jax.jit(qlora.apply(fwd))(q, ad, x), fwd(lora.merge(deq, ad), x), atol=1e-5
+    )
     g = jax.jit(jax.grad(lambda a: jnp.sum(qlora.apply(fwd)(q, a, x) ** 2)))(ad)
     g_ref = jax.jit(jax.grad(lambda a: jnp.sum(fwd(lora.merge(deq, a), x) ** 2)))(ad)
     scale = max(float(jnp.abs(t).max()) for t in jax.tree.leaves(g_ref))
@@ -164,8 +184,10 @@ def test_training_step_lowers_loss():
 def test_training_step_remat_bf16_8bit_adamw():
     """QLoRA + per-layer remat + bf16 compute + (8-bit) AdamW together."""
     from jmem._src.remat import remat
+
     try:
         from jmem import adamw_8bit
+
         opt = adamw_8bit(3e-3)
     except ImportError:
         opt = optax.adamw(3e-3)
@@ -189,19 +211,22 @@ def test_7b_arguments_fit_in_about_3_6_gib():
     assert lora.num_trainable(ad) == 32 * 2 * (4096 * 8 + 8 * 4096)
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     report = measure(qlora.apply(lambda p, t: llama.forward(p, t, cfg)), qp, ad, tokens)
-    gib = report.argument_bytes / 2 ** 30
-    bf16_gib = jmem.tree.nbytes(ap) / 2 ** 30
+    gib = report.argument_bytes / 2**30
+    bf16_gib = jmem.tree.nbytes(ap) / 2**30
     assert 3.4 < gib < 3.8, gib
     assert bf16_gib > 12.5 and gib < 0.3 * bf16_gib
-    quantized = [x for x in jax.tree.leaves(qp, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
-                 if isinstance(x, nf4.NF4Array)]
+    quantized = [
+        x
+        for x in jax.tree.leaves(qp, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
+        if isinstance(x, nf4.NF4Array)
+    ]
     assert sum(jmem.tree.nbytes(x) for x in quantized) / sum(x.size for x in quantized) <= 0.52
 
 
 # ----------------------------------------------------------------------------- FP8 base
 
 FP8_NAMES = ("q_proj", "o_proj", "down_proj")  # FP8 + LoRA (q, down), FP8 only (o)
-FP8_LORA = r"layers/(q|v|down)_proj/kernel"     # LoRA only (v)
+FP8_LORA = r"layers/(q|v|down)_proj/kernel"  # LoRA only (v)
 
 
 def test_fp8_base_exact_at_init_and_no_weight_residuals():
@@ -215,6 +240,7 @@ def test_fp8_base_exact_at_init_and_no_weight_residuals():
     from jax.ad_checkpoint import print_saved_residuals
 
     from jmem import fp8
+
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
     q = qlora.quantize_params(p)
     metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
@@ -222,20 +248,25 @@ def test_fp8_base_exact_at_init_and_no_weight_residuals():
     batch = _batch()
     fwd = jax.jit(qlora.apply(lambda p, t, m: llama.forward(p, t, CFG, fp8=m)))
     ref = jax.jit(lambda p, t, m: llama.forward(p, t, CFG, fp8=m))
-    chex.assert_trees_all_equal(fwd(q, ad, batch["inputs"], metas),
-                                ref(qlora.dequantize_params(q), batch["inputs"], metas))
+    chex.assert_trees_all_equal(
+        fwd(q, ad, batch["inputs"], metas), ref(qlora.dequantize_params(q), batch["inputs"], metas)
+    )
 
     loss = qlora.apply(lambda p, b, m: llama.loss_fn(p, b, CFG, fp8=m))
 
     def saved(base, names):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            print_saved_residuals(lambda a, m: loss(base, a, batch, m), ad,
-                                  fp8.init_metas(p, names, history_len=4))
-        return [ln for ln in buf.getvalue().splitlines()
-                if not ln.endswith("from a constant")]  # the closed-over frozen base itself
+            print_saved_residuals(
+                lambda a, m: loss(base, a, batch, m), ad, fp8.init_metas(p, names, history_len=4)
+            )
+        return [
+            ln for ln in buf.getvalue().splitlines() if not ln.endswith("from a constant")
+        ]  # the closed-over frozen base itself
 
-    weight_shapes = {"[{},{},{}]".format(*x.shape) for x in jax.tree.leaves(p["layers"]) if x.ndim == 3}
+    weight_shapes = {
+        "[{},{},{}]".format(*x.shape) for x in jax.tree.leaves(p["layers"]) if x.ndim == 3
+    }
     # NF4 base: every projection is implicit. Plain bf16 base: FP8 only where LoRA is.
     for base, names in ((q, FP8_NAMES), (p, ("q_proj", "down_proj"))):
         lines = saved(base, names)
@@ -251,8 +282,8 @@ def test_fp8_remat_train_step():
     """QLoRA (NF4 base) + FP8 projections + ``train_step(remat="full")``: the builder passes
     ``frozen=`` and ``fp8=``, differentiates (adapters, metas); the loss goes down and the
     metas are replaced by their updated states every step."""
-    from jmem import fp8
-    from jmem import train_step
+    from jmem import fp8, train_step
+
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
     q = qlora.quantize_params(p)
     metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
@@ -278,5 +309,8 @@ def test_fp8_remat_train_step():
     assert np.all(m1.x.amax_history[:, 0] > 0) and np.all(m1.x.amax_history[:, 1:] == 0)
     assert not np.all(m5.grad.scale_inv == 1.0)  # the scales follow the data
     # The NF4 kernel amax is the same every step (frozen base): its history is constant.
-    np.testing.assert_allclose(m5.kernel.amax_history, m5.kernel.amax_history[:, :1] *
-                               np.ones_like(m5.kernel.amax_history), rtol=0)
+    np.testing.assert_allclose(
+        m5.kernel.amax_history,
+        m5.kernel.amax_history[:, :1] * np.ones_like(m5.kernel.amax_history),
+        rtol=0,
+    )

@@ -22,7 +22,9 @@ ULP = 6e-8  # float32 ulp just below 1.0
 
 def _bnb():
     pytest.importorskip("torch", reason="torch is needed for the bitsandbytes oracle")
-    return pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes oracle not installed")
+    return pytest.importorskip(
+        "bitsandbytes.functional", reason="bitsandbytes oracle not installed"
+    )
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -69,12 +71,17 @@ def test_nearest_rounding_is_exact(name):
     mids = ((c[:-1] + c[1:]) / 2).astype(np.float32)
     lo = -1.0 if code[0] < 0 else 0.0
     rng = np.random.default_rng(0)
-    s = np.concatenate([
-        rng.uniform(lo, 1.0, 50_000),
-        np.logspace(-12, 0, 20_000) * (rng.integers(0, 2, 20_000) * 2 - 1 if lo < 0 else 1),
-        mids, np.nextafter(mids, np.float32(2)), np.nextafter(mids, np.float32(-2)),
-        code, [0.0, 1.0, lo],
-    ]).astype(np.float32)
+    s = np.concatenate(
+        [
+            rng.uniform(lo, 1.0, 50_000),
+            np.logspace(-12, 0, 20_000) * (rng.integers(0, 2, 20_000) * 2 - 1 if lo < 0 else 1),
+            mids,
+            np.nextafter(mids, np.float32(2)),
+            np.nextafter(mids, np.float32(-2)),
+            code,
+            [0.0, 1.0, lo],
+        ]
+    ).astype(np.float32)
     s = np.clip(s, lo, 1.0)
     got = np.asarray(jax.jit(lambda v: qz._nearest_codes(v, lut))(jnp.asarray(s)))
     dist = np.abs(s[:, None].astype(np.float64) - c[None])
@@ -93,12 +100,17 @@ def test_nearest_codes_equal_midpoint_count(name):
     lo = -1.0 if code[0] < 0 else 0.0
     rng = np.random.default_rng(7)
     tiny = np.float32(np.abs(mids[mids != 0]).min())
-    s = np.concatenate([
-        rng.uniform(lo, 1.0, 20_000),
-        np.logspace(-40, 0, 5_000),
-        mids, np.nextafter(mids, np.float32(2)), np.nextafter(mids, np.float32(-2)),
-        code, [0.0, -0.0, 1.0, lo, tiny / 2, np.nextafter(tiny, 0), 1e-45],
-    ]).astype(np.float32)
+    s = np.concatenate(
+        [
+            rng.uniform(lo, 1.0, 20_000),
+            np.logspace(-40, 0, 5_000),
+            mids,
+            np.nextafter(mids, np.float32(2)),
+            np.nextafter(mids, np.float32(-2)),
+            code,
+            [0.0, -0.0, 1.0, lo, tiny / 2, np.nextafter(tiny, 0), 1e-45],
+        ]
+    ).astype(np.float32)
     if lo < 0:
         s = np.concatenate([s, -s])
     s = np.clip(s, lo, 1.0).astype(np.float32)
@@ -154,7 +166,9 @@ def test_quantize_blockwise_vs_bitsandbytes(signed):
     same_codes = qz.QuantizedArray(
         jnp.asarray(_blocks_of(ref_codes, 256)), q.absmax, q.shape, q.dtype, 256, q.code
     )
-    np.testing.assert_allclose(np.asarray(qz.dequantize_blockwise(same_codes)), ref_deq, rtol=1e-7, atol=0)
+    np.testing.assert_allclose(
+        np.asarray(qz.dequantize_blockwise(same_codes)), ref_deq, rtol=1e-7, atol=0
+    )
 
     # Codes: equal wherever bitsandbytes picked the nearest code; our error is never larger.
     ours = np.asarray(q.codes).reshape(-1)[:n]
@@ -164,8 +178,12 @@ def test_quantize_blockwise_vs_bitsandbytes(signed):
     nonzero_block = absmax > 0
     dist = np.sort(np.abs(s[:, None] - code[None]), axis=1)
     # bitsandbytes picked the nearest code and it is not a (near-)tie.
-    ref_is_nearest = (np.abs(s - code[ref_codes]) <= dist[:, 0] + ULP) & (dist[:, 1] - dist[:, 0] > 1e-6)
-    np.testing.assert_array_equal(ours[ref_is_nearest & nonzero_block], ref_codes[ref_is_nearest & nonzero_block])
+    ref_is_nearest = (np.abs(s - code[ref_codes]) <= dist[:, 0] + ULP) & (
+        dist[:, 1] - dist[:, 0] > 1e-6
+    )
+    np.testing.assert_array_equal(
+        ours[ref_is_nearest & nonzero_block], ref_codes[ref_is_nearest & nonzero_block]
+    )
     assert ref_is_nearest[nonzero_block].mean() > 0.9
     assert np.all(np.abs(s - code[ours]) <= np.abs(s - code[ref_codes]) + ULP)
     deq = np.asarray(qz.dequantize_blockwise(q))
@@ -208,7 +226,9 @@ def test_round_trip_error_bound_and_shapes(name, shape):
 
 
 def test_zero_array_and_bf16():
-    q = qz.quantize_blockwise(jnp.zeros((5, 100), jnp.bfloat16), code=qz.dynamic_map(True), block_size=256)
+    q = qz.quantize_blockwise(
+        jnp.zeros((5, 100), jnp.bfloat16), code=qz.dynamic_map(True), block_size=256
+    )
     out = qz.dequantize_blockwise(q)
     assert out.dtype == jnp.bfloat16 and out.shape == (5, 100)
     assert not np.any(np.isnan(np.asarray(out, np.float32)))
@@ -225,7 +245,9 @@ def test_4bit_packing_two_codes_per_byte():
     lo, hi = np.asarray(q.codes) & 15, np.asarray(q.codes) >> 4
     unpacked = np.concatenate([lo, hi], axis=1).reshape(-1)[:1000]
     absmax = np.repeat(np.asarray(q.absmax), 128)[:1000]
-    np.testing.assert_allclose(np.asarray(qz.dequantize_blockwise(q)), code[unpacked] * absmax, rtol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(qz.dequantize_blockwise(q)), code[unpacked] * absmax, rtol=1e-7
+    )
 
 
 class QuantizedArrayPytreeTest(chex.TestCase):

@@ -1,4 +1,5 @@
 """jmem.remat: identical gradients under every policy, and the memory each policy saves."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,9 @@ import pytest
 import jmem
 from jmem.models import llama
 
-CFG = llama.get_config("tiny", num_layers=4, hidden_size=128, intermediate_size=344,
-                       num_heads=4, num_kv_heads=2)
+CFG = llama.get_config(
+    "tiny", num_layers=4, hidden_size=128, intermediate_size=344, num_heads=4, num_kv_heads=2
+)
 SEQ = 256
 
 
@@ -27,11 +29,17 @@ def _body_remat(policy):
 
 
 class RematGradTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_whole_loss_gradients_bitwise_equal_for_every_policy(self):
-        cfg = llama.get_config("tiny", num_layers=2, hidden_size=32, intermediate_size=64,
-                               num_heads=2, num_kv_heads=1, vocab_size=64)
+        cfg = llama.get_config(
+            "tiny",
+            num_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            num_kv_heads=1,
+            vocab_size=64,
+        )
         params = llama.init(jax.random.key(0), cfg)
         toks = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
         batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
@@ -111,7 +119,7 @@ def test_scan_nested_in_jit_and_cond():
 
     def loss(ws, x, flag):
         y = jax.lax.cond(flag, lambda: inner(ws, x), lambda: inner(ws, 2 * x))
-        return jnp.sum(y ** 2)
+        return jnp.sum(y**2)
 
     x = jnp.ones((4, 16))
     ref = jax.grad(loss)(ws, x, True)
@@ -154,8 +162,9 @@ def test_none_policy_returns_function_unchanged():
 
 def test_every_groups_scan_iterations_sqrt_scheme():
     """Chen et al. 2016: checkpoint groups of ~sqrt(L) layers; same gradients, less memory."""
-    cfg = llama.get_config("tiny", num_layers=16, hidden_size=64, intermediate_size=172,
-                           num_heads=4, num_kv_heads=2)
+    cfg = llama.get_config(
+        "tiny", num_layers=16, hidden_size=64, intermediate_size=172, num_heads=4, num_kv_heads=2
+    )
     params = llama.init(jax.random.key(0), cfg)
     toks = jax.random.randint(jax.random.key(1), (2, 129), 0, cfg.vocab_size)
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
@@ -170,7 +179,12 @@ def test_every_groups_scan_iterations_sqrt_scheme():
 
 def test_every_must_divide_the_scan_length():
     from jmem._src.remat import group_size
-    assert group_size(16, "sqrt") == 4 and group_size(32, "sqrt") in (4, 8) and group_size(7, "sqrt") == 1
+
+    assert (
+        group_size(16, "sqrt") == 4
+        and group_size(32, "sqrt") in (4, 8)
+        and group_size(7, "sqrt") == 1
+    )
     assert group_size(10, 3) == 1  # not a divisor: that scan is left ungrouped
     with pytest.raises(ValueError, match="positive"):
         jmem.remat(lambda x: x, "full", every=0)
@@ -201,7 +215,7 @@ def test_python_scalars_in_outputs_come_back_as_python_scalars(policy, with_scan
     def loss(x):
         if with_scan:
             x, _ = jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=3)
-        return jnp.sum(x ** 2), {"count": 3, "flag": True, "scale": 0.5, "y": x * 2}
+        return jnp.sum(x**2), {"count": 3, "flag": True, "scale": 0.5, "y": x * 2}
 
     value, aux = jmem.remat(loss, policy)(jnp.ones(4))
     assert type(aux["count"]) is int and type(aux["flag"]) is bool and type(aux["scale"]) is float

@@ -6,6 +6,7 @@ agree to rounding (~1e-7 relative per step) and Adam can amplify that where a gr
 near zero; the bounds below are a few orders of magnitude above what is observed and far
 below one update (lr = 1e-2).
 """
+
 import json
 import math
 import os
@@ -23,12 +24,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jmem import nf4
-from jmem._src.optim import quantized_adam as optimizers
+from jmem import measure, nf4, sharding, train_step
 from jmem._src import quantization as qz
-from jmem import sharding
-from jmem import measure
-from jmem import train_step
+from jmem._src.optim import quantized_adam as optimizers
 
 LR = 1e-2
 # eps bounds Adam's amplification of rounding differences: where a gradient is ~0, Adam's
@@ -48,8 +46,11 @@ def mlp(p, b):
 
 def _params(d=64, f=128):
     k = jax.random.split(jax.random.key(0), 2)
-    return {"w1": {"kernel": 0.1 * jax.random.normal(k[0], (d, f))}, "b1": jnp.zeros((f,)),
-            "w2": {"kernel": 0.1 * jax.random.normal(k[1], (f, d))}}
+    return {
+        "w1": {"kernel": 0.1 * jax.random.normal(k[0], (d, f))},
+        "b1": jnp.zeros((f,)),
+        "w2": {"kernel": 0.1 * jax.random.normal(k[1], (f, d))},
+    }
 
 
 def _batch(seed, b=16, d=64):
@@ -58,8 +59,10 @@ def _batch(seed, b=16, d=64):
 
 
 def _abstract_batch(b=16, d=64):
-    return {"x": jax.ShapeDtypeStruct((b, d), jnp.float32),
-            "y": jax.ShapeDtypeStruct((b, d), jnp.float32)}
+    return {
+        "x": jax.ShapeDtypeStruct((b, d), jnp.float32),
+        "y": jax.ShapeDtypeStruct((b, d), jnp.float32),
+    }
 
 
 def _copy(tree):
@@ -92,8 +95,9 @@ def test_make_mesh_axes_and_errors():
     with pytest.raises(ValueError, match="data \\* fsdp"):
         sharding.make_mesh(data=2, fsdp=3)
     with pytest.raises(ValueError, match="Explicit"):
-        sharding.batch_sharding(jax.make_mesh((2, 4), ("data", "fsdp"),
-                                              axis_types=(AxisType.Explicit,) * 2))
+        sharding.batch_sharding(
+            jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+        )
     with pytest.raises(ValueError, match="strategy"):
         sharding.param_shardings({}, mesh, "zero4")
 
@@ -102,11 +106,11 @@ def test_array_rule():
     # largest divisible of the last two axes; leading (stacked) axes never split
     assert sharding.array_spec((64, 128), 8) == P(None, "fsdp")
     assert sharding.array_spec((128, 64), 8) == P("fsdp")
-    assert sharding.array_spec((64, 64), 8) == P("fsdp")               # tie: earlier axis
-    assert sharding.array_spec((16, 64, 172), 8) == P(None, "fsdp")    # 172 % 8 != 0
-    assert sharding.array_spec((8, 60, 60), 8) == P()                  # only the layer axis divides
+    assert sharding.array_spec((64, 64), 8) == P("fsdp")  # tie: earlier axis
+    assert sharding.array_spec((16, 64, 172), 8) == P(None, "fsdp")  # 172 % 8 != 0
+    assert sharding.array_spec((8, 60, 60), 8) == P()  # only the layer axis divides
     assert sharding.array_spec((8192,), 8) == P("fsdp")
-    assert sharding.array_spec((64,), 8) == P()                        # below min_size
+    assert sharding.array_spec((64,), 8) == P()  # below min_size
     assert sharding.array_spec((64, 128), 1) == P()
 
 
@@ -115,10 +119,11 @@ def test_quantized_and_nf4_rules():
     code = qz.dynamic_map(True, 8)
     # Rules read shapes only: abstract QuantizedArrays (eval_shape) need no compilation.
     quant = lambda shape: jax.eval_shape(
-        lambda: qz.quantize_blockwise(jnp.ones(shape), code=code, block_size=256))
-    even = quant((64, 128))   # 32 blocks
-    odd = quant((60, 100))    # 24 blocks (ragged last block): 24 % 8 == 0
-    rag = quant((50, 100))    # 20 blocks: not divisible by 8
+        lambda: qz.quantize_blockwise(jnp.ones(shape), code=code, block_size=256)
+    )
+    even = quant((64, 128))  # 32 blocks
+    odd = quant((60, 100))  # 24 blocks (ragged last block): 24 % 8 == 0
+    rag = quant((50, 100))  # 20 blocks: not divisible by 8
     sh = sharding.opt_state_shardings({"a": even, "b": odd, "c": rag}, mesh)
     assert sh["a"].codes.spec == P("fsdp") and sh["a"].absmax.spec == P("fsdp")
     assert sh["b"].codes.spec == P("fsdp")
@@ -137,8 +142,12 @@ def test_strategies_place_params_grads_state():
     step = train_step(mlp, adam())
     abstract = step.abstract_state(params)
     split = P(None, "fsdp")
-    for strategy, p_split, g_split in [("zero1", False, False), ("zero2", False, True),
-                                       ("zero3", True, True), ("fsdp", True, True)]:
+    for strategy, p_split, g_split in [
+        ("zero1", False, False),
+        ("zero2", False, True),
+        ("zero3", True, True),
+        ("fsdp", True, True),
+    ]:
         st = sharding.state_shardings(abstract, mesh, strategy)
         assert st.params["w1"]["kernel"].spec == (split if p_split else P()), strategy
         assert st.opt_state[0].mu["w1"]["kernel"].spec == split, strategy
@@ -212,8 +221,12 @@ def test_adamw_8bit_sharded_matches_single_device_and_uses_global_size():
     # moving that element by 0.0075 * lr). Bound: every element within 5% of one update,
     # and all but 0.1% of them within float32 rounding.
     chex.assert_trees_all_close(state.params, ref_state.params, atol=0.05 * LR)
-    diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel() for a, b in
-                            zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params))])
+    diffs = np.concatenate(
+        [
+            np.abs(np.asarray(a) - np.asarray(b)).ravel()
+            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params))
+        ]
+    )
     assert np.mean(diffs > 1e-6) < 1e-3, np.mean(diffs > 1e-6)
     q_ref = ref_state.opt_state[0].mu["w1"]["kernel"]
     q = state.opt_state[0].mu["w1"]["kernel"]  # (the initial state was donated)
@@ -224,9 +237,13 @@ def test_adamw_8bit_sharded_matches_single_device_and_uses_global_size():
 
 def test_qlora_sharded_matches_single_device():
     from jmem import lora
+
     params = _params()
-    base = {"w1": {"kernel": nf4.quantize(params["w1"]["kernel"])}, "b1": params["b1"],
-            "w2": {"kernel": nf4.quantize(params["w2"]["kernel"])}}
+    base = {
+        "w1": {"kernel": nf4.quantize(params["w1"]["kernel"])},
+        "b1": params["b1"],
+        "w2": {"kernel": nf4.quantize(params["w2"]["kernel"])},
+    }
     adapters = lora.init(jax.random.key(5), base, rank=4, targets=r".*kernel")
     # The qlora loss: adapters trained, the NF4 base frozen (jmem.lora.apply on NF4 leaves).
     loss = lambda a, b, frozen: lora.apply(mlp)(frozen, a, b)
@@ -258,8 +275,9 @@ def test_offload_and_master_weights_keep_memory_kind_and_sharding():
     assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state.opt_state))
     assert state.params["w1"]["kernel"].dtype == jnp.bfloat16
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    chex.assert_trees_all_close(state.opt_state.masters, ref_state.opt_state.masters,
-                                atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(
+        state.opt_state.masters, ref_state.opt_state.masters, atol=1e-5, rtol=1e-5
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -287,10 +305,12 @@ def test_per_device_state_bytes_are_one_eighth():
     st, bt = step.jitted.shardings(sharded_abstract, batch)
     expected = _shard_bytes(sharded_abstract, st) + _shard_bytes(batch, bt)
     full_expected = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((abstract, batch)))
-    print(f"argument bytes: single device {full}, per device on 8 {per_device} "
-          f"(ratio {per_device / full:.4f})")
+    print(
+        f"argument bytes: single device {full}, per device on 8 {per_device} "
+        f"(ratio {per_device / full:.4f})"
+    )
     assert full == full_expected
-    assert per_device == expected               # XLA reports per-device (shard) bytes
+    assert per_device == expected  # XLA reports per-device (shard) bytes
     # about 1/8: only the bias (and its moments) and the counters are replicated
     assert full / 8 <= per_device <= full / 8 * 1.05
 
@@ -312,8 +332,9 @@ def test_orbax_checkpoint_reshards_8_to_4_and_1(tmp_path):
     mesh4 = sharding.make_mesh(data=1, fsdp=4, devices=jax.devices()[:4])
     abstract = step8.abstract_state(params)
     sh4 = sharding.state_shardings(abstract, mesh4, "zero3")
-    target4 = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                           abstract, sh4)
+    target4 = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, sh4
+    )
     got4 = ckptr.restore(tmp_path / "ckpt", target4)
     dev = SingleDeviceSharding(jax.devices()[0])
     target1 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), abstract)
@@ -344,17 +365,26 @@ def _free_port():
 
 def test_two_process_sharded_step(tmp_path):
     if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
-        pytest.skip("this JAX has no jax_cpu_collectives_implementation option: "
-                    "cross-process CPU collectives (gloo) are unavailable")
+        pytest.skip(
+            "this JAX has no jax_cpu_collectives_implementation option: "
+            "cross-process CPU collectives (gloo) are unavailable"
+        )
     worker = os.path.join(os.path.dirname(__file__), "_multihost_worker.py")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(outs[i])],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(port), str(i), str(outs[i])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     logs = []
     try:
         for p in procs:

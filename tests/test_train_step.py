@@ -1,4 +1,5 @@
 """The train-step builder: composition of precision, loss scaling, remat and accumulation."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,13 +9,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmem
+from jmem import DynamicLossScale, train_step
 from jmem._src.train import accumulation
-from jmem import DynamicLossScale
 from jmem.models import llama
-from jmem import TrainState, train_step
 
-CFG = llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=172,
-                       num_heads=4, num_kv_heads=2)
+CFG = llama.get_config(
+    "tiny", num_layers=2, hidden_size=64, intermediate_size=172, num_heads=4, num_kv_heads=2
+)
 
 
 def _batch(key, b=8, s=32):
@@ -52,7 +53,9 @@ def test_microbatched_gradients_equal_full_batch(params):
 
 
 def test_accumulation_activation_memory_is_one_microbatch(params):
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((16, 128), x.dtype), _batch(jax.random.key(0)))
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((16, 128), x.dtype), _batch(jax.random.key(0))
+    )
     temps = {}
     for n in (1, 4):
         step = train_step(_loss, optax.sgd(1e-2), microbatches=n)
@@ -71,25 +74,35 @@ def test_nonfinite_step_changes_only_the_loss_scale(params):
     def loss(p, b):
         return _loss(p, b) * b["poison"][0]
 
-    step = train_step(loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**15, period=10),
-                      donate=False)
+    step = train_step(
+        loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**15, period=10), donate=False
+    )
     batch = dict(_batch(jax.random.key(3)), poison=jnp.ones((8,)))
     s1, _ = step(step.init(params), batch)
     bad = dict(batch, poison=jnp.full((8,), jnp.inf))
     s2, m = step(s1, bad)
     assert not bool(m["grads_finite"])
-    chex.assert_trees_all_equal((s2.params, s2.opt_state, s2.step), (s1.params, s1.opt_state, s1.step))
+    chex.assert_trees_all_equal(
+        (s2.params, s2.opt_state, s2.step), (s1.params, s1.opt_state, s1.step)
+    )
     assert float(s2.loss_scale.loss_scale) == 2.0**14
 
 
 def test_fp16_with_dynamic_loss_scale_recovers_from_overflow(params):
     """fp16 params with fp32 masters: a deliberate overflow is skipped, the scale halves, and
     training goes on lowering the loss."""
+
     def loss(p, b):
         return _loss(p, b) * b["boost"][0]
 
-    step = train_step(loss, optax.adam(3e-3), precision="p=f16,c=f16,o=f32", master_weights=True,
-                      loss_scale=DynamicLossScale(2.0**15, period=1000), donate=False)
+    step = train_step(
+        loss,
+        optax.adam(3e-3),
+        precision="p=f16,c=f16,o=f32",
+        master_weights=True,
+        loss_scale=DynamicLossScale(2.0**15, period=1000),
+        donate=False,
+    )
     state = step.init(params)
     assert jax.tree.leaves(state.params)[0].dtype == jnp.float16
     batch = dict(_batch(jax.random.key(4)), boost=jnp.ones((8,)))
@@ -114,13 +127,16 @@ def test_remat_in_builder_gives_same_update_and_less_temp(params):
     a, _ = plain(plain.init(params), batch)
     b, _ = full(full.init(params), batch)
     chex.assert_trees_all_equal(a.params, b.params)
-    assert full.measure(full.init(params), batch).temp_bytes < \
-        plain.measure(plain.init(params), batch).temp_bytes
+    assert (
+        full.measure(full.init(params), batch).temp_bytes
+        < plain.measure(plain.init(params), batch).temp_bytes
+    )
 
 
 def test_state_survives_orbax_round_trip(params, tmp_path):
-    step = train_step(_loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**10, period=7,
-                                                                            min_loss_scale=4.0))
+    step = train_step(
+        _loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**10, period=7, min_loss_scale=4.0)
+    )
     state, _ = step(step.init(params), _batch(jax.random.key(6)))
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "s", state)
@@ -169,14 +185,16 @@ def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
     chex.assert_trees_all_equal(a.params, b.params)
 
 
-
 def test_offload_leaf_by_leaf_in_builder_trains_like_whole_tree():
     """offload_optimizer="leaf_by_leaf" (AdamW, bf16 params, fp32 masters): bitwise the same
     params and state as offload_optimizer=True, state in pinned_host after each step. A small
     MLP keeps the compile short."""
     k1, k2, k3 = jax.random.split(jax.random.key(13), 3)
-    params = {"w1": jax.random.normal(k1, (16, 32)) * 0.1, "b1": jnp.zeros((32,)),
-              "w2": jax.random.normal(k2, (32, 8)) * 0.1}
+    params = {
+        "w1": jax.random.normal(k1, (16, 32)) * 0.1,
+        "b1": jnp.zeros((32,)),
+        "w2": jax.random.normal(k2, (32, 8)) * 0.1,
+    }
     batch = {"x": jax.random.normal(k3, (4, 16)), "y": jnp.ones((4, 8))}
 
     def loss(p, b):
@@ -208,8 +226,11 @@ def test_offload_leaf_by_leaf_on_a_zero3_mesh_matches_whole_tree():
 
     k1, k2, k3 = jax.random.split(jax.random.key(14), 3)
     # >= 4096 elements (jmem.sharding.DEFAULT_MIN_SIZE) so that zero3 shards the kernels.
-    params = {"w1": {"kernel": jax.random.normal(k1, (64, 128)) * 0.1}, "b1": jnp.zeros((128,)),
-              "w2": {"kernel": jax.random.normal(k2, (128, 64)) * 0.1}}
+    params = {
+        "w1": {"kernel": jax.random.normal(k1, (64, 128)) * 0.1},
+        "b1": jnp.zeros((128,)),
+        "w2": {"kernel": jax.random.normal(k2, (128, 64)) * 0.1},
+    }
     batch = {"x": jax.random.normal(k3, (8, 64)), "y": jnp.ones((8, 64))}
 
     def loss(p, b):
@@ -231,8 +252,7 @@ def test_offload_leaf_by_leaf_on_a_zero3_mesh_matches_whole_tree():
     assert masters.sharding.spec == s.params["w1"]["kernel"].sharding.spec == P(None, "fsdp")
     assert {x.sharding.memory_kind for x in jax.tree.leaves(s.opt_state)} == {"pinned_host"}
     chex.assert_trees_all_equal(jax.device_get(s.params), jax.device_get(states[True].params))
-    chex.assert_trees_all_equal(jax.device_get(s.opt_state),
-                                jax.device_get(states[True].opt_state))
+    chex.assert_trees_all_equal(jax.device_get(s.opt_state), jax.device_get(states[True].opt_state))
 
 
 def test_fp8_scaling_state_is_maxed_not_averaged_over_microbatches():
@@ -256,8 +276,9 @@ def test_fp8_scaling_state_is_maxed_not_averaged_over_microbatches():
     chex.assert_trees_all_close((hist[2].x, hist[2].kernel), (hist[1].x, hist[1].kernel))
     assert float(hist[2].x.amax_history[0]) == 10.0
     # output gradients: each microbatch's mean loss scales its cotangent by `microbatches`
-    np.testing.assert_allclose(hist[2].grad.amax_history[0], 2 * hist[1].grad.amax_history[0],
-                               rtol=1e-2)
+    np.testing.assert_allclose(
+        hist[2].grad.amax_history[0], 2 * hist[1].grad.amax_history[0], rtol=1e-2
+    )
 
 
 def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_path):
@@ -274,12 +295,19 @@ def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_pa
     assert {x.sharding.memory_kind for x in jax.tree.leaves(s2.opt_state)} == {"pinned_host"}
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda: optax.adamw(1e-3),
-    lambda: optax.chain(jmem.scale_by_quantized_adam(
-        mu_code=jmem.dynamic_map(True), nu_code=jmem.dynamic_map(False), chunk_size=4096),
-        optax.scale(-1e-3)),
-], ids=["optax.adamw", "8-bit adam, chunked"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optax.adamw(1e-3),
+        lambda: optax.chain(
+            jmem.scale_by_quantized_adam(
+                mu_code=jmem.dynamic_map(True), nu_code=jmem.dynamic_map(False), chunk_size=4096
+            ),
+            optax.scale(-1e-3),
+        ),
+    ],
+    ids=["optax.adamw", "8-bit adam, chunked"],
+)
 def test_update_and_skipping_need_no_temporaries_beyond_sgd(make_opt):
     # skip_nonfinite runs the update in a lax.cond, so the state is updated in place, and the
     # gradient norm (a metric) is read before the update, which may write over the
@@ -287,8 +315,9 @@ def test_update_and_skipping_need_no_temporaries_beyond_sgd(make_opt):
     # read after, this model's optax.adamw step took 1.2 bytes per parameter more than
     # optax.sgd's; now both need the same (XLA:CPU, jax 0.10.2; Llama-2-7B:
     # benchmarks/optimizer_memory.py).
-    big = llama.get_config("tiny", num_layers=2, hidden_size=256, intermediate_size=688,
-                           num_heads=4, num_kv_heads=2)
+    big = llama.get_config(
+        "tiny", num_layers=2, hidden_size=256, intermediate_size=688, num_heads=4, num_kv_heads=2
+    )
     params = llama.abstract_params(big)
     batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("inputs", "targets")}
 
@@ -306,8 +335,11 @@ def test_state_changing_dtype_is_a_clear_error_when_skipping():
     def counts_as_float():
         return optax.GradientTransformation(
             lambda p: {"c": jnp.zeros([], jnp.int32)},
-            lambda u, s, p=None: (u, {"c": s["c"].astype(jnp.float32) + 1}))
+            lambda u, s, p=None: (u, {"c": s["c"].astype(jnp.float32) + 1}),
+        )
 
-    step = train_step(lambda p, b: jnp.sum(p["w"] * b), optax.chain(counts_as_float(), optax.sgd(1e-3)))
+    step = train_step(
+        lambda p, b: jnp.sum(p["w"] * b), optax.chain(counts_as_float(), optax.sgd(1e-3))
+    )
     with pytest.raises(TypeError, match="skip_nonfinite=True.*types differ.*skip_nonfinite=False"):
         step(step.init({"w": jnp.ones(3)}), jnp.ones(3))

@@ -9,6 +9,7 @@ data position, the RNG seed and anything else the caller passes in ``meta``.
 Orbax writes each step to a temporary directory and renames it when complete, so an
 interrupted save never replaces a good checkpoint.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,8 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
         self._mgr = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        )
 
     @staticmethod
     def _savable(state):
@@ -44,9 +45,12 @@ class Checkpointer:
         """Saves ``state`` (without ``frozen``) and ``meta`` (JSON-serializable) as ``step``."""
         saved = self._mgr.save(
             int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardSave(self._savable(state)),
-                                    meta=ocp.args.JsonSave(meta or {})),
-            force=force)
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(self._savable(state)),
+                meta=ocp.args.JsonSave(meta or {}),
+            ),
+            force=force,
+        )
         return bool(saved)
 
     def maybe_save(self, step: int, state: Any, meta: dict | None = None) -> bool:
@@ -78,13 +82,19 @@ class Checkpointer:
         if step is None or step not in steps:
             raise FileNotFoundError(
                 f"No checkpoint{'' if step is None else f' for step {step}'} in {self.directory!r} "
-                f"(found steps {steps}). Start without --resume, or point to the right directory.")
+                f"(found steps {steps}). Start without --resume, or point to the right directory."
+            )
         frozen = getattr(target, "frozen", None)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-            self._savable(target))
-        out = self._mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            self._savable(target),
+        )
+        out = self._mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
         state = out["state"]
         if frozen is not None:
             state = state.replace(frozen=frozen)

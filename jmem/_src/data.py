@@ -5,6 +5,7 @@ The default corpus ships with every CPython: ``pydoc_data.topics`` (the Python l
 reference, ~0.47 MB of English prose and code). ``load_text(path)`` also reads ``.txt``
 files and ``.jsonl`` files with a ``text`` field.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,7 @@ def load_text(path: str | None = None) -> str:
     """
     if path is None:
         from pydoc_data import topics  # noqa: PLC0415
+
         return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     if not os.path.exists(path):
         raise FileNotFoundError(f"Data file {path!r} does not exist.")
@@ -45,11 +47,15 @@ def load_text(path: str | None = None) -> str:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}).") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a "
-                                     "string 'text' field.")
+                    raise ValueError(
+                        f"{path}:{i + 1}: each line must be a JSON object with a "
+                        "string 'text' field."
+                    )
                 docs.append(obj["text"])
         return "\n\n".join(docs)
-    raise ValueError(f"Unsupported data file {path!r}: use .txt or .jsonl (a 'text' field per line).")
+    raise ValueError(
+        f"Unsupported data file {path!r}: use .txt or .jsonl (a 'text' field per line)."
+    )
 
 
 class ByteTokenizer:
@@ -75,9 +81,12 @@ class HFTokenizer:
     def __init__(self, directory: str):
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{directory!r} has no tokenizer.json; pass a checkpoint directory "
-                                    "with its tokenizer, or use the byte tokenizer.")
+            raise FileNotFoundError(
+                f"{directory!r} has no tokenizer.json; pass a checkpoint directory "
+                "with its tokenizer, or use the byte tokenizer."
+            )
         from tokenizers import Tokenizer  # noqa: PLC0415
+
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
 
@@ -121,8 +130,10 @@ class PackedDataset:
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         n = len(tokens) // (seq_len + 1)
         if n < batch_size:
-            raise ValueError(f"The corpus has {len(tokens)} tokens: fewer than one batch of "
-                             f"{batch_size} x {seq_len + 1}. Use a longer text or smaller sizes.")
+            raise ValueError(
+                f"The corpus has {len(tokens)} tokens: fewer than one batch of "
+                f"{batch_size} x {seq_len + 1}. Use a longer text or smaller sizes."
+            )
         self.examples = np.asarray(tokens[: n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1)
         self.batches_per_epoch = n // batch_size
 
@@ -135,10 +146,12 @@ class PackedDataset:
             raise ValueError(f"Position must be non-negative; got {pos}.")
         if pos.index + self.batch_size > self.batches_per_epoch * self.batch_size:
             pos = Position(pos.epoch + 1, 0)
-        idx = self._order(pos.epoch)[pos.index: pos.index + self.batch_size]
+        idx = self._order(pos.epoch)[pos.index : pos.index + self.batch_size]
         ex = self.examples[idx]
-        return ({"inputs": ex[:, :-1], "targets": ex[:, 1:]},
-                Position(pos.epoch, pos.index + self.batch_size))
+        return (
+            {"inputs": ex[:, :-1], "targets": ex[:, 1:]},
+            Position(pos.epoch, pos.index + self.batch_size),
+        )
 
     def iterate(self, pos: Position = Position()) -> Iterator[tuple[dict, Position]]:
         """Yields ``(batch, position_after_it)`` forever, starting at ``pos``."""

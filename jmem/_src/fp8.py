@@ -78,6 +78,7 @@ and ``jmem.qlora.apply`` do exactly that for a model calling ``fp8_dot``: the tr
 matches to run the frozen (NF4-dequantized) base in FP8 and the adapters in the compute
 dtype, re-quantizing the FP8 kernel in the backward pass instead of saving it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -116,9 +117,11 @@ class Fp8TensorMeta(NamedTuple):
         return 1.0 / self.scale_inv
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["x", "kernel", "grad"],
-                   meta_fields=["amax_compute_algo", "margin"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["x", "kernel", "grad"],
+    meta_fields=["amax_compute_algo", "margin"],
+)
 @dataclasses.dataclass(frozen=True)
 class Fp8Meta:
     """FP8 scaling state of one matmul ``x @ kernel`` (a pytree; or a stack of them).
@@ -151,15 +154,22 @@ def _check_recipe(history_len: int, amax_compute_algo: str, margin) -> None:
     if not isinstance(history_len, (int, np.integer)) or history_len < 1:
         raise ValueError(f"history_len must be a positive int; got {history_len!r}.")
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}; "
-                         f"got {amax_compute_algo!r}.")
+        raise ValueError(
+            f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}; got {amax_compute_algo!r}."
+        )
     if not isinstance(margin, (int, float, np.integer, np.floating)) or not np.isfinite(margin):
-        raise ValueError(f"margin must be a finite number (a power-of-two exponent, usually 0); "
-                         f"got {margin!r}.")
+        raise ValueError(
+            f"margin must be a finite number (a power-of-two exponent, usually 0); got {margin!r}."
+        )
 
 
-def init_meta(history_len: int = DEFAULT_HISTORY_LEN, *, amax_compute_algo: str = "max",
-              margin: float = 0, batch_shape: Sequence[int] = ()) -> Fp8Meta:
+def init_meta(
+    history_len: int = DEFAULT_HISTORY_LEN,
+    *,
+    amax_compute_algo: str = "max",
+    margin: float = 0,
+    batch_shape: Sequence[int] = (),
+) -> Fp8Meta:
     """Fresh scaling state for one matmul (``batch_shape=(L,)``: a stack of ``L``).
 
     Every tensor starts with ``scale_inv = 1`` and an all-zero amax history
@@ -184,15 +194,22 @@ def init_meta(history_len: int = DEFAULT_HISTORY_LEN, *, amax_compute_algo: str 
     batch_shape = tuple(int(d) for d in batch_shape)
 
     def one():
-        return Fp8TensorMeta(jnp.ones(batch_shape, jnp.float32),
-                             jnp.zeros(batch_shape + (int(history_len),), jnp.float32))
+        return Fp8TensorMeta(
+            jnp.ones(batch_shape, jnp.float32),
+            jnp.zeros(batch_shape + (int(history_len),), jnp.float32),
+        )
 
     return Fp8Meta(one(), one(), one(), amax_compute_algo, margin)
 
 
-def init_metas(params: Any, targets: Sequence[str] | Callable[[str, Any], bool], *,
-               history_len: int = DEFAULT_HISTORY_LEN, amax_compute_algo: str = "max",
-               margin: float = 0) -> Any:
+def init_metas(
+    params: Any,
+    targets: Sequence[str] | Callable[[str, Any], bool],
+    *,
+    history_len: int = DEFAULT_HISTORY_LEN,
+    amax_compute_algo: str = "max",
+    margin: float = 0,
+) -> Any:
     """Scaling states for the matmul kernels of a params pytree, stacked where they are.
 
     A kernel ``[*stack, in, out]`` (e.g. ``[L, in, out]`` for layers stacked on a
@@ -219,8 +236,10 @@ def init_metas(params: Any, targets: Sequence[str] | Callable[[str, Any], bool],
     """
     _check_recipe(history_len, amax_compute_algo, margin)
     if isinstance(targets, str):
-        raise TypeError(f"targets must be a sequence of names or a callable, not the string "
-                        f"{targets!r}; write ({targets!r},).")
+        raise TypeError(
+            f"targets must be a sequence of names or a callable, not the string "
+            f"{targets!r}; write ({targets!r},)."
+        )
     if callable(targets):
         names, pred = None, targets
     else:
@@ -243,13 +262,16 @@ def init_metas(params: Any, targets: Sequence[str] | Callable[[str, Any], bool],
             raise ValueError(f"{p} has shape {shape}; FP8 targets must be kernels [..., in, out].")
         if names is not None:
             used.update(n for n in p.split("/") if n in names)
-        return init_meta(history_len, amax_compute_algo=amax_compute_algo, margin=margin,
-                         batch_shape=shape[:-2])
+        return init_meta(
+            history_len, amax_compute_algo=amax_compute_algo, margin=margin, batch_shape=shape[:-2]
+        )
 
     metas = jax.tree_util.tree_map_with_path(make, params)
     if names is not None and set(names) - used:
-        raise ValueError(f"targets {sorted(set(names) - used)} matched no '.../<name>/.../kernel' "
-                         f"leaf of params; check the names.")
+        raise ValueError(
+            f"targets {sorted(set(names) - used)} matched no '.../<name>/.../kernel' "
+            f"leaf of params; check the names."
+        )
     return metas
 
 
@@ -272,8 +294,9 @@ def partition(tree: Any) -> tuple[Any, Any]:
 
 def combine(rest: Any, metas: Any) -> Any:
     """Inverse of ``partition``: fills the ``None`` holes of ``rest`` from ``metas``."""
-    return jax.tree.map(lambda r, m: m if r is None else r, rest, metas,
-                        is_leaf=lambda x: x is None or is_meta(x))
+    return jax.tree.map(
+        lambda r, m: m if r is None else r, rest, metas, is_leaf=lambda x: x is None or is_meta(x)
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -286,12 +309,14 @@ def amax_from_history(amax_history: jax.Array, amax_compute_algo: str = "max") -
         return jnp.max(amax_history, axis=-1)
     if amax_compute_algo == "most_recent":
         return amax_history[..., 0]
-    raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}; "
-                     f"got {amax_compute_algo!r}.")
+    raise ValueError(
+        f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}; got {amax_compute_algo!r}."
+    )
 
 
-def compute_scale_inv(amax: jax.Array, prev_scale_inv: jax.Array, fp8_dtype,
-                      margin: float = 0) -> jax.Array:
+def compute_scale_inv(
+    amax: jax.Array, prev_scale_inv: jax.Array, fp8_dtype, margin: float = 0
+) -> jax.Array:
     """``1 / (fp8_max / amax / 2**margin)``, keeping ``prev_scale_inv`` (else 1) when
     ``amax`` is 0 or not finite or the result is not finite and positive. float32.
 
@@ -307,19 +332,22 @@ def compute_scale_inv(amax: jax.Array, prev_scale_inv: jax.Array, fp8_dtype,
 
 def roll_history(amax_history: jax.Array, amax: jax.Array) -> jax.Array:
     """Puts ``amax [*batch]`` at index 0 and shifts older entries up (oldest drops)."""
-    return jnp.concatenate([amax[..., None].astype(amax_history.dtype),
-                            amax_history[..., :-1]], axis=-1)
+    return jnp.concatenate(
+        [amax[..., None].astype(amax_history.dtype), amax_history[..., :-1]], axis=-1
+    )
 
 
-def update_tensor_meta(x: jax.Array, meta: Fp8TensorMeta, fp8_dtype, amax_compute_algo: str,
-                       margin: float) -> Fp8TensorMeta:
+def update_tensor_meta(
+    x: jax.Array, meta: Fp8TensorMeta, fp8_dtype, amax_compute_algo: str, margin: float
+) -> Fp8TensorMeta:
     """One delayed-scaling step for tensor ``x`` (unstacked meta).
 
     Returns ``Fp8TensorMeta(scale_inv to quantize x with now, history with amax(|x|)
     at index 0)``. A non-finite ``amax(|x|)`` is recorded as 0.
     """
-    scale_inv = compute_scale_inv(amax_from_history(meta.amax_history, amax_compute_algo),
-                                  meta.scale_inv, fp8_dtype, margin)
+    scale_inv = compute_scale_inv(
+        amax_from_history(meta.amax_history, amax_compute_algo), meta.scale_inv, fp8_dtype, margin
+    )
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
     return Fp8TensorMeta(scale_inv, roll_history(meta.amax_history.astype(jnp.float32), amax))
@@ -354,8 +382,13 @@ class Fp8DotConfig(NamedTuple):
     def unflatten_meta(self, leaves: Sequence[jax.Array]) -> Fp8Meta:
         """Rebuilds the ``Fp8Meta`` from its 6 leaves (``jax.tree.leaves`` order)."""
         xs, xh, ks, kh, gs, gh = leaves
-        return Fp8Meta(Fp8TensorMeta(xs, xh), Fp8TensorMeta(ks, kh), Fp8TensorMeta(gs, gh),
-                       self.amax_compute_algo, self.margin)
+        return Fp8Meta(
+            Fp8TensorMeta(xs, xh),
+            Fp8TensorMeta(ks, kh),
+            Fp8TensorMeta(gs, gh),
+            self.amax_compute_algo,
+            self.margin,
+        )
 
 
 def fp8_bits(t: jax.Array, scale_inv: jax.Array, fp8_dtype=E4M3) -> jax.Array:
@@ -384,8 +417,13 @@ def fp8_dot_forward(cfg: Fp8DotConfig, x: jax.Array, kernel: jax.Array, meta: Fp
     qk = quantize(kernel, k_meta.scale_inv, E4M3)
     y = lax.dot_general(qx, qk, cfg.dimension_numbers, preferred_element_type=jnp.float32)
     y = fp8_ops.dequantize(y, jnp.float32, x_meta.scale_inv * k_meta.scale_inv)
-    res = (lax.bitcast_convert_type(qx, jnp.uint8), lax.bitcast_convert_type(qk, jnp.uint8),
-           x_meta, k_meta, meta.grad)
+    res = (
+        lax.bitcast_convert_type(qx, jnp.uint8),
+        lax.bitcast_convert_type(qk, jnp.uint8),
+        x_meta,
+        k_meta,
+        meta.grad,
+    )
     return y.astype(cfg.out_dtype), res
 
 
@@ -397,11 +435,13 @@ def fp8_dot_backward(cfg: Fp8DotConfig, res, g: jax.Array):
     algo, margin, dn = cfg.amax_compute_algo, cfg.margin, cfg.dimension_numbers
     g_meta = update_tensor_meta(g, g_meta, E5M2, algo, margin)
     qg = quantize(g, g_meta.scale_inv, E5M2)
-    gx = fp8_ops.dot_general_transpose_lhs(qg, qx, qk, dimension_numbers=dn,
-                                           precision=None, preferred_element_type=jnp.float32)
+    gx = fp8_ops.dot_general_transpose_lhs(
+        qg, qx, qk, dimension_numbers=dn, precision=None, preferred_element_type=jnp.float32
+    )
     gx = fp8_ops.dequantize(gx, jnp.float32, g_meta.scale_inv * k_meta.scale_inv)
-    gk = fp8_ops.dot_general_transpose_rhs(qg, qx, qk, dimension_numbers=dn,
-                                           precision=None, preferred_element_type=jnp.float32)
+    gk = fp8_ops.dot_general_transpose_rhs(
+        qg, qx, qk, dimension_numbers=dn, precision=None, preferred_element_type=jnp.float32
+    )
     gk = fp8_ops.dequantize(gk, jnp.float32, g_meta.scale_inv * x_meta.scale_inv)
     new_meta = Fp8Meta(x_meta, k_meta, g_meta, algo, margin)
     return gx.astype(cfg.x_dtype), gk.astype(cfg.k_dtype), new_meta
@@ -418,6 +458,7 @@ def _fp8_dg(cfg: Fp8DotConfig) -> Callable:
     equation of a traced ``fp8_dot_general`` holds it in ``params["bwd"]``, which is how
     ``dot_config_of`` (and so ``jmem.implicit``) recognizes an FP8 matmul in a jaxpr.
     """
+
     def fwd(x, kernel, meta):
         return fp8_dot_forward(cfg, x, kernel, meta)
 
@@ -449,18 +490,23 @@ def dot_config_of(custom_vjp_params: dict) -> Fp8DotConfig | None:
 
 def _check_operands(x, kernel, meta, fn):
     if not is_meta(meta):
-        raise TypeError(f"{fn}: meta must be an Fp8Meta (from fp8.init_meta / init_metas); "
-                        f"got {type(meta).__name__}.")
+        raise TypeError(
+            f"{fn}: meta must be an Fp8Meta (from fp8.init_meta / init_metas); "
+            f"got {type(meta).__name__}."
+        )
     if meta.batch_shape != ():
-        raise ValueError(f"{fn}: meta is a stack of shape {meta.batch_shape}; pass one matmul's "
-                         f"meta (slice it per layer, e.g. scan over the stacked metas as xs).")
+        raise ValueError(
+            f"{fn}: meta is a stack of shape {meta.batch_shape}; pass one matmul's "
+            f"meta (slice it per layer, e.g. scan over the stacked metas as xs)."
+        )
     for name, a in (("x", x), ("kernel", kernel)):
         if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
             raise TypeError(f"{fn}: {name} must be a floating array; got {jnp.result_type(a)}.")
 
 
-def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: Fp8Meta, dimension_numbers,
-                    preferred_element_type=None) -> jax.Array:
+def fp8_dot_general(
+    x: jax.Array, kernel: jax.Array, meta: Fp8Meta, dimension_numbers, preferred_element_type=None
+) -> jax.Array:
     """``lax.dot_general(x, kernel, dimension_numbers)`` in FP8 with delayed scaling.
 
     Forward: ``x`` and ``kernel`` are quantized to E4M3 with their delayed scales, the dot
@@ -488,15 +534,24 @@ def fp8_dot_general(x: jax.Array, kernel: jax.Array, meta: Fp8Meta, dimension_nu
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, kernel))
     (lc, rc), (lb, rb) = dimension_numbers
-    dn = ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
-          (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
-    cfg = Fp8DotConfig(dn, out_dtype, jnp.dtype(x.dtype), jnp.dtype(kernel.dtype),
-                       meta.amax_compute_algo, meta.margin)
+    dn = (
+        (tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+        (tuple(int(i) for i in lb), tuple(int(i) for i in rb)),
+    )
+    cfg = Fp8DotConfig(
+        dn,
+        out_dtype,
+        jnp.dtype(x.dtype),
+        jnp.dtype(kernel.dtype),
+        meta.amax_compute_algo,
+        meta.margin,
+    )
     return _fp8_dg(cfg)(x, kernel, meta)
 
 
-def fp8_dot(x: jax.Array, kernel: jax.Array, meta: Fp8Meta,
-            preferred_element_type=None) -> jax.Array:
+def fp8_dot(
+    x: jax.Array, kernel: jax.Array, meta: Fp8Meta, preferred_element_type=None
+) -> jax.Array:
     """``x @ kernel`` in FP8 with delayed scaling: x ``[..., in]``, kernel ``[in, out]``
     -> ``[..., out]``. See ``fp8_dot_general``.
 
@@ -504,16 +559,36 @@ def fp8_dot(x: jax.Array, kernel: jax.Array, meta: Fp8Meta,
         ValueError: if ``kernel`` is not 2-D or its ``in`` does not match ``x``'s last dim.
     """
     if jnp.ndim(kernel) != 2 or jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(kernel)[0]:
-        raise ValueError(f"fp8_dot computes x[..., in] @ kernel[in, out]; got x{jnp.shape(x)} "
-                         f"and kernel{jnp.shape(kernel)}.")
+        raise ValueError(
+            f"fp8_dot computes x[..., in] @ kernel[in, out]; got x{jnp.shape(x)} "
+            f"and kernel{jnp.shape(kernel)}."
+        )
     nd = jnp.ndim(x)
     return fp8_dot_general(x, kernel, meta, (((nd - 1,), (0,)), ((), ())), preferred_element_type)
 
 
 __all__ = [
-    "E4M3", "E5M2", "AMAX_COMPUTE_ALGOS", "DEFAULT_HISTORY_LEN", "Fp8TensorMeta", "Fp8Meta",
-    "init_meta", "init_metas", "is_meta", "partition", "combine", "amax_from_history",
-    "compute_scale_inv", "roll_history", "update_tensor_meta", "quantize", "fp8_dot_general",
-    "fp8_dot", "Fp8DotConfig", "fp8_bits", "fp8_dot_forward", "fp8_dot_backward",
+    "E4M3",
+    "E5M2",
+    "AMAX_COMPUTE_ALGOS",
+    "DEFAULT_HISTORY_LEN",
+    "Fp8TensorMeta",
+    "Fp8Meta",
+    "init_meta",
+    "init_metas",
+    "is_meta",
+    "partition",
+    "combine",
+    "amax_from_history",
+    "compute_scale_inv",
+    "roll_history",
+    "update_tensor_meta",
+    "quantize",
+    "fp8_dot_general",
+    "fp8_dot",
+    "Fp8DotConfig",
+    "fp8_bits",
+    "fp8_dot_forward",
+    "fp8_dot_backward",
     "dot_config_of",
 ]

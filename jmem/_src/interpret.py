@@ -1,10 +1,11 @@
 """Jaxpr re-evaluation with a hook per equation (shared by remat, implicit and offload)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 from jax.extend import core as jcore
+
 
 def bind_eqn(eqn, invals):
     """Binds ``eqn``'s primitive on new inputs, as ``jax.core.eval_jaxpr`` does."""

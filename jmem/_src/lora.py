@@ -22,20 +22,20 @@ U(-1/sqrt(in), 1/sqrt(in))) or gaussian with std ``1/r``, ``lora_B`` zeros, scal
 ``[in, out]`` (``y = x @ W``), so ``a`` is PEFT's ``lora_A.weight.T`` and ``b`` is
 ``lora_B.weight.T``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import re
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 from jmem._src.implicit import interpreter as _implicit
-from jmem._src import nf4 as _nf4
 
 __all__ = ["LoraWeight", "init", "apply", "merge", "num_trainable", "DEFAULT_TARGETS"]
 
@@ -70,9 +70,17 @@ class LoraWeight:
 jax.tree_util.register_dataclass(LoraWeight, data_fields=["a", "b"], meta_fields=["scale"])
 
 
-def init(key: jax.Array, params, *, rank: int = 8, alpha: float = 16.0,
-         targets: str | Callable[[str, Any], bool] = DEFAULT_TARGETS, init: str = "kaiming",
-         rslora: bool = False, dtype=jnp.float32) -> dict[str, LoraWeight]:
+def init(
+    key: jax.Array,
+    params,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: str | Callable[[str, Any], bool] = DEFAULT_TARGETS,
+    init: str = "kaiming",
+    rslora: bool = False,
+    dtype=jnp.float32,
+) -> dict[str, LoraWeight]:
     """Creates LoRA adapters for the weights of ``params`` matched by ``targets``.
 
     Args:
@@ -103,8 +111,10 @@ def init(key: jax.Array, params, *, rank: int = 8, alpha: float = 16.0,
     flat, _ = _implicit.flatten_params(params)
     chosen = [(p, x) for p, x in flat if len(getattr(x, "shape", ())) >= 2 and pred(p, x)]
     if not chosen:
-        raise ValueError(f"No weight of rank >= 2 matches targets={targets!r}; paths are "
-                         f"{[p for p, _ in flat][:20]}.")
+        raise ValueError(
+            f"No weight of rank >= 2 matches targets={targets!r}; paths are "
+            f"{[p for p, _ in flat][:20]}."
+        )
     keys = jax.random.split(key, len(chosen))
     out: dict[str, LoraWeight] = {}
     for k, (path, w) in zip(keys, chosen):
@@ -138,6 +148,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
       ValueError: an adapter path missing from ``params`` or of the wrong shape.
       jmem.implicit.ImplicitWeightError: a targeted weight used other than in a matmul.
     """
+
     @functools.wraps(fn)
     def fn_lora(params, lora, *args, **kwargs):
         return _implicit.call(fn, params, lora, args, kwargs, allow_materialize=allow_materialize)

@@ -4,6 +4,7 @@
 or ``jax.ShapeDtypeStruct``s, so a 7B model is measured on a laptop without allocating
 it — and reads XLA's buffer assignment (``Compiled.memory_analysis()``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,13 +57,19 @@ class MemoryReport:
         return self.argument_bytes
 
     def __str__(self) -> str:
-        rows = [("arguments", self.argument_bytes), ("outputs", self.output_bytes),
-                ("aliased (donated)", self.alias_bytes), ("temporaries", self.temp_bytes),
-                ("peak", self.peak_bytes)]
+        rows = [
+            ("arguments", self.argument_bytes),
+            ("outputs", self.output_bytes),
+            ("aliased (donated)", self.alias_bytes),
+            ("temporaries", self.temp_bytes),
+            ("peak", self.peak_bytes),
+        ]
         if self.host_argument_bytes or self.host_output_bytes or self.host_temp_bytes:
-            rows += [("host arguments", self.host_argument_bytes),
-                     ("host outputs", self.host_output_bytes),
-                     ("host temporaries", self.host_temp_bytes)]
+            rows += [
+                ("host arguments", self.host_argument_bytes),
+                ("host outputs", self.host_output_bytes),
+                ("host temporaries", self.host_temp_bytes),
+            ]
         w = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{w}}  {format_bytes(v):>12}" for name, v in rows)
 
@@ -77,20 +84,28 @@ def report_from_compiled(compiled: Any) -> MemoryReport:
     if ma is None:
         raise RuntimeError("This backend reports no memory analysis for compiled programs.")
     get = lambda name: int(getattr(ma, name, 0) or 0)
-    arg, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
-                             get("alias_size_in_bytes"), get("temp_size_in_bytes"))
+    arg, out, alias, temp = (
+        get("argument_size_in_bytes"),
+        get("output_size_in_bytes"),
+        get("alias_size_in_bytes"),
+        get("temp_size_in_bytes"),
+    )
     # The CPU backend's peak figure counts arguments only; use the upper bound there.
     reported = get("peak_memory_in_bytes")
     bound = arg + out + temp - alias
     peak = reported if reported and jax.default_backend() != "cpu" else bound
     return MemoryReport(
-        argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
+        argument_bytes=arg,
+        output_bytes=out,
+        alias_bytes=alias,
+        temp_bytes=temp,
         generated_code_bytes=get("generated_code_size_in_bytes"),
         host_argument_bytes=get("host_argument_size_in_bytes"),
         host_output_bytes=get("host_output_size_in_bytes"),
         host_alias_bytes=get("host_alias_size_in_bytes"),
         host_temp_bytes=get("host_temp_size_in_bytes"),
-        peak_bytes=peak)
+        peak_bytes=peak,
+    )
 
 
 def measure(fn: Callable, *args, **kwargs) -> MemoryReport:

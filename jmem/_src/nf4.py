@@ -26,6 +26,7 @@ as in bitsandbytes (stored zero-padded to a whole block; the padding codes are N
 Source: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs"
 (arXiv:2305.14314); bitsandbytes ``functional.quantize_4bit``/``create_dynamic_map``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,15 +41,30 @@ import numpy as np
 from jmem._src import quantization as _quantization
 from jmem._src import tree as _tree
 
-__all__ = ["NF4_TABLE", "NF4Array", "quantize", "dequantize", "nbytes", "bytes_per_param"]
+__all__ = ["NF4_TABLE", "NF4Array", "quantize", "dequantize", "bytes_per_param"]
 
 #: The 16 NF4 code values (bitsandbytes ``get_4bit_type("nf4")``), sorted, float32.
-NF4_TABLE = np.array([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-], dtype=np.float32)
+NF4_TABLE = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=np.float32,
+)
 
 # Decision boundaries: a scaled value v gets code i with mid[i-1] < v <= mid[i].
 _NF4_MIDPOINTS = ((NF4_TABLE[:-1] + NF4_TABLE[1:]) / np.float32(2)).astype(np.float32)
@@ -111,7 +127,8 @@ class NF4Array:
 jax.tree_util.register_dataclass(
     NF4Array,
     data_fields=["packed", "absmax", "absmax_scale", "absmax_offset"],
-    meta_fields=["shape", "dtype", "block_size", "double_quant", "batch_ndim"])
+    meta_fields=["shape", "dtype", "block_size", "double_quant", "batch_ndim"],
+)
 
 
 def bytes_per_param(q: NF4Array) -> float:
@@ -121,7 +138,7 @@ def bytes_per_param(q: NF4Array) -> float:
 
 def _split_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     batch = tuple(shape[:-2]) if len(shape) >= 3 else ()
-    return batch, math.prod(shape[len(batch):])
+    return batch, math.prod(shape[len(batch) :])
 
 
 def _nearest_code(v: jax.Array, code: np.ndarray) -> jax.Array:
@@ -151,8 +168,9 @@ def _blockwise_8bit(v: jax.Array, block: int):
 
 def _check_block_size(block_size: int) -> None:
     if block_size not in _VALID_BLOCKS:
-        raise ValueError(f"block_size must be one of {_VALID_BLOCKS} (as bitsandbytes); "
-                         f"got {block_size!r}.")
+        raise ValueError(
+            f"block_size must be one of {_VALID_BLOCKS} (as bitsandbytes); got {block_size!r}."
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "double_quant"))
@@ -186,7 +204,7 @@ def quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = True) -
     pad = nb * block_size - n
     flat = w.astype(jnp.float32).reshape(*batch, n)
     blocks = jnp.pad(flat, [(0, 0)] * len(batch) + [(0, pad)]).reshape(*batch, nb, block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=-1)                       # [*B, nb] float32
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)  # [*B, nb] float32
     nonzero = absmax > 0
     safe = jnp.where(nonzero, absmax, 1.0)
     # bitsandbytes multiplies full blocks by 1/absmax but divides the partial last block.
@@ -199,13 +217,28 @@ def quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = True) -
     codes = codes.reshape(*batch, nb * block_size)
     packed = (codes[..., 0::2] << 4) | codes[..., 1::2]
     if not double_quant:
-        return NF4Array(packed=packed, absmax=absmax, shape=shape, dtype=jnp.dtype(w.dtype),
-                        block_size=block_size, double_quant=False, batch_ndim=len(batch))
+        return NF4Array(
+            packed=packed,
+            absmax=absmax,
+            shape=shape,
+            dtype=jnp.dtype(w.dtype),
+            block_size=block_size,
+            double_quant=False,
+            batch_ndim=len(batch),
+        )
     offset = jnp.mean(absmax, axis=-1)
     qabs, scale2 = _blockwise_8bit(absmax - offset[..., None], 256)
-    return NF4Array(packed=packed, absmax=qabs, absmax_scale=scale2, absmax_offset=offset,
-                    shape=shape, dtype=jnp.dtype(w.dtype), block_size=block_size,
-                    double_quant=True, batch_ndim=len(batch))
+    return NF4Array(
+        packed=packed,
+        absmax=qabs,
+        absmax_scale=scale2,
+        absmax_offset=offset,
+        shape=shape,
+        dtype=jnp.dtype(w.dtype),
+        block_size=block_size,
+        double_quant=True,
+        batch_ndim=len(batch),
+    )
 
 
 def dequantize_absmax(q: NF4Array) -> jax.Array:
@@ -213,7 +246,9 @@ def dequantize_absmax(q: NF4Array) -> jax.Array:
     if not q.double_quant:
         return q.absmax.astype(jnp.float32)
     nb = q.absmax.shape[-1]
-    scale = jnp.repeat(q.absmax_scale, 256, axis=-1, total_repeat_length=q.absmax_scale.shape[-1] * 256)
+    scale = jnp.repeat(
+        q.absmax_scale, 256, axis=-1, total_repeat_length=q.absmax_scale.shape[-1] * 256
+    )
     absmax = jnp.asarray(_DYNAMIC_MAP)[q.absmax.astype(jnp.int32)] * scale[..., :nb]
     return absmax + q.absmax_offset[..., None]
 
@@ -234,9 +269,11 @@ def dequantize(q: NF4Array, dtype=jnp.bfloat16) -> jax.Array:
       TypeError: if ``q`` is not an ``NF4Array``.
     """
     if not isinstance(q, NF4Array):
-        raise TypeError(f"dequantize expects an NF4Array (from jmem.nf4.quantize); got {type(q).__name__}.")
+        raise TypeError(
+            f"dequantize expects an NF4Array (from jmem.nf4.quantize); got {type(q).__name__}."
+        )
     batch, n = _split_shape(q.shape)
-    absmax = dequantize_absmax(q)                                   # [*B, nb] float32
+    absmax = dequantize_absmax(q)  # [*B, nb] float32
     nb = absmax.shape[-1]
     hi = q.packed >> 4
     lo = q.packed & 0xF

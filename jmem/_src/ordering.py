@@ -36,5 +36,3 @@ def zero_after(*arrays: jax.Array) -> jax.Array:
       float32 scalar ``0.0``.
     """
     return _zero_after(*arrays)
-
-

@@ -16,6 +16,7 @@ See ``jmem.implicit`` for the mechanism and its limits. Embeddings are gathered,
 multiplied, so they stay in float (as in bitsandbytes/PEFT QLoRA); the output head and
 norms are also kept by default (``lm_head`` is small relative to a 7B body and sensitive).
 """
+
 from __future__ import annotations
 
 import re
@@ -24,10 +25,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jmem._src.implicit import interpreter as _implicit
 from jmem._src import lora as _lora
-from jmem._src import tree as _tree
 from jmem._src import nf4 as _nf4
+from jmem._src import tree as _tree
+from jmem._src.implicit import interpreter as _implicit
 
 __all__ = ["quantize_params", "dequantize_params", "apply", "default_targets", "EXCLUDE"]
 
@@ -39,12 +40,21 @@ def default_targets(path: str, leaf: Any) -> bool:
     """Every floating weight of rank >= 2 except embeddings, the output head and norms."""
     shape = getattr(leaf, "shape", ())
     dtype = getattr(leaf, "dtype", None)
-    return (len(shape) >= 2 and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-            and re.search(EXCLUDE, path, re.IGNORECASE) is None)
+    return (
+        len(shape) >= 2
+        and dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and re.search(EXCLUDE, path, re.IGNORECASE) is None
+    )
 
 
-def quantize_params(params, targets: str | Callable[[str, Any], bool] | None = None, *,
-             block_size: int = 64, double_quant: bool = True):
+def quantize_params(
+    params,
+    targets: str | Callable[[str, Any], bool] | None = None,
+    *,
+    block_size: int = 64,
+    double_quant: bool = True,
+):
     """Replaces the targeted weights of ``params`` with ``jmem.nf4.NF4Array`` leaves.
 
     Args:
@@ -71,21 +81,31 @@ def quantize_params(params, targets: str | Callable[[str, Any], bool] | None = N
             continue
         shape = getattr(leaf, "shape", ())
         if len(shape) < 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise ValueError(f"Cannot NF4-quantize {path!r} ({getattr(leaf, 'dtype', type(leaf))}"
-                             f"{tuple(shape)}): only floating weights of rank >= 2 are supported.")
+            raise ValueError(
+                f"Cannot NF4-quantize {path!r} ({getattr(leaf, 'dtype', type(leaf))}"
+                f"{tuple(shape)}): only floating weights of rank >= 2 are supported."
+            )
         out.append(_nf4.quantize(leaf, block_size=block_size, double_quant=double_quant))
         n += 1
     if n == 0:
-        raise ValueError("qlora.quantize_params matched no weight; pass targets= (a regex on paths "
-                         f"such as {[p for p, _ in flat][:8]}).")
+        raise ValueError(
+            "qlora.quantize_params matched no weight; pass targets= (a regex on paths "
+            f"such as {[p for p, _ in flat][:8]})."
+        )
     return jax.tree.unflatten(treedef, out)
 
 
 def dequantize_params(qparams, dtype=None):
     """Replaces every ``NF4Array`` leaf by its dequantized array (its own dtype by default)."""
-    return jax.tree.map(lambda x: _nf4.dequantize(x, x.dtype if dtype is None else dtype)
-                        if isinstance(x, _nf4.NF4Array) else x,
-                        qparams, is_leaf=lambda x: isinstance(x, _nf4.NF4Array))
+    return jax.tree.map(
+        lambda x: (
+            _nf4.dequantize(x, x.dtype if dtype is None else dtype)
+            if isinstance(x, _nf4.NF4Array)
+            else x
+        ),
+        qparams,
+        is_leaf=lambda x: isinstance(x, _nf4.NF4Array),
+    )
 
 
 def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:

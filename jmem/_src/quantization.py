@@ -90,7 +90,9 @@ def dynamic_map(signed: bool = True, bits: int = 8) -> np.ndarray:
     data: list[np.ndarray] = []
     f32 = np.float32
     for i in range(max_exp):
-        n_items = 2 ** (i + non_sign - max_exp) + 1 if signed else 2 ** (i + non_sign - max_exp + 1) + 1
+        n_items = (
+            2 ** (i + non_sign - max_exp) + 1 if signed else 2 ** (i + non_sign - max_exp + 1) + 1
+        )
         # float32 arithmetic as in the reference, so that the values agree bit for bit.
         bounds = _linspace_f32(0.1, 1.0, n_items)
         means = (bounds[:-1] + bounds[1:]) / f32(2.0)
@@ -101,7 +103,7 @@ def dynamic_map(signed: bool = True, bits: int = 8) -> np.ndarray:
     data.append(np.array([0.0, 1.0], f32))
     out = np.sort(np.concatenate(data).astype(f32))
     if out.shape[0] != 2**bits:  # pragma: no cover - structural invariant
-        raise AssertionError(f"dynamic map has {out.shape[0]} values, expected {2 ** bits}")
+        raise AssertionError(f"dynamic map has {out.shape[0]} values, expected {2**bits}")
     return out
 
 
@@ -148,7 +150,9 @@ class _Lut:
 
 def _canonical_code(code: Any) -> tuple[float, ...]:
     if isinstance(code, jax.core.Tracer):
-        raise TypeError("`code` must be a concrete array (e.g. dynamic_map(...)), not a traced value.")
+        raise TypeError(
+            "`code` must be a concrete array (e.g. dynamic_map(...)), not a traced value."
+        )
     arr = np.asarray(code, dtype=np.float32).reshape(-1)
     if arr.size < 2 or arr.size > 256:
         raise ValueError(f"`code` must have 2..256 values, got {arr.size}.")
@@ -378,7 +382,12 @@ class QuantizedArray:
     code: tuple[float, ...]
 
     def tree_flatten(self):
-        return (self.codes, self.absmax), (self.shape, np.dtype(self.dtype).name, self.block_size, self.code)
+        return (self.codes, self.absmax), (
+            self.shape,
+            np.dtype(self.dtype).name,
+            self.block_size,
+            self.code,
+        )
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -406,7 +415,9 @@ def _check_block_size(block_size: int, code_len: int) -> None:
     if not isinstance(block_size, (int, np.integer)) or block_size < 2:
         raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}.")
     if code_len <= 16 and block_size % 2:
-        raise ValueError(f"4-bit maps pack two codes per byte: block_size must be even, got {block_size}.")
+        raise ValueError(
+            f"4-bit maps pack two codes per byte: block_size must be even, got {block_size}."
+        )
 
 
 def to_blocks(x: jax.Array, block_size: int) -> jax.Array:

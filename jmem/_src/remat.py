@@ -38,13 +38,13 @@ Source: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), Kort
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and
 JAX's ``jax.checkpoint`` policies (``jax/_src/ad_checkpoint.py``).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
-import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
@@ -78,14 +78,17 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
         if policy not in REMAT_POLICIES:
             raise ValueError(
                 f"Unknown remat policy {policy!r}. Valid names: {list(REMAT_POLICIES)}; or pass a "
-                "tuple of checkpoint_name names to save, or a jax.checkpoint_policies callable.")
+                "tuple of checkpoint_name names to save, or a jax.checkpoint_policies callable."
+            )
         return REMAT_POLICIES[policy]
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
         return _cp.save_only_these_names(*policy)
     if callable(policy):
         return policy
-    raise TypeError(f"remat policy must be a name, a sequence of checkpoint names or a callable; "
-                    f"got {type(policy).__name__}.")
+    raise TypeError(
+        f"remat policy must be a name, a sequence of checkpoint names or a callable; "
+        f"got {type(policy).__name__}."
+    )
 
 
 def _has_scan(jaxpr) -> bool:
@@ -121,8 +124,11 @@ class _Interpreter:
             return self.scan(eqn, invals)
         if not name.startswith(("custom_vjp", "custom_jvp")) and any(_has_scan(s) for s in subs):
             if name in ("pjit", "jit", "closed_call", "core_call"):
-                return self.eval_closed(eqn.params["jaxpr"], invals) if hasattr(
-                    eqn.params["jaxpr"], "jaxpr") else self.eval(eqn.params["jaxpr"], (), invals)
+                return (
+                    self.eval_closed(eqn.params["jaxpr"], invals)
+                    if hasattr(eqn.params["jaxpr"], "jaxpr")
+                    else self.eval(eqn.params["jaxpr"], (), invals)
+                )
             if name == "cond":
                 index, *ops = invals
                 branches = [functools.partial(self._call_closed, b) for b in eqn.params["branches"]]
@@ -130,8 +136,11 @@ class _Interpreter:
             if name in ("remat", "checkpoint"):
                 inner = eqn.params["jaxpr"]
                 fn = functools.partial(self._call_open, inner)
-                return jax.checkpoint(fn, policy=eqn.params.get("policy"),
-                                      prevent_cse=eqn.params.get("prevent_cse", True))(*invals)
+                return jax.checkpoint(
+                    fn,
+                    policy=eqn.params.get("policy"),
+                    prevent_cse=eqn.params.get("prevent_cse", True),
+                )(*invals)
         return bind_eqn(eqn, invals)
 
     def _call_closed(self, closed, *args):
@@ -144,7 +153,7 @@ class _Interpreter:
         p = eqn.params
         body = p["jaxpr"]
         nc, ncarry = p["num_consts"], p["num_carry"]
-        consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
 
         def step(consts, carry, x):
             # Inner scans run as they are: they are inside this checkpointed region.
@@ -156,21 +165,34 @@ class _Interpreter:
         length = p["length"]
         k = group_size(length, self.every)
         if k == 1:
-            carry, ys = lax.scan(lambda c, x: step(consts, c, x), list(init), list(xs),
-                                 length=length, reverse=p["reverse"], unroll=p["unroll"])
+            carry, ys = lax.scan(
+                lambda c, x: step(consts, c, x),
+                list(init),
+                list(xs),
+                length=length,
+                reverse=p["reverse"],
+                unroll=p["unroll"],
+            )
             return [*carry, *ys]
 
         # Chen et al. 2016: checkpoint groups of k iterations (only each group's input is
         # saved); a group's iterations are recomputed, under `policy`, in the backward pass.
         def group(consts, carry, xg):
-            return lax.scan(lambda c, x: step(consts, c, x), carry, xg, length=k,
-                            reverse=p["reverse"])
+            return lax.scan(
+                lambda c, x: step(consts, c, x), carry, xg, length=k, reverse=p["reverse"]
+            )
 
-        group = jax.checkpoint(group, policy=jax.checkpoint_policies.nothing_saveable,
-                               prevent_cse=self.prevent_cse)
+        group = jax.checkpoint(
+            group, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=self.prevent_cse
+        )
         xs_g = [x.reshape(length // k, k, *x.shape[1:]) for x in xs]
-        carry, ys = lax.scan(lambda c, x: group(consts, c, x), list(init), xs_g,
-                             length=length // k, reverse=p["reverse"])
+        carry, ys = lax.scan(
+            lambda c, x: group(consts, c, x),
+            list(init),
+            xs_g,
+            length=length // k,
+            reverse=p["reverse"],
+        )
         return [*carry, *[y.reshape(length, *y.shape[2:]) for y in ys]]
 
 
@@ -184,7 +206,7 @@ def group_size(length: int, every: int | str | None) -> int:
         return 1
     if every == "sqrt":
         divisors = [d for d in range(1, length + 1) if length % d == 0]
-        k = min(divisors, key=lambda d: (abs(d - length ** 0.5), d))
+        k = min(divisors, key=lambda d: (abs(d - length**0.5), d))
         return k if 1 < k < length else 1
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int or 'sqrt'; got {every!r}.")
@@ -193,9 +215,14 @@ def group_size(length: int, every: int | str | None) -> int:
     return every if every < length else 1
 
 
-def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | None = "full", *,
-          prevent_cse: bool | None = None, static_argnums: int | Sequence[int] = (),
-          every: int | str | None = None) -> Callable:
+def remat(
+    fn: Callable | None = None,
+    policy: str | Sequence[str] | Callable | None = "full",
+    *,
+    prevent_cse: bool | None = None,
+    static_argnums: int | Sequence[int] = (),
+    every: int | str | None = None,
+) -> Callable:
     """Rematerializes ``fn``'s activations per layer under a named policy.
 
     Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``)
@@ -229,8 +256,13 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
       ValueError / TypeError: for an unknown policy (see ``resolve_policy``).
     """
     if fn is None:
-        return functools.partial(remat, policy=policy, prevent_cse=prevent_cse,
-                                 static_argnums=static_argnums, every=every)
+        return functools.partial(
+            remat,
+            policy=policy,
+            prevent_cse=prevent_cse,
+            static_argnums=static_argnums,
+            every=every,
+        )
     pol = resolve_policy(policy)
     if every is not None and every != "sqrt" and (not isinstance(every, int) or every < 1):
         raise ValueError(f"every must be a positive int or 'sqrt'; got {every!r}.")
@@ -245,7 +277,9 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
         flat, treedef = jax.tree.flatten((args, kwargs))
         for i in static_argnums:
             if not -len(args) <= i < len(args):
-                raise ValueError(f"static_argnums={static_argnums} out of range for {len(args)} args.")
+                raise ValueError(
+                    f"static_argnums={static_argnums} out of range for {len(args)} args."
+                )
         static_ids = {i % len(args) for i in static_argnums}
         # Leaves of static positional args, and non-array leaves anywhere, are closed over.
         forced = [i in static_ids for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
@@ -269,10 +303,15 @@ def remat(fn: Callable | None = None, policy: str | Sequence[str] | Callable | N
         else:
             cse = False if prevent_cse is None else prevent_cse
             out = jax.tree.unflatten(
-                jax.tree.structure(out_shape), _Interpreter(pol, cse, every).eval_closed(closed, dyn))
+                jax.tree.structure(out_shape),
+                _Interpreter(pol, cse, every).eval_closed(closed, dyn),
+            )
         # Python scalars returned by ``fn`` (e.g. a step count in aux) do not depend on the
         # traced inputs: give them back as they were, not as 0-d arrays.
-        return jax.tree.map(lambda o, t: t if isinstance(t, (bool, int, float, complex)) else o,
-                            out, traced_out["out"])
+        return jax.tree.map(
+            lambda o, t: t if isinstance(t, (bool, int, float, complex)) else o,
+            out,
+            traced_out["out"],
+        )
 
     return wrapped

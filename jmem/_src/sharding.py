@@ -105,6 +105,7 @@ Sources: ZeRO (arXiv:1910.02054), PyTorch FSDP (arXiv:2304.11277), GSPMD (arXiv:
 JAX "Distributed arrays and automatic parallelization" and "Multi-process" guides; MaxText
 ``fsdp`` logical axis rules.
 """
+
 from __future__ import annotations
 
 import math
@@ -120,9 +121,21 @@ from jmem._src import nf4 as _nf4
 from jmem._src import quantization as _qz
 
 __all__ = [
-    "DATA_AXIS", "FSDP_AXIS", "STRATEGIES", "make_mesh", "array_spec", "param_shardings",
-    "gradient_shardings", "opt_state_shardings", "state_shardings", "batch_sharding",
-    "shard_state", "shard_batch", "constrain_gradients", "sharded_init", "ShardedStep",
+    "DATA_AXIS",
+    "FSDP_AXIS",
+    "STRATEGIES",
+    "make_mesh",
+    "array_spec",
+    "param_shardings",
+    "gradient_shardings",
+    "opt_state_shardings",
+    "state_shardings",
+    "batch_sharding",
+    "shard_state",
+    "shard_batch",
+    "constrain_gradients",
+    "sharded_init",
+    "ShardedStep",
 ]
 
 DATA_AXIS = "data"
@@ -157,32 +170,42 @@ def make_mesh(data: int = 1, fsdp: int | None = None, devices=None) -> Mesh:
         raise ValueError(f"data must be a positive int, got {data!r}.")
     if fsdp is None:
         if len(devices) % data:
-            raise ValueError(f"data={data} does not divide the {len(devices)} devices; pass "
-                             f"fsdp= explicitly or choose a divisor.")
+            raise ValueError(
+                f"data={data} does not divide the {len(devices)} devices; pass "
+                f"fsdp= explicitly or choose a divisor."
+            )
         fsdp = len(devices) // data
     if not isinstance(fsdp, (int, np.integer)) or fsdp < 1:
         raise ValueError(f"fsdp must be a positive int, got {fsdp!r}.")
     if data * fsdp != len(devices):
-        raise ValueError(f"data * fsdp = {data} * {fsdp} = {data * fsdp} but {len(devices)} "
-                         f"devices were given; pass devices=jax.devices()[:{data * fsdp}] or "
-                         f"sizes whose product is {len(devices)}.")
+        raise ValueError(
+            f"data * fsdp = {data} * {fsdp} = {data * fsdp} but {len(devices)} "
+            f"devices were given; pass devices=jax.devices()[:{data * fsdp}] or "
+            f"sizes whose product is {len(devices)}."
+        )
     arr = np.asarray(devices, dtype=object).reshape(int(data), int(fsdp))
     return Mesh(arr, (DATA_AXIS, FSDP_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def _check_mesh(mesh: Any) -> Mesh:
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (see jmem.sharding.make_mesh), "
-                        f"got {type(mesh).__name__}.")
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (see jmem.sharding.make_mesh), "
+            f"got {type(mesh).__name__}."
+        )
     missing = [a for a in (DATA_AXIS, FSDP_AXIS) if a not in mesh.axis_names]
     if missing:
-        raise ValueError(f"mesh has axes {mesh.axis_names}; jmem.sharding needs axes "
-                         f"{(DATA_AXIS, FSDP_AXIS)} (missing {missing}). Build it with "
-                         f"jmem.sharding.make_mesh(data=..., fsdp=...).")
+        raise ValueError(
+            f"mesh has axes {mesh.axis_names}; jmem.sharding needs axes "
+            f"{(DATA_AXIS, FSDP_AXIS)} (missing {missing}). Build it with "
+            f"jmem.sharding.make_mesh(data=..., fsdp=...)."
+        )
     if any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        raise ValueError("mesh has Explicit axis types; jmem.sharding's rules need Auto axes "
-                         "(module docstring). Build it with jmem.sharding.make_mesh or "
-                         "jax.make_mesh(..., axis_types=(AxisType.Auto,) * 2).")
+        raise ValueError(
+            "mesh has Explicit axis types; jmem.sharding's rules need Auto axes "
+            "(module docstring). Build it with jmem.sharding.make_mesh or "
+            "jax.make_mesh(..., axis_types=(AxisType.Auto,) * 2)."
+        )
     return mesh
 
 
@@ -259,16 +282,24 @@ def _nf4_shardings(w: _nf4.NF4Array, mesh: Mesh, split_ok: bool, kind) -> _nf4.N
     def rep(x):
         return None if x is None else _sharding(mesh, P(), kind(x))
 
-    return _nf4.NF4Array(packed=last(w.packed), absmax=last(w.absmax),
-                         absmax_scale=rep(w.absmax_scale), absmax_offset=rep(w.absmax_offset),
-                         shape=w.shape, dtype=w.dtype, block_size=w.block_size,
-                         double_quant=w.double_quant, batch_ndim=w.batch_ndim)
+    return _nf4.NF4Array(
+        packed=last(w.packed),
+        absmax=last(w.absmax),
+        absmax_scale=rep(w.absmax_scale),
+        absmax_offset=rep(w.absmax_offset),
+        shape=w.shape,
+        dtype=w.dtype,
+        block_size=w.block_size,
+        double_quant=w.double_quant,
+        batch_ndim=w.batch_ndim,
+    )
 
 
 def _lora_type() -> tuple:
     """``(LoraWeight,)`` when ``jmem.lora`` imports, else ``()``."""
     try:
         from jmem._src import lora as _lora  # noqa: PLC0415
+
         return (_lora.LoraWeight,)
     except Exception:  # noqa: BLE001 - LoRA unavailable: nothing to special-case.
         return ()
@@ -289,8 +320,9 @@ def _kind_fn(memory_kind: str | None) -> Callable[[Any], str | None]:
     return lambda x: memory_kind if memory_kind is not None else _existing_kind(x)
 
 
-def _tree_shardings(tree: Any, mesh: Mesh, *, split: bool, min_size: int,
-                    memory_kind: str | None = None) -> Any:
+def _tree_shardings(
+    tree: Any, mesh: Mesh, *, split: bool, min_size: int, memory_kind: str | None = None
+) -> Any:
     """Shardings for a params-like (or optimizer-state-like) tree; ``split=False`` replicates
     every dense array and NF4 leaf. QuantizedArrays are split by blocks when ``split``."""
     n = _fsdp_size(mesh)
@@ -317,8 +349,9 @@ def _tree_shardings(tree: Any, mesh: Mesh, *, split: bool, min_size: int,
     return jax.tree.map(one, tree, is_leaf=lambda x: x is None or _is_special(x))
 
 
-def param_shardings(params: Any, mesh: Mesh, strategy: str = "zero3", *,
-                    min_size: int = DEFAULT_MIN_SIZE) -> Any:
+def param_shardings(
+    params: Any, mesh: Mesh, strategy: str = "zero3", *, min_size: int = DEFAULT_MIN_SIZE
+) -> Any:
     """``NamedSharding`` per leaf of ``params`` (or of a frozen base) for ``strategy``.
 
     Args:
@@ -340,8 +373,9 @@ def param_shardings(params: Any, mesh: Mesh, strategy: str = "zero3", *,
     return _tree_shardings(params, mesh, split=split, min_size=min_size)
 
 
-def gradient_shardings(grads: Any, mesh: Mesh, strategy: str = "zero3", *,
-                       min_size: int = DEFAULT_MIN_SIZE) -> Any:
+def gradient_shardings(
+    grads: Any, mesh: Mesh, strategy: str = "zero3", *, min_size: int = DEFAULT_MIN_SIZE
+) -> Any:
     """Shardings of the gradients: replicated for ``"zero1"`` (an all-reduce), split by the
     dense rule for the others (a reduce-scatter); LoRA adapters' gradients are replicated.
 
@@ -352,8 +386,9 @@ def gradient_shardings(grads: Any, mesh: Mesh, strategy: str = "zero3", *,
     return _tree_shardings(grads, mesh, split=split, min_size=min_size)
 
 
-def opt_state_shardings(opt_state: Any, mesh: Mesh, *, memory_kind: str | None = None,
-                        min_size: int = DEFAULT_MIN_SIZE) -> Any:
+def opt_state_shardings(
+    opt_state: Any, mesh: Mesh, *, memory_kind: str | None = None, min_size: int = DEFAULT_MIN_SIZE
+) -> Any:
     """Shardings of an optimizer state: split under every strategy (ZeRO-1 and up).
 
     Dense leaves (fp32 moments, fp32 masters) use the dense rule on their global shape,
@@ -371,17 +406,21 @@ def opt_state_shardings(opt_state: Any, mesh: Mesh, *, memory_kind: str | None =
       A pytree like ``opt_state`` of ``NamedSharding``.
     """
     _check_mesh(mesh)
-    return _tree_shardings(opt_state, mesh, split=True, min_size=min_size,
-                           memory_kind=memory_kind)
+    return _tree_shardings(opt_state, mesh, split=True, min_size=min_size, memory_kind=memory_kind)
 
 
 def _replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: _sharding(mesh, P(), _existing_kind(x)), tree)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh, strategy: str = "zero3", *,
-                    opt_state_memory_kind: str | None = None,
-                    min_size: int = DEFAULT_MIN_SIZE) -> Any:
+def state_shardings(
+    abstract_state: Any,
+    mesh: Mesh,
+    strategy: str = "zero3",
+    *,
+    opt_state_memory_kind: str | None = None,
+    min_size: int = DEFAULT_MIN_SIZE,
+) -> Any:
     """``NamedSharding`` for every leaf of a ``jmem.TrainState``.
 
     Args:
@@ -405,19 +444,25 @@ def state_shardings(abstract_state: Any, mesh: Mesh, strategy: str = "zero3", *,
     _check_mesh(mesh)
     _check_strategy(strategy)
     fields = ("step", "params", "opt_state", "loss_scale", "frozen", "fp8")
-    if not all(hasattr(abstract_state, f) for f in fields) or not hasattr(abstract_state, "replace"):
-        raise TypeError(f"state_shardings expects a jmem TrainState (fields {fields}), got "
-                        f"{type(abstract_state).__name__}; for a bare params or optimizer "
-                        f"state tree use param_shardings / opt_state_shardings.")
+    if not all(hasattr(abstract_state, f) for f in fields) or not hasattr(
+        abstract_state, "replace"
+    ):
+        raise TypeError(
+            f"state_shardings expects a jmem TrainState (fields {fields}), got "
+            f"{type(abstract_state).__name__}; for a bare params or optimizer "
+            f"state tree use param_shardings / opt_state_shardings."
+        )
     s = abstract_state
     return s.replace(
         step=_replicated(s.step, mesh),
         params=param_shardings(s.params, mesh, strategy, min_size=min_size),
-        opt_state=opt_state_shardings(s.opt_state, mesh, memory_kind=opt_state_memory_kind,
-                                      min_size=min_size),
+        opt_state=opt_state_shardings(
+            s.opt_state, mesh, memory_kind=opt_state_memory_kind, min_size=min_size
+        ),
         loss_scale=_replicated(s.loss_scale, mesh),
         frozen=param_shardings(s.frozen, mesh, strategy, min_size=min_size),
-        fp8=_replicated(s.fp8, mesh))
+        fp8=_replicated(s.fp8, mesh),
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -439,7 +484,8 @@ def _batch_shardings(batch: Any, mesh: Mesh) -> Any:
         if shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has leading (batch) size {shape[0]}, "
-                f"not a multiple of data * fsdp = {n}: pad or resize the global batch.")
+                f"not a multiple of data * fsdp = {n}: pad or resize the global batch."
+            )
         return batch_sharding(mesh)
 
     return jax.tree_util.tree_map_with_path(one, batch)
@@ -486,8 +532,10 @@ def shard_state(state: Any, shardings: Any) -> Any:
     try:
         return jax.tree.map(_put, state, shardings, is_leaf=lambda x: x is None)
     except ValueError as e:
-        raise ValueError(f"shard_state: state and shardings have different structures ({e}). "
-                         f"Build shardings from this state with state_shardings().") from e
+        raise ValueError(
+            f"shard_state: state and shardings have different structures ({e}). "
+            f"Build shardings from this state with state_shardings()."
+        ) from e
 
 
 def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
@@ -509,8 +557,9 @@ def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
     _check_mesh(mesh)
     if process_local:
         s = batch_sharding(mesh)
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(s, np.asarray(x)),
-                            batch)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(s, np.asarray(x)), batch
+        )
     return jax.tree.map(_put, batch, _batch_shardings(batch, mesh))
 
 
@@ -519,9 +568,13 @@ def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
 # ----------------------------------------------------------------------------------------
 
 
-def constrain_gradients(inner: optax.GradientTransformation, mesh: Mesh,
-                        strategy: str = "zero3", *,
-                        min_size: int = DEFAULT_MIN_SIZE) -> optax.GradientTransformationExtraArgs:
+def constrain_gradients(
+    inner: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str = "zero3",
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer so the gradients it receives are placed per ``strategy``.
 
     ``update`` applies ``jax.lax.with_sharding_constraint(grads, gradient_shardings(...))``
@@ -545,9 +598,14 @@ def constrain_gradients(inner: optax.GradientTransformation, mesh: Mesh,
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def sharded_init(init: Callable, mesh: Mesh, strategy: str = "zero3", *,
-                 opt_state_memory_kind: str | None = None,
-                 min_size: int = DEFAULT_MIN_SIZE) -> Callable:
+def sharded_init(
+    init: Callable,
+    mesh: Mesh,
+    strategy: str = "zero3",
+    *,
+    opt_state_memory_kind: str | None = None,
+    min_size: int = DEFAULT_MIN_SIZE,
+) -> Callable:
     """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale)`` so its result
     is born sharded: inputs are placed by the param rule, then ``init`` runs under
     ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
@@ -558,8 +616,9 @@ def sharded_init(init: Callable, mesh: Mesh, strategy: str = "zero3", *,
 
     def wrapped(params, frozen=None, fp8=None, loss_scale=None):
         abstract = jax.eval_shape(init, params, frozen, fp8, loss_scale)
-        shardings = state_shardings(abstract, mesh, strategy, min_size=min_size,
-                                    opt_state_memory_kind=opt_state_memory_kind)
+        shardings = state_shardings(
+            abstract, mesh, strategy, min_size=min_size, opt_state_memory_kind=opt_state_memory_kind
+        )
         params = shard_state(params, param_shardings(params, mesh, strategy, min_size=min_size))
         frozen = shard_state(frozen, param_shardings(frozen, mesh, strategy, min_size=min_size))
         fp8 = shard_state(fp8, _replicated(fp8, mesh))
@@ -579,17 +638,29 @@ class ShardedStep:
     ``jmem.measure`` and ``TrainStep.measure`` work; the figures are per device).
     """
 
-    def __init__(self, step: Callable, mesh: Mesh, strategy: str = "zero3", *,
-                 donate: bool = True, opt_state_memory_kind: str | None = None,
-                 min_size: int = DEFAULT_MIN_SIZE, jit_kwargs: dict | None = None):
+    def __init__(
+        self,
+        step: Callable,
+        mesh: Mesh,
+        strategy: str = "zero3",
+        *,
+        donate: bool = True,
+        opt_state_memory_kind: str | None = None,
+        min_size: int = DEFAULT_MIN_SIZE,
+        jit_kwargs: dict | None = None,
+    ):
         _check_mesh(mesh)
         _check_strategy(strategy)
         jit_kwargs = dict(jit_kwargs or {})
-        clash = {"in_shardings", "out_shardings", "donate_argnums", "donate_argnames"} & set(jit_kwargs)
+        clash = {"in_shardings", "out_shardings", "donate_argnums", "donate_argnames"} & set(
+            jit_kwargs
+        )
         if clash:
-            raise ValueError(f"jit_kwargs {sorted(clash)} conflict with mesh=: the sharding "
-                             f"rules set them. Drop them, or build without mesh= and pass "
-                             f"your own shardings.")
+            raise ValueError(
+                f"jit_kwargs {sorted(clash)} conflict with mesh=: the sharding "
+                f"rules set them. Drop them, or build without mesh= and pass "
+                f"your own shardings."
+            )
         self.step, self.mesh, self.strategy = step, mesh, strategy
         self._donate, self._kind, self._min = donate, opt_state_memory_kind, min_size
         self._jit_kwargs = jit_kwargs
@@ -597,8 +668,9 @@ class ShardedStep:
 
     def shardings(self, state: Any, batch: Any):
         """``(state shardings, batch shardings)`` used for this state and batch."""
-        st = state_shardings(state, self.mesh, self.strategy, min_size=self._min,
-                             opt_state_memory_kind=self._kind)
+        st = state_shardings(
+            state, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
+        )
         return st, _batch_shardings(batch, self.mesh)
 
     def _jitted(self, state: Any, batch: Any):
@@ -607,9 +679,13 @@ class ShardedStep:
         fn = self._cache.get(key)
         if fn is None:
             st, bt = self.shardings(state, batch)
-            fn = jax.jit(self.step, in_shardings=(st, bt),
-                         out_shardings=(st, NamedSharding(self.mesh, P())),
-                         donate_argnums=(0,) if self._donate else (), **self._jit_kwargs)
+            fn = jax.jit(
+                self.step,
+                in_shardings=(st, bt),
+                out_shardings=(st, NamedSharding(self.mesh, P())),
+                donate_argnums=(0,) if self._donate else (),
+                **self._jit_kwargs,
+            )
             self._cache[key] = fn
         return fn
 

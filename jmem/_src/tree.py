@@ -141,8 +141,10 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     if pred.shape != ():
         raise ValueError(f"select_tree: pred must be a scalar, got shape {pred.shape}.")
     if pred.dtype != jnp.bool_:
-        raise TypeError(f"select_tree: pred must be boolean, got {pred.dtype}; compare first "
-                        "(e.g. all_finite(grads)).")
+        raise TypeError(
+            f"select_tree: pred must be boolean, got {pred.dtype}; compare first "
+            "(e.g. all_finite(grads))."
+        )
     ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
     if ta != tb:
         raise ValueError(f"select_tree: a and b must have the same structure, got {ta} and {tb}.")

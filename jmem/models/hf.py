@@ -7,6 +7,7 @@ embedding/head and one layer's matrix. HF stores linear weights ``[out, in]``; j
 ``[in, out]`` kernels stacked over layers, so each matrix is transposed and placed in
 its layer slot. The rotary layout (half-split ``rotate_half``) is the same as HF's.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ import os
 import re
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,8 +34,10 @@ def load_config(directory: str) -> LlamaConfig:
     """
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{directory!r} has no config.json: pass a Hugging Face checkpoint "
-                                "directory (config.json plus *.safetensors).")
+        raise FileNotFoundError(
+            f"{directory!r} has no config.json: pass a Hugging Face checkpoint "
+            "directory (config.json plus *.safetensors)."
+        )
     with open(path) as f:
         c = json.load(f)
     if c.get("model_type", "llama") not in ("llama", "mistral"):
@@ -44,18 +46,25 @@ def load_config(directory: str) -> LlamaConfig:
     rope = dict(c.get("rope_parameters") or {})
     scaling = c.get("rope_scaling") or rope
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope_scaling {scaling} is not implemented by jmem.models.llama; "
-                         "use a checkpoint with default RoPE.")
+        raise ValueError(
+            f"rope_scaling {scaling} is not implemented by jmem.models.llama; "
+            "use a checkpoint with default RoPE."
+        )
     rope_theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     heads = c["num_attention_heads"]
     return LlamaConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rope_theta=float(rope_theta), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_seq_len=int(c.get("max_position_embeddings", 4096)))
+        max_seq_len=int(c.get("max_position_embeddings", 4096)),
+    )
 
 
 def _weight_files(directory: str) -> dict[str, str]:
@@ -66,13 +75,18 @@ def _weight_files(directory: str) -> dict[str, str]:
             weight_map = json.load(f)["weight_map"]
         missing = {v for v in weight_map.values() if not os.path.exists(os.path.join(directory, v))}
         if missing:
-            raise FileNotFoundError(f"Checkpoint shards listed in {index} are missing: {sorted(missing)}.")
+            raise FileNotFoundError(
+                f"Checkpoint shards listed in {index} are missing: {sorted(missing)}."
+            )
         return {k: os.path.join(directory, v) for k, v in weight_map.items()}
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"No *.safetensors files in {directory!r} (PyTorch .bin checkpoints "
-                                "are not supported; convert them with safetensors).")
+        raise FileNotFoundError(
+            f"No *.safetensors files in {directory!r} (PyTorch .bin checkpoints "
+            "are not supported; convert them with safetensors)."
+        )
     from safetensors import safe_open  # noqa: PLC0415
+
     out = {}
     for fn in files:
         with safe_open(os.path.join(directory, fn), framework="numpy") as f:
@@ -82,16 +96,29 @@ def _weight_files(directory: str) -> dict[str, str]:
 
 def _stack_nf4(parts: list[nf4.NF4Array]) -> nf4.NF4Array:
     first = parts[0]
-    leaves = [None if getattr(first, k) is None else jnp.stack([getattr(p, k) for p in parts])
-              for k in ("packed", "absmax", "absmax_scale", "absmax_offset")]
-    return nf4.NF4Array(*leaves, shape=(len(parts), *first.shape), dtype=first.dtype,
-                        block_size=first.block_size, double_quant=first.double_quant,
-                        batch_ndim=first.batch_ndim + 1)
+    leaves = [
+        None if getattr(first, k) is None else jnp.stack([getattr(p, k) for p in parts])
+        for k in ("packed", "absmax", "absmax_scale", "absmax_offset")
+    ]
+    return nf4.NF4Array(
+        *leaves,
+        shape=(len(parts), *first.shape),
+        dtype=first.dtype,
+        block_size=first.block_size,
+        double_quant=first.double_quant,
+        batch_ndim=first.batch_ndim + 1,
+    )
 
 
-def load_params(directory: str, config: LlamaConfig | None = None, *, dtype=jnp.bfloat16,
-                quantize: str | None = None, block_size: int = 64,
-                double_quant: bool = True) -> tuple[dict[str, Any], LlamaConfig]:
+def load_params(
+    directory: str,
+    config: LlamaConfig | None = None,
+    *,
+    dtype=jnp.bfloat16,
+    quantize: str | None = None,
+    block_size: int = 64,
+    double_quant: bool = True,
+) -> tuple[dict[str, Any], LlamaConfig]:
     """Reads a checkpoint into the ``jmem.models.llama`` params layout.
 
     Args:
@@ -121,7 +148,9 @@ def load_params(directory: str, config: LlamaConfig | None = None, *, dtype=jnp.
 
     def read(name: str) -> np.ndarray:
         if name not in files:
-            raise FileNotFoundError(f"Tensor {name!r} is missing from the checkpoint in {directory!r}.")
+            raise FileNotFoundError(
+                f"Tensor {name!r} is missing from the checkpoint in {directory!r}."
+            )
         path = files[name]
         if path not in handles:
             handles[path] = safe_open(path, framework="numpy").__enter__()
@@ -129,24 +158,39 @@ def load_params(directory: str, config: LlamaConfig | None = None, *, dtype=jnp.
 
     def check(name, arr, shape):
         if tuple(arr.shape) != tuple(shape):
-            raise ValueError(f"Tensor {name!r} has shape {arr.shape}, expected {shape} for {config}.")
+            raise ValueError(
+                f"Tensor {name!r} has shape {arr.shape}, expected {shape} for {config}."
+            )
         return arr
 
     L = config.num_layers
     np_dtype = jnp.dtype(dtype)
     try:
         params: dict[str, Any] = {
-            "embed": {"embedding": jnp.asarray(check(
-                "model.embed_tokens.weight", read("model.embed_tokens.weight"),
-                shapes["embed"]["embedding"]), np_dtype)},
+            "embed": {
+                "embedding": jnp.asarray(
+                    check(
+                        "model.embed_tokens.weight",
+                        read("model.embed_tokens.weight"),
+                        shapes["embed"]["embedding"],
+                    ),
+                    np_dtype,
+                )
+            },
             "final_norm": {"scale": jnp.asarray(read("model.norm.weight"), np_dtype)},
             "layers": {},
         }
         if not config.tie_embeddings:
             head = read("lm_head.weight")
-            params["lm_head"] = {"kernel": jnp.asarray(check("lm_head.weight", head.T,
-                                                             shapes["lm_head"]["kernel"]), np_dtype)}
-        for ours, theirs in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
+            params["lm_head"] = {
+                "kernel": jnp.asarray(
+                    check("lm_head.weight", head.T, shapes["lm_head"]["kernel"]), np_dtype
+                )
+            }
+        for ours, theirs in (
+            ("attn_norm", "input_layernorm"),
+            ("mlp_norm", "post_attention_layernorm"),
+        ):
             rows = [read(f"model.layers.{i}.{theirs}.weight") for i in range(L)]
             params["layers"][ours] = {"scale": jnp.asarray(np.stack(rows), np_dtype)}
         for name in LINEAR_NAMES:
@@ -157,8 +201,13 @@ def load_params(directory: str, config: LlamaConfig | None = None, *, dtype=jnp.
                 for i in range(L):
                     key = f"model.layers.{i}.{group}.{name}.weight"
                     w = check(key, read(key).T, shape[1:])
-                    parts.append(nf4.quantize(jnp.asarray(w, np_dtype), block_size=block_size,
-                                              double_quant=double_quant))
+                    parts.append(
+                        nf4.quantize(
+                            jnp.asarray(w, np_dtype),
+                            block_size=block_size,
+                            double_quant=double_quant,
+                        )
+                    )
                 params["layers"][name] = {"kernel": _stack_nf4(parts)}
             else:
                 stacked = np.empty(shape, dtype=np_dtype)

@@ -14,6 +14,7 @@ Layer params are stacked on a leading ``num_layers`` axis and iterated with
 checkpoint each layer. Intermediates carry ``checkpoint_name`` tags (see
 ``CHECKPOINT_NAMES``) for name-based remat policies.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,17 @@ Params = dict[str, Any]
 
 #: Names given with ``checkpoint_name`` inside each layer, in execution order.
 CHECKPOINT_NAMES = (
-    "attn_norm", "query_proj", "key_proj", "value_proj", "attn_context", "attn_out",
-    "mlp_norm", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_down",
+    "attn_norm",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "attn_context",
+    "attn_out",
+    "mlp_norm",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_hidden",
+    "mlp_down",
 )
 
 #: The weight names of one layer that are matmul kernels ``[in, out]``.
@@ -73,26 +83,56 @@ class LlamaConfig:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
                     f"hidden_size={self.hidden_size} is not divisible by num_heads="
-                    f"{self.num_heads}; pass head_dim explicitly.")
+                    f"{self.num_heads}; pass head_dim explicitly."
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
-                f"{self.num_kv_heads} for grouped-query attention.")
+                f"{self.num_kv_heads} for grouped-query attention."
+            )
 
 
 CONFIGS: dict[str, LlamaConfig] = {
     # A few million parameters: trains on a CPU in minutes (byte-level vocabulary).
-    "tiny": LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688,
-                        num_layers=4, num_heads=8, num_kv_heads=4, max_seq_len=512),
+    "tiny": LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        max_seq_len=512,
+    ),
     # About 1.1B parameters (TinyLlama-1.1B shapes).
-    "llama_1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                            num_layers=22, num_heads=32, num_kv_heads=4, max_seq_len=2048),
-    "llama2_7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                             num_layers=32, num_heads=32, num_kv_heads=32, max_seq_len=4096),
-    "llama3_8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                             num_layers=32, num_heads=32, num_kv_heads=8,
-                             rope_theta=500000.0, max_seq_len=8192),
+    "llama_1b": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        max_seq_len=2048,
+    ),
+    "llama2_7b": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        max_seq_len=4096,
+    ),
+    "llama3_8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
 }
 
 
@@ -108,7 +148,9 @@ def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
         try:
             cfg = CONFIGS[name]
         except KeyError:
-            raise ValueError(f"Unknown model config {name!r}; choose one of {sorted(CONFIGS)}.") from None
+            raise ValueError(
+                f"Unknown model config {name!r}; choose one of {sorted(CONFIGS)}."
+            ) from None
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
@@ -147,8 +189,9 @@ def num_params(config: LlamaConfig) -> int:
 
 def abstract_params(config: LlamaConfig, dtype=jnp.float32) -> Params:
     """``jax.ShapeDtypeStruct`` leaves: measure or plan a model without allocating it."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                        is_leaf=_is_shape)
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=_is_shape
+    )
 
 
 def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
@@ -159,8 +202,10 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     """
     shapes = param_shapes(config)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)[0]]
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)[0]
+    ]
     keys = jax.random.split(key, len(leaves))
     out = []
     for k, shape, path in zip(keys, leaves, paths):
@@ -219,8 +264,9 @@ def attention(q, k, v):
     return out.reshape(b, s, nh, d)
 
 
-def decoder_layer(x: jax.Array, layer: Params, config: LlamaConfig, cos, sin,
-                  fp8: Params | None = None) -> jax.Array:
+def decoder_layer(
+    x: jax.Array, layer: Params, config: LlamaConfig, cos, sin, fp8: Params | None = None
+) -> jax.Array:
     """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
     ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
     c = config
@@ -233,16 +279,28 @@ def decoder_layer(x: jax.Array, layer: Params, config: LlamaConfig, cos, sin,
     k = apply_rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), cos, sin)
     v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
     ctx = checkpoint_name(attention(q, k, v).reshape(b, s, -1), "attn_context")
-    x = x + checkpoint_name(_dense(ctx, layer["o_proj"]["kernel"], _meta(fp8, "o_proj")), "attn_out")
+    x = x + checkpoint_name(
+        _dense(ctx, layer["o_proj"]["kernel"], _meta(fp8, "o_proj")), "attn_out"
+    )
     h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
-    gate = checkpoint_name(_dense(h, layer["gate_proj"]["kernel"], _meta(fp8, "gate_proj")), "mlp_gate")
+    gate = checkpoint_name(
+        _dense(h, layer["gate_proj"]["kernel"], _meta(fp8, "gate_proj")), "mlp_gate"
+    )
     up = checkpoint_name(_dense(h, layer["up_proj"]["kernel"], _meta(fp8, "up_proj")), "mlp_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-    return x + checkpoint_name(_dense(hidden, layer["down_proj"]["kernel"], _meta(fp8, "down_proj")), "mlp_down")
+    return x + checkpoint_name(
+        _dense(hidden, layer["down_proj"]["kernel"], _meta(fp8, "down_proj")), "mlp_down"
+    )
 
 
-def forward(params: Params, tokens: jax.Array, config: LlamaConfig, *,
-            layer_transform: Callable | None = None, fp8: Params | None = None) -> jax.Array:
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    config: LlamaConfig,
+    *,
+    layer_transform: Callable | None = None,
+    fp8: Params | None = None,
+) -> jax.Array:
     """Logits of a causal LM.
 
     Args:
@@ -266,16 +324,24 @@ def forward(params: Params, tokens: jax.Array, config: LlamaConfig, *,
         outside ``"layers"`` (they would go unused and be reset).
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}.")
+        raise ValueError(
+            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
+        )
     c = config
     embedding = params["embed"]["embedding"]
     x = jnp.take(embedding, tokens, axis=0)
     cos, sin = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
 
-    if fp8 is not None and any(fp8_lib.is_meta(m) for k, v in fp8.items() if k != "layers"
-                               for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)):
-        raise ValueError("fp8 metas are only used for the projections under 'layers'; "
-                         "build them with fp8.init_metas(params, LINEAR_NAMES).")
+    if fp8 is not None and any(
+        fp8_lib.is_meta(m)
+        for k, v in fp8.items()
+        if k != "layers"
+        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
+    ):
+        raise ValueError(
+            "fp8 metas are only used for the projections under 'layers'; "
+            "build them with fp8.init_metas(params, LINEAR_NAMES)."
+        )
 
     def body(x, layer):
         layer, layer_fp8 = layer if fp8 is not None else (layer, None)
@@ -287,11 +353,12 @@ def forward(params: Params, tokens: jax.Array, config: LlamaConfig, *,
     x, _ = jax.lax.scan(body, x, xs)
     x = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
     head = embedding.T if c.tie_embeddings else params["lm_head"]["kernel"]
-    return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
     """Mean token cross-entropy (nats). logits ``[B,S,V]`` float, targets int ``[B,S]``."""
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
@@ -303,7 +370,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def loss_fn(params: Params, batch: dict[str, jax.Array], config: LlamaConfig, **kwargs) -> jax.Array:
+def loss_fn(
+    params: Params, batch: dict[str, jax.Array], config: LlamaConfig, **kwargs
+) -> jax.Array:
     """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``
     (optional ``"mask"`` ``[B,S]``). Extra keyword arguments go to ``forward``."""
     logits = forward(params, batch["inputs"], config, **kwargs)

@@ -62,6 +62,7 @@ matrix axes and its stacked axes (if any) are batch dimensions; other layouts ra
 materialize when allowed). Cost: tracing happens once per trace of the caller (under
 ``jax.jit``: once); no Python loop over layers ever runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,9 +71,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
 from jmem._src import fp8 as _fp8
 from jmem._src import nf4 as _nf4
@@ -145,8 +144,12 @@ class Weight:
         """The merged, dequantized weight in its view (allocates the full matrix)."""
         w = self.dense_base()
         if self.a is not None:
-            delta = jnp.einsum("...ir,...ro->...io", self.a.astype(jnp.float32),
-                               self.b.astype(jnp.float32)) * self.scale
+            delta = (
+                jnp.einsum(
+                    "...ir,...ro->...io", self.a.astype(jnp.float32), self.b.astype(jnp.float32)
+                )
+                * self.scale
+            )
             w = (w.astype(jnp.float32) + delta).astype(self.dtype)
         return jnp.transpose(w, self.perm)
 
@@ -154,28 +157,42 @@ class Weight:
         """Applies ``f`` (acting on the leading stacked axes) to every field and factor."""
         base = jax.tree.map(f, self.base)
         if _is_nf4(base):
-            base = dataclasses.replace(base, shape=tuple(new_lead) + self.base_shape[self.n_lead:],
-                                       batch_ndim=len(new_lead) if len(new_lead) else 0)
+            base = dataclasses.replace(
+                base,
+                shape=tuple(new_lead) + self.base_shape[self.n_lead :],
+                batch_ndim=len(new_lead) if len(new_lead) else 0,
+            )
         a = None if self.a is None else f(self.a)
         b = None if self.b is None else f(self.b)
         nl_new = len(new_lead)
-        perm = tuple(range(nl_new)) + tuple(p - self.n_lead + nl_new for p in self.perm[self.n_lead:])
-        return self.replace(base=base, a=a, b=b, perm=perm,
-                            base_shape=tuple(new_lead) + self.base_shape[self.n_lead:])
+        perm = tuple(range(nl_new)) + tuple(
+            p - self.n_lead + nl_new for p in self.perm[self.n_lead :]
+        )
+        return self.replace(
+            base=base,
+            a=a,
+            b=b,
+            perm=perm,
+            base_shape=tuple(new_lead) + self.base_shape[self.n_lead :],
+        )
 
     def scan_carrier(self) -> "Weight":
         """A pytree whose leaves keep the stacked axis 0 and whose metadata describe one
         slice: ``lax.scan`` slices the leaves and rebuilds a consistent per-layer Weight."""
         base = self.base
         if _is_nf4(base):
-            base = dataclasses.replace(base, shape=base.shape[1:], batch_ndim=max(base.batch_ndim - 1, 0))
+            base = dataclasses.replace(
+                base, shape=base.shape[1:], batch_ndim=max(base.batch_ndim - 1, 0)
+            )
         perm = tuple(p - 1 for p in self.perm[1:])
         return self.replace(base=base, perm=perm, base_shape=self.base_shape[1:])
 
 
 jax.tree_util.register_dataclass(
-    Weight, data_fields=["base", "a", "b"],
-    meta_fields=["scale", "name", "dtype", "perm", "base_shape", "via"])
+    Weight,
+    data_fields=["base", "a", "b"],
+    meta_fields=["scale", "name", "dtype", "perm", "base_shape", "via"],
+)
 
 
 def _is_weight(x) -> bool:
@@ -188,7 +205,8 @@ def _err(w: Weight, prim: str, why: str = "") -> ImplicitWeightError:
         f"{prim!r}, which jmem cannot apply to an NF4/LoRA weight without materializing it"
         f"{': ' + why if why else ''}. Use the weight only through matmuls (dot_general/einsum/@), "
         f"optionally after astype/transpose/slicing its stacked axis, or pass "
-        f"allow_materialize=True to dequantize/merge it for this operation.")
+        f"allow_materialize=True to dequantize/merge it for this operation."
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -206,8 +224,9 @@ def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
     else:
         wc, wb = rc, rb
         dn = ((tuple(lc), tuple(perm[d] for d in rc)), (tuple(lb), tuple(perm[d] for d in rb)))
-    y = lax.dot_general_p.bind(*((wdense, x) if wi == 0 else (x, wdense)),
-                               **{**params, "dimension_numbers": dn})
+    y = lax.dot_general_p.bind(
+        *((wdense, x) if wi == 0 else (x, wdense)), **{**params, "dimension_numbers": dn}
+    )
     free_view = [d for d in range(len(perm)) if d not in wc and d not in wb]
     orig_free = [perm[d] for d in free_view]
     order = [sorted(orig_free).index(o) for o in orig_free]
@@ -215,7 +234,7 @@ def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
         nb = len(wb)
         start = nb if wi == 0 else y.ndim - len(free_view)
         full = list(range(y.ndim))
-        full[start:start + len(order)] = [start + i for i in order]
+        full[start : start + len(order)] = [start + i for i in order]
         y = jnp.transpose(y, full)
     return y
 
@@ -225,7 +244,9 @@ def _frozen_nf4_dot(x, q, *, wi: int, w: Weight, params: dict):
     meta = w.replace(base=None, a=None, b=None)  # static view only; no tracers captured
 
     def prim(x, q):
-        return _weight_dot(x, meta.replace(base=q).dense_base(), wi=wi, perm=meta.perm, params=params)
+        return _weight_dot(
+            x, meta.replace(base=q).dense_base(), wi=wi, perm=meta.perm, params=params
+        )
 
     @jax.custom_vjp
     def f(x, q):
@@ -256,8 +277,12 @@ def _dot_general(interp, eqn, invals):
     wc, wb = (lc, lb) if wi == 0 else (rc, rb)
     if w.a is not None and not _lowrank_ok(w, wc, wb):
         if not interp.allow_materialize:
-            raise _err(w, "dot_general", "the LoRA path needs the weight to contract exactly one "
-                       "matrix axis with its stacked axes as batch dimensions")
+            raise _err(
+                w,
+                "dot_general",
+                "the LoRA path needs the weight to contract exactly one "
+                "matrix axis with its stacked axes as batch dimensions",
+            )
         wm = w.materialize()
         return lax.dot_general_p.bind(*((wm, x) if wi == 0 else (x, wm)), **params)
 
@@ -267,9 +292,14 @@ def _dot_general(interp, eqn, invals):
         y = _weight_dot(x, w.dense_base(), wi=wi, perm=w.perm, params=params)
     if w.a is None:
         return y
-    u = _lora_term(x, w, wi=wi, dimension_numbers=params["dimension_numbers"],
-                   precision=params.get("precision"),
-                   preferred_element_type=params.get("preferred_element_type"))
+    u = _lora_term(
+        x,
+        w,
+        wi=wi,
+        dimension_numbers=params["dimension_numbers"],
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+    )
     return y + u.astype(y.dtype)
 
 
@@ -281,8 +311,9 @@ def _lowrank_ok(w: Weight, wc, wb) -> bool:
     return len(orig_c) == 1 and orig_c[0] >= nl and sorted(orig_b) == list(range(nl))
 
 
-def _lora_term(x, w: Weight, *, wi: int, dimension_numbers, precision=None,
-               preferred_element_type=None):
+def _lora_term(
+    x, w: Weight, *, wi: int, dimension_numbers, precision=None, preferred_element_type=None
+):
     """``s·(x·a)·b`` laid out as ``dot_general(x, W)`` (``wi=1``) or ``(W, x)`` (``wi=0``)
     would lay it out, computed in the weight's view dtype (the compute dtype). The caller
     checked ``_lowrank_ok``."""
@@ -294,18 +325,28 @@ def _lora_term(x, w: Weight, *, wi: int, dimension_numbers, precision=None,
     nl = w.n_lead
     pet = preferred_element_type
     a, b = w.a.astype(w.dtype), w.b.astype(w.dtype)
-    if orig_c[0] == nl:   # x contracts W's input axis:  (x·a)·b
+    if orig_c[0] == nl:  # x contracts W's input axis:  (x·a)·b
         first, first_c, second, second_c = a, nl, b, nl
-    else:                 # x contracts W's output axis: (x·bᵀ)·aᵀ
+    else:  # x contracts W's output axis: (x·bᵀ)·aᵀ
         first, first_c, second, second_c = b, nl + 1, a, nl + 1
     if x.dtype != first.dtype:
         x = x.astype(first.dtype)
-    t = lax.dot_general(x, first, ((tuple(xc), (first_c,)), (tuple(xb), tuple(orig_b))),
-                        precision=precision, preferred_element_type=pet)
+    t = lax.dot_general(
+        x,
+        first,
+        ((tuple(xc), (first_c,)), (tuple(xb), tuple(orig_b))),
+        precision=precision,
+        preferred_element_type=pet,
+    )
     nb = len(xb)
     t = t.astype(second.dtype)
-    u = lax.dot_general(t, second, (((t.ndim - 1,), (second_c,)), (tuple(range(nb)), tuple(orig_b))),
-                        precision=precision, preferred_element_type=pet)
+    u = lax.dot_general(
+        t,
+        second,
+        (((t.ndim - 1,), (second_c,)), (tuple(range(nb)), tuple(orig_b))),
+        precision=precision,
+        preferred_element_type=pet,
+    )
     if wi == 0:  # dot_general(W, x) puts W's free axis before x's free axes.
         u = jnp.moveaxis(u, -1, nb)
     return u * jnp.asarray(w.scale, u.dtype)
@@ -416,7 +457,7 @@ def _identity(interp, eqn, invals):
 
 
 def _lead_view_ok(w: Weight) -> bool:
-    return tuple(w.perm[:w.n_lead]) == tuple(range(w.n_lead))
+    return tuple(w.perm[: w.n_lead]) == tuple(range(w.n_lead))
 
 
 def _slice(interp, eqn, invals):
@@ -425,14 +466,21 @@ def _slice(interp, eqn, invals):
     nl = w.n_lead
     start, limit = tuple(p["start_indices"]), tuple(p["limit_indices"])
     strides = tuple(p["strides"] or (1,) * len(start))
-    full = all(start[d] == 0 and limit[d] == w.shape[d] and strides[d] == 1 for d in range(nl, len(start)))
+    full = all(
+        start[d] == 0 and limit[d] == w.shape[d] and strides[d] == 1 for d in range(nl, len(start))
+    )
     if not (_lead_view_ok(w) and full):
         return interp.fallback(eqn, invals, w, "it slices the matrix axes")
     new_lead = tuple(len(range(start[d], limit[d], strides[d])) for d in range(nl))
 
     def f(arr):
-        return lax.slice(arr, start[:nl] + (0,) * (arr.ndim - nl),
-                         limit[:nl] + arr.shape[nl:], strides[:nl] + (1,) * (arr.ndim - nl))
+        return lax.slice(
+            arr,
+            start[:nl] + (0,) * (arr.ndim - nl),
+            limit[:nl] + arr.shape[nl:],
+            strides[:nl] + (1,) * (arr.ndim - nl),
+        )
+
     return w.map_lead(f, new_lead)
 
 
@@ -451,6 +499,7 @@ def _dynamic_slice(interp, eqn, invals):
         starts = list(idx[:nl]) + [jnp.zeros((), jnp.int32)] * (arr.ndim - nl)
         starts = [jnp.asarray(s).astype(jnp.int32) for s in starts]
         return lax.dynamic_slice(arr, starts, sizes[:nl] + arr.shape[nl:])
+
     return w.map_lead(f, sizes[:nl])
 
 
@@ -475,9 +524,13 @@ def _reshape(interp, eqn, invals):
         return w
     nl = w.n_lead
     # Supported: dropping size-1 stacked axes (``w[i:i+1]`` then reshape to ``[in, out]``).
-    if (_lead_view_ok(w) and eqn.params.get("dimensions") is None and len(new) >= 2
-            and new[-2:] == w.shape[nl:]
-            and new[:-2] == tuple(s for s in w.shape[:nl] if s != 1)):
+    if (
+        _lead_view_ok(w)
+        and eqn.params.get("dimensions") is None
+        and len(new) >= 2
+        and new[-2:] == w.shape[nl:]
+        and new[:-2] == tuple(s for s in w.shape[:nl] if s != 1)
+    ):
         return _drop_lead(w, tuple(d for d in range(nl) if w.shape[d] == 1))
     return interp.fallback(eqn, invals, w, "it reshapes the weight's matrix axes")
 
@@ -492,6 +545,7 @@ def _inline_closed(key):
         if hasattr(sub, "jaxpr"):
             return interp.eval(sub.jaxpr, sub.consts, invals)
         return interp.eval(sub, (), invals)
+
     return rule
 
 
@@ -521,15 +575,16 @@ def _checkpoint(interp, eqn, invals):
             return interp.eval(inner.jaxpr, inner.consts, vals)
         return interp.eval(inner, (), vals)
 
-    return jax.checkpoint(f, prevent_cse=eqn.params.get("prevent_cse", True),
-                          policy=eqn.params.get("policy"))(*invals)
+    return jax.checkpoint(
+        f, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )(*invals)
 
 
 def _scan(interp, eqn, invals):
     p = eqn.params
     body = p["jaxpr"]
     nc, ncarry = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     for v in init:
         if _is_weight(v):
             raise _err(v, "scan", "a targeted weight in the scan carry")
@@ -551,8 +606,9 @@ def _scan(interp, eqn, invals):
     kw = {}
     if "_split_transpose" in p:
         kw["_split_transpose"] = p["_split_transpose"]
-    carry, ys = lax.scan(step, list(init), xs_in, length=p["length"], reverse=p["reverse"],
-                         unroll=p["unroll"], **kw)
+    carry, ys = lax.scan(
+        step, list(init), xs_in, length=p["length"], reverse=p["reverse"], unroll=p["unroll"], **kw
+    )
     return [*carry, *ys]
 
 
@@ -574,7 +630,7 @@ def _cond(interp, eqn, invals):
 def _while(interp, eqn, invals):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
     for v in init:
         if _is_weight(v):
             raise _err(v, "while", "a targeted weight in the loop carry")
@@ -647,8 +703,7 @@ class _Interpreter:
 # Entry point.
 
 
-def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *,
-         allow_materialize: bool = False):
+def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *, allow_materialize: bool = False):
     """Evaluates ``fn(params, *args, **kwargs)`` with NF4 leaves and LoRA adapters implicit.
 
     Args:
@@ -672,28 +727,42 @@ def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *,
     names = [n for n, _ in flat]
     missing = sorted(set(lora) - set(names))
     if missing:
-        raise ValueError(f"LoRA adapters for {missing} have no matching leaf in params "
-                         f"(leaves: {names[:20]}{'...' if len(names) > 20 else ''}).")
+        raise ValueError(
+            f"LoRA adapters for {missing} have no matching leaf in params "
+            f"(leaves: {names[:20]}{'...' if len(names) > 20 else ''})."
+        )
     p_avals, p_vals = [], []
     for name, leaf in flat:
         if _is_nf4(leaf) or name in lora:
             shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
             if len(shape) < 2:
-                raise ValueError(f"Targeted weight {name!r} has shape {shape}; NF4/LoRA weights "
-                                 f"must be >= 2-D ([..., in, out]).")
+                raise ValueError(
+                    f"Targeted weight {name!r} has shape {shape}; NF4/LoRA weights "
+                    f"must be >= 2-D ([..., in, out])."
+                )
             ad = lora.get(name)
             if ad is not None:
                 exp_a = shape[:-1] + (ad.a.shape[-1],)
                 exp_b = shape[:-2] + (ad.b.shape[-2], shape[-1])
                 if tuple(ad.a.shape) != exp_a or tuple(ad.b.shape) != exp_b:
-                    raise ValueError(f"LoRA factors for {name!r} have shapes a{tuple(ad.a.shape)}, "
-                                     f"b{tuple(ad.b.shape)}; expected a{exp_a}, b{exp_b} for a weight "
-                                     f"of shape {shape}.")
+                    raise ValueError(
+                        f"LoRA factors for {name!r} have shapes a{tuple(ad.a.shape)}, "
+                        f"b{tuple(ad.b.shape)}; expected a{exp_a}, b{exp_b} for a weight "
+                        f"of shape {shape}."
+                    )
             p_avals.append(jax.ShapeDtypeStruct(shape, dtype))
-            p_vals.append(Weight(base=leaf, a=None if ad is None else ad.a,
-                                 b=None if ad is None else ad.b,
-                                 scale=1.0 if ad is None else float(ad.scale), name=name,
-                                 dtype=dtype, perm=tuple(range(len(shape))), base_shape=shape))
+            p_vals.append(
+                Weight(
+                    base=leaf,
+                    a=None if ad is None else ad.a,
+                    b=None if ad is None else ad.b,
+                    scale=1.0 if ad is None else float(ad.scale),
+                    name=name,
+                    dtype=dtype,
+                    perm=tuple(range(len(shape))),
+                    base_shape=shape,
+                )
+            )
         else:
             p_avals.append(leaf)
             p_vals.append(leaf)

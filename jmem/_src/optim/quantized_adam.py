@@ -223,8 +223,12 @@ def scale_by_quantized_adam(
             width = bs // 2 if len(code) <= 16 else bs
             # Zero moments: codes of the value nearest to 0; absmax 0 makes them exact zeros.
             zero_code = int(np.argmin(np.abs(np.asarray(code))))
-            codes = jnp.full((nb, width), zero_code if width == bs else zero_code | (zero_code << 4), jnp.uint8)
-            return qz.QuantizedArray(codes, jnp.zeros((nb,), jnp.float32), tuple(p.shape), np.dtype(p.dtype), bs, code)
+            codes = jnp.full(
+                (nb, width), zero_code if width == bs else zero_code | (zero_code << 4), jnp.uint8
+            )
+            return qz.QuantizedArray(
+                codes, jnp.zeros((nb,), jnp.float32), tuple(p.shape), np.dtype(p.dtype), bs, code
+            )
 
         mu = jax.tree.map(lambda p: zeros_q(p, mu_code), params)
         nu = jax.tree.map(lambda p: zeros_q(p, nu_code), params)
@@ -283,10 +287,13 @@ def scale_by_quantized_adam(
                     f"jmem quantized Adam: a tensor of shape {tuple(g.shape)} ({nb} blocks) is "
                     f"updated whole, not in chunks of chunk_size={chunk} elements: no divisor of "
                     f"its block count gives chunks of about that size. Its float32 transients "
-                    f"are about {8 * nb * bs / 2**20:.0f} MiB.", stacklevel=2)
+                    f"are about {8 * nb * bs / 2**20:.0f} MiB.",
+                    stacklevel=2,
+                )
             if k == 1:
                 u, (mc, ma), (vc, va) = blocks_update(
-                    gb.astype(jnp.float32), mcodes, mq.absmax, vcodes, vq.absmax, mq, vq)
+                    gb.astype(jnp.float32), mcodes, mq.absmax, vcodes, vq.absmax, mq, vq
+                )
                 u = qz.from_blocks(u, g.shape, g.dtype)
             else:
                 # Chunk j holds blocks j, j + k, j + 2k, ...: a slice of an unsharded axis of
@@ -302,13 +309,25 @@ def scale_by_quantized_adam(
                 def body(j, carry):
                     ub, mcb, vcb, mab, vab = carry
                     u, (mc, ma), (vc, va) = blocks_update(
-                        take(ub, j).astype(jnp.float32), take(mcb, j), take(mab, j),
-                        take(vcb, j), take(vab, j), mq, vq)
-                    return (put(ub, u.astype(ub.dtype), j), put(mcb, mc, j), put(vcb, vc, j),
-                            put(mab, ma, j), put(vab, va, j))
+                        take(ub, j).astype(jnp.float32),
+                        take(mcb, j),
+                        take(mab, j),
+                        take(vcb, j),
+                        take(vab, j),
+                        mq,
+                        vq,
+                    )
+                    return (
+                        put(ub, u.astype(ub.dtype), j),
+                        put(mcb, mc, j),
+                        put(vcb, vc, j),
+                        put(mab, ma, j),
+                        put(vab, va, j),
+                    )
 
-                ub, mc, vc, ma, va = jax.lax.fori_loop(0, k, body, tuple(map(split, (
-                    gb, mcodes, vcodes, mq.absmax, vq.absmax))))
+                ub, mc, vc, ma, va = jax.lax.fori_loop(
+                    0, k, body, tuple(map(split, (gb, mcodes, vcodes, mq.absmax, vq.absmax)))
+                )
                 u = qz.from_blocks(ub.reshape(nb, bs), g.shape, g.dtype)
                 mc, vc = mc.reshape(nb, -1), vc.reshape(nb, -1)
                 ma, va = ma.reshape(nb), va.reshape(nb)
@@ -357,8 +376,14 @@ def _make(
 ) -> optax.GradientTransformation:
     parts = [
         scale_by_quantized_adam(
-            b1, b2, eps, mu_code=mu_code, nu_code=nu_code, block_size=block_size,
-            min_quantized_size=min_size, chunk_size=chunk_size,
+            b1,
+            b2,
+            eps,
+            mu_code=mu_code,
+            nu_code=nu_code,
+            block_size=block_size,
+            min_quantized_size=min_size,
+            chunk_size=chunk_size,
         )
     ]
     if weight_decay is not None:
@@ -401,9 +426,17 @@ def adam_8bit(
       ValueError / TypeError: bad ``block_size`` or ``min_8bit_size`` (at ``init``).
     """
     return _make(
-        learning_rate, b1, b2, eps, None, None,
-        mu_code=qz.dynamic_map(True, 8), nu_code=qz.dynamic_map(False, 8),
-        block_size=block_size, min_size=min_8bit_size, chunk_size=chunk_size,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        None,
+        None,
+        mu_code=qz.dynamic_map(True, 8),
+        nu_code=qz.dynamic_map(False, 8),
+        block_size=block_size,
+        min_size=min_8bit_size,
+        chunk_size=chunk_size,
     )
 
 
@@ -444,9 +477,17 @@ def adamw_8bit(
       ValueError / TypeError: bad ``block_size`` or ``min_8bit_size`` (at ``init``).
     """
     return _make(
-        learning_rate, b1, b2, eps, weight_decay, mask,
-        mu_code=qz.dynamic_map(True, 8), nu_code=qz.dynamic_map(False, 8),
-        block_size=block_size, min_size=min_8bit_size, chunk_size=chunk_size,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        mask,
+        mu_code=qz.dynamic_map(True, 8),
+        nu_code=qz.dynamic_map(False, 8),
+        block_size=block_size,
+        min_size=min_8bit_size,
+        chunk_size=chunk_size,
     )
 
 
@@ -473,9 +514,17 @@ def adam_4bit(
 ) -> optax.GradientTransformation:
     """Adam with 4-bit block-wise quantized moments (Li et al. 2023); see :func:`adamw_4bit`."""
     return _make(
-        learning_rate, b1, b2, eps, None, None,
-        mu_code=qz.dynamic_map(True, 4), nu_code=_nu_map_4bit(nu_map),
-        block_size=block_size, min_size=min_4bit_size, chunk_size=chunk_size,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        None,
+        None,
+        mu_code=qz.dynamic_map(True, 4),
+        nu_code=_nu_map_4bit(nu_map),
+        block_size=block_size,
+        min_size=min_4bit_size,
+        chunk_size=chunk_size,
     )
 
 
@@ -519,7 +568,15 @@ def adamw_4bit(
       ValueError: unknown ``nu_map``; odd ``block_size`` (at ``init``).
     """
     return _make(
-        learning_rate, b1, b2, eps, weight_decay, mask,
-        mu_code=qz.dynamic_map(True, 4), nu_code=_nu_map_4bit(nu_map),
-        block_size=block_size, min_size=min_4bit_size, chunk_size=chunk_size,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        mask,
+        mu_code=qz.dynamic_map(True, 4),
+        nu_code=_nu_map_4bit(nu_map),
+        block_size=block_size,
+        min_size=min_4bit_size,
+        chunk_size=chunk_size,
     )

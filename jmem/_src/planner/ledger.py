@@ -40,9 +40,11 @@ and *all* parameters count as linear weights (quantized by NF4, as the textbook 
 
 All byte figures are ints; ``GB`` means 1e9 bytes and ``GiB`` 2**30 bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -50,9 +52,24 @@ from typing import Any, Mapping, Sequence
 from jmem._src import dtypes as _dtypes
 
 __all__ = [
-    "Ledger", "ModelShape", "Advice", "Lever", "MODEL_SHAPES", "OPTIMIZERS", "REMAT_MODES",
-    "estimate", "activation_bytes", "standard_shape", "resolve_shape", "parse_memory",
-    "largest_model", "largest_batch", "largest_seq_len", "advise", "GB", "GiB",
+    "Ledger",
+    "ModelShape",
+    "Advice",
+    "Lever",
+    "MODEL_SHAPES",
+    "OPTIMIZERS",
+    "REMAT_MODES",
+    "estimate",
+    "activation_bytes",
+    "standard_shape",
+    "resolve_shape",
+    "parse_memory",
+    "largest_model",
+    "largest_batch",
+    "largest_seq_len",
+    "advise",
+    "GB",
+    "GiB",
 ]
 
 GB = 10**9
@@ -86,8 +103,15 @@ class ModelShape:
         """``[in, out]`` of each linear weight of one layer."""
         h, f = self.hidden_size, self.intermediate_size
         qd, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {"q_proj": (h, qd), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (qd, h),
-                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        return {
+            "q_proj": (h, qd),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (qd, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
 
     @property
     def linear_params(self) -> int:
@@ -149,16 +173,26 @@ def standard_shape(n_params: float, *, vocab_size: int = 32000, **overrides) -> 
     """
     if not n_params > 0:
         raise ValueError(f"n_params must be positive; got {n_params!r}.")
-    known = {"hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
-             "head_dim", "tie_embeddings"}
+    known = {
+        "hidden_size",
+        "num_layers",
+        "intermediate_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_embeddings",
+    }
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int; got {vocab_size!r}.")
     bad = set(overrides) - known
     if bad:
         raise ValueError(f"Unknown shape keywords {sorted(bad)}; use {sorted(known)}.")
     for k, v in overrides.items():
-        if k != "tie_embeddings" and v is not None and (
-                isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        if (
+            k != "tie_embeddings"
+            and v is not None
+            and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+        ):
             raise ValueError(f"{k} must be a positive int; got {v!r}.")
     if overrides.get("hidden_size") and not overrides.get("num_layers"):
         # The layers that give about n_params at this width (not the default depth).
@@ -167,19 +201,30 @@ def standard_shape(n_params: float, *, vocab_size: int = 32000, **overrides) -> 
     else:
         L = overrides.get("num_layers") or max(1, round((n_params / (12 * 128**2)) ** (1 / 3)))
         h = overrides.get("hidden_size") or max(
-            128, 128 * round(math.sqrt(n_params / (12 * L)) / 128))
+            128, 128 * round(math.sqrt(n_params / (12 * L)) / 128)
+        )
     f = overrides.get("intermediate_size") or max(256, 256 * round(8 * h / 3 / 256))
     hd = overrides.get("head_dim") or min(128, h)
     nh = overrides.get("num_heads") or max(1, h // hd)
     nkv = overrides.get("num_kv_heads") or nh
-    shape = ModelShape(vocab_size, h, f, L, nh, nkv, hd,
-                       bool(overrides.get("tie_embeddings", False)), f"~{n_params / 1e9:.3g}B")
+    shape = ModelShape(
+        vocab_size,
+        h,
+        f,
+        L,
+        nh,
+        nkv,
+        hd,
+        bool(overrides.get("tie_embeddings", False)),
+        f"~{n_params / 1e9:.3g}B",
+    )
     if overrides and not 0.5 <= shape.n_params / n_params <= 2.0:
         raise ValueError(
             f"The shape h={h}, L={L}, F={f} has {shape.n_params / 1e9:.3g}B parameters, not "
             f"about {n_params / 1e9:.3g}B: the shape keywords {sorted(overrides)} do not fit "
             f"the parameter count. Give one of hidden_size/num_layers and let the other be "
-            f"derived, or pass a config.")
+            f"derived, or pass a config."
+        )
     return shape
 
 
@@ -209,7 +254,8 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
         except ValueError:
             raise ValueError(
                 f"Unknown model {model!r}: pass a config object, a name from "
-                f"{sorted(MODEL_SHAPES)}, or a parameter count such as 7e9 or '7B'.") from None
+                f"{sorted(MODEL_SHAPES)}, or a parameter count such as 7e9 or '7B'."
+            ) from None
         return standard_shape(n, **shape_kwargs), n
     if isinstance(model, bool):
         raise TypeError("model must be a config, a name or a parameter count, not a bool.")
@@ -217,19 +263,34 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
         if not model > 0:
             raise ValueError(f"Parameter count must be positive; got {model!r}.")
         return standard_shape(model, **shape_kwargs), float(model)
-    attrs = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-             "num_kv_heads")
+    attrs = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+    )
     missing = [a for a in attrs if not hasattr(model, a)]
     if missing:
         raise TypeError(
             f"model {type(model).__name__} lacks {missing}; pass a LlamaConfig-like object, a "
-            f"name from {sorted(MODEL_SHAPES)}, or a parameter count.")
+            f"name from {sorted(MODEL_SHAPES)}, or a parameter count."
+        )
     hd = getattr(model, "head_dim", None) or model.hidden_size // model.num_heads
-    s = ModelShape(int(model.vocab_size), int(model.hidden_size), int(model.intermediate_size),
-                   int(model.num_layers), int(model.num_heads), int(model.num_kv_heads), int(hd),
-                   bool(getattr(model, "tie_embeddings", False)), getattr(model, "name", None))
+    s = ModelShape(
+        int(model.vocab_size),
+        int(model.hidden_size),
+        int(model.intermediate_size),
+        int(model.num_layers),
+        int(model.num_heads),
+        int(model.num_kv_heads),
+        int(hd),
+        bool(getattr(model, "tie_embeddings", False)),
+        getattr(model, "name", None),
+    )
     if s.name is None:  # name a config that matches a known shape
-        for name, known in MODEL_SHAPES.items():
+        for known in MODEL_SHAPES.values():
             if dataclasses.replace(known, name=None) == s:
                 s = known
                 break
@@ -241,9 +302,9 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
 
 @dataclasses.dataclass(frozen=True)
 class _Opt:
-    states: int          # per-parameter state tensors (Adam: m and v)
-    bits: float          # bits per state element
-    block: int | None    # quantization block (one fp32 absmax per block) or None
+    states: int  # per-parameter state tensors (Adam: m and v)
+    bits: float  # bits per state element
+    block: int | None  # quantization block (one fp32 absmax per block) or None
     about: str
 
 
@@ -262,9 +323,14 @@ OPTIMIZERS: dict[str, _Opt] = {
 
 _MIN_QUANTIZED_SIZE = 4096  # jmem.optimizers min_8bit_size / min_4bit_size
 
-_OFFLOAD = {False: (), None: (), "none": (), "optimizer": ("optimizer_state",),
-            "optimizer+masters": ("optimizer_state", "master_weights"),
-            True: ("optimizer_state",)}
+_OFFLOAD = {
+    False: (),
+    None: (),
+    "none": (),
+    "optimizer": ("optimizer_state",),
+    "optimizer+masters": ("optimizer_state", "master_weights"),
+    True: ("optimizer_state",),
+}
 
 
 def _state_bytes_per_param(opt: _Opt, accounting: str, block: int | None) -> float:
@@ -282,9 +348,14 @@ def _dtype_bytes(name: Any, what: str) -> int:
 # ---------------------------------------------------------------------- activations
 
 
-def activation_bytes(shape: ModelShape, *, batch_size: int = 1, seq_len: int = 2048,
-                     activation_dtype: Any = "bf16", remat: str | None = None,
-                     ) -> dict[str, int]:
+def activation_bytes(
+    shape: ModelShape,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    activation_dtype: Any = "bf16",
+    remat: str | None = None,
+) -> dict[str, int]:
     """Bytes of activations kept for the backward pass of one micro-batch, by part.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -346,8 +417,13 @@ def activation_bytes(shape: ModelShape, *, batch_size: int = 1, seq_len: int = 2
         raise ValueError(f"batch_size and seq_len must be >= 1; got {batch_size}, {seq_len}.")
     A = _dtype_bytes(activation_dtype, "activation_dtype")
     h, F, a, L = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_layers
-    qd, kv, s, t = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, seq_len, batch_size * seq_len
-    none = (2 * (8 + A) * h + A * (2 * qd + 2 * kv) + (4 + A) * a * s + 6 * A * F)
+    qd, kv, s, t = (
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        seq_len,
+        batch_size * seq_len,
+    )
+    none = 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + (4 + A) * a * s + 6 * A * F
     per_token = {
         "none": none,
         "dots": A * (2 * h + 2 * qd + 2 * kv + 2 * F + a * s),
@@ -416,15 +492,20 @@ class Ledger:
 
     def __str__(self) -> str:
         cfg = ", ".join(f"{k}={v}" for k, v in self.config.items() if v not in (None, False))
-        head = (f"{self.n_params / 1e9:.3g}B params ({self.trainable_params / 1e6:.4g}M trainable)"
-                + (f"; {cfg}" if cfg else ""))
+        head = (
+            f"{self.n_params / 1e9:.3g}B params ({self.trainable_params / 1e6:.4g}M trainable)"
+            + (f"; {cfg}" if cfg else "")
+        )
         rows = [(k.replace("_", " "), getattr(self, k)) for k in self.LEDGERS]
         rows.append(("total (device)", self.total))
         for k, v in self.host.items():
             rows.append((f"host: {k.replace('_', ' ')}", v))
         w = max(len(r[0]) for r in rows)
-        lines = [head, f"{'ledger':<{w}}  {'GB':>10}  {'GiB':>10}",
-                 f"{'-' * w}  {'-' * 10}  {'-' * 10}"]
+        lines = [
+            head,
+            f"{'ledger':<{w}}  {'GB':>10}  {'GiB':>10}",
+            f"{'-' * w}  {'-' * 10}  {'-' * 10}",
+        ]
         for name, v in rows:
             if name == "total (device)":
                 lines.append(f"{'-' * w}  {'-' * 10}  {'-' * 10}")
@@ -445,27 +526,46 @@ def _lora_spec(lora: Any) -> tuple[int, tuple[str, ...]] | None:
     elif isinstance(lora, Sequence) and len(lora) == 2:
         rank, targets = lora
     else:
-        raise TypeError(f"lora must be a rank, (rank, targets) or {{'rank', 'targets'}}; got {lora!r}.")
+        raise TypeError(
+            f"lora must be a rank, (rank, targets) or {{'rank', 'targets'}}; got {lora!r}."
+        )
     if isinstance(targets, str):
         targets = LINEAR_NAMES if targets == "all" else (targets,)
     targets = tuple(targets)
     bad = [t for t in targets if t not in LINEAR_NAMES]
     if bad or not targets:
-        raise ValueError(f"LoRA targets {bad or targets} unknown; choose from {LINEAR_NAMES} or 'all'.")
+        raise ValueError(
+            f"LoRA targets {bad or targets} unknown; choose from {LINEAR_NAMES} or 'all'."
+        )
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive int; got {rank!r}.")
     return rank, targets
 
 
-def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
-             master_weights: bool | None = None, grad_dtype: Any = None,
-             activation_dtype: Any = None, offload: bool | str = False,
-             lora: Any = None, adapter_dtype: Any = "fp32", quantization: str | None = None,
-             quantize_embeddings: bool = False, double_quant: bool = True,
-             remat: str | None = None, batch_size: int = 1, seq_len: int = 2048,
-             num_shards: int = 1, zero_stage: int | None = None,
-             accounting: str = "stored", state_block_size: int | None = None,
-             activations: int | None = None, **shape_kwargs) -> Ledger:
+def estimate(
+    model: Any,
+    *,
+    param_dtype: Any = "bf16",
+    optimizer: str = "adamw",
+    master_weights: bool | None = None,
+    grad_dtype: Any = None,
+    activation_dtype: Any = None,
+    offload: bool | str = False,
+    lora: Any = None,
+    adapter_dtype: Any = "fp32",
+    quantization: str | None = None,
+    quantize_embeddings: bool = False,
+    double_quant: bool = True,
+    remat: str | None = None,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    num_shards: int = 1,
+    zero_stage: int | None = None,
+    accounting: str = "stored",
+    state_block_size: int | None = None,
+    activations: int | None = None,
+    **shape_kwargs,
+) -> Ledger:
     """Estimates the device memory of one training step, ledger by ledger.
 
     Args:
@@ -522,7 +622,9 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}.")
     if offload not in _OFFLOAD:
-        raise ValueError(f"offload must be False, 'optimizer' or 'optimizer+masters'; got {offload!r}.")
+        raise ValueError(
+            f"offload must be False, 'optimizer' or 'optimizer+masters'; got {offload!r}."
+        )
     if quantization not in (None, "none", "nf4"):
         raise ValueError(f"quantization must be None or 'nf4'; got {quantization!r}.")
     quantization = None if quantization == "none" else quantization
@@ -535,13 +637,18 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3; got {zero_stage!r}.")
     spec = _lora_spec(lora)
     if quantization and spec is None:
-        raise ValueError("quantization='nf4' freezes the base weights; pass lora=(rank, targets) "
-                         "for the trainable adapters (QLoRA).")
+        raise ValueError(
+            "quantization='nf4' freezes the base weights; pass lora=(rank, targets) "
+            "for the trainable adapters (QLoRA)."
+        )
     count_given = (isinstance(model, (int, float)) and not isinstance(model, bool)) or (
-        isinstance(model, str) and model not in MODEL_SHAPES)
+        isinstance(model, str) and model not in MODEL_SHAPES
+    )
     if shape_kwargs and not count_given:
-        raise ValueError(f"Shape keywords {sorted(shape_kwargs)} apply only to a model given as "
-                         "a parameter count; for a config, change the config instead.")
+        raise ValueError(
+            f"Shape keywords {sorted(shape_kwargs)} apply only to a model given as "
+            "a parameter count; for a config, change the config instead."
+        )
     shape, n = resolve_shape(model, **shape_kwargs)
 
     P = _dtype_bytes(param_dtype, "param_dtype")
@@ -549,7 +656,8 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
         raise ValueError(
             f"param_dtype={param_dtype!r}: trained weights must be fp32, bf16 or fp16. For "
             f"frozen 4-bit base weights use quantization='nf4' with lora=(rank, targets) "
-            f"(QLoRA); FP8 matmuls (jmem.fp8) keep the weights in bf16/fp32.")
+            f"(QLoRA); FP8 matmuls (jmem.fp8) keep the weights in bf16/fp32."
+        )
     G = _dtype_bytes(grad_dtype, "grad_dtype") if grad_dtype is not None else P
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
     if master_weights is None:
@@ -559,9 +667,11 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
     notes: list[str] = []
     detail: dict[str, int] = {}
     if opt.bits < 32:
-        notes.append("not counted: float32 transients of the quantized update, one group of "
-                     "tensors or one chunk at a time (jmem.optimizers: about 8 bytes x "
-                     "chunk_size=2**24 elements, ~128 MiB)")
+        notes.append(
+            "not counted: float32 transients of the quantized update, one group of "
+            "tensors or one chunk at a time (jmem.optimizers: about 8 bytes x "
+            "chunk_size=2**24 elements, ~128 MiB)"
+        )
 
     if spec is None:
         trainable = n
@@ -587,23 +697,38 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
             if quantize_embeddings and not count_given:
                 q_n = shape.linear_params + shape.embedding_params
             base = q_n * nf4 + (n - q_n) * P
-            notes.append(f"NF4 base at {nf4:.4g} B/weight over {q_n / 1e9:.3g}B weights"
-                         + ("" if q_n == n else f"; {(n - q_n) / 1e6:.4g}M embedding/norm "
-                            f"weights stay {param_dtype}"))
-            notes.append("a layer's weights are dequantized to the compute dtype during its "
-                         "matmuls (transient, not counted)")
+            notes.append(
+                f"NF4 base at {nf4:.4g} B/weight over {q_n / 1e9:.3g}B weights"
+                + (
+                    ""
+                    if q_n == n
+                    else f"; {(n - q_n) / 1e6:.4g}M embedding/norm weights stay {param_dtype}"
+                )
+            )
+            notes.append(
+                "a layer's weights are dequantized to the compute dtype during its "
+                "matmuls (transient, not counted)"
+            )
         else:
             base = n * P
         adapter_master = 4 if (accounting == "nominal" or (master_weights and AD < 4)) else 0
-        detail.update({"base:params": int(base), "lora:params": trainable * AD,
-                       "lora:grads": trainable * AD, "lora:optimizer_state": int(trainable * S),
-                       "lora:master_weights": trainable * adapter_master})
+        detail.update(
+            {
+                "base:params": int(base),
+                "lora:params": trainable * AD,
+                "lora:grads": trainable * AD,
+                "lora:optimizer_state": int(trainable * S),
+                "lora:master_weights": trainable * adapter_master,
+            }
+        )
         params = base + trainable * AD
         grads = trainable * AD
         state = trainable * S
         masters = trainable * adapter_master
-        notes.append(f"LoRA r={rank} on {', '.join(targets)}: {trainable / 1e6:.4g}M adapter "
-                     "params; activations counted as for full fine-tuning (an upper bound)")
+        notes.append(
+            f"LoRA r={rank} on {', '.join(targets)}: {trainable / 1e6:.4g}M adapter "
+            "params; activations counted as for full fine-tuning (an upper bound)"
+        )
 
     # ZeRO sharding of the state ledgers.
     k = num_shards
@@ -615,13 +740,17 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
             grads = div(grads)
         if zero_stage >= 3:
             params = div(params)
-            layer = (sum(i * o for i, o in shape.linear_shapes().values()) * P)
-            notes.append(f"ZeRO-3 gathers one layer's weights at a time (~{layer / GB:.3g} GB, "
-                         "twice with prefetch; not counted)")
+            layer = sum(i * o for i, o in shape.linear_shapes().values()) * P
+            notes.append(
+                f"ZeRO-3 gathers one layer's weights at a time (~{layer / GB:.3g} GB, "
+                "twice with prefetch; not counted)"
+            )
         notes.append(f"ZeRO-{zero_stage} over {k} shards")
     elif zero_without_shards:
-        notes.append(f"ZeRO-{zero_stage} over 1 shard divides nothing; pass num_shards "
-                     "(CLI: --shards) for the number of devices")
+        notes.append(
+            f"ZeRO-{zero_stage} over 1 shard divides nothing; pass num_shards "
+            "(CLI: --shards) for the number of devices"
+        )
 
     host: dict[str, int] = {}
     moved = _OFFLOAD[offload]
@@ -634,34 +763,67 @@ def estimate(model: Any, *, param_dtype: Any = "bf16", optimizer: str = "adamw",
         act = int(activations)
         detail["activation:budget"] = act
     else:
-        parts = activation_bytes(shape, batch_size=batch_size, seq_len=seq_len,
-                                 activation_dtype=act_dtype, remat=remat)
+        parts = activation_bytes(
+            shape, batch_size=batch_size, seq_len=seq_len, activation_dtype=act_dtype, remat=remat
+        )
         act = parts["layers"] + parts["recompute"] + parts["logits"] + parts["other"]
         detail.update({f"activation:{k_}": v for k_, v in parts.items() if v})
         if parts["host_activations"]:
             host["activations"] = parts["host_activations"]
         if count_given:
-            notes.append(f"activations from the shape h={shape.hidden_size}, "
-                         f"L={shape.num_layers}, F={shape.intermediate_size}, "
-                         f"V={shape.vocab_size}")
+            notes.append(
+                f"activations from the shape h={shape.hidden_size}, "
+                f"L={shape.num_layers}, F={shape.intermediate_size}, "
+                f"V={shape.vocab_size}"
+            )
 
-    config = {"model": shape.name or (f"{n / 1e9:.3g}B" if count_given else "config"),
-              "param_dtype": param_dtype, "optimizer": optimizer, "remat": remat,
-              "batch_size": batch_size, "seq_len": seq_len, "offload": offload,
-              "lora": spec, "quantization": quantization, "num_shards": k if k > 1 else None,
-              "accounting": accounting if accounting != "stored" else None}
-    return Ledger(params=int(round(params)), grads=int(round(grads)),
-                  optimizer_state=int(round(state)), master_weights=int(round(masters)),
-                  activations=int(act), host=host, n_params=int(n),
-                  trainable_params=int(trainable), detail=detail, notes=tuple(notes),
-                  config=config)
+    config = {
+        "model": shape.name or (f"{n / 1e9:.3g}B" if count_given else "config"),
+        "param_dtype": param_dtype,
+        "optimizer": optimizer,
+        "remat": remat,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "offload": offload,
+        "lora": spec,
+        "quantization": quantization,
+        "num_shards": k if k > 1 else None,
+        "accounting": accounting if accounting != "stored" else None,
+    }
+    return Ledger(
+        params=int(round(params)),
+        grads=int(round(grads)),
+        optimizer_state=int(round(state)),
+        master_weights=int(round(masters)),
+        activations=int(act),
+        host=host,
+        n_params=int(n),
+        trainable_params=int(trainable),
+        detail=detail,
+        notes=tuple(notes),
+        config=config,
+    )
 
 
 # -------------------------------------------------------------------------- answers
 
 
-_MEM_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-              "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEM_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory(memory: Any) -> int:
@@ -677,16 +839,22 @@ def parse_memory(memory: Any) -> int:
     elif isinstance(memory, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", memory)
         if not m or m.group(2).lower() not in _MEM_UNITS:
-            raise ValueError(f"Cannot read memory {memory!r}; write e.g. '24GB', '24GiB', "
-                             "'80G' or a number of bytes.")
+            raise ValueError(
+                f"Cannot read memory {memory!r}; write e.g. '24GB', '24GiB', "
+                "'80G' or a number of bytes."
+            )
         value = float(m.group(1)) * _MEM_UNITS[m.group(2).lower()]
     else:
-        raise TypeError(f"memory must be bytes or a string like '24GB'; got {type(memory).__name__}.")
+        raise TypeError(
+            f"memory must be bytes or a string like '24GB'; got {type(memory).__name__}."
+        )
     if value <= 0:
         raise ValueError(f"memory must be positive; got {memory!r}.")
     if isinstance(memory, str) and not re.search(r"[A-Za-z]", memory) and value < 2**20:
-        raise ValueError(f"memory {memory!r} has no unit and is under 1 MiB; write e.g. "
-                         f"'{memory}GB' or '{memory}GiB' (a bare number means bytes).")
+        raise ValueError(
+            f"memory {memory!r} has no unit and is under 1 MiB; write e.g. "
+            f"'{memory}GB' or '{memory}GiB' (a bare number means bytes)."
+        )
     return int(value)
 
 
@@ -703,8 +871,9 @@ def _bisect(fits, lo: int, hi: int) -> int:
     return lo
 
 
-def largest_model(memory: Any, *, activation_budget: float | None = 6e9,
-                  reserve: float = 2e9, **config) -> int:
+def largest_model(
+    memory: Any, *, activation_budget: float | None = 6e9, reserve: float = 2e9, **config
+) -> int:
     """Largest parameter count whose training step fits in ``memory``.
 
     Constraint: ``static(N) + activations + reserve <= memory``, with activations either
@@ -742,8 +911,9 @@ def largest_model(memory: Any, *, activation_budget: float | None = 6e9,
     return max(0, _bisect(fits, 1, int(mem)))
 
 
-def largest_batch(memory: Any, model: Any, *, reserve: float = 2e9, max_batch: int = 1 << 20,
-                  **config) -> int:
+def largest_batch(
+    memory: Any, model: Any, *, reserve: float = 2e9, max_batch: int = 1 << 20, **config
+) -> int:
     """Largest per-device ``batch_size`` (sequences) whose step fits in ``memory - reserve``.
 
     Returns 0 when even one sequence does not fit. ``config``: keywords of :func:`estimate`.
@@ -753,12 +923,23 @@ def largest_batch(memory: Any, model: Any, *, reserve: float = 2e9, max_batch: i
     """
     mem = parse_memory(memory)
     config.pop("batch_size", None)
-    return max(0, _bisect(lambda b: estimate(model, batch_size=b, **config).total + reserve <= mem,
-                          1, max_batch))
+    return max(
+        0,
+        _bisect(
+            lambda b: estimate(model, batch_size=b, **config).total + reserve <= mem, 1, max_batch
+        ),
+    )
 
 
-def largest_seq_len(memory: Any, model: Any, *, reserve: float = 2e9, multiple_of: int = 1,
-                    max_seq_len: int = 1 << 22, **config) -> int:
+def largest_seq_len(
+    memory: Any,
+    model: Any,
+    *,
+    reserve: float = 2e9,
+    multiple_of: int = 1,
+    max_seq_len: int = 1 << 22,
+    **config,
+) -> int:
     """Largest ``seq_len`` (a multiple of ``multiple_of``) whose step fits; 0 if none.
 
     Raises:
@@ -769,8 +950,11 @@ def largest_seq_len(memory: Any, model: Any, *, reserve: float = 2e9, multiple_o
     m = int(multiple_of)
     if m < 1:
         raise ValueError(f"multiple_of must be >= 1; got {multiple_of!r}.")
-    k = _bisect(lambda j: estimate(model, seq_len=j * m, **config).total + reserve <= mem,
-                1, max(1, max_seq_len // m))
+    k = _bisect(
+        lambda j: estimate(model, seq_len=j * m, **config).total + reserve <= mem,
+        1,
+        max(1, max_seq_len // m),
+    )
     return max(0, k) * m
 
 
@@ -814,11 +998,15 @@ class Advice:
         avail = self.memory - self.reserve
         lines = [str(self.ledger), ""]
         if self.fits:
-            lines.append(f"verdict: FITS: {self.ledger.total / GB:.2f} GB of {avail / GB:.2f} GB "
-                         f"usable ({self.memory / GB:.3g} GB - {self.reserve / GB:.3g} GB reserve)")
+            lines.append(
+                f"verdict: FITS: {self.ledger.total / GB:.2f} GB of {avail / GB:.2f} GB "
+                f"usable ({self.memory / GB:.3g} GB - {self.reserve / GB:.3g} GB reserve)"
+            )
         else:
-            lines.append(f"verdict: DOES NOT FIT: {self.ledger.total / GB:.2f} GB > {avail / GB:.2f} GB "
-                         f"usable; short by {self.short_by / GB:.2f} GB in the {self.short} ledger(s)")
+            lines.append(
+                f"verdict: DOES NOT FIT: {self.ledger.total / GB:.2f} GB > {avail / GB:.2f} GB "
+                f"usable; short by {self.short_by / GB:.2f} GB in the {self.short} ledger(s)"
+            )
         if self.levers:
             lines.append("levers, cheapest first:")
             for i, lv in enumerate(self.levers, 1):
@@ -857,8 +1045,10 @@ def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice
     mem = parse_memory(memory)
     reserve = int(reserve)
     if reserve < 0 or reserve >= mem:
-        raise ValueError(f"reserve ({reserve} bytes) must be >= 0 and below the memory ({mem} "
-                         "bytes); did you forget a unit, e.g. '24GB'?")
+        raise ValueError(
+            f"reserve ({reserve} bytes) must be >= 0 and below the memory ({mem} "
+            "bytes); did you forget a unit, e.g. '24GB'?"
+        )
     led = estimate(model, **config)
     avail = mem - reserve
     fits = led.total <= avail
@@ -870,46 +1060,91 @@ def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice
     trainable_full = config.get("lora") is None
     if short == "states":
         if opt in ("adamw", "adam"):
-            cands.append(("8-bit optimizer states", "a few quantize/dequantize kernels per step",
-                          {"optimizer": opt + "_8bit"}))
-            cands.append(("4-bit optimizer states", "more quantization error than 8-bit",
-                          {"optimizer": opt + "_4bit"}))
+            cands.append(
+                (
+                    "8-bit optimizer states",
+                    "a few quantize/dequantize kernels per step",
+                    {"optimizer": opt + "_8bit"},
+                )
+            )
+            cands.append(
+                (
+                    "4-bit optimizer states",
+                    "more quantization error than 8-bit",
+                    {"optimizer": opt + "_4bit"},
+                )
+            )
         if config.get("offload") in (None, False):
-            cands.append(("offload optimizer state to host",
-                          "host<->device copies of the moments every step (PCIe-bound)",
-                          {"offload": "optimizer"}))
+            cands.append(
+                (
+                    "offload optimizer state to host",
+                    "host<->device copies of the moments every step (PCIe-bound)",
+                    {"offload": "optimizer"},
+                )
+            )
         if config.get("offload") != "optimizer+masters":
-            cands.append(("offload optimizer state and masters to host",
-                          "more PCIe traffic: moments and fp32 masters every step",
-                          {"offload": "optimizer+masters"}))
+            cands.append(
+                (
+                    "offload optimizer state and masters to host",
+                    "more PCIe traffic: moments and fp32 masters every step",
+                    {"offload": "optimizer+masters"},
+                )
+            )
         base_k = config.get("num_shards", 1)
         for k in (2, 4, 8, 16, 32, 64):
             if k > base_k and estimate(model, **{**config, "num_shards": k}).total <= avail:
-                cands.append((f"ZeRO-3 sharding over {k} devices",
-                              f"{k} devices; ~1.5x the all-reduce traffic", {"num_shards": k}))
+                cands.append(
+                    (
+                        f"ZeRO-3 sharding over {k} devices",
+                        f"{k} devices; ~1.5x the all-reduce traffic",
+                        {"num_shards": k},
+                    )
+                )
                 break
         if trainable_full:
-            cands.append(("LoRA r=8 on q/v (frozen base)", "trains adapters only, not the full model",
-                          {"lora": (8, ("q_proj", "v_proj"))}))
-            cands.append(("QLoRA: NF4 base + LoRA r=8", "adapters only; 4-bit base dequantized per matmul",
-                          {"lora": (8, ("q_proj", "v_proj")), "quantization": "nf4"}))
+            cands.append(
+                (
+                    "LoRA r=8 on q/v (frozen base)",
+                    "trains adapters only, not the full model",
+                    {"lora": (8, ("q_proj", "v_proj"))},
+                )
+            )
+            cands.append(
+                (
+                    "QLoRA: NF4 base + LoRA r=8",
+                    "adapters only; 4-bit base dequantized per matmul",
+                    {"lora": (8, ("q_proj", "v_proj")), "quantization": "nf4"},
+                )
+            )
     else:
         b = config.get("batch_size", 1)
         if b > 1:
-            cands.append((f"gradient accumulation ({b} micro-batches of 1)",
-                          "same math, more sequential steps", {"batch_size": 1}))
+            cands.append(
+                (
+                    f"gradient accumulation ({b} micro-batches of 1)",
+                    "same math, more sequential steps",
+                    {"batch_size": 1},
+                )
+            )
         order = ["selective", "full", "offload"]
         cur = config.get("remat") or "none"
-        costs = {"selective": "a few % more FLOPs (recompute attention and element-wise ops)",
-                 "full": "~33% more FLOPs (recompute each layer's forward)",
-                 "offload": "host<->device copies of the saved residuals"}
+        costs = {
+            "selective": "a few % more FLOPs (recompute attention and element-wise ops)",
+            "full": "~33% more FLOPs (recompute each layer's forward)",
+            "offload": "host<->device copies of the saved residuals",
+        }
         for r in order:
             if REMAT_MODES.index(r) > REMAT_MODES.index(cur):
                 cands.append((f"remat '{r}'", costs[r], {"remat": r}))
         s = config.get("seq_len", 2048)
         if s > 256:
-            cands.append((f"shorter sequences ({s // 2})", "changes the training data layout",
-                          {"seq_len": s // 2}))
+            cands.append(
+                (
+                    f"shorter sequences ({s // 2})",
+                    "changes the training data layout",
+                    {"seq_len": s // 2},
+                )
+            )
     levers = []
     for name, cost, changes in cands:
         try:
@@ -919,29 +1154,74 @@ def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice
         if t >= led.total:  # a lever that saves nothing here is no advice
             continue
         levers.append(Lever(name, cost, changes, t, t <= avail))
-    return Advice(False, short, led.total - avail, mem, reserve, led, tuple(levers),
-                  _plan(model, config, avail))
+    return Advice(
+        False,
+        short,
+        led.total - avail,
+        mem,
+        reserve,
+        led,
+        tuple(levers),
+        _plan(model, config, avail),
+    )
+
+
+def _more_shards(k: int, config: dict) -> dict | None:
+    """The lever "ZeRO-3 over k devices": None when the config already has as many."""
+    return {"num_shards": k} if config.get("num_shards", 1) < k else None
 
 
 def _plan(model: Any, config: dict, avail: int) -> tuple[Lever, ...]:
     """Greedy cumulative plan: cheapest lever that lowers the total, until it fits."""
     steps = [
-        ("8-bit optimizer states", "quantize/dequantize kernels",
-         lambda c: {"optimizer": c.get("optimizer", "adamw") + "_8bit"}
-         if c.get("optimizer", "adamw") in ("adamw", "adam") else None),
-        ("gradient accumulation (micro-batch 1)", "more sequential steps",
-         lambda c: {"batch_size": 1} if c.get("batch_size", 1) > 1 else None),
-        ("remat 'selective'", "a few % FLOPs",
-         lambda c: {"remat": "selective"} if (c.get("remat") or "none") in ("none", "dots") else None),
-        ("offload optimizer state", "PCIe copies of the moments",
-         lambda c: {"offload": "optimizer"} if c.get("offload") in (None, False) else None),
-        ("remat 'full'", "~33% FLOPs",
-         lambda c: {"remat": "full"} if (c.get("remat") or "none") in ("none", "dots", "selective") else None),
-        ("offload masters too", "PCIe copies of the masters",
-         lambda c: {"offload": "optimizer+masters"} if c.get("offload") == "optimizer" else None),
-    ] + [(f"ZeRO-3 over {k} devices", f"{k} devices",
-          (lambda k: lambda c: {"num_shards": k} if c.get("num_shards", 1) < k else None)(k))
-         for k in (2, 4, 8, 16, 32, 64)]
+        (
+            "8-bit optimizer states",
+            "quantize/dequantize kernels",
+            lambda c: (
+                {"optimizer": c.get("optimizer", "adamw") + "_8bit"}
+                if c.get("optimizer", "adamw") in ("adamw", "adam")
+                else None
+            ),
+        ),
+        (
+            "gradient accumulation (micro-batch 1)",
+            "more sequential steps",
+            lambda c: {"batch_size": 1} if c.get("batch_size", 1) > 1 else None,
+        ),
+        (
+            "remat 'selective'",
+            "a few % FLOPs",
+            lambda c: (
+                {"remat": "selective"} if (c.get("remat") or "none") in ("none", "dots") else None
+            ),
+        ),
+        (
+            "offload optimizer state",
+            "PCIe copies of the moments",
+            lambda c: {"offload": "optimizer"} if c.get("offload") in (None, False) else None,
+        ),
+        (
+            "remat 'full'",
+            "~33% FLOPs",
+            lambda c: (
+                {"remat": "full"}
+                if (c.get("remat") or "none") in ("none", "dots", "selective")
+                else None
+            ),
+        ),
+        (
+            "offload masters too",
+            "PCIe copies of the masters",
+            lambda c: {"offload": "optimizer+masters"} if c.get("offload") == "optimizer" else None,
+        ),
+    ] + [
+        (
+            f"ZeRO-3 over {k} devices",
+            f"{k} devices",
+            functools.partial(_more_shards, k),
+        )
+        for k in (2, 4, 8, 16, 32, 64)
+    ]
     cfg, plan = dict(config), []
     total = estimate(model, **cfg).total
     for name, cost, change in steps:

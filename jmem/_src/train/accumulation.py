@@ -13,6 +13,7 @@ between steps. Here the whole accumulation happens in one jitted step, the accum
 is a temporary of that step, loss scaling is unscaled and checked once after
 accumulation, and the optimizer, schedule and step count see one step per batch.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -35,14 +36,22 @@ def split_microbatches(batch: Any, microbatches: int) -> Any:
         if x.ndim == 0 or x.shape[0] % microbatches:
             raise ValueError(
                 f"Batch leaf of shape {x.shape} cannot be split into {microbatches} microbatches: "
-                "its leading (batch) size must be divisible by `microbatches`.")
+                "its leading (batch) size must be divisible by `microbatches`."
+            )
         return x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
 
     return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatches: int,
-                         *, accum_dtype=jnp.float32, maximum: Any = None):
+def accumulate_gradients(
+    grad_fn: Callable,
+    params: Any,
+    batch: Any,
+    microbatches: int,
+    *,
+    accum_dtype=jnp.float32,
+    maximum: Any = None,
+):
     """Mean gradient over ``microbatches`` slices of ``batch``.
 
     Args:
@@ -72,8 +81,12 @@ def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatche
     g_shape, aux_shape = jax.eval_shape(grad_fn, params, first)
     if maximum is None:
         maximum = False
-    is_max = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), maximum, g_shape,
-                          is_leaf=lambda x: isinstance(x, bool))
+    is_max = jax.tree.map(
+        lambda m, sub: jax.tree.map(lambda _: bool(m), sub),
+        maximum,
+        g_shape,
+        is_leaf=lambda x: isinstance(x, bool),
+    )
 
     def zeros(s):
         dt = accum_dtype if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype
@@ -81,8 +94,11 @@ def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatche
 
     def init_leaf(s, m):
         if m:
-            return jnp.full(s.shape, -jnp.inf if jnp.issubdtype(s.dtype, jnp.floating)
-                            else jnp.iinfo(s.dtype).min, s.dtype)
+            return jnp.full(
+                s.shape,
+                -jnp.inf if jnp.issubdtype(s.dtype, jnp.floating) else jnp.iinfo(s.dtype).min,
+                s.dtype,
+            )
         return zeros(s)
 
     def combine(a, x, m):
@@ -94,7 +110,9 @@ def accumulate_gradients(grad_fn: Callable, params: Any, batch: Any, microbatche
         g_acc = jax.tree.map(combine, g_acc, g, is_max)
         aux_acc = jax.tree.map(
             lambda a, x: a + x.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else x,
-            aux_acc, aux)
+            aux_acc,
+            aux,
+        )
         return (g_acc, aux_acc), None
 
     init = (jax.tree.map(init_leaf, g_shape, is_max), jax.tree.map(zeros, aux_shape))

@@ -20,6 +20,7 @@ carries FP8 scaling metadata (differentiated with the "overwrite with gradient" 
 the new metadata comes out as its gradient). It returns a scalar loss, or
 ``(loss, aux)`` with ``has_aux=True``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,20 +31,25 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jmem._src.train import accumulation
 from jmem._src.loss_scale import NoOpLossScale, all_finite, select_tree
 from jmem._src.master_weights import mixed_precision, params_from_masters
 from jmem._src.measure import MemoryReport, measure
 from jmem._src.precision import Policy, get_policy
 from jmem._src.remat import remat as _remat
 from jmem._src.remat import resolve_policy
+from jmem._src.train import accumulation
 
 
 def _fresh(tree, ids):
     """Copies the leaves of ``tree`` that are the caller's own arrays (``id`` in ``ids``)."""
-    return jax.tree.map(lambda x: jnp.array(x, copy=True)
-                        if id(x) in ids and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-                        else x, tree)
+    return jax.tree.map(
+        lambda x: (
+            jnp.array(x, copy=True)
+            if id(x) in ids and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            else x
+        ),
+        tree,
+    )
 
 
 def _opt_state_to_host(state):
@@ -54,6 +60,7 @@ def _opt_state_to_host(state):
     if all(getattr(x.sharding, "memory_kind", None) == "pinned_host" for x in leaves):
         return state
     from jmem._src.offload.transform import to_host  # noqa: PLC0415
+
     return state.replace(opt_state=to_host(state.opt_state))
 
 
@@ -99,8 +106,9 @@ class TrainStep:
             state = _opt_state_to_host(state)
         return self.jitted(state, batch)
 
-    def init(self, params: Any, *, frozen: Any = None, fp8: Any = None,
-             loss_scale: Any = None) -> TrainState:
+    def init(
+        self, params: Any, *, frozen: Any = None, fp8: Any = None, loss_scale: Any = None
+    ) -> TrainState:
         """Builds the initial ``TrainState``.
 
         Args:
@@ -120,8 +128,11 @@ class TrainStep:
     def abstract_state(self, params: Any, **kwargs) -> TrainState:
         """``jax.ShapeDtypeStruct`` of the state ``init`` would build from ``params``
         (which may themselves be ShapeDtypeStructs): plan a 7B step without allocating it."""
-        return jax.eval_shape(lambda p, kw: self._init(p, kw.get("frozen"), kw.get("fp8"),
-                                                       kw.get("loss_scale")), params, kwargs)
+        return jax.eval_shape(
+            lambda p, kw: self._init(p, kw.get("frozen"), kw.get("fp8"), kw.get("loss_scale")),
+            params,
+            kwargs,
+        )
 
 
 def _new_params_from_masters(mp: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -136,19 +147,23 @@ def _new_params_from_masters(mp: optax.GradientTransformation) -> optax.Gradient
     return optax.GradientTransformationExtraArgs(mp.init, update)
 
 
-def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-               precision: Policy | str | None = None,
-               master_weights: bool = False,
-               loss_scale: Any = None,
-               remat: str | Callable | None = None,
-               microbatches: int = 1,
-               offload_optimizer: bool | str = False,
-               has_aux: bool = False,
-               skip_nonfinite: bool = True,
-               donate: bool = True,
-               jit_kwargs: dict | None = None,
-               mesh: Any = None,
-               strategy: str = "zero3") -> TrainStep:
+def train_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    precision: Policy | str | None = None,
+    master_weights: bool = False,
+    loss_scale: Any = None,
+    remat: str | Callable | None = None,
+    microbatches: int = 1,
+    offload_optimizer: bool | str = False,
+    has_aux: bool = False,
+    skip_nonfinite: bool = True,
+    donate: bool = True,
+    jit_kwargs: dict | None = None,
+    mesh: Any = None,
+    strategy: str = "zero3",
+) -> TrainStep:
     """Builds a jitted, donating ``step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -202,15 +217,15 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     resolve_policy(remat)  # validate early
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}.")
-    if isinstance(offload_optimizer, str) and offload_optimizer in ("whole_tree",
-                                                                   "leaf_by_leaf"):
+    if isinstance(offload_optimizer, str) and offload_optimizer in ("whole_tree", "leaf_by_leaf"):
         leaf_by_leaf, offload_optimizer = offload_optimizer == "leaf_by_leaf", True
     elif isinstance(offload_optimizer, bool):
         leaf_by_leaf, offload_optimizer = False, bool(offload_optimizer)
     else:
         raise ValueError(
             f"offload_optimizer must be False, True (= 'whole_tree') or 'leaf_by_leaf', got "
-            f"{offload_optimizer!r}.")
+            f"{offload_optimizer!r}."
+        )
     base = mixed_precision(optimizer) if master_weights else optimizer
     # Offloaded masters are in host memory after the update, so the new params cannot be
     # cast from them there: the step's optimizer returns the new params (the masters cast
@@ -220,6 +235,7 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
     def wrap(o):
         if offload_optimizer:
             from jmem._src.offload.transform import offload  # noqa: PLC0415
+
             o = offload(o, leaf_by_leaf=leaf_by_leaf)
         if mesh is not None:  # jmem.sharding (issue 8): gradients placed per strategy
             o = _sharding.constrain_gradients(o, mesh, strategy)
@@ -238,9 +254,14 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
             params = policy.cast_to_param(params)
         # The step donates the state: own fresh buffers, so the caller's arrays survive.
         params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                          loss_scale=scale if scale is not None else default_scale,
-                          frozen=frozen, fp8=fp8)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            loss_scale=scale if scale is not None else default_scale,
+            frozen=frozen,
+            fp8=fp8,
+        )
 
     def scaled_loss(diff, batch, frozen, scale):
         params, fp8 = diff
@@ -265,12 +286,14 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
             return jax.grad(loss_for_grad, has_aux=True)(diff, mb, state.frozen, scale)
 
         (grads, fp8_new), (loss, aux) = accumulation.accumulate_gradients(
-            grad_fn, (state.params, state.fp8), batch, microbatches, maximum=(False, True))
+            grad_fn, (state.params, state.fp8), batch, microbatches, maximum=(False, True)
+        )
         if master_weights and not isinstance(scale, NoOpLossScale):
             # unscale in float32: fp16 would flush tiny gradients again
             grads = jax.tree.map(
                 lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g,
-                grads)
+                grads,
+            )
         grads = scale.unscale(grads)
         finite = all_finite(grads)
         new_scale = scale.adjust(finite)
@@ -299,8 +322,9 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
 
         if skip_nonfinite and offload_optimizer:
             # The host-resident state is selected inside the offload wrapper, on the device.
-            params, opt_state = apply(grads, state.opt_state, state.params,
-                                      skip=jnp.logical_not(finite))
+            params, opt_state = apply(
+                grads, state.opt_state, state.params, skip=jnp.logical_not(finite)
+            )
             params = select_tree(finite, params, state.params)
         elif skip_nonfinite:
             # A branch, not a select of old and new values: the update can then write the
@@ -308,7 +332,8 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
             # costs a copy of any state leaf updated through a loop, e.g. chunked 8-bit Adam).
             try:
                 params, opt_state = jax.lax.cond(
-                    finite, apply, lambda g, s, p: (p, s), grads, state.opt_state, state.params)
+                    finite, apply, lambda g, s, p: (p, s), grads, state.opt_state, state.params
+                )
             except TypeError as e:
                 if "branch" not in str(e):
                     raise
@@ -317,30 +342,55 @@ def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                     "state whose types differ from those it was given (a skipped step keeps the "
                     "old ones, so they must match; e.g. a state leaf whose dtype changes after "
                     f"the first step). Initialize the state in the dtypes the update returns, or "
-                    f"pass skip_nonfinite=False. JAX said: {e}") from e
+                    f"pass skip_nonfinite=False. JAX said: {e}"
+                ) from e
         else:
             params, opt_state = apply(grads, state.opt_state, state.params)
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                            fp8=fp8_new if state.fp8 is not None else None)
+        new = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            fp8=fp8_new if state.fp8 is not None else None,
+        )
         if skip_nonfinite:
             kept = select_tree(finite, (new.step, new.fp8), (state.step, state.fp8))
             new = new.replace(step=kept[0], fp8=kept[1])
         new = new.replace(loss_scale=new_scale)
-        metrics = {"loss": loss, "grad_norm": grad_norm,
-                   "loss_scale": jnp.asarray(getattr(new_scale, "loss_scale", 1.0), jnp.float32),
-                   "grads_finite": finite, "step": new.step}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "loss_scale": jnp.asarray(getattr(new_scale, "loss_scale", 1.0), jnp.float32),
+            "grads_finite": finite,
+            "step": new.step,
+        }
         if has_aux:
             metrics["aux"] = aux
         return new, metrics
 
     if mesh is not None:  # jmem.sharding (issue 8): sharded jit + sharded init
         mem_kind = "pinned_host" if offload_optimizer else None
-        jitted = _sharding.ShardedStep(step, mesh, strategy, donate=donate, jit_kwargs=jit_kwargs,
-                                       opt_state_memory_kind=mem_kind)
+        jitted = _sharding.ShardedStep(
+            step,
+            mesh,
+            strategy,
+            donate=donate,
+            jit_kwargs=jit_kwargs,
+            opt_state_memory_kind=mem_kind,
+        )
         init = _sharding.sharded_init(init, mesh, strategy, opt_state_memory_kind=mem_kind)
-        return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=init,
-                         offload_optimizer=offload_optimizer)
+        return TrainStep(
+            jitted=jitted,
+            optimizer=opt,
+            policy=policy,
+            _init=init,
+            offload_optimizer=offload_optimizer,
+        )
     jitted = jax.jit(step, donate_argnums=(0,) if donate else (), **(jit_kwargs or {}))
     # One compiled program builds the state (op-by-op quantization of 8-bit moments is slow).
-    return TrainStep(jitted=jitted, optimizer=opt, policy=policy, _init=jax.jit(init),
-                     offload_optimizer=offload_optimizer)
+    return TrainStep(
+        jitted=jitted,
+        optimizer=opt,
+        policy=policy,
+        _init=jax.jit(init),
+        offload_optimizer=offload_optimizer,
+    )
