@@ -451,7 +451,7 @@ def test_dot_config_marks_the_fp8_custom_vjp():
     jaxpr = jax.make_jaxpr(lambda x, w, m: fp8.fp8_dot(x.astype(BF16), w, m))(x, w, m).jaxpr
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name.startswith("custom_vjp_call")]
     cfg = fp8_src.dot_config_of(eqn.params)
-    assert cfg == fp8.Fp8DotConfig(
+    assert cfg == fp8_src.Fp8DotConfig(
         (((2,), (0,)), ((), ())), jnp.dtype(F32), jnp.dtype(BF16), jnp.dtype(F32), "most_recent", 1
     )
     leaves = [jnp.full_like(a, i) for i, a in enumerate(jax.tree.leaves(m))]

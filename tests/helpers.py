@@ -1,0 +1,34 @@
+"""Shared test helpers: small models, batches and tree checks used by several test files."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem.models import llama
+
+
+def tiny_config(**overrides) -> llama.LlamaConfig:
+    """The reference Llama at test size (the ``tiny`` config, float32)."""
+    return llama.get_config("tiny", **overrides)
+
+
+def token_batch(config, batch_size: int = 2, seq_len: int = 16, seed: int = 0) -> dict:
+    """``{"inputs", "targets"}`` int32 ``[B, S]`` random tokens for ``config``."""
+    tokens = jax.random.randint(
+        jax.random.key(seed), (batch_size, seq_len + 1), 0, config.vocab_size, jnp.int32
+    )
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def memory_kinds(tree) -> set:
+    """The set of ``sharding.memory_kind`` of a tree's array leaves."""
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
+
+
+def assert_bitwise_equal(a, b) -> None:
+    """Asserts two trees have equal structure and bitwise-equal leaves (NaNs included)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb, (ta, tb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
