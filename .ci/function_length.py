@@ -25,7 +25,9 @@ def main() -> int:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
                 if n > limit:
-                    too_long.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {n}")
+                    too_long.append(
+                        f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {n}"
+                    )
     for line in too_long:
         print(f"function longer than {limit} lines (docstring not counted): {line}")
     return 1 if too_long else 0

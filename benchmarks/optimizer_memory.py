@@ -80,7 +80,7 @@ def main():
         step = jmem.train_step(
             lambda p, b: llama.loss_fn(p, b, cfg),
             opt,
-            policy=f"p={short},c={short},o=f32",
+            precision=f"p={short},c={short},o=f32",
             remat="full",
             skip_nonfinite=not args.no_skip,
         )

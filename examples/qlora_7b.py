@@ -31,20 +31,20 @@ import numpy as np
 import optax
 
 import jmem
-from jmem import (
-    Checkpointer,
-    DynamicLossScale,
-    NoOpLossScale,
-    adamw_4bit,
-    adamw_8bit,
-    nf4,
-    planner,
-    qlora,
-)
+from jmem import Checkpointer
+from jmem import DynamicLossScale
+from jmem import NoOpLossScale
+from jmem import adamw_4bit
+from jmem import adamw_8bit
 from jmem import data as jdata
 from jmem import lora as jlora
-from jmem._src.measure import format_bytes, report_from_compiled
-from jmem.models import hf, llama
+from jmem import nf4
+from jmem import planner
+from jmem import qlora
+from jmem._src.measure import format_bytes
+from jmem._src.measure import report_from_compiled
+from jmem.models import hf
+from jmem.models import llama
 
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 

@@ -9,35 +9,38 @@ from jmem import qlora as qlora
 from jmem import sharding as sharding
 from jmem import tree as tree
 from jmem._src.checkpointing import Checkpointer
-from jmem._src.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-)
-from jmem._src.master_weights import MixedPrecisionState, mixed_precision, params_from_masters
-from jmem._src.measure import MemoryReport, measure
-from jmem._src.offload.transform import offload, to_device, to_host
-from jmem._src.optim.quantized_adam import (
-    ScaleByQuantizedAdamState,
-    adam_4bit,
-    adam_8bit,
-    adamw_4bit,
-    adamw_8bit,
-    scale_by_quantized_adam,
-)
-from jmem._src.precision import Policy, cast_floating, get_policy
-from jmem._src.quantization import (
-    QuantizedArray,
-    dequantize_blockwise,
-    dynamic_map,
-    linear_map,
-    quantize_blockwise,
-)
-from jmem._src.remat import REMAT_POLICIES, remat
+from jmem._src.loss_scale import DynamicLossScale
+from jmem._src.loss_scale import NoOpLossScale
+from jmem._src.loss_scale import StaticLossScale
+from jmem._src.loss_scale import all_finite
+from jmem._src.master_weights import MixedPrecisionState
+from jmem._src.master_weights import mixed_precision
+from jmem._src.master_weights import params_from_masters
+from jmem._src.measure import MemoryReport
+from jmem._src.measure import measure
+from jmem._src.offload.memory_kinds import to_device
+from jmem._src.offload.memory_kinds import to_host
+from jmem._src.offload.transform import offload
+from jmem._src.optim.quantized_adam import ScaleByQuantizedAdamState
+from jmem._src.optim.quantized_adam import adam_4bit
+from jmem._src.optim.quantized_adam import adam_8bit
+from jmem._src.optim.quantized_adam import adamw_4bit
+from jmem._src.optim.quantized_adam import adamw_8bit
+from jmem._src.optim.quantized_adam import scale_by_quantized_adam
+from jmem._src.precision import Policy
+from jmem._src.precision import cast_floating
+from jmem._src.precision import get_policy
+from jmem._src.quantization import QuantizedArray
+from jmem._src.quantization import dequantize_blockwise
+from jmem._src.quantization import dynamic_map
+from jmem._src.quantization import linear_map
+from jmem._src.quantization import quantize_blockwise
+from jmem._src.remat import REMAT_POLICIES
+from jmem._src.remat import remat
 from jmem._src.train.accumulation import accumulate_gradients
-from jmem._src.train.builder import TrainState, TrainStep, train_step
+from jmem._src.train.builder import TrainState
+from jmem._src.train.builder import TrainStep
+from jmem._src.train.builder import train_step
 
 __version__ = "0.1.0"
 
@@ -45,7 +48,6 @@ __all__ = (
     "REMAT_POLICIES",
     "Checkpointer",
     "DynamicLossScale",
-    "LossScale",
     "MemoryReport",
     "MixedPrecisionState",
     "NoOpLossScale",

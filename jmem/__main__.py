@@ -1,17 +1,7 @@
-"""Command line: ``python -m jmem <command> ...`` (``jmem`` when installed).
-
-Commands:
-  estimate   memory ledgers of a training configuration and, with ``--memory``, the
-             verdict and levers (``jmem.planner``).
-
-Example::
-
-  python -m jmem estimate --model llama2_7b --memory 24GB --optimizer adamw,adamw_8bit \\
-      --lora-rank 8 --quant nf4 --remat full --seq-len 2048 --batch-size 1
+"""Command line: ``python -m jmem estimate ...`` (``jmem`` when installed), the memory planner.
 
 ``--optimizer`` and ``--remat`` take comma-separated lists; one table is printed per
-combination. To add a command, write ``_add_<name>(subparsers)`` that registers its parser
-with ``set_defaults(func=...)`` and list it in ``_COMMANDS``.
+combination. See ``docs/planner.md`` for examples and for adding a command.
 """
 
 from __future__ import annotations
@@ -19,65 +9,65 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from typing import Any
 from typing import Sequence
 
+from jmem import planner
+from jmem.models import llama
 
-def _resolve_model(name: str):
-    """A config for ``name``: jmem.models.llama's configs first, then the planner's table,
-    then a parameter count (``7e9``, ``7B``)."""
-    try:
-        from jmem.models import llama  # noqa: PLC0415 (lazy: only for config names)
 
-        if name in llama.CONFIGS:
-            return llama.get_config(name)
-    except ImportError:
-        pass
-    return name  # the planner resolves table names and counts, and raises for the rest
+def _resolve_model(name: str) -> Any:
+    """A config for ``name`` from ``jmem.models.llama.CONFIGS``, else ``name`` itself: the
+    planner resolves its table's names and counts (``7e9``, ``7B``) and raises for the rest."""
+    return llama.get_config(name) if name in llama.CONFIGS else name
 
 
 def _bytes_or_zero(text: str) -> int:
-    from jmem import planner  # noqa: PLC0415
-
     return 0 if text.strip() in ("0", "0B", "0GB") else planner.parse_memory(text)
 
 
-def _estimate(args: argparse.Namespace) -> int:
-    from jmem import planner  # noqa: PLC0415
+def _lora(args: argparse.Namespace) -> tuple[int, Any] | None:
+    """``(rank, targets)`` from ``--lora-rank``/``--lora-targets``; None without a rank."""
+    if not args.lora_rank:
+        return None
+    targets = tuple(t for t in args.lora_targets.split(",") if t)
+    return args.lora_rank, targets if targets != ("all",) else "all"
 
+
+def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> dict[str, Any]:
+    """Keywords of ``planner.estimate`` for one optimizer/remat combination."""
+    kw = dict(
+        param_dtype=args.param_dtype,
+        optimizer=optimizer,
+        remat=remat,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        num_shards=args.shards,
+        zero_stage=args.zero_stage,
+        offload=args.offload or False,
+        lora=_lora(args),
+        quantization=args.quant,
+        accounting=args.accounting,
+        master_weights=args.master_weights,
+    )
+    for k in ("hidden_size", "num_layers"):
+        if getattr(args, k) is not None:
+            kw[k] = getattr(args, k)
+    if args.activation_budget is not None:
+        kw["activations"] = _bytes_or_zero(args.activation_budget)
+    return kw
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    """Prints one ledger (or, with ``--memory``, one verdict) per optimizer and remat mode."""
     model = _resolve_model(args.model)
-    lora = None
-    if args.lora_rank:
-        targets = tuple(t for t in args.lora_targets.split(",") if t)
-        lora = (args.lora_rank, targets if targets != ("all",) else "all")
-    shape_kw = {
-        k: v
-        for k, v in (("hidden_size", args.hidden_size), ("num_layers", args.num_layers))
-        if v is not None
-    }
     optimizers = [o for o in args.optimizer.split(",") if o]
     remats = [r for r in args.remat.split(",") if r]
     for opt, remat in itertools.product(optimizers, remats):
-        kw = dict(
-            param_dtype=args.param_dtype,
-            optimizer=opt,
-            remat=remat,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            num_shards=args.shards,
-            zero_stage=args.zero_stage,
-            offload=args.offload or False,
-            lora=lora,
-            quantization=args.quant,
-            accounting=args.accounting,
-            master_weights=args.master_weights,
-            **shape_kw,
-        )
-        if args.activation_budget is not None:
-            kw["activations"] = _bytes_or_zero(args.activation_budget)
+        kw = _estimate_kwargs(args, opt, remat)
         print(f"== optimizer={opt} remat={remat} ==")
         if args.memory:
-            advice = planner.advise(args.memory, model, reserve=_bytes_or_zero(args.reserve), **kw)
-            print(advice)
+            print(planner.advise(args.memory, model, reserve=_bytes_or_zero(args.reserve), **kw))
         else:
             print(planner.estimate(model, **kw))
         print()

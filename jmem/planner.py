@@ -1,24 +1,22 @@
 """Memory planner: ledgers of a training configuration, verdicts and levers."""
 
-from jmem._src.planner.ledger import (
-    GB,
-    MODEL_SHAPES,
-    OPTIMIZERS,
-    REMAT_MODES,
-    Advice,
-    Ledger,
-    Lever,
-    ModelShape,
-    activation_bytes,
-    advise,
-    estimate,
-    largest_batch,
-    largest_model,
-    largest_seq_len,
-    parse_memory,
-    resolve_shape,
-    standard_shape,
-)
+from jmem._src.planner.activations import REMAT_MODES
+from jmem._src.planner.activations import activation_bytes
+from jmem._src.planner.advice import Advice
+from jmem._src.planner.advice import Lever
+from jmem._src.planner.advice import advise
+from jmem._src.planner.ledger import GB
+from jmem._src.planner.ledger import OPTIMIZERS
+from jmem._src.planner.ledger import Ledger
+from jmem._src.planner.ledger import estimate
+from jmem._src.planner.ledger import largest_batch
+from jmem._src.planner.ledger import largest_model
+from jmem._src.planner.ledger import largest_seq_len
+from jmem._src.planner.ledger import parse_memory
+from jmem._src.planner.shapes import MODEL_SHAPES
+from jmem._src.planner.shapes import ModelShape
+from jmem._src.planner.shapes import resolve_shape
+from jmem._src.planner.shapes import standard_shape
 
 __all__ = (
     "GB",

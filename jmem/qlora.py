@@ -1,7 +1,11 @@
 """QLoRA: NF4 frozen base weights plus LoRA adapters (Dettmers et al. 2023, arXiv:2305.14314)."""
 
-from jmem._src.implicit.interpreter import ImplicitWeightError
-from jmem._src.qlora import EXCLUDE, apply, default_targets, dequantize_params, quantize_params
+from jmem._src.implicit.weight import ImplicitWeightError
+from jmem._src.qlora import EXCLUDE
+from jmem._src.qlora import apply
+from jmem._src.qlora import default_targets
+from jmem._src.qlora import dequantize_params
+from jmem._src.qlora import quantize_params
 
 __all__ = (
     "EXCLUDE",

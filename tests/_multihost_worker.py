@@ -30,10 +30,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from jmem import (
-    sharding,  # noqa: E402
-    train_step,  # noqa: E402
-)
+from jmem import sharding  # noqa: E402
+from jmem import train_step  # noqa: E402
 
 
 def mlp(p, b):

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jmem import Checkpointer, DynamicLossScale, TrainState
+from jmem import Checkpointer
+from jmem import DynamicLossScale
+from jmem import TrainState
 
 
 def _state(v):

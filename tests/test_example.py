@@ -8,6 +8,10 @@ import shutil
 import numpy as np
 import pytest
 
+from jmem import data
+
+pytestmark = pytest.mark.slow  # writes checkpoints and trains: seconds per test
+
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "qlora_7b.py")
 
 
@@ -77,8 +81,6 @@ def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_p
     """--checkpoint DIR: weights quantized to NF4 on load, the checkpoint's own tokenizer."""
     transformers = pytest.importorskip("transformers", reason="writes the tiny HF checkpoint")
     tokenizers = pytest.importorskip("tokenizers", reason="the checkpoint's tokenizer.json")
-    from jmem import data
-
     words = sorted(set(data.load_text()[:20000].split()))[:90]
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from absl.testing import parameterized
 from jax.ad_checkpoint import print_saved_residuals
 
 from jmem import fp8
@@ -47,93 +47,89 @@ def _sub_jaxprs(jaxpr):
 # ----------------------------------------------------------------------------- state
 
 
-class MetaTest(parameterized.TestCase):
-    def test_init_meta_shapes(self):
-        m = fp8.init_meta(16, amax_compute_algo="most_recent", margin=1)
-        self.assertEqual(m.batch_shape, ())
-        self.assertEqual(m.history_len, 16)
-        for t in (m.x, m.kernel, m.grad):
-            chex.assert_shape(t.scale_inv, ())
-            chex.assert_shape(t.amax_history, (16,))
-            chex.assert_trees_all_equal(t.scale_inv, jnp.ones((), F32))
-            chex.assert_trees_all_equal(t.amax_history, jnp.zeros((16,), F32))
-        self.assertEqual((m.amax_compute_algo, m.margin), ("most_recent", 1))
-        self.assertEqual(fp8.init_meta().history_len, 1024)
-        s = fp8.init_meta(4, batch_shape=(3,))
-        chex.assert_shape(s.grad.amax_history, (3, 4))
+def test_init_meta_shapes():
+    m = fp8.init_meta(16, amax_compute_algo="most_recent", margin=1)
+    assert m.batch_shape == ()
+    assert m.history_len == 16
+    for t in (m.x, m.kernel, m.grad):
+        chex.assert_shape(t.scale_inv, ())
+        chex.assert_shape(t.amax_history, (16,))
+        chex.assert_trees_all_equal(t.scale_inv, jnp.ones((), F32))
+        chex.assert_trees_all_equal(t.amax_history, jnp.zeros((16,), F32))
+    assert (m.amax_compute_algo, m.margin) == ("most_recent", 1)
+    assert fp8.init_meta().history_len == 1024
+    s = fp8.init_meta(4, batch_shape=(3,))
+    chex.assert_shape(s.grad.amax_history, (3, 4))
 
-    @parameterized.parameters(
-        dict(kw=dict(history_len=0)),
-        dict(kw=dict(amax_compute_algo="mean")),
-        dict(kw=dict(margin=float("nan"))),
-    )
-    def test_init_meta_rejects_bad_recipe(self, kw):
-        with self.assertRaises(ValueError):
-            fp8.init_meta(**kw)
 
-    def test_init_metas_stacks_per_layer_and_partition(self):
-        params = {
-            "embed": {"embedding": jnp.zeros((10, 8))},
-            "layers": {
-                "norm": {"scale": jnp.zeros((3, 8))},
-                "q_proj": {"kernel": jnp.zeros((3, 8, 12))},
-                "down_proj": {"kernel": jnp.zeros((3, 12, 8))},
-            },
-            "lm_head": {"kernel": jnp.zeros((8, 10))},
-        }
-        metas = fp8.init_metas(params, ("q_proj", "down_proj"), history_len=5)
-        self.assertIsNone(metas["embed"]["embedding"])
-        self.assertIsNone(metas["layers"]["norm"]["scale"])
-        self.assertIsNone(metas["lm_head"]["kernel"])
-        for name in ("q_proj", "down_proj"):
-            m = metas["layers"][name]["kernel"]
-            self.assertTrue(fp8.is_meta(m))
-            self.assertEqual(m.batch_shape, (3,))
-            chex.assert_shape(m.x.amax_history, (3, 5))
-        # A callable selects by path; an unstacked kernel gets an unstacked meta.
-        m2 = fp8.init_metas(params, lambda path, leaf: path == "lm_head/kernel")
-        self.assertEqual(m2["lm_head"]["kernel"].batch_shape, ())
-        with self.assertRaisesRegex(ValueError, "q_prj"):
-            fp8.init_metas(params, ("q_prj",))
-        with self.assertRaises(TypeError):
-            fp8.init_metas(params, "q_proj")
-        with self.assertRaisesRegex(ValueError, "kernels"):
-            fp8.init_metas({"b": jnp.zeros(3)}, lambda p, l: True)
-        # partition/combine round trip on a tree that mixes params and metas.
-        tree = {"params": params, "fp8": metas}
-        rest, only = fp8.partition(tree)
-        self.assertIsNone(rest["fp8"]["layers"]["q_proj"]["kernel"])
-        self.assertTrue(fp8.is_meta(only["fp8"]["layers"]["q_proj"]["kernel"]))
-        self.assertIsNone(only["params"]["lm_head"]["kernel"])
-        chex.assert_trees_all_equal(fp8.combine(rest, only), tree)
+@pytest.mark.parametrize(
+    "kw", [dict(history_len=0), dict(amax_compute_algo="mean"), dict(margin=float("nan"))]
+)
+def test_init_meta_rejects_bad_recipe(kw):
+    with pytest.raises(ValueError):
+        fp8.init_meta(**kw)
 
-    def test_stacked_meta_rejected_by_fp8_dot(self):
-        x, w = _data()
-        with self.assertRaisesRegex(ValueError, "stack"):
-            fp8.fp8_dot(x, w, fp8.init_meta(4, batch_shape=(2,)))
-        with self.assertRaisesRegex(ValueError, "kernel"):
-            fp8.fp8_dot(x, w.T, fp8.init_meta(4))
-        with self.assertRaises(TypeError):
-            fp8.fp8_dot(x, w, {"x": 1})
 
-    def test_jit_and_orbax_roundtrip(self):
-        import tempfile
+def test_init_metas_stacks_per_layer_and_partition():
+    params = {
+        "embed": {"embedding": jnp.zeros((10, 8))},
+        "layers": {
+            "norm": {"scale": jnp.zeros((3, 8))},
+            "q_proj": {"kernel": jnp.zeros((3, 8, 12))},
+            "down_proj": {"kernel": jnp.zeros((3, 12, 8))},
+        },
+        "lm_head": {"kernel": jnp.zeros((8, 10))},
+    }
+    metas = fp8.init_metas(params, ("q_proj", "down_proj"), history_len=5)
+    assert metas["embed"]["embedding"] is None
+    assert metas["layers"]["norm"]["scale"] is None
+    assert metas["lm_head"]["kernel"] is None
+    for name in ("q_proj", "down_proj"):
+        m = metas["layers"][name]["kernel"]
+        assert fp8.is_meta(m)
+        assert m.batch_shape == (3,)
+        chex.assert_shape(m.x.amax_history, (3, 5))
+    # A callable selects by path; an unstacked kernel gets an unstacked meta.
+    m2 = fp8.init_metas(params, lambda path, leaf: path == "lm_head/kernel")
+    assert m2["lm_head"]["kernel"].batch_shape == ()
+    with pytest.raises(ValueError, match="q_prj"):
+        fp8.init_metas(params, ("q_prj",))
+    with pytest.raises(TypeError):
+        fp8.init_metas(params, "q_proj")
+    with pytest.raises(ValueError, match="kernels"):
+        fp8.init_metas({"b": jnp.zeros(3)}, lambda p, l: True)
+    # partition/combine round trip on a tree that mixes params and metas.
+    tree = {"params": params, "fp8": metas}
+    rest, only = fp8.partition(tree)
+    assert rest["fp8"]["layers"]["q_proj"]["kernel"] is None
+    assert fp8.is_meta(only["fp8"]["layers"]["q_proj"]["kernel"])
+    assert only["params"]["lm_head"]["kernel"] is None
+    chex.assert_trees_all_equal(fp8.combine(rest, only), tree)
 
-        import orbax.checkpoint as ocp
 
-        m = fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
-        x, w = _data()
-        m = jax.jit(jax.grad(lambda m: jnp.sum(fp8.fp8_dot(x, w, m))))(m)
-        self.assertEqual(m.amax_compute_algo, "most_recent")
-        with tempfile.TemporaryDirectory() as d:
-            with ocp.StandardCheckpointer() as ckpt:
-                ckpt.save(d + "/m", m)
-            with ocp.StandardCheckpointer() as ckpt:
-                restored = ckpt.restore(
-                    d + "/m", fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
-                )
-        chex.assert_trees_all_equal(restored, m)
-        self.assertTrue(fp8.is_meta(restored))
+def test_stacked_meta_rejected_by_fp8_dot():
+    x, w = _data()
+    with pytest.raises(ValueError, match="stack"):
+        fp8.fp8_dot(x, w, fp8.init_meta(4, batch_shape=(2,)))
+    with pytest.raises(ValueError, match="kernel"):
+        fp8.fp8_dot(x, w.T, fp8.init_meta(4))
+    with pytest.raises(TypeError):
+        fp8.fp8_dot(x, w, {"x": 1})
+
+
+def test_jit_and_orbax_roundtrip(tmp_path):
+    m = fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
+    x, w = _data()
+    m = jax.jit(jax.grad(lambda m: jnp.sum(fp8.fp8_dot(x, w, m))))(m)
+    assert m.amax_compute_algo == "most_recent"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "m", m)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(
+            tmp_path / "m", fp8.init_meta(8, amax_compute_algo="most_recent", margin=2)
+        )
+    chex.assert_trees_all_equal(restored, m)
+    assert fp8.is_meta(restored)
 
 
 # ----------------------------------------------------------------------------- scaling
@@ -155,77 +151,79 @@ def _numpy_delayed_scaling(amaxes, history_len, algo, margin, fp8_max):
     return np.array(used, np.float32), hist
 
 
-class ScalingTest(parameterized.TestCase):
-    @parameterized.product(algo=("max", "most_recent"), margin=(0, 1, 3))
-    def test_scale_update_follows_formula_and_history_rolls(self, algo, margin):
-        # Known amaxes for x (through the input), kernel (fixed) and the output gradient
-        # (loss = sum(y * c), so dL/dy = c exactly). Includes an all-zero step.
-        x_amax = [2.0, 5.0, 3.0, 0.0, 1.5, 0.5]
-        g_amax = [0.25, 4.0, 0.125, 1.0, 3.0, 2.0]
-        hl = 3
-        _, w = _data()
-        base = jnp.linspace(-1.0, 1.0, 4 * 8 * 32).reshape(4, 8, 32)
-        c_base = jnp.linspace(-1.0, 1.0, 4 * 8 * 16).reshape(4, 8, 16)
-        step = jax.jit(jax.grad(lambda m, x, c: jnp.sum(fp8.fp8_dot(x, w, m) * c)))
-        m = fp8.init_meta(hl, amax_compute_algo=algo, margin=margin)
-        got_x, got_g, got_k = [], [], []
-        for xa, ga in zip(x_amax, g_amax):
-            m = step(m, base * xa, c_base * ga)
-            self.assertTrue(fp8.is_meta(m))
-            got_x.append(m.x.scale_inv)
-            got_g.append(m.grad.scale_inv)
-            got_k.append(m.kernel.scale_inv)
-        wa = float(jnp.max(jnp.abs(w)))
-        for got, amaxes, fmax, hist in (
-            (got_x, x_amax, E4M3_MAX, m.x.amax_history),
-            (got_g, g_amax, E5M2_MAX, m.grad.amax_history),
-            (got_k, [wa] * len(x_amax), E4M3_MAX, m.kernel.amax_history),
-        ):
-            want, want_hist = _numpy_delayed_scaling(amaxes, hl, algo, margin, fmax)
-            np.testing.assert_allclose(np.array(got), want, rtol=1e-6)
-            np.testing.assert_allclose(hist, want_hist, rtol=1e-6)
-        # Chronological layout: index 0 is the newest amax.
-        np.testing.assert_allclose(m.x.amax_history, [0.5, 1.5, 0.0], rtol=1e-6)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_scale_update_follows_formula_and_history_rolls(algo, margin):
+    # Known amaxes for x (through the input), kernel (fixed) and the output gradient
+    # (loss = sum(y * c), so dL/dy = c exactly). Includes an all-zero step.
+    x_amax = [2.0, 5.0, 3.0, 0.0, 1.5, 0.5]
+    g_amax = [0.25, 4.0, 0.125, 1.0, 3.0, 2.0]
+    hl = 3
+    _, w = _data()
+    base = jnp.linspace(-1.0, 1.0, 4 * 8 * 32).reshape(4, 8, 32)
+    c_base = jnp.linspace(-1.0, 1.0, 4 * 8 * 16).reshape(4, 8, 16)
+    step = jax.jit(jax.grad(lambda m, x, c: jnp.sum(fp8.fp8_dot(x, w, m) * c)))
+    m = fp8.init_meta(hl, amax_compute_algo=algo, margin=margin)
+    got_x, got_g, got_k = [], [], []
+    for xa, ga in zip(x_amax, g_amax):
+        m = step(m, base * xa, c_base * ga)
+        assert fp8.is_meta(m)
+        got_x.append(m.x.scale_inv)
+        got_g.append(m.grad.scale_inv)
+        got_k.append(m.kernel.scale_inv)
+    wa = float(jnp.max(jnp.abs(w)))
+    for got, amaxes, fmax, hist in (
+        (got_x, x_amax, E4M3_MAX, m.x.amax_history),
+        (got_g, g_amax, E5M2_MAX, m.grad.amax_history),
+        (got_k, [wa] * len(x_amax), E4M3_MAX, m.kernel.amax_history),
+    ):
+        want, want_hist = _numpy_delayed_scaling(amaxes, hl, algo, margin, fmax)
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-6)
+        np.testing.assert_allclose(hist, want_hist, rtol=1e-6)
+    # Chronological layout: index 0 is the newest amax.
+    np.testing.assert_allclose(m.x.amax_history, [0.5, 1.5, 0.0], rtol=1e-6)
 
-    def test_zero_amax_and_bad_state_give_finite_scales(self):
-        m = fp8.init_meta(4)
-        update = jax.jit(fp8.update_tensor_meta, static_argnums=(2, 3, 4))
-        t = update(jnp.zeros((3, 3)), m.x, fp8.E4M3, "max", 0)
-        chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))  # empty history: keeps 1
-        t = update(jnp.zeros((3, 3)), t, fp8.E4M3, "most_recent", 0)
-        chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))  # amax 0: keeps previous
-        # A zeroed state (e.g. a meta that got a zero "gradient") and a denormal amax.
-        zero = fp8.Fp8TensorMeta(jnp.float32(0.0), jnp.array([1e-40, 0, 0, 0], F32))
-        t = update(jnp.ones((2,)), zero, fp8.E4M3, "max", 0)
-        chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))
-        # A non-finite amax is recorded as 0, so it does not poison the history.
-        t = update(jnp.array([1.0, jnp.inf]), m.x, fp8.E4M3, "max", 0)
-        chex.assert_trees_all_equal(t.amax_history, jnp.zeros((4,), F32))
-        # End to end: all-zero inputs give finite outputs, gradients and scales.
-        x, w = _data()
-        g = jax.jit(jax.grad(lambda x, m: jnp.sum(fp8.fp8_dot(x, w, m)), argnums=(0, 1)))(
-            jnp.zeros_like(x), m
-        )
-        chex.assert_tree_all_finite(g)
 
-    def test_overflow_saturates(self):
-        # Scales settled for amax 1; a value of 1000 saturates to 448 * scale_inv = 1.
-        m = fp8.init_meta(4)
-        hist = jnp.array([1.0, 0, 0, 0], F32)
-        m = fp8.Fp8Meta(
-            fp8.Fp8TensorMeta(jnp.float32(1 / 448), hist),
-            fp8.Fp8TensorMeta(jnp.float32(1.0), hist),
-            m.grad,
-            "max",
-            0,
-        )
-        x = jnp.array([[1000.0, -1000.0, 0.5]])
-        w = jnp.eye(3, dtype=F32)
-        y = jax.jit(fp8.fp8_dot)(x, w, m)
-        chex.assert_tree_all_finite(y)
-        np.testing.assert_allclose(y, [[1.0, -1.0, 0.5]], rtol=1e-6)
-        q = fp8_src.quantize(jnp.array([1e9, -1e9]), jnp.float32(1.0), fp8.E5M2)
-        np.testing.assert_array_equal(q.astype(F32), [E5M2_MAX, -E5M2_MAX])
+def test_zero_amax_and_bad_state_give_finite_scales():
+    m = fp8.init_meta(4)
+    update = jax.jit(fp8.update_tensor_meta, static_argnums=(2, 3, 4))
+    t = update(jnp.zeros((3, 3)), m.x, fp8.E4M3, "max", 0)
+    chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))  # empty history: keeps 1
+    t = update(jnp.zeros((3, 3)), t, fp8.E4M3, "most_recent", 0)
+    chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))  # amax 0: keeps previous
+    # A zeroed state (e.g. a meta that got a zero "gradient") and a denormal amax.
+    zero = fp8.Fp8TensorMeta(jnp.float32(0.0), jnp.array([1e-40, 0, 0, 0], F32))
+    t = update(jnp.ones((2,)), zero, fp8.E4M3, "max", 0)
+    chex.assert_trees_all_equal(t.scale_inv, jnp.float32(1.0))
+    # A non-finite amax is recorded as 0, so it does not poison the history.
+    t = update(jnp.array([1.0, jnp.inf]), m.x, fp8.E4M3, "max", 0)
+    chex.assert_trees_all_equal(t.amax_history, jnp.zeros((4,), F32))
+    # End to end: all-zero inputs give finite outputs, gradients and scales.
+    x, w = _data()
+    g = jax.jit(jax.grad(lambda x, m: jnp.sum(fp8.fp8_dot(x, w, m)), argnums=(0, 1)))(
+        jnp.zeros_like(x), m
+    )
+    chex.assert_tree_all_finite(g)
+
+
+def test_overflow_saturates():
+    # Scales settled for amax 1; a value of 1000 saturates to 448 * scale_inv = 1.
+    m = fp8.init_meta(4)
+    hist = jnp.array([1.0, 0, 0, 0], F32)
+    m = fp8.Fp8Meta(
+        fp8.Fp8TensorMeta(jnp.float32(1 / 448), hist),
+        fp8.Fp8TensorMeta(jnp.float32(1.0), hist),
+        m.grad,
+        "max",
+        0,
+    )
+    x = jnp.array([[1000.0, -1000.0, 0.5]])
+    w = jnp.eye(3, dtype=F32)
+    y = jax.jit(fp8.fp8_dot)(x, w, m)
+    chex.assert_tree_all_finite(y)
+    np.testing.assert_allclose(y, [[1.0, -1.0, 0.5]], rtol=1e-6)
+    q = fp8_src.quantize(jnp.array([1e9, -1e9]), jnp.float32(1.0), fp8.E5M2)
+    np.testing.assert_array_equal(q.astype(F32), [E5M2_MAX, -E5M2_MAX])
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -267,116 +265,121 @@ class NumericsTest(chex.TestCase):
         self.assertEqual(fp8.fp8_dot(x.astype(BF16), w, m).dtype, F32)  # as x @ w
         self.assertEqual(fp8.fp8_dot(x, w, m, preferred_element_type=BF16).dtype, BF16)
 
-    def test_fp8_dot_general_batch_dims(self):
-        k1, k2 = jax.random.split(jax.random.PRNGKey(3))
-        a = jax.random.normal(k1, (2, 5, 16))
-        b = jax.random.normal(k2, (2, 16, 7))
-        dn = (((2,), (1,)), ((0,), (0,)))
-        m = fp8.init_meta(4)
-        ref = jax.lax.dot_general(a, b, dn)
-        f = lambda a, b, m: jnp.sum(fp8.fp8_dot_general(a, b, m, dn) ** 2)
-        grad = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
-        _, _, m = grad(a, b, m)
-        y = jax.jit(fp8.fp8_dot_general, static_argnums=3)(a, b, m, dn)
-        self.assertLess(_rel(y, ref), 0.05)
-        ga, gb, _ = grad(a, b, m)
-        ga_ref, gb_ref = jax.grad(
-            lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) ** 2), argnums=(0, 1)
-        )(a, b)
-        self.assertLess(_rel(ga, ga_ref), 0.10)
-        self.assertLess(_rel(gb, gb_ref), 0.10)
 
-    def test_jaxpr_uses_e4m3_forward_and_e5m2_gradient(self):
-        x, w = _data()
-        m = fp8.init_meta(4)
-        jaxpr = jax.make_jaxpr(
-            jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m) ** 2), argnums=(0, 1, 2))
-        )(x.astype(BF16), w.astype(BF16), m)
-        dots = [e for e in _sub_jaxprs(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-        operand_dtypes = sorted(tuple(sorted(str(v.aval.dtype) for v in e.invars)) for e in dots)
-        self.assertEqual(
-            operand_dtypes,
-            [
-                ("float8_e4m3fn", "float8_e4m3fn"),
-                ("float8_e4m3fn", "float8_e5m2"),
-                ("float8_e4m3fn", "float8_e5m2"),
-            ],
-        )
-        converts = {
-            str(e.params["new_dtype"])
-            for e in _sub_jaxprs(jaxpr.jaxpr)
-            if e.primitive.name == "convert_element_type"
-        }
-        self.assertTrue({"float8_e4m3fn", "float8_e5m2"} <= converts)
+@pytest.mark.slow
+def test_fp8_dot_general_batch_dims():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    a = jax.random.normal(k1, (2, 5, 16))
+    b = jax.random.normal(k2, (2, 16, 7))
+    dn = (((2,), (1,)), ((0,), (0,)))
+    m = fp8.init_meta(4)
+    ref = jax.lax.dot_general(a, b, dn)
+    f = lambda a, b, m: jnp.sum(fp8.fp8_dot_general(a, b, m, dn) ** 2)
+    grad = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+    _, _, m = grad(a, b, m)
+    y = jax.jit(fp8.fp8_dot_general, static_argnums=3)(a, b, m, dn)
+    assert _rel(y, ref) < 0.05
+    ga, gb, _ = grad(a, b, m)
+    ga_ref, gb_ref = jax.grad(
+        lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) ** 2), argnums=(0, 1)
+    )(a, b)
+    assert _rel(ga, ga_ref) < 0.10
+    assert _rel(gb, gb_ref) < 0.10
 
-    def test_remat_policies(self):
-        k = jax.random.split(jax.random.PRNGKey(5), 3)
-        x = jax.random.normal(k[0], (8, 32))
-        ws = (0.2 * jax.random.normal(k[1], (32, 64)), 0.2 * jax.random.normal(k[2], (64, 32)))
-        ms = (fp8.init_meta(4), fp8.init_meta(4))
 
-        def block(x, ws, ms):
-            return fp8.fp8_dot(jnp.tanh(fp8.fp8_dot(x, ws[0], ms[0])), ws[1], ms[1])
+def test_jaxpr_uses_e4m3_forward_and_e5m2_gradient():
+    x, w = _data()
+    m = fp8.init_meta(4)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda x, w, m: jnp.sum(fp8.fp8_dot(x, w, m) ** 2), argnums=(0, 1, 2))
+    )(x.astype(BF16), w.astype(BF16), m)
+    dots = [e for e in _sub_jaxprs(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    operand_dtypes = sorted(tuple(sorted(str(v.aval.dtype) for v in e.invars)) for e in dots)
+    assert operand_dtypes == [
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+        ("float8_e4m3fn", "float8_e5m2"),
+    ]
+    converts = {
+        str(e.params["new_dtype"])
+        for e in _sub_jaxprs(jaxpr.jaxpr)
+        if e.primitive.name == "convert_element_type"
+    }
+    assert {"float8_e4m3fn", "float8_e5m2"} <= converts
 
-        def loss(ws, ms, policy):
-            f = block if policy is None else jax.checkpoint(block, policy=policy)
-            return jnp.sum(f(x, ws, ms) ** 2)
 
-        def saved(policy):
-            buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
-                print_saved_residuals(lambda w, m: loss(w, m, policy), ws, ms)
-            return buf.getvalue()
+@pytest.mark.slow
+def test_remat_policies():
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    x = jax.random.normal(k[0], (8, 32))
+    ws = (0.2 * jax.random.normal(k[1], (32, 64)), 0.2 * jax.random.normal(k[2], (64, 32)))
+    ms = (fp8.init_meta(4), fp8.init_meta(4))
 
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
-        ref = grad(ws, ms, None)
-        cp = jax.checkpoint_policies
-        for policy in (cp.nothing_saveable, cp.dots_saveable, cp.everything_saveable):
-            chex.assert_trees_all_close(grad(ws, ms, policy), ref, rtol=1e-6, atol=1e-7)
-        # Without remat the backward pass keeps the FP8 operands (1 byte/element);
-        # nothing_saveable recomputes them, dots_saveable keeps the first FP8 matmul output.
-        self.assertIn("u8[8,32]", saved(None))  # FP8 bits, see fp8._fp8_dg_fwd
-        self.assertNotIn("u8[", saved(cp.nothing_saveable))
-        self.assertNotIn("f32[8,64] output of dot_general", saved(cp.nothing_saveable))
-        self.assertIn("f32[8,64] output of dot_general", saved(cp.dots_saveable))
+    def block(x, ws, ms):
+        return fp8.fp8_dot(jnp.tanh(fp8.fp8_dot(x, ws[0], ms[0])), ws[1], ms[1])
 
-    def test_lora_path_stays_bf16(self):
-        # Frozen FP8 base kernel + a bf16 low-rank update (x @ A) @ B, as LoRA does.
-        x, w = _data()
-        x, w = x.astype(BF16), w.astype(BF16)
-        k1, k2 = jax.random.split(jax.random.PRNGKey(7))
-        lora = {
-            "a": (0.1 * jax.random.normal(k1, (32, 3))).astype(BF16),
-            "b": (0.1 * jax.random.normal(k2, (3, 16))).astype(BF16),
-        }
+    def loss(ws, ms, policy):
+        f = block if policy is None else jax.checkpoint(block, policy=policy)
+        return jnp.sum(f(x, ws, ms) ** 2)
 
-        def fwd(lora, m, use_fp8):
-            base = fp8.fp8_dot(x, jax.lax.stop_gradient(w), m) if use_fp8 else x @ w
-            return base + (x @ lora["a"]) @ lora["b"] * 2.0
+    def saved(policy):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(lambda w, m: loss(w, m, policy), ws, ms)
+        return buf.getvalue()
 
-        loss = lambda lora, m, use_fp8: jnp.mean(jnp.square(fwd(lora, m, use_fp8).astype(F32)))
-        m = fp8.init_meta(4)
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
-        for _ in range(2):
-            g, m = grad(lora, m, True)
-        g_ref = jax.grad(loss)(lora, None, False)
-        self.assertEqual({l.dtype for l in jax.tree.leaves(g)}, {jnp.dtype(BF16)})
-        for name in ("a", "b"):
-            self.assertLess(_rel(g[name], g_ref[name]), 0.10)
-        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lora, m, True)
-        lora_dots = [
-            e
-            for e in _sub_jaxprs(jaxpr.jaxpr)
-            if e.primitive.name == "dot_general" and any(3 in v.aval.shape for v in e.invars)
-        ]  # rank 3
-        self.assertTrue(lora_dots)
-        for e in lora_dots:
-            self.assertEqual({str(v.aval.dtype) for v in e.invars}, {"bfloat16"})
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    ref = grad(ws, ms, None)
+    cp = jax.checkpoint_policies
+    for policy in (cp.nothing_saveable, cp.dots_saveable, cp.everything_saveable):
+        chex.assert_trees_all_close(grad(ws, ms, policy), ref, rtol=1e-6, atol=1e-7)
+    # Without remat the backward pass keeps the FP8 operands (1 byte/element);
+    # nothing_saveable recomputes them, dots_saveable keeps the first FP8 matmul output.
+    assert "u8[8,32]" in saved(None)  # FP8 bits, see fp8._fp8_dg_fwd
+    assert "u8[" not in saved(cp.nothing_saveable)
+    assert "f32[8,64] output of dot_general" not in saved(cp.nothing_saveable)
+    assert "f32[8,64] output of dot_general" in saved(cp.dots_saveable)
+
+
+@pytest.mark.slow
+def test_lora_path_stays_bf16():
+    # Frozen FP8 base kernel + a bf16 low-rank update (x @ A) @ B, as LoRA does.
+    x, w = _data()
+    x, w = x.astype(BF16), w.astype(BF16)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(7))
+    lora = {
+        "a": (0.1 * jax.random.normal(k1, (32, 3))).astype(BF16),
+        "b": (0.1 * jax.random.normal(k2, (3, 16))).astype(BF16),
+    }
+
+    def fwd(lora, m, use_fp8):
+        base = fp8.fp8_dot(x, jax.lax.stop_gradient(w), m) if use_fp8 else x @ w
+        return base + (x @ lora["a"]) @ lora["b"] * 2.0
+
+    loss = lambda lora, m, use_fp8: jnp.mean(jnp.square(fwd(lora, m, use_fp8).astype(F32)))
+    m = fp8.init_meta(4)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    for _ in range(2):
+        g, m = grad(lora, m, True)
+    g_ref = jax.grad(loss)(lora, None, False)
+    assert {l.dtype for l in jax.tree.leaves(g)} == {jnp.dtype(BF16)}
+    for name in ("a", "b"):
+        assert _rel(g[name], g_ref[name]) < 0.10
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lora, m, True)
+    lora_dots = [
+        e
+        for e in _sub_jaxprs(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general" and any(3 in v.aval.shape for v in e.invars)
+    ]  # rank 3
+    assert lora_dots
+    for e in lora_dots:
+        assert {str(v.aval.dtype) for v in e.invars} == {"bfloat16"}
 
 
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
     """The reference Llama with ``forward(..., fp8=metas)`` (all 7 projections per layer in
     FP8, stacked metas scanned with the layers; embedding/lm_head stay bf16) on a fixed

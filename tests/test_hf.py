@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from jmem import nf4
-from jmem.models import hf, llama
+from jmem.models import hf
+from jmem.models import llama
+
+pytestmark = pytest.mark.slow  # writes checkpoints and trains: seconds per test
 
 torch = pytest.importorskip(
     "torch", reason="torch (CPU) is the oracle's runtime; install the test extra"

@@ -1,5 +1,8 @@
 """Reference Llama: shapes, parameter counts, GQA, tied embeddings, checkpoint names."""
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,28 +17,43 @@ def test_config_param_counts_match_published_sizes():
     assert llama.num_params(llama.get_config("tiny")) < 5e6
 
 
-def test_forward_shapes_and_dtype_follow_params():
-    cfg = llama.get_config("tiny", num_layers=2)
-    p = llama.init(jax.random.key(0), cfg, jnp.bfloat16)
-    logits = llama.forward(p, jnp.zeros((2, 16), jnp.int32), cfg)
-    assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
-    assert jax.tree.structure(p) == jax.tree.structure(llama.abstract_params(cfg))
+@functools.cache
+def _params(dtype=jnp.float32, **overrides):
+    """Tiny one-layer params, initialised once per dtype/config under one jit."""
+    cfg = llama.get_config("tiny", num_layers=1, **overrides)
+    return jax.jit(llama.init, static_argnums=(1, 2))(jax.random.key(0), cfg, dtype), cfg
 
 
-def test_causality():
-    cfg = llama.get_config("tiny", num_layers=2)
-    p = llama.init(jax.random.key(0), cfg)
-    a = jnp.arange(16, dtype=jnp.int32)[None]
-    b = a.at[0, 10].set(99)
-    la, lb = llama.forward(p, a, cfg), llama.forward(p, b, cfg)
-    assert jnp.allclose(la[:, :10], lb[:, :10]) and not jnp.allclose(la[:, 10:], lb[:, 10:])
+class ForwardTest(chex.TestCase):
+    """Properties of ``llama.forward`` that hold with and without jit."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shapes_and_dtype_follow_params(self):
+        p, cfg = _params(jnp.bfloat16)
+        logits = self.variant(lambda p, t: llama.forward(p, t, cfg))(
+            p, jnp.zeros((2, 16), jnp.int32)
+        )
+        chex.assert_shape(logits, (2, 16, cfg.vocab_size))
+        chex.assert_type(logits, jnp.float32)
+        assert jax.tree.structure(p) == jax.tree.structure(llama.abstract_params(cfg))
 
-def test_tied_embeddings_have_no_head():
-    cfg = llama.get_config("tiny", tie_embeddings=True, num_layers=1)
-    p = llama.init(jax.random.key(0), cfg)
-    assert "lm_head" not in p
-    assert llama.forward(p, jnp.zeros((1, 4), jnp.int32), cfg).shape == (1, 4, 256)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_causality(self):
+        p, cfg = _params()
+        forward = self.variant(lambda p, t: llama.forward(p, t, cfg))
+        a = jnp.arange(16, dtype=jnp.int32)[None]
+        la, lb = forward(p, a), forward(p, a.at[0, 10].set(99))
+        chex.assert_trees_all_close(la[:, :10], lb[:, :10], rtol=1e-5, atol=1e-5)
+        assert not jnp.allclose(la[:, 10:], lb[:, 10:])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_tied_embeddings_have_no_head(self):
+        p, cfg = _params(tie_embeddings=True)
+        assert "lm_head" not in p
+        logits = self.variant(lambda p, t: llama.forward(p, t, cfg))(
+            p, jnp.zeros((1, 4), jnp.int32)
+        )
+        chex.assert_shape(logits, (1, 4, 256))
 
 
 def test_checkpoint_names_are_visible_to_policies():

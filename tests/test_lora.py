@@ -6,11 +6,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jmem import fp8, lora
-from jmem._src.implicit import interpreter as implicit
+from jmem import fp8
+from jmem import lora
 
 IN, OUT, HID, R = 48, 40, 56, 4
 
@@ -41,6 +42,7 @@ def _nonzero(ad, key=5):
     )
 
 
+@pytest.mark.slow
 def test_init_shapes_scale_and_distribution():
     p = _params()
     ad = lora.init(jax.random.key(1), p, rank=R, alpha=8.0, targets=r".*kernel")
@@ -69,6 +71,7 @@ def test_init_shapes_scale_and_distribution():
         lora.init(jax.random.key(0), p, rank=0, targets=r".*kernel")
 
 
+@pytest.mark.slow
 class ApplyTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_apply_equals_merged_and_identity_at_init(self):
@@ -82,68 +85,75 @@ class ApplyTest(chex.TestCase):
         chex.assert_trees_all_close(out, mlp(lora.merge(p, ad), x), atol=2e-5, rtol=1e-5)
         assert float(jnp.abs(out - mlp(p, x)).max()) > 1e-3  # the adapters do something
 
-    def test_grads_match_merged_and_only_adapters(self):
-        p = _params()
-        x = jax.random.normal(jax.random.key(2), (5, IN))
-        ad = _nonzero(lora.init(jax.random.key(1), p, rank=R, targets=r".*kernel"))
-        loss = lambda p, ad, x: jnp.sum(lora.apply(mlp)(p, ad, x) ** 2)  # noqa: E731
-        g = jax.jit(jax.grad(loss, argnums=1))(p, ad, x)
-        g_ref = jax.grad(lambda ad: jnp.sum(mlp(lora.merge(p, ad), x) ** 2))(ad)
-        chex.assert_trees_all_close(g, g_ref, atol=2e-4, rtol=1e-4)  # grads are O(10)
-        # No gradient buffer for the base: nothing in the backward jaxpr has a base weight's
-        # shape (the only [IN, HID] / [HID, OUT] arrays are the inputs themselves).
-        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(p, ad, x).jaxpr
-        shapes = {(IN, HID), (HID, IN), (HID, OUT), (OUT, HID)}
 
-        def walk(j):
-            for e in j.eqns:
-                for v in e.outvars:
-                    assert tuple(getattr(v.aval, "shape", ())) not in shapes, e
-                for sub in jax.extend.core.jaxprs_in_params(e.params):
-                    walk(sub)
+@pytest.mark.slow
+def test_grads_match_merged_and_only_adapters():
+    p = _params()
+    x = jax.random.normal(jax.random.key(2), (5, IN))
+    ad = _nonzero(lora.init(jax.random.key(1), p, rank=R, targets=r".*kernel"))
+    loss = lambda p, ad, x: jnp.sum(lora.apply(mlp)(p, ad, x) ** 2)
+    g = jax.jit(jax.grad(loss, argnums=1))(p, ad, x)
+    g_ref = jax.grad(lambda ad: jnp.sum(mlp(lora.merge(p, ad), x) ** 2))(ad)
+    chex.assert_trees_all_close(g, g_ref, atol=2e-4, rtol=1e-4)  # grads are O(10)
+    # No gradient buffer for the base: nothing in the backward jaxpr has a base weight's
+    # shape (the only [IN, HID] / [HID, OUT] arrays are the inputs themselves).
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(p, ad, x).jaxpr
+    shapes = {(IN, HID), (HID, IN), (HID, OUT), (OUT, HID)}
 
-        walk(jaxpr)
+    def walk(j):
+        for e in j.eqns:
+            for v in e.outvars:
+                assert tuple(getattr(v.aval, "shape", ())) not in shapes, e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
 
-    def test_lossy_cast_chain_is_kept(self):
-        """``w.astype(bf16).astype(f32)`` rounds w to bf16 before the matmul, as in fn."""
-        p = _params()
-        x = jax.random.normal(jax.random.key(2), (5, IN))
-        f = lambda p, x: x @ p["up"]["kernel"].astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
-        ad = lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel")
-        chex.assert_trees_all_close(lora.apply(f)(p, ad, x), f(p, x), atol=1e-6)
-        assert float(jnp.abs(f(p, x) - x @ p["up"]["kernel"]).max()) > 1e-4
-
-    def test_nnx_model(self):
-        class MLP(nnx.Module):
-            def __init__(self, rngs):
-                self.q_proj = nnx.Linear(IN, HID, rngs=rngs)
-                self.v_proj = nnx.Linear(HID, OUT, rngs=rngs)
-
-            def __call__(self, x):
-                return self.v_proj(nnx.relu(self.q_proj(x)))
-
-        graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
-        fwd = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
-        ad = _nonzero(lora.init(jax.random.key(1), state, rank=R))
-        assert set(ad) == {"q_proj/kernel", "v_proj/kernel"}
-        x = jax.random.normal(jax.random.key(2), (3, IN))
-        chex.assert_trees_all_close(
-            jax.jit(lora.apply(fwd))(state, ad, x), fwd(lora.merge(state, ad), x), atol=1e-5
-        )
-
-    def test_errors(self):
-        p = _params()
-        x = jax.random.normal(jax.random.key(2), (5, IN))
-        ad = lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel")
-        with self.assertRaisesRegex(ValueError, "no matching leaf"):
-            lora.apply(mlp)(p, {"nope/kernel": ad["up/kernel"]}, x)
-        bad = lambda p, x: x @ jnp.exp(p["up"]["kernel"])  # noqa: E731
-        with self.assertRaisesRegex(implicit.ImplicitWeightError, "up/kernel.*'exp'"):
-            lora.apply(bad)(p, ad, x)
-        out = lora.apply(bad, allow_materialize=True)(p, ad, x)
-        chex.assert_trees_all_close(out, bad(lora.merge(p, ad), x), atol=1e-6)
+    walk(jaxpr)
 
 
+def test_lossy_cast_chain_is_kept():
+    """``w.astype(bf16).astype(f32)`` rounds w to bf16 before the matmul, as in fn."""
+    p = _params()
+    x = jax.random.normal(jax.random.key(2), (5, IN))
+    f = lambda p, x: x @ p["up"]["kernel"].astype(jnp.bfloat16).astype(jnp.float32)
+    ad = lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel")
+    chex.assert_trees_all_close(lora.apply(f)(p, ad, x), f(p, x), atol=1e-6)
+    assert float(jnp.abs(f(p, x) - x @ p["up"]["kernel"]).max()) > 1e-4
+
+
+@pytest.mark.slow
+def test_nnx_model():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(IN, HID, rngs=rngs)
+            self.v_proj = nnx.Linear(HID, OUT, rngs=rngs)
+
+        def __call__(self, x):
+            return self.v_proj(nnx.relu(self.q_proj(x)))
+
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+    fwd = lambda s, x: nnx.merge(graphdef, s)(x)
+    ad = _nonzero(lora.init(jax.random.key(1), state, rank=R))
+    assert set(ad) == {"q_proj/kernel", "v_proj/kernel"}
+    x = jax.random.normal(jax.random.key(2), (3, IN))
+    chex.assert_trees_all_close(
+        jax.jit(lora.apply(fwd))(state, ad, x), fwd(lora.merge(state, ad), x), atol=1e-5
+    )
+
+
+def test_errors():
+    p = _params()
+    x = jax.random.normal(jax.random.key(2), (5, IN))
+    ad = lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel")
+    with pytest.raises(ValueError, match="no matching leaf"):
+        lora.apply(mlp)(p, {"nope/kernel": ad["up/kernel"]}, x)
+    bad = lambda p, x: x @ jnp.exp(p["up"]["kernel"])
+    with pytest.raises(lora.ImplicitWeightError, match="up/kernel.*'exp'"):
+        lora.apply(bad)(p, ad, x)
+    out = lora.apply(bad, allow_materialize=True)(p, ad, x)
+    chex.assert_trees_all_close(out, bad(lora.merge(p, ad), x), atol=1e-6)
+
+
+@pytest.mark.slow
 def test_matches_peft():
     torch = pytest.importorskip("torch", reason="PEFT oracle needs torch")
     peft = pytest.importorskip("peft", reason="PEFT is the LoRA oracle")
@@ -198,6 +208,7 @@ def _fp8_stack_fn(p, x, metas):
     return jax.lax.scan(body, x, (p["stack"]["kernel"], metas))[0]
 
 
+@pytest.mark.slow
 def test_fp8_base_plus_bf16_lowrank_matches_hand_written():
     """LoRA over ``fp8_dot``: the base matmul runs in FP8 with the meta's delayed scaling,
     the low-rank path ``s·(x·a)·b`` in bf16; same values, adapter grads and new metas as
@@ -220,8 +231,8 @@ def test_fp8_base_plus_bf16_lowrank_matches_hand_written():
         w = ad["stack/kernel"]
         return jax.lax.scan(body, x, (p["stack"]["kernel"], w.a, w.b, metas))[0]
 
-    loss_l = lambda ad, m: jnp.sum(lora.apply(_fp8_stack_fn)(p, ad, x, m).astype(jnp.float32) ** 2)  # noqa: E731
-    loss_h = lambda ad, m: jnp.sum(by_hand(ad, m).astype(jnp.float32) ** 2)  # noqa: E731
+    loss_l = lambda ad, m: jnp.sum(lora.apply(_fp8_stack_fn)(p, ad, x, m).astype(jnp.float32) ** 2)
+    loss_h = lambda ad, m: jnp.sum(by_hand(ad, m).astype(jnp.float32) ** 2)
     out = jax.jit(lora.apply(_fp8_stack_fn))(p, ad, x, metas)
     chex.assert_trees_all_close(out, by_hand(ad, metas), atol=1e-2, rtol=1e-2)  # 1-2 bf16 ulps
     base = _fp8_stack_fn(p, x, metas)
@@ -239,21 +250,23 @@ def test_fp8_base_plus_bf16_lowrank_matches_hand_written():
     chex.assert_trees_all_close(lora.apply(_fp8_stack_fn)(p, None, x, metas), base, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_fp8_unsupported_use_raises_or_materializes():
     """A targeted weight as the *activation* operand of ``fp8_dot`` is not rewritten: the
     call is inlined and its ``abs`` (amax) raises; ``allow_materialize`` quantizes the merged weight."""
     p = _params()
     x = jax.random.normal(jax.random.key(2), (HID, 6))
     ad = _nonzero(lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel"))
-    fn = lambda p, x, m: fp8.fp8_dot(p["up"]["kernel"], x, m)  # noqa: E731
+    fn = lambda p, x, m: fp8.fp8_dot(p["up"]["kernel"], x, m)
     m = fp8.init_meta(4)
-    with pytest.raises(implicit.ImplicitWeightError, match="up/kernel.*'abs'"):
+    with pytest.raises(lora.ImplicitWeightError, match="up/kernel.*'abs'"):
         lora.apply(fn)(p, ad, x, m)
     chex.assert_trees_all_close(
         lora.apply(fn, allow_materialize=True)(p, ad, x, m), fn(lora.merge(p, ad), x, m), atol=1e-6
     )
 
 
+@pytest.mark.slow
 def test_llama_fp8_lora():
     """The reference Llama with FP8 projections under ``lora.apply``: at init (b = 0) the
     logits equal the FP8 base model's exactly and the new metas equal the base model's;
@@ -300,6 +313,19 @@ def test_llama_fp8_lora():
     }
     out, base = fwd(p, adn, batch["inputs"], new), ref(p, batch["inputs"], new)
     bf16 = jax.jit(lambda p, t: llama.forward(p, t, cfg))
-    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
     assert rel(out, base) > 0.15
     assert rel(out, bf16(lora.merge(p, adn), batch["inputs"])) < 0.1
+
+
+def test_lora_weight_survives_jit_and_orbax(tmp_path):
+    ad = _nonzero(lora.init(jax.random.key(1), _params(), rank=R, alpha=8.0, targets=r".*kernel"))
+    out = jax.jit(lambda t: t)(ad)
+    chex.assert_trees_all_equal(out, ad)
+    assert out["up/kernel"].scale == ad["up/kernel"].scale
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "lora", ad)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "lora", ad)
+    chex.assert_trees_all_equal(restored, ad)
+    assert isinstance(restored["up/kernel"], lora.LoraWeight)

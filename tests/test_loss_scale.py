@@ -1,4 +1,4 @@
-"""Tests for jmem.loss_scale: dynamic-scale semantics, pytree/jit/orbax survival, fp16."""
+"""Loss scales: dynamic-scale semantics, every field surviving pytree ops/jit/orbax, fp16."""
 
 import dataclasses
 import math
@@ -10,14 +10,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jmem._src.loss_scale import (
-    DynamicLossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    loss_scale_from_name,
-    select_tree,
-)
+from jmem._src.loss_scale import DynamicLossScale
+from jmem._src.loss_scale import NoOpLossScale
+from jmem._src.loss_scale import StaticLossScale
+from jmem._src.loss_scale import all_finite
+from jmem._src.loss_scale import loss_scale_from_name
+from jmem._src.loss_scale import select_tree
 
 _FIELDS = ("loss_scale", "period", "factor", "min_loss_scale", "counter")
 
@@ -43,8 +41,10 @@ def _reference(flags, scale, period, factor, min_scale, counter=0):
 
 
 @jax.jit
+@chex.assert_max_traces(n=1)
 def _run(ls, flags):
-    """Runs `adjust` over `flags` in a lax.scan (the loss scale is the scan carry)."""
+    """Runs `adjust` over `flags` in a lax.scan (the loss scale is the scan carry). Traced
+    once for all hyper-parameters: they are leaves, so changing them does not recompile."""
 
     def body(carry, f):
         new = carry.adjust(f)
@@ -143,6 +143,36 @@ class JitTest(chex.TestCase):
         assert isinstance(st, StaticLossScale) and float(st.loss_scale) == 128.0
         noop = self.variant(lambda l: l.adjust(jnp.array(False)))(NoOpLossScale())
         assert isinstance(noop, NoOpLossScale) and float(noop.loss_scale) == 1.0
+
+
+def test_flattening_names_every_dataclass_field():
+    """jmp's bug was a field left out of flattening: every field must be a keyed leaf."""
+    for ls in (DynamicLossScale(), StaticLossScale(4.0), NoOpLossScale()):
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
+        assert paths == [f".{f.name}" for f in dataclasses.fields(ls)]
+
+
+def test_every_field_survives_pytree_operations():
+    ls = DynamicLossScale(2.0**9, period=3, factor=4, min_loss_scale=8.0, counter=2)
+    # scan stacks the loss scales it outputs: arrays of shape [2] are stored as they are.
+    _, stacked = jax.lax.scan(lambda c, f: (c.adjust(f), c), ls, jnp.array([True, False]))
+    _assert_same_fields(jax.tree.map(lambda x: x[0], stacked), ls)
+    batched = jax.vmap(lambda l: l.adjust(jnp.array(True)))(
+        jax.tree.map(lambda x: jnp.stack([x, x]), ls)
+    )
+    _assert_same_fields(jax.tree.map(lambda x: x[1], batched), ls.adjust(jnp.array(True)))
+    abstract = jax.eval_shape(lambda l: l.adjust(jnp.array(True)), ls)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)] == [
+        ((), jnp.asarray(getattr(ls, f)).dtype) for f in _FIELDS
+    ]
+    assert jax.tree.leaves(jax.tree.map(lambda x: None, ls)) == []
+    mask = jax.tree.map(lambda x: x.dtype == jnp.float32, ls)  # bools stay bools
+    assert jax.tree.leaves(mask) == [True, False, True, True, False]
+    on_host = jax.device_get(ls)  # NumPy leaves stay NumPy
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(on_host))
+    _assert_same_fields(on_host, ls)
+    grads = jax.grad(lambda l: l.loss_scale * 2, allow_int=True)(ls)  # float0 for ints
+    assert float(grads.loss_scale) == 2.0 and grads.period.dtype == jax.dtypes.float0
 
 
 def test_orbax_round_trip(tmp_path):

@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import jmem
@@ -22,6 +23,7 @@ def _weights(shape, seed=0):
     return w
 
 
+@pytest.mark.slow
 def test_table_and_dynamic_map_match_bitsandbytes():
     F, _ = _bnb()
     np.testing.assert_array_equal(nf4.NF4_TABLE, F.get_4bit_type("nf4", device="cpu").numpy())
@@ -30,6 +32,7 @@ def test_table_and_dynamic_map_match_bitsandbytes():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(128, 256), (64, 640), (33, 65), (3, 7)])
 def test_codes_absmax_and_dequant_match_bitsandbytes(shape):
     """Single-level NF4: packed bytes, absmax and dequantized values are bit-exact."""
@@ -62,6 +65,7 @@ def test_codes_absmax_and_dequant_match_bitsandbytes(shape):
     assert np.isfinite(ours).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(256, 512), (64, 19200)])
 def test_double_quant_matches_bitsandbytes(shape):
     """compress_statistics=True: 4-bit codes exact; absmax mean to float32 rounding; 8-bit
@@ -127,60 +131,75 @@ class NF4Test(chex.TestCase):
         err = jnp.abs(d - w).reshape(-1, 64)
         assert bool(jnp.all(err <= 0.153 * absmax + 0.01))
 
-    def test_all_zero_and_constant(self):
-        z = nf4.quantize(jnp.zeros((8, 64)))
-        np.testing.assert_array_equal(np.asarray(z.packed), 0x77)
-        chex.assert_trees_all_equal(nf4.dequantize(z, jnp.float32), jnp.zeros((8, 64)))
-        c = nf4.quantize(jnp.full((4, 128), 0.5))  # absmax - mean == 0 everywhere
-        chex.assert_trees_all_close(
-            nf4.dequantize(c, jnp.float32), jnp.full((4, 128), 0.5), atol=1e-6
-        )
 
-    def test_stacked_is_per_layer_and_sliceable(self):
-        w = jnp.asarray(_weights((3, 40, 72), seed=3))  # 2880 = 45 blocks per layer
-        q = nf4.quantize(w)
-        assert q.packed.shape[0] == 3 and q.absmax_offset.shape == (3,)
-        for i in range(3):
-            qi = nf4.quantize(w[i])
-            sliced = jax.tree.map(lambda x, i=i: x[i], q)
-            sliced = nf4.NF4Array(
-                sliced.packed,
-                sliced.absmax,
-                sliced.absmax_scale,
-                sliced.absmax_offset,
-                shape=(40, 72),
-                dtype=q.dtype,
-            )
-            chex.assert_trees_all_equal(
-                nf4.dequantize(sliced, jnp.float32), nf4.dequantize(qi, jnp.float32)
-            )
+def test_all_zero_and_constant():
+    z = nf4.quantize(jnp.zeros((8, 64)))
+    np.testing.assert_array_equal(np.asarray(z.packed), 0x77)
+    chex.assert_trees_all_equal(nf4.dequantize(z, jnp.float32), jnp.zeros((8, 64)))
+    c = nf4.quantize(jnp.full((4, 128), 0.5))  # absmax - mean == 0 everywhere
+    chex.assert_trees_all_close(nf4.dequantize(c, jnp.float32), jnp.full((4, 128), 0.5), atol=1e-6)
+
+
+def test_stacked_is_per_layer_and_sliceable():
+    w = jnp.asarray(_weights((3, 40, 72), seed=3))  # 2880 = 45 blocks per layer
+    q = nf4.quantize(w)
+    assert q.packed.shape[0] == 3 and q.absmax_offset.shape == (3,)
+    for i in range(3):
+        qi = nf4.quantize(w[i])
+        sliced = jax.tree.map(lambda x, i=i: x[i], q)
+        sliced = nf4.NF4Array(
+            sliced.packed,
+            sliced.absmax,
+            sliced.absmax_scale,
+            sliced.absmax_offset,
+            shape=(40, 72),
+            dtype=q.dtype,
+        )
         chex.assert_trees_all_equal(
-            nf4.dequantize(q, jnp.float32)[1], nf4.dequantize(nf4.quantize(w[1]), jnp.float32)
+            nf4.dequantize(sliced, jnp.float32), nf4.dequantize(qi, jnp.float32)
         )
+    chex.assert_trees_all_equal(
+        nf4.dequantize(q, jnp.float32)[1], nf4.dequantize(nf4.quantize(w[1]), jnp.float32)
+    )
 
-        def body(c, qi):
-            return c + jnp.sum(nf4.dequantize(qi, jnp.float32)), None
+    def body(c, qi):
+        return c + jnp.sum(nf4.dequantize(qi, jnp.float32)), None
 
-        carrier = nf4.NF4Array(
-            q.packed, q.absmax, q.absmax_scale, q.absmax_offset, shape=(40, 72), dtype=q.dtype
-        )
-        total, _ = jax.lax.scan(body, 0.0, carrier)
-        chex.assert_trees_all_close(total, jnp.sum(nf4.dequantize(q, jnp.float32)), rtol=1e-5)
+    carrier = nf4.NF4Array(
+        q.packed, q.absmax, q.absmax_scale, q.absmax_offset, shape=(40, 72), dtype=q.dtype
+    )
+    total, _ = jax.lax.scan(body, 0.0, carrier)
+    chex.assert_trees_all_close(total, jnp.sum(nf4.dequantize(q, jnp.float32)), rtol=1e-5)
 
-    def test_odd_sizes_pad_last_block(self):
-        w = jnp.asarray(_weights((5, 13), seed=4))  # 65 elements: one full + one partial block
-        q = nf4.quantize(w)
-        assert q.packed.shape == (64,) and q.absmax.shape == (2,)
-        chex.assert_trees_all_close(
-            nf4.dequantize(q, jnp.float32), w, atol=0.15 * float(jnp.abs(w).max())
-        )
 
-    def test_bad_inputs(self):
-        with self.assertRaisesRegex(TypeError, "floating"):
-            nf4.quantize(jnp.ones((4, 64), jnp.int32))
-        with self.assertRaisesRegex(ValueError, "block_size"):
-            nf4.quantize(jnp.ones((4, 64)), block_size=100)
-        with self.assertRaisesRegex(ValueError, "non-empty"):
-            nf4.quantize(jnp.ones(()))
-        with self.assertRaisesRegex(TypeError, "NF4Array"):
-            nf4.dequantize(jnp.ones((4, 64)))
+def test_odd_sizes_pad_last_block():
+    w = jnp.asarray(_weights((5, 13), seed=4))  # 65 elements: one full + one partial block
+    q = nf4.quantize(w)
+    assert q.packed.shape == (64,) and q.absmax.shape == (2,)
+    chex.assert_trees_all_close(
+        nf4.dequantize(q, jnp.float32), w, atol=0.15 * float(jnp.abs(w).max())
+    )
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="floating"):
+        nf4.quantize(jnp.ones((4, 64), jnp.int32))
+    with pytest.raises(ValueError, match="block_size"):
+        nf4.quantize(jnp.ones((4, 64)), block_size=100)
+    with pytest.raises(ValueError, match="non-empty"):
+        nf4.quantize(jnp.ones(()))
+    with pytest.raises(TypeError, match="NF4Array"):
+        nf4.dequantize(jnp.ones((4, 64)))
+
+
+def test_nf4_array_survives_jit_and_orbax(tmp_path):
+    q = nf4.quantize(jnp.asarray(_weights((3, 16, 64), seed=5)))
+    out = jax.jit(lambda t: t)(q)
+    chex.assert_trees_all_equal(out, q)
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "q", q)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "q", q)
+    chex.assert_trees_all_equal(restored, q)
+    assert isinstance(restored, nf4.NF4Array)

@@ -5,7 +5,6 @@ memory kinds, shardings, donation and checkpointing are checked here; the memory
 need an accelerator (benchmarks/offload_gpu.py).
 """
 
-import importlib
 import re
 
 import chex
@@ -13,15 +12,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from absl.testing import parameterized
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmem._src.offload.transform import abstract_like, offload, to_device, to_host
-
-off = importlib.import_module(
-    "jmem._src.offload.transform"
-)  # `jmem.offload` the attribute is the function
+from jmem._src.master_weights import mixed_precision
+from jmem._src.offload import leaf_by_leaf as leaf_by_leaf_lib
+from jmem._src.offload.memory_kinds import abstract_like
+from jmem._src.offload.memory_kinds import memory_kinds
+from jmem._src.offload.memory_kinds import to_device
+from jmem._src.offload.memory_kinds import to_host
+from jmem._src.offload.transform import offload
+from jmem._src.optim.quantized_adam import adamw_8bit
+from jmem._src.train.builder import train_step
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -90,36 +96,19 @@ def _train(opt, params, num_steps, check_kinds=False):
 
 
 def _inner_optimizers():
-    """(name, factory or skip reason) for every optimizer offload must compose with."""
+    """(factory, param dtype) for every optimizer offload must compose with."""
     f32, bf16 = jnp.float32, jnp.bfloat16
-    cases = [("optax_adamw", lambda: optax.adamw(1e-2, weight_decay=0.1), f32, None)]
-    try:
-        optimizers = importlib.import_module("jmem._src.optim.quantized_adam")
-        fn = getattr(optimizers, "adamw_8bit")
-        cases.append(("jmem_adamw_8bit", lambda: fn(1e-2), f32, None))
-    except (ImportError, AttributeError) as e:
-        cases.append(("jmem_adamw_8bit", None, f32, f"jmem.optimizers.adamw_8bit missing: {e}"))
-    try:
-        mw = importlib.import_module("jmem._src.master_weights")
-        mp = getattr(mw, "mixed_precision")
+    return [
+        pytest.param(lambda: optax.adamw(1e-2, weight_decay=0.1), f32, id="optax_adamw"),
+        pytest.param(lambda: adamw_8bit(1e-2), f32, id="jmem_adamw_8bit"),
         # bf16 params, fp32 masters in the state: offloading moves the masters too.
-        cases.append(("mixed_precision_adamw", lambda: mp(optax.adamw(1e-2)), bf16, None))
-    except (ImportError, AttributeError) as e:
-        cases.append(
-            (
-                "mixed_precision_adamw",
-                None,
-                bf16,
-                f"jmem.master_weights.mixed_precision missing: {e}",
-            )
-        )
-    return [pytest.param(f, d, r, id=n) for n, f, d, r in cases]
+        pytest.param(lambda: mixed_precision(optax.adamw(1e-2)), bf16, id="mixed_precision_adamw"),
+    ]
 
 
-@pytest.mark.parametrize("factory,dtype,skip_reason", _inner_optimizers())
-def test_training_bitwise_identical_and_state_on_host(factory, dtype, skip_reason):
-    if skip_reason:
-        pytest.skip(skip_reason)
+@pytest.mark.slow
+@pytest.mark.parametrize("factory,dtype", _inner_optimizers())
+def test_training_bitwise_identical_and_state_on_host(factory, dtype):
     params = _params(jax.random.key(0), dtype)
     ref_state, ref_params, ref_losses = _train(factory(), params, num_steps=3)
     state, new_params, losses = _train(offload(factory()), params, num_steps=3, check_kinds=True)
@@ -156,6 +145,7 @@ def test_init_under_jit_places_state_on_host():
     )
 
 
+@pytest.mark.slow
 def test_extra_args_and_chains_pass_through():
     params = _params(jax.random.key(3))
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
@@ -169,6 +159,7 @@ def test_extra_args_and_chains_pass_through():
     _assert_kind(upd, DEVICE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leaf_by_leaf", [False, True], ids=["whole_tree", "leaf_by_leaf"])
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_named_sharding_state_keeps_spec_on_host(axis_type, leaf_by_leaf):
@@ -202,8 +193,6 @@ def test_named_sharding_state_keeps_spec_on_host(axis_type, leaf_by_leaf):
 
 
 def test_orbax_save_restore_keeps_memory_kind_and_values(tmp_path):
-    import orbax.checkpoint as ocp
-
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     params = jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), _params(jax.random.key(5))
@@ -266,22 +255,80 @@ class ToHostToDeviceTest(chex.TestCase):
         assert back.sharding.spec == P("b", "a")
         np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
 
-    def test_non_array_leaves_pass_through(self):
-        tree = (None, 3, optax.EmptyState(), np.ones(3, np.float32))
-        host = to_host(tree)
-        assert host[0] is None and host[1] == 3 and host[2] == optax.EmptyState()
-        assert host[3].sharding.memory_kind == HOST
 
-    def test_unpinned_host_outside_jit_only(self):
-        x = jnp.ones((4,))
-        assert to_host(x, "unpinned_host").sharding.memory_kind == "unpinned_host"
-        with self.assertRaisesRegex(ValueError, "inside jit"):
-            jax.jit(lambda a: to_host(a, "unpinned_host"))(x)
+def test_non_array_leaves_pass_through():
+    tree = (None, 3, optax.EmptyState(), np.ones(3, np.float32))
+    host = to_host(tree)
+    assert host[0] is None and host[1] == 3 and host[2] == optax.EmptyState()
+    assert host[3].sharding.memory_kind == HOST
+
+
+def test_unpinned_host_outside_jit_only():
+    x = jnp.ones((4,))
+    assert to_host(x, "unpinned_host").sharding.memory_kind == "unpinned_host"
+    with pytest.raises(ValueError, match="inside jit"):
+        jax.jit(lambda a: to_host(a, "unpinned_host"))(x)
+
+
+_MODES = (("whole_tree", False), ("leaf_by_leaf", True))
+
+
+class OffloadVariantsTest(chex.TestCase):
+    """The offloaded optimizer equals the plain one, with its state on host, jitted or not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_init_places_inner_state_on_host(self):
+        params = _params(jax.random.key(20))
+        state = self.variant(offload(optax.adamw(1e-2)).init)(params)
+        _assert_kind(state, HOST)
+        chex.assert_trees_all_equal(
+            jax.device_get(state), jax.device_get(optax.adamw(1e-2).init(params))
+        )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*_MODES)
+    def test_update_equals_inner_and_keeps_state_on_host(self, lbl):
+        params = _params(jax.random.key(21))
+        grads = jax.tree.map(lambda p: p * 0.1, params)
+        inner = optax.adamw(1e-2, weight_decay=0.1)
+        opt = offload(inner, leaf_by_leaf=lbl)
+        state = opt.init(params)
+        upd, new_state = self.variant(opt.update)(grads, state, params)
+        ref_upd, ref_state = self.variant(inner.update)(grads, inner.init(params), params)
+        _assert_kind(new_state, HOST)
+        _assert_kind(upd, DEVICE)
+        chex.assert_trees_all_equal_structs(new_state, ref_state)
+        # Bitwise under jit; eagerly, op-by-op dispatch may differ by an ulp.
+        rtol = 0.0 if self.variant.type == chex.ChexVariantType.WITH_JIT else 1e-6
+        chex.assert_trees_all_close(upd, ref_upd, rtol=rtol, atol=0)
+        chex.assert_trees_all_close(
+            jax.device_get(new_state), jax.device_get(ref_state), rtol=rtol, atol=0
+        )
+
+
+def test_leaf_by_leaf_program_is_traced_once_per_tree_structure(monkeypatch):
+    # The traced program is cached per tree structure/shapes: new jits of the same update
+    # (and repeated steps) reuse it.
+    chex.clear_trace_counter()
+    monkeypatch.setattr(
+        leaf_by_leaf_lib,
+        "_trace_program",
+        chex.assert_max_traces(leaf_by_leaf_lib._trace_program, n=1),
+    )
+    params = _params(jax.random.key(22))
+    grads = jax.tree.map(lambda p: p * 0.1, params)
+    opt = offload(optax.adamw(1e-2), leaf_by_leaf=True)
+    state = opt.init(params)
+    step = jax.jit(chex.assert_max_traces(lambda g, s, p: opt.update(g, s, p), n=1))
+    for _ in range(3):
+        _, state = step(grads, state, params)
+    _, again = jax.jit(lambda g, s, p: opt.update(g, s, p))(grads, state, params)  # a new jit
+    _assert_kind(again, HOST)
 
 
 def test_bad_memory_kind_lists_available_kinds():
     available = [m.kind for m in jax.devices()[0].addressable_memories()]
-    assert set(off.memory_kinds()) == set(available)
+    assert set(memory_kinds()) == set(available)
     params = _params(jax.random.key(6))
     with pytest.raises(ValueError) as e:
         to_host(params, "hbm")
@@ -313,7 +360,7 @@ def test_backend_without_memory_kind_raises_at_init(monkeypatch):
         def __repr__(self):
             return "FakeDevice(0)"
 
-    monkeypatch.setattr(off.jax, "local_devices", lambda: [_Dev()])
+    monkeypatch.setattr(jax, "local_devices", lambda: [_Dev()])
     opt = offload(optax.adam(1e-3))
     with pytest.raises(ValueError, match=r"pinned_host.*\['device'\]"):
         opt.init({"w": np.ones(3, np.float32)})
@@ -356,7 +403,6 @@ def _leaf_by_leaf_optimizers():
     injected = pytest.param(
         lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=schedule),
         jnp.float32,
-        None,
         id="inject_hyperparams_adamw_schedule",
     )
     # An update jitted as a whole: its call is inlined so that it can be split by leaf.
@@ -364,16 +410,14 @@ def _leaf_by_leaf_optimizers():
     jitted = pytest.param(
         lambda: optax.GradientTransformation(adamw.init, jax.jit(adamw.update)),
         jnp.float32,
-        None,
         id="adamw_update_under_jit",
     )
     return _inner_optimizers() + [injected, jitted]
 
 
-@pytest.mark.parametrize("factory,dtype,skip_reason", _leaf_by_leaf_optimizers())
-def test_leaf_by_leaf_training_bitwise_identical_and_state_on_host(factory, dtype, skip_reason):
-    if skip_reason:
-        pytest.skip(skip_reason)
+@pytest.mark.slow
+@pytest.mark.parametrize("factory,dtype", _leaf_by_leaf_optimizers())
+def test_leaf_by_leaf_training_bitwise_identical_and_state_on_host(factory, dtype):
     params = _params(jax.random.key(0), dtype)
     ref_state, ref_params, ref_losses = _train(factory(), params, num_steps=3)
     state, new_params, losses = _train(
@@ -465,7 +509,7 @@ def test_leaf_by_leaf_hlo_loads_each_leaf_after_the_previous_store(monkeypatch):
     assert text.count("stablehlo.optimization_barrier") >= len(names) - 1
     assert _load_after_store_problems(text, arg_paths, names) == []
     # The checker is not vacuous: without the barrier the chain is gone.
-    monkeypatch.setattr(off, "_order_after", lambda loads, stores: (loads, stores))
+    monkeypatch.setattr(leaf_by_leaf_lib, "_order_after", lambda loads, stores: (loads, stores))
     opt = offload(optax.adamw(1e-2), leaf_by_leaf=True)
     text = lowered()
     assert "optimization_barrier" not in text
@@ -550,6 +594,7 @@ def test_leaf_by_leaf_rejects_a_state_not_split_by_leaf():
 # ------------------------------------------- regression tests from a review (leaf by leaf)
 
 
+@pytest.mark.slow
 def test_leaf_by_leaf_accepts_a_typed_prng_key_in_the_state():
     # optax.noisy_sgd keeps a typed key (key<fry>) in its state; _cache_key called
     # np.dtype(key<fry>) and raised TypeError. Whole-tree mode and plain optax work.
@@ -629,12 +674,11 @@ def test_leaf_by_leaf_keeps_weak_types_so_the_step_compiles_once():
     assert step._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_builder_offload_with_master_weights_is_bitwise_like_no_offload():
     # With master_weights the non-offloaded builder takes params_from_masters (exact) but the
     # offloaded one (both modes) optax.apply_updates(params, masters_new - params), which is
     # off by an ulp when a weight's relative change is large (f32 params here).
-    from jmem import train_step  # noqa: PLC0415
-
     k = jax.random.key(0)
     params = {
         "w": jax.random.normal(k, (256,)) * 1e-3,

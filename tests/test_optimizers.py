@@ -7,6 +7,7 @@ agrees to 1e-6 and ten steps agree on >= 85% of elements to 1e-5, every element 
 and our trajectory is at least as close to float32 AdamW as bitsandbytes'.
 """
 
+import inspect
 import pydoc_data.topics
 
 import chex
@@ -14,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from absl.testing import parameterized
 
 import jmem
 from jmem._src import quantization as qz
@@ -50,6 +53,26 @@ def _run(tx, params, grads):
     return params, state
 
 
+@pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
+def test_jitted_step_is_traced_once(factory):
+    # The state that comes out of a step has the structure (static fields included) of the
+    # state that went in, so a cached step is not traced again.
+    chex.clear_trace_counter()
+    params, grads = _params(), _grads(_params(), 3)
+    tx = factory(1e-2)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for g in grads:
+        p, s = step(p, s, g)
+    chex.assert_trees_all_equal_structs(s, tx.init(params))
+
+
 def test_state_layout_and_threshold():
     params = _params()
     state = opt_lib.adamw_8bit(1e-3).init(params)[0]
@@ -61,6 +84,36 @@ def test_state_layout_and_threshold():
     assert st4.mu["big"].codes.shape == (65, 64) and st4.mu["big"].block_size == 128
 
 
+@pytest.mark.slow
+class ChunkedUpdateTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(8, 4)
+    def test_chunked_update_equals_whole_tensor_update(self, bits):
+        # A tensor larger than chunk_size is updated chunk by chunk (here 8 chunks of 1024
+        # elements for "a", 6 for the bf16 "b"); the values are those of the whole-tensor
+        # update: bit for bit when both are compiled (jit), to float rounding without jit
+        # (the whole update then runs op by op, the chunks in a compiled loop).
+        rng = np.random.default_rng(5)
+        params = {
+            "a": jnp.asarray(rng.standard_normal((32, 256)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((48, 128)), jnp.bfloat16),
+        }
+        grads = [jax.tree.map(lambda p, i=i: (p * 0.1 + i).astype(p.dtype), params) for i in (0, 1)]
+        results = []
+        for chunk_size in (1 << 24, 1024):
+            tx = _quantized_adam(bits, chunk_size)
+            update, state = self.variant(tx.update), tx.init(params)
+            for g in grads:
+                u, state = update(g, state)
+            results.append((u, state))
+        if self.variant.type == chex.ChexVariantType.WITH_JIT:
+            chex.assert_trees_all_equal(*results)
+        else:
+            (u_whole, s_whole), (u_chunked, s_chunked) = results
+            chex.assert_trees_all_close(u_chunked, u_whole, rtol=1e-5, atol=1e-8)
+            chex.assert_trees_all_equal_structs(s_chunked, s_whole)
+
+
 def test_all_fp32_equals_optax_adamw():
     params, grads = _params(), _grads(_params(), 5)
     ours, _ = _run(opt_lib.adamw_8bit(1e-2, min_8bit_size=10**9), params, grads)
@@ -68,13 +121,32 @@ def test_all_fp32_equals_optax_adamw():
     chex.assert_trees_all_close(ours, ref, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
-def test_first_step_equals_optax_adamw(factory):
-    # The first update is computed from float32 moments, so quantization cannot change it.
-    params, grads = _params(), _grads(_params(), 1)
-    ours, _ = _run(factory(1e-2), params, grads)
-    ref, _ = _run(optax.adamw(1e-2, weight_decay=0.01), params, grads)
-    chex.assert_trees_all_close(ours, ref, atol=1e-6, rtol=1e-6)
+class QuantizedAdamTest(chex.TestCase):
+    """The core properties, jitted and not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("8bit", opt_lib.adamw_8bit), ("4bit", opt_lib.adamw_4bit))
+    def test_first_update_equals_optax_adamw(self, factory):
+        # The first update is computed from float32 moments: quantization cannot change it.
+        params, (g,) = _params(), _grads(_params(), 1)
+        tx, ref = factory(1e-2), optax.adamw(1e-2, weight_decay=0.01)
+        u, _ = self.variant(tx.update)(g, tx.init(params), params)
+        u_ref, _ = ref.update(g, ref.init(params), params)
+        chex.assert_trees_all_close(u, u_ref, atol=1e-6, rtol=1e-6)
+        chex.assert_trees_all_equal_dtypes(u, params)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_8bit_state_is_codes_plus_absmax(self):
+        params = {"a": jnp.zeros((4096,)), "b": jnp.zeros((64, 300))}  # both >= threshold
+        state = self.variant(opt_lib.adamw_8bit(1e-3).init)(params)[0]
+        nb = {"a": 4096 // 256, "b": -(-64 * 300 // 256)}
+        for k in params:
+            chex.assert_shape(state.mu[k].codes, (nb[k], 256))
+            chex.assert_type((state.mu[k].codes, state.nu[k].codes), jnp.uint8)
+            chex.assert_shape(state.nu[k].absmax, (nb[k],))
+        # Exact accounting: codes + absmax of both moments + the int32 step counter.
+        total = sum(nb.values())
+        assert jmem.tree.nbytes(state) == 2 * (total * 256 + total * 4) + 4
 
 
 def test_adam_8bit_without_weight_decay():
@@ -84,6 +156,7 @@ def test_adam_8bit_without_weight_decay():
     chex.assert_trees_all_close(ours, ref, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_matches_bitsandbytes_adamw8bit():
     torch = pytest.importorskip("torch", reason="torch is needed for the bitsandbytes oracle")
     bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes oracle not installed")
@@ -127,6 +200,7 @@ def test_matches_bitsandbytes_adamw8bit():
     assert err_ours <= 1.1 * err_bnb
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_elements_do_not_poison_state():
     params = _params()
     g = _grads(params, 1)[0]
@@ -151,6 +225,7 @@ def test_nonfinite_gradient_elements_do_not_poison_state():
     chex.assert_tree_all_finite(s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
 def test_repeated_huge_gradients_keep_state_finite(factory):
     # The squared gradient is clamped to MAX / 2, so the second moment stays <= MAX / 2 for
@@ -168,6 +243,7 @@ def test_repeated_huge_gradients_keep_state_finite(factory):
         assert float(jnp.max(v)) <= np.finfo(np.float32).max / 2 * (1 + 1e-6)
 
 
+@pytest.mark.slow
 def test_inject_hyperparams_and_chain():
     params, grads = _params(), _grads(_params(), 3)
     tx = optax.inject_hyperparams(opt_lib.adamw_8bit)(learning_rate=1e-2, weight_decay=0.01)
@@ -199,14 +275,12 @@ def test_state_bytes_per_param_bounds():
     assert jmem.tree.bytes_per_param(s8, params) <= 2.04
     assert jmem.tree.bytes_per_param(s4, params) <= 1.07
     assert jmem.tree.bytes_per_param(s32, params) >= 8.0
-    # Exact accounting: codes + absmax + the int32 step counter.
-    nb8 = 4096 // 256 + -(-64 * 300 // 256)
-    assert jmem.tree.nbytes(s8) == 2 * (nb8 * 256 + nb8 * 4) + 4
     # Works on abstract states too.
     abstract = jax.eval_shape(opt_lib.adamw_8bit(1e-3).init, params)
     assert jmem.tree.nbytes(abstract) == jmem.tree.nbytes(s8)
 
 
+@pytest.mark.slow
 def test_threshold_uses_global_size_under_sharding():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
@@ -240,8 +314,8 @@ def test_jit_with_donation():
     chex.assert_trees_all_equal((p1, s1), (p2, s2))
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_resumes_bitwise(tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint not installed")
     params, grads = _params(), _grads(_params(), 6)
     for factory in (opt_lib.adamw_8bit, opt_lib.adamw_4bit):
         tx = factory(1e-2)
@@ -321,6 +395,7 @@ def _train_lm(tx, data, steps=300, batch=128):
     return float(jnp.mean(losses[-30:]))
 
 
+@pytest.mark.slow
 def test_convergence_on_text_matches_adamw():
     data = jnp.asarray(_text_bytes())
     ref = _train_lm(optax.adamw(3e-3, weight_decay=0.01), data)
@@ -333,12 +408,11 @@ def test_convergence_on_text_matches_adamw():
     assert abs(l4_linear - ref) <= 0.05 * ref, (l4_linear, ref)
 
 
+@pytest.mark.slow
 def test_huge_finite_gradients_give_a_bounded_adam_step():
     """|g| ~ 1e30 (finite, diverging run): the update stays ~lr, as optax.adam's does."""
-    from jmem._src.optim import quantized_adam as jo
-
     p, g = {"w": jnp.ones((4096,))}, {"w": jnp.full((4096,), 1e30)}
-    for opt in (jo.adam_8bit(1e-3), jo.adamw_4bit(1e-3, weight_decay=0.0)):
+    for opt in (opt_lib.adam_8bit(1e-3), opt_lib.adamw_4bit(1e-3, weight_decay=0.0)):
         u, state = opt.update(g, opt.init(p), p)
         assert float(jnp.max(jnp.abs(u["w"]))) <= 1.1e-3
         u2, _ = opt.update(g, state, p)
@@ -358,6 +432,7 @@ def _update_temp_bytes(tx, params):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory, per_element", [(opt_lib.adamw_8bit, 8), (opt_lib.adamw_4bit, 9)])
 def test_update_transients_are_one_group_at_a_time(factory, per_element):
     # The float32 moments of the update are transients; the leaves are updated in groups of
@@ -374,6 +449,7 @@ def test_update_transients_are_one_group_at_a_time(factory, per_element):
     assert _update_temp_bytes(four_leaf_groups, params) <= 4 * per_element * leaf + 64 * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
 def test_leaf_ordering_does_not_change_values(factory):
     # The ordering dependency is an exact +0.0: a whole-tree update equals each leaf
@@ -411,21 +487,6 @@ def _quantized_adam(bits, chunk_size):
             chunk_size=chunk_size,
         )
     return optax.chain(inner, optax.scale(-1e-2))
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_chunked_update_equals_whole_tensor_update(bits):
-    # A tensor larger than chunk_size is updated chunk by chunk (here 8 chunks of 1024
-    # elements for "a", 6 for the bf16 "b"); the values are those of the whole-tensor update.
-    rng = np.random.default_rng(5)
-    params = {
-        "a": jnp.asarray(rng.standard_normal((32, 256)), jnp.float32),
-        "b": jnp.asarray(rng.standard_normal((48, 128)), jnp.bfloat16),
-    }
-    grads = [jax.tree.map(lambda p, i=i: (p * 0.1 + i).astype(p.dtype), params) for i in range(3)]
-    whole = _run(_quantized_adam(bits, 1 << 24), params, grads)
-    chunked = _run(_quantized_adam(bits, 1024), params, grads)
-    chex.assert_trees_all_equal(chunked, whole)
 
 
 def test_chunked_update_transients_are_one_chunk():
@@ -469,9 +530,37 @@ def test_num_chunks():
             opt_lib.adamw_8bit(1e-3, chunk_size=bad)
 
 
+@pytest.mark.slow
 def test_unchunkable_tensor_warns():
     # 1031 blocks (prime), chunks of 512 blocks: no divisor in [3, 192].
     tx = _quantized_adam(8, 256 * 512)
     params = {"w": jnp.zeros((1031, 256), jnp.float32)}
     with pytest.warns(UserWarning, match=r"updated whole.*chunk_size=131072"):
         tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize(
+    "name, size_arg",
+    [
+        ("adam_8bit", "min_8bit_size"),
+        ("adamw_8bit", "min_8bit_size"),
+        ("adam_4bit", "min_4bit_size"),
+        ("adamw_4bit", "min_4bit_size"),
+    ],
+)
+def test_aliases_keep_signature_docstring_and_static_args(name, size_arg):
+    fn = getattr(jmem, name)
+    sig = inspect.signature(fn)
+    assert list(sig.parameters)[:4] == ["learning_rate", "b1", "b2", "eps"]
+    assert {"block_size", size_arg, "chunk_size"} <= set(sig.parameters)
+    assert ("weight_decay" in sig.parameters) == ("adamw" in name)
+    assert ("nu_map" in sig.parameters) == ("4bit" in name)
+    assert fn.__doc__ and fn.__doc__.split("\n")[0].startswith(("Adam ", "AdamW "))
+    # The integer arguments stay static under inject_hyperparams; the result is the alias'.
+    params, grads = {"w": _params()["big"]}, [{"w": g["big"]} for g in _grads(_params(), 2)]
+    injected = optax.inject_hyperparams(fn, static_args=("block_size", size_arg, "chunk_size"))
+    tx = injected(learning_rate=1e-2, block_size=64, chunk_size=2048, **{size_arg: 1024})
+    ours, state = _run(tx, params, grads)
+    assert state.inner_state[0].mu["w"].block_size == 64
+    ref, _ = _run(fn(1e-2, block_size=64, chunk_size=2048, **{size_arg: 1024}), params, grads)
+    chex.assert_trees_all_close(ours, ref, atol=1e-6)

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmem import Policy, cast_floating, get_policy
+from jmem import Policy
+from jmem import cast_floating
+from jmem import get_policy
 from jmem._src import precision
 
 F32, BF16, F16, F64 = (jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))

@@ -13,6 +13,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jmem._src import quantization as qz
@@ -27,6 +28,7 @@ def _bnb():
     )
 
 
+@pytest.mark.slow  # imports torch (about 4 s)
 @pytest.mark.parametrize("signed", [True, False])
 def test_dynamic_map_matches_bitsandbytes(signed):
     F = _bnb()
@@ -36,6 +38,7 @@ def test_dynamic_map_matches_bitsandbytes(signed):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-7)
 
 
+@pytest.mark.slow  # imports torch (about 4 s)
 @pytest.mark.parametrize("signed", [True, False])
 def test_dynamic_map_4bit_matches_bitsandbytes(signed):
     F = _bnb()
@@ -139,6 +142,7 @@ def _blocks_of(x, bs):
     return np.pad(x.reshape(-1), (0, (-n) % bs)).reshape(-1, bs)
 
 
+@pytest.mark.slow  # imports torch (about 4 s)
 @pytest.mark.parametrize("signed", [True, False])
 def test_quantize_blockwise_vs_bitsandbytes(signed):
     F = _bnb()
@@ -202,7 +206,7 @@ def test_round_trip_error_bound_and_shapes(name, shape):
     if code[0] >= 0:
         x = np.abs(x)
     bs = 64
-    q = qz.quantize_blockwise(jnp.asarray(x), code=code, block_size=bs)
+    q = jax.jit(lambda v: qz.quantize_blockwise(v, code=code, block_size=bs))(jnp.asarray(x))
     nb = -(-x.size // bs)
     width = bs // 2 if code.size <= 16 else bs
     assert q.codes.shape == (nb, width) and q.codes.dtype == jnp.uint8
@@ -225,6 +229,7 @@ def test_round_trip_error_bound_and_shapes(name, shape):
         np.testing.assert_allclose(flat_d[rows, i][pos], flat_x[rows, i][pos], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_zero_array_and_bf16():
     q = qz.quantize_blockwise(
         jnp.zeros((5, 100), jnp.bfloat16), code=qz.dynamic_map(True), block_size=256
@@ -270,6 +275,24 @@ class QuantizedArrayPytreeTest(chex.TestCase):
         # A QuantizedArray is a valid jit argument and output.
         out = jax.jit(lambda q: qz.dequantize_blockwise(q) * 2)(q)
         chex.assert_trees_all_close(out, 2 * deq)
+
+
+def test_quantized_array_static_fields_and_orbax_round_trip(tmp_path):
+    x = jnp.linspace(-3.0, 2.0, 1000, dtype=jnp.bfloat16).reshape(10, 100)
+    q = qz.quantize_blockwise(x, code=qz.dynamic_map(True, 4), block_size=128)
+    # The static part is canonical: a list shape and a scalar type give the same structure.
+    same = qz.QuantizedArray(q.codes, q.absmax, [10, 100], jnp.bfloat16, 128, q.code)
+    assert jax.tree.structure(same) == jax.tree.structure(q)
+    assert [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(q)] == [
+        ".codes",
+        ".absmax",
+    ]
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "q", {"q": q})
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "q", jax.eval_shape(lambda: {"q": q}))["q"]
+    assert isinstance(restored, qz.QuantizedArray) and restored.dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(restored, q)
 
 
 def test_bad_inputs():

@@ -1,4 +1,4 @@
-"""jmem.remat: identical gradients under every policy, and the memory each policy saves."""
+"""remat: identical gradients under every policy, and the memory each policy saves."""
 
 import chex
 import jax
@@ -28,6 +28,7 @@ def _body_remat(policy):
     return lambda p, b: llama.loss_fn(p, b, CFG, layer_transform=lambda f: jmem.remat(f, policy))
 
 
+@pytest.mark.slow
 class RematGradTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_whole_loss_gradients_bitwise_equal_for_every_policy(self):
@@ -51,6 +52,8 @@ class RematGradTest(chex.TestCase):
             got = self.variant(jax.grad(jmem.remat(loss, policy)))(params, batch)
             chex.assert_trees_all_equal(got, ref)
 
+
+class ScanStepTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_scan_step_usage(self):
         ws = jax.random.normal(jax.random.key(0), (5, 8, 8))
@@ -68,6 +71,7 @@ class RematGradTest(chex.TestCase):
         chex.assert_trees_all_equal(got, ref)
 
 
+@pytest.mark.slow
 def test_every_named_policy_gives_bitwise_equal_gradients(setup):
     params, batch, loss = setup
     small = jax.tree.map(lambda x: x[:, :64], batch)
@@ -77,6 +81,7 @@ def test_every_named_policy_gives_bitwise_equal_gradients(setup):
         chex.assert_trees_all_equal(got, ref)
 
 
+@pytest.mark.slow
 def test_temp_bytes_ordered_by_policy(setup):
     params, batch, loss = setup
     temp = {"none": jmem.measure(jax.grad(loss), params, batch).temp_bytes}
@@ -87,6 +92,7 @@ def test_temp_bytes_ordered_by_policy(setup):
     assert temp["full"] <= 0.30 * temp["none"]
 
 
+@pytest.mark.slow
 def test_whole_loss_equals_scan_body_remat_in_temp_bytes(setup):
     params, batch, loss = setup
     for policy in ["selective", "full"]:
@@ -95,6 +101,7 @@ def test_whole_loss_equals_scan_body_remat_in_temp_bytes(setup):
         assert whole == body, (policy, whole, body)
 
 
+@pytest.mark.slow
 def test_plain_checkpoint_of_whole_loss_saves_nothing(setup):
     """The problem jmem.remat solves: jax.checkpoint around a whole loss keeps every layer."""
     params, batch, loss = setup
@@ -103,6 +110,7 @@ def test_plain_checkpoint_of_whole_loss_saves_nothing(setup):
     assert ours < 0.5 * plain
 
 
+@pytest.mark.slow
 def test_offload_policy_compiles_and_matches(setup):
     params, batch, loss = setup
     ref = jax.jit(jax.grad(loss))(params, batch)
@@ -110,23 +118,29 @@ def test_offload_policy_compiles_and_matches(setup):
     chex.assert_trees_all_equal(got, ref)
 
 
-def test_scan_nested_in_jit_and_cond():
+@jax.jit
+def _inner_scan(ws, x):
+    return jax.lax.scan(lambda c, w: (jnp.sin(c @ w), None), x, ws)[0]
+
+
+def _loss_with_nested_scan(ws, x, flag):
+    y = jax.lax.cond(flag, lambda: _inner_scan(ws, x), lambda: _inner_scan(ws, 2 * x))
+    return jnp.sum(y**2)
+
+
+def test_scan_nested_in_jit_and_cond_keeps_gradients():
     ws = jax.random.normal(jax.random.key(0), (6, 16, 16)) * 0.3
-
-    @jax.jit
-    def inner(ws, x):
-        return jax.lax.scan(lambda c, w: (jnp.sin(c @ w), None), x, ws)[0]
-
-    def loss(ws, x, flag):
-        y = jax.lax.cond(flag, lambda: inner(ws, x), lambda: inner(ws, 2 * x))
-        return jnp.sum(y**2)
-
     x = jnp.ones((4, 16))
-    ref = jax.grad(loss)(ws, x, True)
-    got = jax.grad(jmem.remat(loss, "full"))(ws, x, True)
+    ref = jax.grad(_loss_with_nested_scan)(ws, x, True)
+    got = jax.grad(jmem.remat(_loss_with_nested_scan, "full"))(ws, x, True)
     chex.assert_trees_all_equal(got, ref)
-    # the scan inside jit inside cond was checkpointed: less temp memory on a longer scan
+
+
+@pytest.mark.slow
+def test_scan_nested_in_jit_and_cond_is_checkpointed():
+    """The scan inside jit inside cond was checkpointed: less temp memory on a long scan."""
     big_ws, big_x = jnp.zeros((32, 16, 16)), jnp.zeros((512, 16))
+    loss = _loss_with_nested_scan
     plain = jmem.measure(jax.grad(loss), big_ws, big_x, True).temp_bytes
     full = jmem.measure(jax.grad(jmem.remat(loss, "full")), big_ws, big_x, True).temp_bytes
     assert full < 0.8 * plain, (full, plain)
@@ -160,6 +174,7 @@ def test_none_policy_returns_function_unchanged():
     assert jmem.remat(f, "none") is f
 
 
+@pytest.mark.slow
 def test_every_groups_scan_iterations_sqrt_scheme():
     """Chen et al. 2016: checkpoint groups of ~sqrt(L) layers; same gradients, less memory."""
     cfg = llama.get_config(

@@ -21,10 +21,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
-from jmem import measure, nf4, sharding, train_step
+from jmem import measure
+from jmem import nf4
+from jmem import sharding
+from jmem import train_step
 from jmem._src import quantization as qz
 from jmem._src.optim import quantized_adam as optimizers
 
@@ -79,6 +84,31 @@ def _run(step, state, n=2):
 
 def _specs(tree):
     return jax.tree.map(lambda s: s.spec, tree)
+
+
+class ConstrainGradientsTest(chex.TestCase):
+    """The gradient-placement wrapper changes placement only, jitted and not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_constrained_update_equals_plain_update(self):
+        mesh = sharding.make_mesh(data=1, fsdp=8)
+        params = _params()
+        grads = jax.grad(mlp)(params, _batch(0))
+        plain = adam()
+        wrapped = sharding.constrain_gradients(adam(), mesh, "zero3", min_size=1024)
+        want = plain.update(grads, plain.init(params), params)
+        got = self.variant(wrapped.update)(grads, wrapped.init(params), params)
+        chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shard_state_keeps_values_and_places_by_rule(self):
+        mesh = sharding.make_mesh(data=1, fsdp=8)
+        params = _params()
+        shardings = sharding.param_shardings(params, mesh, "zero3", min_size=1024)
+        placed = sharding.shard_state(params, shardings)
+        out = self.variant(lambda p: jax.tree.map(lambda x: 2.0 * x, p))(placed)
+        chex.assert_trees_all_close(out, jax.tree.map(lambda x: 2.0 * x, params))
+        assert placed["w1"]["kernel"].sharding.spec == shardings["w1"]["kernel"].spec
 
 
 # ----------------------------------------------------------------------------------------
@@ -181,6 +211,7 @@ def adam_reference():
     return _run(step, step.init(_copy(_params())))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_sharded_adam_matches_single_device(strategy, adam_reference):
     params = _params()
@@ -199,6 +230,7 @@ def test_sharded_adam_matches_single_device(strategy, adam_reference):
     assert state.opt_state[0].mu["w1"]["kernel"].sharding.spec == P(None, "fsdp")
 
 
+@pytest.mark.slow
 def test_adamw_8bit_sharded_matches_single_device_and_uses_global_size():
     # w1 has 8192 elements: split 8 ways a shard has 1024 < min_8bit_size=4096, but the
     # threshold is decided on the global size, so its moments stay 8-bit.
@@ -235,6 +267,7 @@ def test_adamw_8bit_sharded_matches_single_device_and_uses_global_size():
     assert mismatch < 0.01, mismatch
 
 
+@pytest.mark.slow
 def test_qlora_sharded_matches_single_device():
     from jmem import lora
 
@@ -261,6 +294,7 @@ def test_qlora_sharded_matches_single_device():
     chex.assert_trees_all_equal(state.frozen, ref_state.frozen)  # never updated
 
 
+@pytest.mark.slow
 def test_offload_and_master_weights_keep_memory_kind_and_sharding():
     params = _params()
     kw = dict(master_weights=True, precision="p=bf16,c=bf16,o=f32", offload_optimizer=True)
@@ -292,6 +326,7 @@ def _shard_bytes(tree, shardings):
     return total
 
 
+@pytest.mark.slow
 def test_per_device_state_bytes_are_one_eighth():
     params = _params(d=128, f=512)
     batch = _abstract_batch(d=128)
@@ -320,6 +355,7 @@ def test_per_device_state_bytes_are_one_eighth():
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_reshards_8_to_4_and_1(tmp_path):
     params = _params()
     mesh8 = sharding.make_mesh(data=1, fsdp=8)
@@ -363,6 +399,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_sharded_step(tmp_path):
     if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
         pytest.skip(

@@ -9,8 +9,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmem
-from jmem import DynamicLossScale, train_step
+from jmem import DynamicLossScale
+from jmem import train_step
 from jmem._src.train import accumulation
+from jmem._src.train.skip import skip_if_nonfinite
 from jmem.models import llama
 
 CFG = llama.get_config(
@@ -32,6 +34,7 @@ def params():
     return llama.init(jax.random.key(0), CFG)
 
 
+@pytest.mark.slow
 def test_one_step_equals_hand_written_optax_step(params):
     batch = _batch(jax.random.key(1))
     opt = optax.adamw(1e-3)
@@ -44,6 +47,7 @@ def test_one_step_equals_hand_written_optax_step(params):
     assert int(state.step) == 1
 
 
+@pytest.mark.slow
 def test_microbatched_gradients_equal_full_batch(params):
     batch = _batch(jax.random.key(2), b=8)
     grad_fn = jax.grad(lambda p, b: (_loss(p, b), ()), has_aux=True)
@@ -52,6 +56,7 @@ def test_microbatched_gradients_equal_full_batch(params):
     chex.assert_trees_all_close(acc, full, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_accumulation_activation_memory_is_one_microbatch(params):
     batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((16, 128), x.dtype), _batch(jax.random.key(0))
@@ -64,12 +69,14 @@ def test_accumulation_activation_memory_is_one_microbatch(params):
     assert temps[4] < 0.5 * temps[1]
 
 
+@pytest.mark.slow
 def test_bad_microbatch_split_is_a_clear_error(params):
     step = train_step(_loss, optax.sgd(1e-2), microbatches=3)
     with pytest.raises(ValueError, match="divisible"):
         step(step.init(params), _batch(jax.random.key(0), b=8))
 
 
+@pytest.mark.slow
 def test_nonfinite_step_changes_only_the_loss_scale(params):
     def loss(p, b):
         return _loss(p, b) * b["poison"][0]
@@ -88,6 +95,7 @@ def test_nonfinite_step_changes_only_the_loss_scale(params):
     assert float(s2.loss_scale.loss_scale) == 2.0**14
 
 
+@pytest.mark.slow
 def test_fp16_with_dynamic_loss_scale_recovers_from_overflow(params):
     """fp16 params with fp32 masters: a deliberate overflow is skipped, the scale halves, and
     training goes on lowering the loss."""
@@ -120,6 +128,7 @@ def test_fp16_with_dynamic_loss_scale_recovers_from_overflow(params):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_remat_in_builder_gives_same_update_and_less_temp(params):
     batch = _batch(jax.random.key(5), b=4, s=128)
     plain = train_step(_loss, optax.sgd(1e-2), donate=False)
@@ -133,6 +142,7 @@ def test_remat_in_builder_gives_same_update_and_less_temp(params):
     )
 
 
+@pytest.mark.slow
 def test_state_survives_orbax_round_trip(params, tmp_path):
     step = train_step(
         _loss, optax.adamw(1e-3), loss_scale=DynamicLossScale(2.0**10, period=7, min_loss_scale=4.0)
@@ -146,6 +156,7 @@ def test_state_survives_orbax_round_trip(params, tmp_path):
     assert restored.loss_scale.min_loss_scale == 4.0 and restored.loss_scale.period == 7
 
 
+@pytest.mark.slow
 def test_fp8_state_is_carried_and_updated_by_the_builder(params):
     from jmem import fp8
 
@@ -166,6 +177,7 @@ def test_fp8_state_is_carried_and_updated_by_the_builder(params):
     assert jax.tree.structure(s2.fp8) == jax.tree.structure(metas)
 
 
+@pytest.mark.slow
 def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
     """8-bit AdamW with fp32 masters: offloaded state gives the same params as on-device state,
     and every state leaf lives in pinned_host after each step."""
@@ -185,6 +197,7 @@ def test_offload_optimizer_in_builder_is_bitwise_and_stays_on_host(params):
     chex.assert_trees_all_equal(a.params, b.params)
 
 
+@pytest.mark.slow
 def test_offload_leaf_by_leaf_in_builder_trains_like_whole_tree():
     """offload_optimizer="leaf_by_leaf" (AdamW, bf16 params, fp32 masters): bitwise the same
     params and state as offload_optimizer=True, state in pinned_host after each step. A small
@@ -217,6 +230,7 @@ def test_offload_leaf_by_leaf_in_builder_trains_like_whole_tree():
         train_step(loss, optax.adamw(1e-2), offload_optimizer="leaf-by-leaf")
 
 
+@pytest.mark.slow
 def test_offload_leaf_by_leaf_on_a_zero3_mesh_matches_whole_tree():
     """Sharded builder (zero3 over fsdp=4): leaf by leaf keeps the state's shardings and
     memory kind and trains bitwise like whole-tree offload."""
@@ -255,6 +269,7 @@ def test_offload_leaf_by_leaf_on_a_zero3_mesh_matches_whole_tree():
     chex.assert_trees_all_equal(jax.device_get(s.opt_state), jax.device_get(states[True].opt_state))
 
 
+@pytest.mark.slow
 def test_fp8_scaling_state_is_maxed_not_averaged_over_microbatches():
     """The step's amax is the max over microbatches: 1 and 2 microbatches record the same."""
     from jmem import fp8
@@ -281,6 +296,7 @@ def test_fp8_scaling_state_is_maxed_not_averaged_over_microbatches():
     )
 
 
+@pytest.mark.slow
 def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_path):
     from jmem import Checkpointer
 
@@ -295,6 +311,7 @@ def test_offloaded_step_accepts_state_restored_into_device_memory(params, tmp_pa
     assert {x.sharding.memory_kind for x in jax.tree.leaves(s2.opt_state)} == {"pinned_host"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make_opt",
     [
@@ -343,3 +360,91 @@ def test_state_changing_dtype_is_a_clear_error_when_skipping():
     )
     with pytest.raises(TypeError, match="skip_nonfinite=True.*types differ.*skip_nonfinite=False"):
         step(step.init({"w": jnp.ones(3)}), jnp.ones(3))
+
+
+class SkipAndAccumulationTest(chex.TestCase):
+    """The step's building blocks hold jitted and not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_skip_if_nonfinite_keeps_state_bitwise_and_applies_when_finite(self):
+        opt = optax.adam(1e-2)
+        params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-0.0, 1.0])}
+        grads = jax.tree.map(lambda p: 0.1 * p + 1.0, params)
+        state = opt.init(params)
+
+        def param_update(g, s, p):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        update = self.variant(skip_if_nonfinite(param_update))
+        kept_p, kept_s = update(grads, state, params, jnp.array(False))
+        jax.tree.map(np.testing.assert_array_equal, (kept_p, kept_s), (params, state))
+        new_p, new_s = update(grads, state, params, jnp.array(True))
+        want_p, want_s = param_update(grads, state, params)
+        chex.assert_trees_all_close((new_p, new_s), (want_p, want_s), rtol=1e-6, atol=1e-7)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_accumulated_gradients_equal_one_batch(self):
+        w = jax.random.normal(jax.random.key(0), (8, 4))
+        batch = {"x": jax.random.normal(jax.random.key(1), (12, 8))}
+
+        def grad_fn(w, b):
+            return jax.grad(lambda w: jnp.mean(jnp.tanh(b["x"] @ w) ** 2))(w), ()
+
+        full, _ = grad_fn(w, batch)
+        acc, _ = self.variant(lambda w, b: accumulation.accumulate_gradients(grad_fn, w, b, 3))(
+            w, batch
+        )
+        chex.assert_trees_all_close(acc, full, rtol=1e-5, atol=1e-7)
+
+
+def _mlp_loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+
+def _mlp_problem(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    params = {"w1": jax.random.normal(k[0], (8, 16)), "w2": jax.random.normal(k[1], (16, 4))}
+    batch = {"x": jax.random.normal(k[2], (8, 8)), "y": jax.random.normal(k[3], (8, 4))}
+    return params, batch
+
+
+def test_one_mlp_step_equals_hand_written_optax_step():
+    params, batch = _mlp_problem()
+    opt = optax.adamw(1e-2)
+    step = train_step(_mlp_loss, opt, donate=False)
+    state, metrics = step(step.init(params), batch)
+    loss, g = jax.value_and_grad(_mlp_loss)(params, batch)
+    u, _ = opt.update(g, opt.init(params), params)
+    chex.assert_trees_all_close(state.params, optax.apply_updates(params, u), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+
+
+def test_step_is_traced_once_for_repeated_calls():
+    params, batch = _mlp_problem()
+    step = train_step(chex.assert_max_traces(_mlp_loss, n=1), optax.sgd(1e-2))
+    state = step.init(params)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert int(state.step) == 3
+
+
+def test_precision_argument_is_named_precision():
+    step = train_step(_mlp_loss, optax.sgd(1e-2), precision="p=f32,c=bf16,o=f32")
+    assert step.precision == jmem.get_policy("p=f32,c=bf16,o=f32")
+    with pytest.raises(TypeError):
+        train_step(_mlp_loss, optax.sgd(1e-2), policy="p=f32,c=bf16,o=f32")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"microbatches": 0}, "microbatches"),
+        ({"offload_optimizer": "sometimes"}, "offload_optimizer"),
+        ({"remat": "mlp_hidden"}, "remat policy"),
+        ({"precision": "p=f33"}, "dtype"),
+    ],
+)
+def test_bad_options_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        train_step(_mlp_loss, optax.sgd(1e-2), **kwargs)

@@ -29,8 +29,8 @@ def parse_dtype(name: str):
     ``double``.
 
     Raises:
-        TypeError: ``name`` is not a string.
-        ValueError: unknown name; the message lists the valid ones.
+      TypeError: ``name`` is not a string.
+      ValueError: unknown name; the message lists the valid ones.
     """
     if not isinstance(name, str):
         raise TypeError(f"dtype name must be a string, got {type(name).__name__}: {name!r}.")

@@ -1,89 +1,20 @@
 """FP8 matmuls with delayed (per-tensor, amax-history) scaling.
 
-``fp8_dot(x, kernel, meta)`` computes ``x @ kernel`` with both operands quantized to
-E4M3 (``float8_e4m3fn``) and, in the backward pass, the output gradient quantized to
-E5M2 (``float8_e5m2``): the "hybrid" format of Micikevicius et al. 2022 ("FP8 Formats
-for Deep Learning", arXiv:2209.05433) and the default of NVIDIA Transformer Engine's
-``DelayedScaling`` recipe. On GPUs with FP8 tensor cores (H100/H200) XLA lowers the
-FP8 ``dot_general`` to cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``); on CPU the same
-numerics run with the operands upcast inside the dot (useful for tests, not faster).
-
-Delayed scaling (Transformer Engine's recipe)
----------------------------------------------
-Each of the three tensors of one matmul (input ``x``, ``kernel``, output gradient
-``grad``) has a ``Fp8TensorMeta``: an amax history and the scale in use. At every step,
-before quantizing tensor ``t``::
-
-        amax     = max(amax_history)          # amax_compute_algo="max"
-                          | amax_history[0]            # amax_compute_algo="most_recent"
-        scale    = fp8_max / amax / 2**margin # TE convention; fp8_max = 448 (E4M3), 57344 (E5M2)
-        q        = fp8(clip(t * scale, -fp8_max, fp8_max))   # overflow saturates
-        history  = [amax(|t|), history[0], ..., history[-2]] # new amax at index 0, oldest drops
-
-The scale of step ``n`` thus comes from the amaxes of steps ``< n`` (the "delayed"
-part); the tensor's own amax enters the history for the next step.
-
-**What is stored is the inverse**, ``scale_inv = 1 / scale = amax * 2**margin / fp8_max``
-(TE's ``scale_inv``; flax ``fp8_ops`` calls the same quantity ``scale``): quantize
-divides by it, dequantize multiplies by it. ``Fp8TensorMeta.scale`` gives ``scale``.
-
-Edge cases: an amax of zero (all-zero tensor, or a fresh all-zero history) keeps the
-previous scale; a scale that is not finite or not positive (amax below ~1e-36, a zeroed
-state) falls back to the previous one, or to 1.0. A non-finite amax (inf/NaN in the
-tensor, e.g. a loss-scale overflow) is recorded as 0 so that it does not poison the
-history for ``history_len`` steps. At initialization (zero history, ``scale_inv = 1``)
-the first step quantizes unscaled, exactly as TE does.
-
-History layout: index ``i`` holds the amax of ``i + 1`` steps before the next use
-(chronological, index 0 newest). TE and flax keep the same window of the last
-``history_len`` amaxes but roll by -1 (index 0 newest, the rest a ring); for "max" and
-"most_recent" the results are identical, the chronological order is easier to inspect.
-
-State updates: "overwrite with gradient"
----------------------------------------
-As flax's ``fp8_ops`` (and MaxText/Praxis) do, the meta is an *input* of the loss, and
-the custom VJP of ``fp8_dot`` returns the *updated meta* as its "gradient". So
-``jax.grad(loss, argnums=(0, 1))(params, metas, ...)`` gives ``(param_grads,
-new_metas)``: the train step stores ``new_metas`` as they are and must not pass them to
-the optimizer. When metas sit inside a larger tree use ``partition``/``combine``.
-Consequences (documented limitations): a meta must be used by exactly one ``fp8_dot``
-per differentiated function (two uses would *sum* two states; stack one meta per layer
-and scan, as ``init_metas`` does); do not ``vmap`` ``fp8_dot`` over a shared meta
-(use leading batch dims of ``x`` instead); a meta that is not used at all gets a zero
-"gradient", i.e. it is reset (zero history, and scale 1.0 at its next use).
-
-What comes from flax (``flax.linen.fp8_ops``, flax 0.12) and what is written here
-----------------------------------------------------------------------------------
-Used from flax: ``quantize`` (scale, clip to +-fp8_max, cast), ``dequantize``,
-``compute_scale`` (the TE formula, with ``margin`` and the amax <= 0 / non-finite
-fallback), ``get_fp8_max``, and ``dot_general_transpose_lhs``/``_rhs`` (the backward
-dot_generals for arbitrary ``dimension_numbers``).
-Written here: the pytree state (``Fp8Meta``, stacked per-layer metas, ``init_metas``),
-``amax_compute_algo`` (flax only has "max"), passing ``margin`` through (flax's
-``update_fp8_meta`` hard-codes 0), the chronological history roll, the guards for
-non-finite/zero scales and non-finite amaxes, and one custom VJP for the whole matmul
-(flax's ``fp8_scaled_dot_general`` splits it into ``in_q``/``quantized_dot``/``out_dq``
-and keeps the unquantized operands as residuals; here only the FP8 operands, 1 byte per
-element, are saved for the backward pass). Output and gradient accumulation is float32,
-then cast to the output dtype.
-
-Composition: under ``jax.checkpoint`` the policy decides as usual (``dots_saveable``
-keeps the FP8 matmul outputs, ``nothing_saveable`` recomputes them, re-running the
-quantization deterministically). The FP8 residuals are stored bit-cast to ``uint8``
-because JAX's remat wraps saved float residuals in ``reduce_precision``, which on
-XLA:CPU flushes ``float8_e4m3fn`` subnormals to zero. LoRA: keep the low-rank path a
-separate bf16 matmul, ``fp8_dot(x, W, meta) + s * (x @ a) @ b``. ``jmem.lora.apply``
-and ``jmem.qlora.apply`` do exactly that for a model calling ``fp8_dot``: the traced
-``custom_vjp`` carries its ``Fp8DotConfig`` (``dot_config_of``), which ``jmem.implicit``
-matches to run the frozen (NF4-dequantized) base in FP8 and the adapters in the compute
-dtype, re-quantizing the FP8 kernel in the backward pass instead of saving it.
+``fp8_dot(x, kernel, meta)`` quantizes both operands to E4M3 and, in the backward pass, the
+output gradient to E5M2 (the "hybrid" format of Micikevicius et al. 2022, "FP8 Formats for
+Deep Learning", arXiv:2209.05433), with NVIDIA Transformer Engine's ``DelayedScaling``
+recipe; the updated ``Fp8Meta`` is returned as the meta's gradient (flax ``fp8_ops``'s
+"overwrite with gradient"). Recipe, state layout and limits: ``docs/fp8.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,9 +24,13 @@ from jax import lax
 
 from jmem._src import tree as _tree
 
+#: FP8 format of the forward operands (``x`` and ``kernel``): 4 exponent, 3 mantissa bits.
 E4M3 = jnp.float8_e4m3fn
+#: FP8 format of the output gradient: 5 exponent, 2 mantissa bits.
 E5M2 = jnp.float8_e5m2
+#: How a scale's amax is taken from the history (Transformer Engine's ``amax_compute_algo``).
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+#: Default amax history length, in steps (Transformer Engine's ``amax_history_len``).
 DEFAULT_HISTORY_LEN = 1024
 
 
@@ -241,7 +176,7 @@ def init_metas(
             f"{targets!r}; write ({targets!r},)."
         )
     if callable(targets):
-        names, pred = None, targets
+        names, pred = None, _tree.path_predicate(targets)
     else:
         names = tuple(targets)
         if not all(isinstance(n, str) for n in names):
@@ -408,7 +343,7 @@ def fp8_dot_forward(cfg: Fp8DotConfig, x: jax.Array, kernel: jax.Array, meta: Fp
     ``residuals = (qx, qk, x_meta, k_meta, grad_meta)``: ``qx``/``qk`` are the E4M3
     operands as ``uint8`` (``fp8_bits``), ``x_meta``/``k_meta`` the updated states used
     to quantize them, ``grad_meta`` the incoming (not yet updated) gradient state.
-    Exposed so that a jaxpr interpreter (``jmem.implicit``) can wrap it in its own
+    Exposed so that the implicit-weight interpreter (``jmem._src.implicit``) can wrap it in its own
     ``custom_vjp`` (e.g. to recompute ``qk`` in the backward pass from a compact weight).
     """
     x_meta = update_tensor_meta(x, meta.x, E4M3, cfg.amax_compute_algo, cfg.margin)
@@ -456,7 +391,7 @@ def _fp8_dg(cfg: Fp8DotConfig) -> Callable:
 
     Its backward function carries ``cfg`` as an attribute: the ``custom_vjp_call``
     equation of a traced ``fp8_dot_general`` holds it in ``params["bwd"]``, which is how
-    ``dot_config_of`` (and so ``jmem.implicit``) recognizes an FP8 matmul in a jaxpr.
+    ``dot_config_of`` (and so ``jmem._src.implicit``) recognizes an FP8 matmul in a jaxpr.
     """
 
     def fwd(x, kernel, meta):

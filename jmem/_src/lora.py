@@ -1,26 +1,9 @@
 """LoRA: low-rank adapters kept as their own pytree, applied without merging weights.
 
-``lora = jmem.lora.init(key, params)`` returns ``{path: LoraWeight(a, b, scale)}``, one entry
-per targeted weight, keyed by the weight's '/'-joined key path in ``params`` (e.g.
-``"layers/q_proj/kernel"``; an NNX ``State``'s trailing ``value`` is dropped, giving
-``"l1/kernel"``). ``a`` and ``b`` are the pytree leaves (what the optimizer sees);
-``scale`` is static metadata (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA). The base
-``params`` are never changed.
-
-``jmem.lora.apply(fn)`` returns ``fn_lora(params, lora, *args, **kwargs)``, equal to
-``fn(merge(params, lora), *args, **kwargs)`` but computed as ``x·W + s·(x·a)·b`` at every
-targeted matmul, never materializing a merged weight; ``jax.grad(fn_lora, argnums=1)``
-differentiates only the adapters (the frozen base is a constant: no gradient buffers).
-``params`` may also hold ``jmem.nf4.NF4Array`` leaves: that is QLoRA (``jmem.qlora``).
-The rewrite is a jaxpr interpreter (``jmem.implicit``): see its docstring for what a
-model may do with a targeted weight.
-
-Semantics follow Hu et al. 2021 ("LoRA: Low-Rank Adaptation of Large Language Models")
-and Hugging Face PEFT's ``LoraLayer``: ``lora_A`` kaiming-uniform (``a=sqrt(5)``, i.e.
-U(-1/sqrt(in), 1/sqrt(in))) or gaussian with std ``1/r``, ``lora_B`` zeros, scaling
-``alpha/r`` (``alpha/sqrt(r)`` with ``use_rslora``, Kalajdzievski 2023). Kernels here are
-``[in, out]`` (``y = x @ W``), so ``a`` is PEFT's ``lora_A.weight.T`` and ``b`` is
-``lora_B.weight.T``.
+``apply(fn)`` computes ``x·W + s·(x·a)·b`` at every targeted matmul through the
+implicit-weight interpreter (``jmem/_src/implicit/``). Semantics follow Hu et al. 2021
+("LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685) and Hugging Face
+PEFT's ``LoraLayer``. Design and limits: ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +43,7 @@ class LoraWeight:
 
     @property
     def rank(self) -> int:
+        """The adapter rank ``r`` (``a.shape[-1]``)."""
         return int(self.a.shape[-1])
 
     def delta(self, dtype=jnp.float32) -> jax.Array:
@@ -139,14 +124,15 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     Args:
       fn: any JAX function whose first argument is a params pytree: a pure model function,
         an NNX ``nnx.merge(graphdef, state)(x)`` wrapper, the reference Llama.
-      allow_materialize: see ``jmem.implicit``.
+      allow_materialize: where a targeted weight cannot stay implicit (see ``docs/lora.md``),
+        materialize its merged, dequantized value for that operation instead of raising.
 
     Returns:
       ``fn_lora(params, lora, *args, **kwargs)``.
 
     Raises (when called):
       ValueError: an adapter path missing from ``params`` or of the wrong shape.
-      jmem.implicit.ImplicitWeightError: a targeted weight used other than in a matmul.
+      jmem.lora.ImplicitWeightError: a targeted weight used other than in a matmul.
     """
 
     @functools.wraps(fn)
@@ -161,6 +147,13 @@ def merge(params, lora: dict[str, LoraWeight]):
 
     ``NF4Array`` leaves with an adapter are dequantized (to their original dtype) and merged;
     other leaves are returned as they are. The result has ``W``'s dtype.
+
+    Args:
+      params: the base params pytree (arrays or ``NF4Array`` leaves).
+      lora: ``{path: LoraWeight}`` (``init``).
+
+    Returns:
+      ``params`` with each adapted leaf replaced by its merged dense weight.
 
     Raises:
       ValueError: if an adapter names no leaf of ``params``.

@@ -1,43 +1,35 @@
-"""Loss scaling for float16 training: no-op, static and dynamic loss scales.
-
-Float16 has 5 exponent bits: its smallest subnormal is 2**-24 (~6e-8) and its largest
-finite value 65504, so small gradients flush to zero in the backward pass. Loss scaling
-multiplies the loss by ``S`` before differentiating (so every cotangent is ``S`` times
-larger and stays representable), then divides the gradients by ``S`` in float32. Dynamic
-loss scaling picks the largest ``S`` that keeps gradients finite: it grows ``S`` by
-``factor`` after ``period`` consecutive finite steps and shrinks it by ``factor`` (not below
-``min_loss_scale``) on every non-finite step, whose update the caller skips.
+"""Loss scaling for float16 training: no-op, static and dynamic loss scales, as frozen
+dataclass pytrees whose every field is a leaf (so none is lost under ``jit`` or in a
+checkpoint). Design notes and the differences from jmp: ``docs/mixed_precision.md``.
 
 Sources: Micikevicius et al., "Mixed Precision Training" (ICLR 2018), section 3.2; jmp
 (``jmp.DynamicLossScale``, ``jmp.all_finite``, ``jmp.select_tree``); PyTorch's
 ``torch.amp.GradScaler``.
-
-Differences from jmp:
-
-* Every field of :class:`DynamicLossScale` is an array leaf of the pytree (jmp keeps only
-  ``loss_scale`` and ``counter``; its ``tree_unflatten`` silently resets
-  ``min_loss_scale`` to 1 whenever the object passes through ``jit``/``tree_map``). Making
-  ``period``, ``factor`` and ``min_loss_scale`` leaves means they survive ``jit``, are
-  written into checkpoints and come back from an orbax restore with or without a target,
-  and changing them does not recompile the train step. ``adjust`` never changes them.
-* The scale is always a float32 array (a float16 scale overflows at 2**16), ``unscale``
-  computes in float32 and casts back to each gradient's dtype, and ``scale`` returns float32
-  for half-precision losses so that ``loss * S`` cannot overflow.
-* Only floating-point leaves are scaled, unscaled or checked for finiteness; integer
-  leaves and ``float0`` gradients pass through.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar, Union
+from typing import Any
+from typing import TypeVar
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmem._src.tree import is_float_array as _is_float_array
-from jmem._src.tree import select_tree  # noqa: F401  (re-exported)
+from jmem._src.tree import select_tree
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "loss_scale_from_name",
+    "select_tree",
+]
 
 T = TypeVar("T")
 
@@ -58,13 +50,54 @@ def _unscale_leaf(x, s):
     return (x.astype(wide) / s.astype(wide)).astype(x.dtype)
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+def _is_python_number(x) -> bool:
+    """A Python int or float (not a bool): what a user's call (or a default) passes."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _check_scalar(x, name: str):
-    if getattr(x, "shape", ()) != ():
-        raise ValueError(f"{name} must be a scalar, got shape {x.shape}.")
+def _to_scalar(value, dtype, name: str) -> jax.Array:
+    """``value`` as a ``dtype[]`` array; raises if it is not a scalar or not integral."""
+    if np.issubdtype(dtype, np.integer) and isinstance(value, (float, np.ndarray, np.generic)):
+        if _is_float_array(np.asarray(value)) and float(value) != int(value):
+            raise ValueError(f"{name} must be an integer, got {value}.")
+    value = jnp.asarray(value, dtype)
+    if value.shape != ():
+        raise ValueError(f"{name} must be a scalar, got shape {value.shape}.")
+    return value
+
+
+#: Field -> (dtype, check, requirement).
+_FIELDS = {
+    "loss_scale": (_F32, lambda v: np.isfinite(v) and v > 0, "positive and finite"),
+    "period": (jnp.int32, lambda v: v >= 1, ">= 1"),
+    "factor": (_F32, lambda v: np.isfinite(v) and v >= 1, "a finite number >= 1"),
+    "min_loss_scale": (_F32, lambda v: np.isfinite(v) and v > 0, "positive and finite"),
+    "counter": (jnp.int32, lambda v: v >= 0, ">= 0"),
+}
+
+
+def _init_fields(obj, names) -> None:
+    """Converts and validates the fields ``names`` of a loss scale built by a user's call.
+
+    ``register_dataclass`` rebuilds the object through its constructor on every unflatten
+    (``jit``, ``scan``, ``vmap``, ``tree_map``, ``jax.device_get``, an orbax restore), with
+    leaves that may be tracers, stacked or NumPy arrays, bools, ``None`` or placeholders.
+    Those are stored as they are: only an object with at least one field given as a Python
+    int or float (a user's call, defaults included) is converted and checked, so no array is
+    read back to the host after a jitted step.
+    """
+    values = [getattr(obj, n) for n in names]
+    if not any(_is_python_number(v) for v in values):
+        return
+    for name, value in zip(names, values):
+        object.__setattr__(obj, name, _to_scalar(value, _FIELDS[name][0], name))
+    if any(isinstance(getattr(obj, n), jax.core.Tracer) for n in names):
+        return
+    for name in names:
+        _, check, requirement = _FIELDS[name]
+        v = getattr(obj, name).item()
+        if not check(v):
+            raise ValueError(f"{name} must be {requirement}, got {v}.")
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -79,6 +112,7 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
     """A loss scale of 1 that does nothing (float32/bfloat16 training).
@@ -104,6 +138,7 @@ class NoOpLossScale:
         return self
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
     """Scales the loss and unscales gradients by a fixed constant.
@@ -113,7 +148,9 @@ class StaticLossScale:
         only leaf, so it is checkpointed and can be traced).
 
     Raises:
-      ValueError: ``loss_scale`` is not a positive finite scalar.
+      ValueError: ``loss_scale`` is not a positive finite scalar (checked, and converted to
+        float32, when given as a Python number; any other leaf is stored as it is, as on a
+        pytree unflatten).
 
     Source: ``jmp.StaticLossScale``.
     """
@@ -121,11 +158,7 @@ class StaticLossScale:
     loss_scale: Any = 2.0**15
 
     def __post_init__(self):
-        s = jnp.asarray(self.loss_scale, _F32)
-        _check_scalar(s, "loss_scale")
-        if _is_concrete(s) and not (np.isfinite(float(s)) and float(s) > 0):
-            raise ValueError(f"loss_scale must be positive and finite, got {float(s)}.")
-        object.__setattr__(self, "loss_scale", s)
+        _init_fields(self, ("loss_scale",))
 
     def scale(self, tree: T) -> T:
         """Multiplies each floating leaf by the scale; half-precision leaves come back float32
@@ -142,6 +175,7 @@ class StaticLossScale:
         return self
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     """Dynamic loss scale: grows by ``factor`` every ``period`` finite steps, shrinks on
@@ -178,7 +212,10 @@ class DynamicLossScale:
 
     Raises:
       ValueError: non-scalar fields, or (when concrete) ``loss_scale``/``min_loss_scale`` not
-        positive and finite, ``period`` < 1 or ``factor`` < 1.
+        positive and finite, ``period`` < 1, ``factor`` < 1 or ``counter`` < 0. Checked (and
+        every field converted to its dtype) when at least one field is a Python int or
+        float, as in any user call (defaults included); an object rebuilt from arrays,
+        NumPy values, bools or ``None`` is stored as it is, as on a pytree unflatten.
 
     Source: ``jmp.DynamicLossScale`` (same rule; here every field is a leaf), Micikevicius et
     al. 2018.
@@ -191,33 +228,7 @@ class DynamicLossScale:
     counter: Any = 0
 
     def __post_init__(self):
-        conv = {
-            "loss_scale": _F32,
-            "period": jnp.int32,
-            "factor": _F32,
-            "min_loss_scale": _F32,
-            "counter": jnp.int32,
-        }
-        for name, dtype in conv.items():
-            v = getattr(self, name)
-            if dtype == jnp.int32 and _is_concrete(v) and _is_float_array(np.asarray(v)):
-                if float(np.asarray(v)) != int(np.asarray(v)):
-                    raise ValueError(f"{name} must be an integer, got {v}.")
-            v = jnp.asarray(v, dtype)
-            _check_scalar(v, name)
-            object.__setattr__(self, name, v)
-        if all(_is_concrete(getattr(self, n)) for n in conv):
-            s, m = float(self.loss_scale), float(self.min_loss_scale)
-            if not (np.isfinite(s) and s > 0):
-                raise ValueError(f"loss_scale must be positive and finite, got {s}.")
-            if not (np.isfinite(m) and m > 0):
-                raise ValueError(f"min_loss_scale must be positive and finite, got {m}.")
-            if int(self.period) < 1:
-                raise ValueError(f"period must be >= 1, got {int(self.period)}.")
-            if not (np.isfinite(float(self.factor)) and float(self.factor) >= 1):
-                raise ValueError(f"factor must be a finite number >= 1, got {float(self.factor)}.")
-            if int(self.counter) < 0:
-                raise ValueError(f"counter must be >= 0, got {int(self.counter)}.")
+        _init_fields(self, tuple(_FIELDS))
 
     def scale(self, tree: T) -> T:
         """Multiplies each floating leaf by the scale; half-precision leaves come back float32
@@ -258,57 +269,8 @@ class DynamicLossScale:
         on_overflow = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
         new_scale = jnp.where(finite, on_finite, on_overflow).astype(_F32)
         new_counter = jnp.where(finite & ~grow, count, 0).astype(jnp.int32)
-        return _replace_leaves(self, loss_scale=new_scale, counter=new_counter)
+        return dataclasses.replace(self, loss_scale=new_scale, counter=new_counter)
 
-
-_DYNAMIC_FIELDS = ("loss_scale", "period", "factor", "min_loss_scale", "counter")
-
-
-def _replace_leaves(obj, **changes):
-    new = object.__new__(type(obj))
-    for f in _DYNAMIC_FIELDS:
-        object.__setattr__(new, f, changes.get(f, getattr(obj, f)))
-    return new
-
-
-def _dynamic_flatten_with_keys(x: DynamicLossScale):
-    return tuple((jax.tree_util.GetAttrKey(f), getattr(x, f)) for f in _DYNAMIC_FIELDS), None
-
-
-def _dynamic_flatten(x: DynamicLossScale):
-    return tuple(getattr(x, f) for f in _DYNAMIC_FIELDS), None
-
-
-def _dynamic_unflatten(aux, children):
-    # Bypass __post_init__: under jit/tree_map the children may be tracers, None or
-    # placeholder objects, which must be stored as they are.
-    del aux
-    new = object.__new__(DynamicLossScale)
-    for f, c in zip(_DYNAMIC_FIELDS, children):
-        object.__setattr__(new, f, c)
-    return new
-
-
-def _static_flatten_with_keys(x: StaticLossScale):
-    return ((jax.tree_util.GetAttrKey("loss_scale"), x.loss_scale),), None
-
-
-def _static_unflatten(aux, children):
-    del aux
-    new = object.__new__(StaticLossScale)
-    object.__setattr__(new, "loss_scale", children[0])
-    return new
-
-
-jax.tree_util.register_pytree_with_keys(
-    DynamicLossScale, _dynamic_flatten_with_keys, _dynamic_unflatten, _dynamic_flatten
-)
-jax.tree_util.register_pytree_with_keys(
-    StaticLossScale, _static_flatten_with_keys, _static_unflatten, lambda x: ((x.loss_scale,), None)
-)
-jax.tree_util.register_pytree_node(
-    NoOpLossScale, lambda x: ((), None), lambda aux, children: NoOpLossScale()
-)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 

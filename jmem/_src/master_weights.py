@@ -1,56 +1,15 @@
-"""Float32 master weights for low-precision (bfloat16/float16) parameters.
+"""Float32 master weights for low-precision (bfloat16/float16) parameters: an optax wrapper
+that runs any optimizer on float32 copies of the weights and re-derives the low-precision
+parameters from them after every step (exactness and memory: ``docs/mixed_precision.md``).
 
-When parameters live in bfloat16, an update smaller than half a bfloat16 ulp of the
-parameter (2**-9 relative) is rounded away: with Adam at lr=1e-4 most weights of
-magnitude > ~0.05 never move. The fix (Micikevicius et al., "Mixed Precision Training",
-ICLR 2018, section 3.1) keeps a float32 *master* copy of the weights in the optimizer
-state, runs the optimizer on the masters with float32 gradients and re-derives the
-low-precision parameters from the masters after every step.
-
-:func:`mixed_precision` wraps any optax optimizer this way. Its state holds the masters
-(``MixedPrecisionState.masters``, same structure as the params) and the inner optimizer's
-state, initialised on the masters. Two ways to apply a step:
-
-* exact (recommended for train-step builders)::
-
-      updates, opt_state = tx.update(grads, opt_state, params)
-      params = params_from_masters(opt_state, params)   # == masters.astype(param dtype)
-
-* optax-compatible: ``params = optax.apply_updates(params, updates)``. The updates are
-  float32 ``new_masters.astype(low).astype(f32) - params.astype(f32)``, so that
-  ``(params + updates).astype(low)`` equals ``new_masters.astype(low)`` bitwise whenever
-  that float32 difference is exact, which is every element except a rare corner case: a
-  weight whose new value is tiny next to its old one (below ~2**-16·|p| for bfloat16,
-  ~2**-13·|p| for float16, e.g. it crosses zero and lands next to it) and falls between
-  the float32 numbers reachable as ``p + u`` (spaced up to 2**-23·|p| apart). No float32
-  ``u`` can then make ``p + u`` hit it; the result is off by at most 2**-23·|p|.
-  Measured: 3 such elements out of 13M over 200 AdamW steps (bfloat16), none for
-  float16. It does not accumulate: the next update is computed from the actual params
-  against the exact masters.
-
-Leaves: a floating leaf narrower than ``master_dtype`` gets a master in ``master_dtype``;
-a floating leaf already at least as wide (e.g. float32 norm scales) gets a master in its
-own dtype (a copy, so that :func:`params_from_masters` can rebuild every leaf). Its update
-is ``new_master - param`` too, exact (by Sterbenz's lemma) whenever the step changes the
-weight by less than a factor of 2, otherwise off by at most 2**-23·(|step| + |weight|),
-re-synced every step. (Returning the inner updates instead is not exact either: under
-``jit`` XLA may contract ``masters + updates`` into a fused multiply-add, which rounds
-differently from the caller's ``optax.apply_updates``, and that error would accumulate.)
-Non-floating leaves (int counters, uint8 codes) pass through: their master is the param
-itself and their grads and updates are handed to/from the inner optimizer untouched.
-
-Memory: bfloat16 params (2 bytes) + float32 masters (4 bytes) = 6 bytes per parameter
-before the inner optimizer's state, vs 4 bytes for plain float32 params: master weights buy
-accuracy, and the savings of a bfloat16 model are in activations and in the weights that
-are gathered/communicated, not in weight storage.
-
-Source: Micikevicius et al. 2018; NVIDIA apex ``amp`` O2 master weights; the optax
-wrapper shape follows ``optax.apply_if_finite`` / ``optax.MultiSteps``.
+Source: Micikevicius et al., "Mixed Precision Training" (ICLR 2018), section 3.1; NVIDIA apex
+``amp`` O2 master weights; the wrapper shape follows ``optax.apply_if_finite``.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +31,69 @@ class MixedPrecisionState(NamedTuple):
     inner_state: Any
 
 
-def _master_dtype(p, master_dtype):
-    return jnp.promote_types(p.dtype, master_dtype) if _is_float(p) else None
+def _check_master_dtype(master_dtype) -> jnp.dtype:
+    """``master_dtype`` as a floating dtype; raises ``TypeError`` otherwise."""
+    try:
+        master_dtype = jnp.dtype(master_dtype)
+    except TypeError as e:
+        raise TypeError(f"master_dtype must be a floating dtype, got {master_dtype!r}.") from e
+    if not jnp.issubdtype(master_dtype, jnp.floating):
+        raise TypeError(f"master_dtype must be a floating dtype, got {master_dtype}.")
+    return master_dtype
+
+
+def _init_master(p, master_dtype):
+    """A float leaf's master: a copy in ``promote_types(p.dtype, master_dtype)``.
+
+    Always a copy (never an alias of the param), so donating the params is safe; other array
+    leaves are copied as they are, non-array leaves passed through.
+    """
+    if not hasattr(p, "dtype"):
+        return p
+    dtype = jnp.promote_types(p.dtype, master_dtype) if _is_float(p) else None
+    return jnp.array(p, dtype=dtype, copy=True)
+
+
+def _check_update_args(grads, masters, params) -> None:
+    """Raises ``ValueError`` if ``params`` is missing or a structure differs from the masters."""
+    if params is None:
+        raise ValueError(
+            "mixed_precision.update needs params (the low-precision "
+            "parameters): call tx.update(grads, state, params)."
+        )
+    ts_m = jax.tree_util.tree_structure(masters)
+    for what, tree in (("grads", grads), ("params", params)):
+        ts = jax.tree_util.tree_structure(tree)
+        if ts != ts_m:
+            raise ValueError(
+                f"mixed_precision: {what} structure {ts} does not match the "
+                f"master weights {ts_m} (built by init from the params)."
+            )
+
+
+def _cast_grad(g, m):
+    """A float gradient in its master's dtype; other gradients untouched."""
+    return g.astype(m.dtype) if (_is_float(g) and _is_float(m)) else g
+
+
+def _inner_update(inner, grads, inner_state, masters, extra_args):
+    """``inner.update`` on the masters, forwarding extra args where ``inner`` takes them."""
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+        return inner.update(grads, inner_state, masters, **extra_args)
+    return inner.update(grads, inner_state, masters)
+
+
+def _param_update(p, m_new, u):
+    """The update that takes ``p`` to ``m_new.astype(p.dtype)``; ``u`` for non-float leaves.
+
+    ``p + update`` is exact whenever this difference is exactly representable (see
+    ``docs/mixed_precision.md``). It is a plain subtraction, so no multiply-add contraction in
+    the caller's jit can change the result.
+    """
+    if not (_is_float(p) and _is_float(m_new)):
+        return u
+    wide = m_new.dtype
+    return m_new.astype(p.dtype).astype(wide) - p.astype(wide)
 
 
 def mixed_precision(
@@ -97,7 +117,7 @@ def mixed_precision(
         ``new_masters = optax.apply_updates(masters, u)``. Returns ``(updates, new_state)``
         where ``optax.apply_updates(params, updates)`` reproduces
         ``new_masters.astype(param dtype)`` (bitwise for low-precision leaves up to a rare
-        corner case, see the module docstring); :func:`params_from_masters` gives it
+        corner case, see ``docs/mixed_precision.md``); :func:`params_from_masters` gives it
         exactly. ``params`` is required.
 
     Raises:
@@ -112,62 +132,19 @@ def mixed_precision(
         raise TypeError(
             f"inner must be an optax.GradientTransformation, got {type(inner).__name__}."
         )
-    try:
-        master_dtype = jnp.dtype(master_dtype)
-    except TypeError as e:
-        raise TypeError(f"master_dtype must be a floating dtype, got {master_dtype!r}.") from e
-    if not jnp.issubdtype(master_dtype, jnp.floating):
-        raise TypeError(f"master_dtype must be a floating dtype, got {master_dtype}.")
+    master_dtype = _check_master_dtype(master_dtype)
 
     def init_fn(params):
-        # Always a copy (never an alias of the params), so donating params is safe.
-        masters = jax.tree_util.tree_map(
-            lambda p: (
-                jnp.array(p, dtype=_master_dtype(p, master_dtype), copy=True)
-                if hasattr(p, "dtype")
-                else p
-            ),
-            params,
-        )
+        masters = jax.tree_util.tree_map(lambda p: _init_master(p, master_dtype), params)
         return MixedPrecisionState(masters=masters, inner_state=inner.init(masters))
 
     def update_fn(grads, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError(
-                "mixed_precision.update needs params (the low-precision "
-                "parameters): call tx.update(grads, state, params)."
-            )
         masters = state.masters
-        ts_m = jax.tree_util.tree_structure(masters)
-        for what, tree in (("grads", grads), ("params", params)):
-            ts = jax.tree_util.tree_structure(tree)
-            if ts != ts_m:
-                raise ValueError(
-                    f"mixed_precision: {what} structure {ts} does not match the "
-                    f"master weights {ts_m} (built by init from the params)."
-                )
-
-        grads32 = jax.tree_util.tree_map(
-            lambda g, m: g.astype(m.dtype) if (_is_float(g) and _is_float(m)) else g, grads, masters
-        )
-        if isinstance(inner, optax.GradientTransformationExtraArgs):
-            inner_updates, inner_state = inner.update(
-                grads32, state.inner_state, masters, **extra_args
-            )
-        else:
-            inner_updates, inner_state = inner.update(grads32, state.inner_state, masters)
-        new_masters = optax.apply_updates(masters, inner_updates)
-
-        def param_update(p, m_new, u):
-            if not (_is_float(p) and _is_float(m_new)):
-                return u
-            # Land on the rounded master: p + u is exact whenever this difference is exactly
-            # representable (see the module docstring). It is a plain subtraction, so no
-            # multiply-add contraction in the caller's jit can change the result.
-            wide = m_new.dtype
-            return m_new.astype(p.dtype).astype(wide) - p.astype(wide)
-
-        updates = jax.tree_util.tree_map(param_update, params, new_masters, inner_updates)
+        _check_update_args(grads, masters, params)
+        grads = jax.tree_util.tree_map(_cast_grad, grads, masters)
+        u, inner_state = _inner_update(inner, grads, state.inner_state, masters, extra_args)
+        new_masters = optax.apply_updates(masters, u)
+        updates = jax.tree_util.tree_map(_param_update, params, new_masters, u)
         return updates, MixedPrecisionState(masters=new_masters, inner_state=inner_state)
 
     if isinstance(inner, optax.GradientTransformationExtraArgs):
@@ -195,7 +172,7 @@ def params_from_masters(state: MixedPrecisionState, params: Any) -> Any:
     if mp is None:
         raise ValueError(
             "params_from_masters: no MixedPrecisionState found in state; pass the "
-            "state of a jmem.master_weights.mixed_precision optimizer."
+            "state of a jmem.mixed_precision optimizer."
         )
     ts_m, ts_p = jax.tree_util.tree_structure(mp.masters), jax.tree_util.tree_structure(params)
     if ts_m != ts_p:

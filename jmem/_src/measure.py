@@ -8,7 +8,8 @@ it — and reads XLA's buffer assignment (``Compiled.memory_analysis()``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 

@@ -1,30 +1,9 @@
 """NF4 (4-bit NormalFloat) block-wise weight quantization with double quantization.
 
-``quantize(w)`` stores a float weight as 4-bit codes into the NF4 table (16 quantiles of a
-standard normal, rescaled to [-1, 1]), one absmax scale per block of ``block_size``
-consecutive elements (row-major order). With ``double_quant=True`` the absmax values are
-themselves quantized ("compress_statistics" in bitsandbytes): their mean is subtracted and
-the centred values are quantized block-wise (blocks of 256) to 8 bits with the signed
-dynamic map, keeping one float32 scale per 256 absmax values and the float32 mean. That
-costs ``4 + 8/64 + 32/(64*256) = 4.127`` bits, i.e. 0.516 bytes per parameter.
-
-Bit-exact with bitsandbytes on CPU (``bitsandbytes.functional.quantize_4bit(t,
-blocksize=64, quant_type="nf4", compress_statistics=...)`` / ``dequantize_4bit``): same
-table, same rounding (ties go to the lower code), two codes per byte with the *first*
-element in the high nibble; dequantized values equal to float32 rounding (XLA may fuse the
-absmax multiply-add). bitsandbytes' 8-bit CPU kernel picks the farther code at a few
-near-ties when quantizing absmax (< 1% of absmax codes, off by one step); here it is the
-nearest code, ties to the lower one.
-
-Stacked weights: an array of rank >= 3 is treated as a stack of matrices over its leading
-axes (``[layers, in, out]``): every matrix is quantized on its own (its own blocks, absmax
-mean and second-level scales), so every field of the ``NF4Array`` carries the same leading
-axes and slicing them (e.g. a ``lax.scan`` over layers) yields per-layer ``NF4Array``s. A
-matrix whose element count is not a multiple of ``block_size`` gets a last, partial block,
-as in bitsandbytes (stored zero-padded to a whole block; the padding codes are NF4 zero).
-
+Bit-exact with bitsandbytes on CPU (``functional.quantize_4bit(quant_type="nf4")`` /
+``dequantize_4bit``); 0.516 bytes per parameter with 64-blocks and double quantization.
 Source: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs"
-(arXiv:2305.14314); bitsandbytes ``functional.quantize_4bit``/``create_dynamic_map``.
+(arXiv:2305.14314). Format details and stacking: ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -121,6 +100,7 @@ class NF4Array:
         return _tree.nbytes(self)
 
     def dequantize(self, dtype=None) -> jax.Array:
+        """The dense weight (``dequantize(self, dtype)``; its own dtype by default)."""
         return dequantize(self, self.dtype if dtype is None else dtype)
 
 

@@ -1,37 +1,23 @@
-"""Mixed-precision policies: which dtype parameters, compute and outputs use.
+"""Mixed-precision policies: the dtypes parameters, compute and outputs use, a jmp-style
+string grammar, and casts that touch floating-point leaves only (grammar and the differences
+from jmp: ``docs/mixed_precision.md``).
 
-A :class:`Policy` names three dtypes, as in jmp (https://github.com/google-deepmind/jmp,
-``jmp.Policy``) and Micikevicius et al., "Mixed Precision Training" (ICLR 2018):
-
-* ``param_dtype``: the dtype parameters are stored in;
-* ``compute_dtype``: the dtype the forward/backward pass runs in;
-* ``output_dtype``: the dtype of the model's outputs (usually float32, so that the loss
-  and its reductions are accurate).
-
-Casts touch only floating-point array leaves: integer, boolean and unsigned-integer leaves
-(token ids, step counters, 8-/4-bit quantization codes) pass through unchanged, and so do
-non-array leaves (Python scalars, ``None``). ``jax.ShapeDtypeStruct`` leaves with a floating
-dtype are re-typed (shape and sharding kept), so abstract parameter trees can be cast too.
-
-Differences from jmp:
-
-* ``"half"`` always means float16 (jmp picks bfloat16 on TPU and float16 elsewhere, which
-  makes a config string mean different things on different machines; say ``bf16`` if you
-  want bfloat16).
-* More spellings are accepted (``fp16``, ``fp32``, ``single``, ``double``, ...), whitespace
-  is ignored, and repeated or unknown keys raise ``ValueError`` listing the valid ones.
+Source: jmp (``jmp.Policy``, https://github.com/google-deepmind/jmp); Micikevicius et al.,
+"Mixed Precision Training" (ICLR 2018).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem._src.dtypes import dtype_name, parse_dtype
+from jmem._src.dtypes import dtype_name
+from jmem._src.dtypes import parse_dtype
 
 T = TypeVar("T")
 

@@ -1,26 +1,15 @@
 """QLoRA: NF4-quantized frozen base weights + LoRA adapters, on any JAX/Flax model.
 
-Recipe (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs",
-arXiv:2305.14314; bitsandbytes ``Linear4bit`` + PEFT)::
-
-    qparams = jmem.qlora.quantize_params(params)                 # NF4Array leaves, ~0.516 B/param
-    lora = jmem.lora.init(key, qparams, targets=r"layers/.*_proj/kernel")
-    loss_q = jmem.qlora.apply(loss_fn)                     # loss_q(qparams, lora, batch)
-    grads = jax.grad(loss_q, argnums=1)(qparams, lora, batch)
-
-``apply`` is ``jmem.lora.apply``: it traces the model once and rewrites every matmul
-against an ``NF4Array`` weight into a matmul that dequantizes that weight (per layer,
-inside the layer ``scan``) right before use and again in the backward pass, so neither a
-dequantized copy of the model nor per-layer dequantized weights are kept as residuals.
-See ``jmem.implicit`` for the mechanism and its limits. Embeddings are gathered, not
-multiplied, so they stay in float (as in bitsandbytes/PEFT QLoRA); the output head and
-norms are also kept by default (``lm_head`` is small relative to a 7B body and sensitive).
+Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (arXiv:2305.14314);
+bitsandbytes ``Linear4bit`` + PEFT. Each NF4 weight is dequantized per matmul (per layer,
+inside a layer ``scan``) and again in the backward pass, never kept. See ``docs/lora.md``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +85,15 @@ def quantize_params(
 
 
 def dequantize_params(qparams, dtype=None):
-    """Replaces every ``NF4Array`` leaf by its dequantized array (its own dtype by default)."""
+    """Replaces every ``NF4Array`` leaf by its dequantized array.
+
+    Args:
+      qparams: a params pytree with ``NF4Array`` leaves (``quantize_params``).
+      dtype: the output dtype; ``None`` for each leaf's original dtype.
+
+    Returns:
+      ``qparams`` with dense arrays in place of the ``NF4Array`` leaves.
+    """
     return jax.tree.map(
         lambda x: (
             _nf4.dequantize(x, x.dtype if dtype is None else dtype)
@@ -111,6 +108,6 @@ def dequantize_params(qparams, dtype=None):
 def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     """``fn(params, *args)`` -> ``fn_q(qparams, lora, *args)`` (``lora`` may be ``None``).
 
-    Same as ``jmem.lora.apply``; see there and ``jmem.implicit``.
+    Same as ``jmem.lora.apply``; see there and ``docs/lora.md``.
     """
     return _lora.apply(fn, allow_materialize=allow_materialize)

@@ -16,23 +16,16 @@ Sources:
     4-bit maps, block size 128 and the zero-free linear map for second moments
     (:func:`linear_map`).
 
-Rounding is exact nearest (the index ``#{j : s > mids[j]}`` over the float32 midpoints) and
-is implemented without an ``[n, 256]`` distance matrix and without a binary search. Maps
-with at most 16 values count the midpoints below ``s`` (vectorized compares, no lookup).
-Larger maps use one int32 lookup per element, indexed by the high bits of the float32
-pattern of the scaled value, holding the candidate code and the low bits of the one midpoint
-that can lie in that bin. Decoding uses one lookup per element (8-bit) or a select tree on
-the code bits (4-bit). Gathers do not vectorize on XLA:CPU, so the number of lookups per
-element, and that each has a single user (so XLA fuses it instead of writing it to memory),
-is what sets the speed of the 8-/4-bit optimizers. The tables are built once per code book
-in NumPy.
+Implementation notes (exact nearest rounding without a distance matrix, one lookup per
+element) are in ``docs/optimizers.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -358,7 +351,11 @@ def dequantize_blocks(
 # ----------------------------------------------------------------------------------------
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "absmax"],
+    meta_fields=["shape", "dtype", "block_size", "code"],
+)
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
     """A block-wise quantized array (a pytree: ``codes`` and ``absmax`` are the leaves).
@@ -369,7 +366,8 @@ class QuantizedArray:
         nibble, element ``j + block_size // 2`` in the high nibble of byte ``j``).
       absmax: float32 ``[num_blocks]``, the per-block scale (absolute maximum).
       shape: original shape (static).
-      dtype: original dtype (static); :func:`dequantize_blockwise` returns it.
+      dtype: original dtype (static, normalized to ``np.dtype``);
+        :func:`dequantize_blockwise` returns it.
       block_size: elements per block (static).
       code: the sorted code book as a tuple of floats (static).
     """
@@ -381,18 +379,11 @@ class QuantizedArray:
     block_size: int
     code: tuple[float, ...]
 
-    def tree_flatten(self):
-        return (self.codes, self.absmax), (
-            self.shape,
-            np.dtype(self.dtype).name,
-            self.block_size,
-            self.code,
-        )
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        shape, dtype, block_size, code = aux
-        return cls(children[0], children[1], shape, np.dtype(dtype), block_size, code)
+    def __post_init__(self):
+        # One canonical static part (np.dtype, tuple shape), so that trees built from
+        # ``jnp.bfloat16`` or ``np.dtype("bfloat16")`` have equal structures.
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
     @property
     def size(self) -> int:

@@ -1,60 +1,31 @@
-"""Activation rematerialization (gradient checkpointing) that reaches every layer.
+"""Activation rematerialization (gradient checkpointing) that reaches every layer: ``remat``
+traces a function and checkpoints the body of every ``lax.scan`` in it (the per-layer loop of
+a stacked model) under a named policy. Policies, mechanism and limits: ``docs/remat.md``.
 
-``jax.checkpoint`` around a whole loss saves nothing: XLA recomputes the forward pass
-all at once in the backward pass, so the peak holds every layer's activations anyway.
-The savings come from checkpointing each *layer*, i.e. the body of the ``lax.scan``
-that iterates a stacked layer pytree. ``jmem.remat`` does that for you: it traces
-``fn`` to a jaxpr and re-evaluates it with every ``lax.scan`` body wrapped in
-``jax.checkpoint(body, policy=...)``, including scans nested inside ``jit``/``pjit``,
-``cond`` and existing ``jax.checkpoint`` regions. So ``jax.grad(jmem.remat(loss, "full"))``
-gets per-layer savings without touching the model.
-
-Policies (``REMAT_POLICIES``), from most device memory to least:
-
-=============  ======================================================================
-``none``       no rematerialization: every intermediate is kept for the backward pass.
-``dots``       save every matmul output (incl. attention scores), recompute the rest.
-``selective``  Korthikanti et al. 2022: save matmuls against weights (dots without
-               batch dims: QKV, output and MLP projections); recompute attention
-               scores, softmax, dropout and element-wise work.
-``full``       save only each layer's input; recompute the whole layer (~1/3 more
-               forward FLOPs).
-``offload``    like ``selective``, but the saved residuals live in ``pinned_host``
-               memory and are copied back for the backward pass.
-=============  ======================================================================
-
-Besides these names, ``policy`` may be a tuple/list of ``checkpoint_name`` names to
-save (``jax.checkpoint_policies.save_only_these_names``) or any JAX policy callable.
-
-Limits: a function without ``lax.scan`` is wrapped whole in ``jax.checkpoint`` (the
-standard behaviour: it saves memory only when that function is one piece of a larger
-differentiated computation, e.g. a layer you call in a Python loop). A function that
-already calls ``jax.grad`` inside has made its residual choices when it traced the
-gradient; wrap the loss instead (``jmem.train_step(..., remat=...)`` does). The bodies
-of ``custom_vjp`` and ``custom_jvp`` functions are left alone (their rules are kept, and
-a ``custom_vjp``'s ``fwd`` decides what is saved), so scans inside them are not rematted.
-
-Source: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), Korthikanti
-et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and
-JAX's ``jax.checkpoint`` policies (``jax/_src/ad_checkpoint.py``).
+Source: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), Korthikanti et
+al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and JAX's
+``jax.checkpoint`` policies (``jax/_src/ad_checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable
+from typing import Sequence
 
 import jax
 from jax import lax
 from jax.extend import core as jcore
 
 from jmem._src import tree as _tree
-from jmem._src.interpret import bind_eqn, eval_jaxpr
+from jmem._src.interpret import bind_eqn
+from jmem._src.interpret import eval_jaxpr
 
 _cp = jax.checkpoint_policies
 
-#: Remat policies by name, from most device memory to least (module docstring's table):
-#: each maps to the ``jax.checkpoint_policies`` callable it uses (``None``: no remat).
+#: Remat policies by name, from most device memory to least (``docs/remat.md`` lists what
+#: each saves): each maps to the ``jax.checkpoint_policies`` callable it uses (``None``: no
+#: remat).
 REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,
     "dots": _cp.dots_saveable,
@@ -151,15 +122,9 @@ class _Interpreter:
 
     def scan(self, eqn, invals):
         p = eqn.params
-        body = p["jaxpr"]
         nc, ncarry = p["num_consts"], p["num_carry"]
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-
-        def step(consts, carry, x):
-            # Inner scans run as they are: they are inside this checkpointed region.
-            outs = jcore.jaxpr_as_fun(body)(*consts, *carry, *x)
-            return list(outs[:ncarry]), list(outs[ncarry:])
-
+        step = functools.partial(_scan_step, p["jaxpr"], ncarry)
         if self.policy is not None:
             step = jax.checkpoint(step, policy=self.policy, prevent_cse=self.prevent_cse)
         length = p["length"]
@@ -174,26 +139,40 @@ class _Interpreter:
                 unroll=p["unroll"],
             )
             return [*carry, *ys]
+        return _grouped_scan(step, consts, init, xs, length, k, p["reverse"], self.prevent_cse)
 
-        # Chen et al. 2016: checkpoint groups of k iterations (only each group's input is
-        # saved); a group's iterations are recomputed, under `policy`, in the backward pass.
-        def group(consts, carry, xg):
-            return lax.scan(
-                lambda c, x: step(consts, c, x), carry, xg, length=k, reverse=p["reverse"]
-            )
 
-        group = jax.checkpoint(
-            group, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=self.prevent_cse
-        )
-        xs_g = [x.reshape(length // k, k, *x.shape[1:]) for x in xs]
-        carry, ys = lax.scan(
-            lambda c, x: group(consts, c, x),
-            list(init),
-            xs_g,
-            length=length // k,
-            reverse=p["reverse"],
-        )
-        return [*carry, *[y.reshape(length, *y.shape[2:]) for y in ys]]
+def _scan_step(body, ncarry, consts, carry, x):
+    """One iteration of a scan ``body`` (a closed jaxpr): ``(new_carry, y)`` as lists.
+
+    Inner scans run as they are: they are inside the checkpointed region.
+    """
+    outs = jcore.jaxpr_as_fun(body)(*consts, *carry, *x)
+    return list(outs[:ncarry]), list(outs[ncarry:])
+
+
+def _grouped_scan(step, consts, init, xs, length, k, reverse, prevent_cse):
+    """A scan of ``length // k`` checkpointed groups of ``k`` iterations of ``step``.
+
+    Chen et al. 2016: only each group's input is saved; a group's iterations are recomputed,
+    under ``step``'s own policy, in the backward pass.
+    """
+
+    def group(consts, carry, xg):
+        return lax.scan(lambda c, x: step(consts, c, x), carry, xg, length=k, reverse=reverse)
+
+    group = jax.checkpoint(
+        group, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse
+    )
+    xs_g = [x.reshape(length // k, k, *x.shape[1:]) for x in xs]
+    carry, ys = lax.scan(
+        lambda c, x: group(consts, c, x),
+        list(init),
+        xs_g,
+        length=length // k,
+        reverse=reverse,
+    )
+    return [*carry, *[y.reshape(length, *y.shape[2:]) for y in ys]]
 
 
 def group_size(length: int, every: int | str | None) -> int:
@@ -253,7 +232,9 @@ def remat(
       e.g. in an aux dict, come back as Python scalars, not 0-d arrays).
 
     Raises:
-      ValueError / TypeError: for an unknown policy (see ``resolve_policy``).
+      ValueError: an unknown policy name (see ``resolve_policy``), ``every`` not a positive
+        int or ``"sqrt"``, or (on call) ``static_argnums`` out of range.
+      TypeError: a policy that is not a name, a sequence of names or a callable.
     """
     if fn is None:
         return functools.partial(
@@ -270,48 +251,69 @@ def remat(
         return fn
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
-    static_argnums = tuple(static_argnums)
+    return _RematWrapper(fn, pol, prevent_cse, tuple(static_argnums), every)
 
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        flat, treedef = jax.tree.flatten((args, kwargs))
-        for i in static_argnums:
-            if not -len(args) <= i < len(args):
-                raise ValueError(
-                    f"static_argnums={static_argnums} out of range for {len(args)} args."
-                )
-        static_ids = {i % len(args) for i in static_argnums}
-        # Leaves of static positional args, and non-array leaves anywhere, are closed over.
-        forced = [i in static_ids for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-        forced += [False] * (len(flat) - len(forced))
-        dyn, combine = _tree.partition(flat, forced)
 
+def _split_args(args, kwargs, static_argnums):
+    """Flattens ``(args, kwargs)`` into traced leaves and ``rebuild(leaves) -> (args, kwargs)``.
+
+    Leaves of static positional args, and non-array leaves anywhere, are closed over.
+    """
+    flat, treedef = jax.tree.flatten((args, kwargs))
+    for i in static_argnums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(f"static_argnums={static_argnums} out of range for {len(args)} args.")
+    static_ids = {i % len(args) for i in static_argnums}
+    forced = [i in static_ids for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    forced += [False] * (len(flat) - len(forced))
+    dyn, combine = _tree.partition(flat, forced)
+    return dyn, lambda leaves: jax.tree.unflatten(treedef, combine(leaves))
+
+
+def _python_scalars_back(out, traced_out):
+    """Python scalars that ``fn`` returned (e.g. a step count in aux) do not depend on the
+    traced inputs: gives them back as they were, not as 0-d arrays."""
+    return jax.tree.map(
+        lambda o, t: t if isinstance(t, (bool, int, float, complex)) else o, out, traced_out
+    )
+
+
+class _RematWrapper:
+    """``fn`` with its scan bodies (or, without scans, all of it) checkpointed; see ``remat``."""
+
+    def __init__(self, fn, policy, prevent_cse, static_argnums, every):
+        self.fn, self.policy, self.prevent_cse = fn, policy, prevent_cse
+        self.static_argnums, self.every = static_argnums, every
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self) -> str:
+        return f"remat({self.fn!r}, policy={self.policy!r}, every={self.every!r})"
+
+    def __get__(self, instance, owner=None):
+        # Behave like a function when stored as a class attribute (a method).
+        return self if instance is None else functools.partial(self, instance)
+
+    def __call__(self, *args, **kwargs):
+        dyn, rebuild = _split_args(args, kwargs, self.static_argnums)
         traced_out = {}
 
         def flat_fn(*dyn_leaves):
-            a, kw = jax.tree.unflatten(treedef, combine(dyn_leaves))
-            out = fn(*a, **kw)
+            a, kw = rebuild(dyn_leaves)
+            out = self.fn(*a, **kw)
             traced_out.setdefault("out", out)
             return out
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-        if not _has_scan(closed.jaxpr):
-            if pol is None:
-                return flat_fn(*dyn)
-            cse = True if prevent_cse is None else prevent_cse
-            out = jax.checkpoint(flat_fn, policy=pol, prevent_cse=cse)(*dyn)
-        else:
-            cse = False if prevent_cse is None else prevent_cse
-            out = jax.tree.unflatten(
-                jax.tree.structure(out_shape),
-                _Interpreter(pol, cse, every).eval_closed(closed, dyn),
-            )
-        # Python scalars returned by ``fn`` (e.g. a step count in aux) do not depend on the
-        # traced inputs: give them back as they were, not as 0-d arrays.
-        return jax.tree.map(
-            lambda o, t: t if isinstance(t, (bool, int, float, complex)) else o,
-            out,
-            traced_out["out"],
-        )
+        out = self._run(flat_fn, closed, out_shape, dyn)
+        return _python_scalars_back(out, traced_out["out"])
 
-    return wrapped
+    def _run(self, flat_fn, closed, out_shape, dyn):
+        """Evaluates ``fn``: its scan bodies checkpointed, or all of it when it has none."""
+        if not _has_scan(closed.jaxpr):
+            if self.policy is None:
+                return flat_fn(*dyn)
+            cse = True if self.prevent_cse is None else self.prevent_cse
+            return jax.checkpoint(flat_fn, policy=self.policy, prevent_cse=cse)(*dyn)
+        cse = False if self.prevent_cse is None else self.prevent_cse
+        outs = _Interpreter(self.policy, cse, self.every).eval_closed(closed, dyn)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -1,120 +1,20 @@
-"""FSDP / ZeRO placement of a train state over a ``jax.sharding`` mesh.
+"""FSDP / ZeRO placement rules for a train state over a ``jax.sharding`` mesh (docs/sharding.md).
 
-jmem does no communication of its own: every rule here only *names* where an array lives
-(a ``NamedSharding``) and the jitted step is compiled with those shardings as
-``in_shardings``/``out_shardings`` (state donated). XLA's SPMD partitioner then inserts the
-all-gathers, reduce-scatters and all-reduces (GSPMD, Xu et al. 2021, arXiv:2105.04663).
-
-Mesh: two axes, ``"data"`` (pure data parallelism: params/state replicated across it) and
-``"fsdp"`` (params, gradients and optimizer state split across it). Batches are split over
-both axes. :func:`make_mesh` builds it with **Auto** axis types. Why Auto: the rules only
-pin the *boundaries* of the step (state and batch in, state out) and let the partitioner
-choose every intermediate sharding. With ``Explicit`` axes (the default of ``jax.make_mesh``
-in current JAX) every traced op must have an unambiguous output sharding, and the
-operations jmem runs on sharded values are not written for that: the block-wise
-quantizers flatten/pad/reshape a sharded tensor into ``[blocks, block_size]``, the LoRA /
-QLoRA interpreter dequantizes NF4 bytes into a weight, the model contracts sharded
-dimensions. Under Explicit types these need per-op ``out_sharding`` annotations (or fail
-with "sharding is ambiguous" errors); under Auto the partitioner resolves them.
-
-Strategies (``strategy=``), after ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054) and
-PyTorch FSDP (Zhao et al. 2023, arXiv:2304.11277):
-
-============  =========================  ================================  ==============
-strategy      params (and frozen base)   gradients                         optimizer state
-============  =========================  ================================  ==============
-``"zero1"``   replicated                 replicated (all-reduce)           sharded
-``"zero2"``   replicated                 sharded (reduce-scatter)          sharded
-``"zero3"``   sharded                    sharded (reduce-scatter)          sharded
-``"fsdp"``    same as ``"zero3"`` (the name PyTorch and MaxText use)
-============  =========================  ================================  ==============
-
-"Sharded" always means over the ``"fsdp"`` axis; optimizer state includes the fp32 master
-weights of ``jmem.master_weights`` (placed by the same rule as the params, so a master and
-its low-precision param are split identically). Gradients are intermediates of the step,
-so their placement is a ``with_sharding_constraint`` applied by :func:`constrain_gradients`
-(a stateless optax wrapper) before the optimizer sees them.
-
-Placement rules (all decided on **global** shapes; a shard's size never enters a rule):
-
-* Dense array ``[..., a, b]`` with at least ``min_size`` elements: split the largest of its
-  last two axes that the fsdp size divides (ties: the earlier axis); leading axes of rank
-  >= 3 arrays are stacked layer axes iterated by ``lax.scan`` and are never split (a scan
-  slices them per iteration, so splitting them would gather whole layers). Smaller arrays,
-  scalars and arrays with no divisible axis are replicated.
-* ``jmem.quantization.QuantizedArray`` (8-/4-bit moments; ``codes [n_blocks, width]``
-  uint8, ``absmax [n_blocks]`` float32): split by whole blocks, i.e. the leading (block)
-  axis of both, when the fsdp size divides ``n_blocks``; otherwise both are replicated
-  (never a partial block, so every device quantizes whole blocks with their own absmax).
-  ``min_8bit_size`` is decided by the optimizer's ``init`` on the global shape, and
-  :func:`sharded_init` runs that ``init`` on global (sharded) arrays, so a tensor of 8192
-  elements split 8 ways keeps 8-bit moments.
-* ``jmem.nf4.NF4Array`` (frozen QLoRA base; ``packed [*L, n_blocks * block_size / 2]``,
-  ``absmax [*L, n_blocks]``): split the last axis of ``packed`` and ``absmax`` (whole blocks
-  of packed bytes) when the fsdp size divides ``n_blocks``; the second-level
-  ``absmax_scale``/``absmax_offset`` (a few floats per matrix) are replicated.
-* ``jmem.lora.LoraWeight`` adapters in the params are replicated (small; every device
-  needs all of them); their optimizer state follows the dense rule (so it is replicated
-  too unless ``min_size`` is lowered).
-* ``step``, loss scale and FP8 metadata: replicated.
-* Batches: every array's leading axis split over ``("data", "fsdp")``.
-
-Memory kinds: with ``opt_state_memory_kind="pinned_host"`` (what ``jmem.train_step`` passes
-with ``offload_optimizer=True``) the optimizer state's shardings carry that memory kind, so
-sharding and ``jmem.offload`` compose (each device's host holds its own shard). A leaf that
-already lives in a non-device memory kind keeps it.
-
-Multi-host (GPU clusters): run one process per host (or per GPU) and, before anything else
-touches JAX::
-
-    import jax
-    jax.distributed.initialize()   # SLURM / Open MPI / Kubernetes: auto-detected
-    # or explicitly, the same on every process except process_id:
-    # jax.distributed.initialize(coordinator_address="10.0.0.1:1234",
-    #                            num_processes=16, process_id=int(os.environ["RANK"]))
-    mesh = jmem.sharding.make_mesh(data=2, fsdp=jax.device_count() // 2)   # global devices
-    step = jmem.train_step(loss_fn, optax.adamw(1e-4), mesh=mesh, strategy="fsdp")
-    state = step.init(params)                 # identical host values on every process
-    batch = jmem.sharding.shard_batch(local_batch, mesh, process_local=True)
-    state, metrics = step(state, batch)
-
-The same program runs on every process (single controller per process, SPMD across them);
-``jax.devices()`` is then the global list and a mesh spans all hosts. Arrays handed to
-:func:`shard_state` / :func:`shard_batch` that are not yet global are assembled with
-``jax.make_array_from_callback`` / ``jax.make_array_from_process_local_data``. On CPU the
-same path runs with ``jax.config.update("jax_cpu_collectives_implementation", "gloo")``
-(this is how the 2-process test in ``tests/test_sharding.py`` runs). Put the fsdp axis
-inside a host (fast interconnect) and the data axis across hosts: :func:`make_mesh` keeps
-``jax.devices()`` order, which lists a process's devices together.
-
-Known limitations:
-
-* Layout mismatch of quantized moments: ``QuantizedArray`` blocks are row-major runs of
-  the flattened tensor, while the dense rule splits one of its last two axes. Where the
-  two layouts differ (e.g. a stacked ``[L, H, F]`` kernel split on ``F``), the partitioner
-  reshards the gradient into block layout and the update back; current XLA does that by
-  replicating that one tensor on every device for the moment (it logs "Involuntary full
-  rematerialization"): a transient of one tensor's fp32 size plus an all-gather. Values
-  are unaffected. A block layout aligned with the dense split is not implemented.
-* The state is split over ``"fsdp"`` only and replicated over ``"data"`` (hybrid sharding).
-  Use ``data=1`` to split over every device.
-* Verified on simulated CPU devices and 2 CPU processes (gloo); no GPU communication
-  figures.
-
-Sources: ZeRO (arXiv:1910.02054), PyTorch FSDP (arXiv:2304.11277), GSPMD (arXiv:2105.04663);
-JAX "Distributed arrays and automatic parallelization" and "Multi-process" guides; MaxText
-``fsdp`` logical axis rules.
+Sources: ZeRO (arXiv:1910.02054), PyTorch FSDP (arXiv:2304.11277), GSPMD (arXiv:2105.04663).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmem._src import nf4 as _nf4
@@ -134,8 +34,6 @@ __all__ = [
     "shard_state",
     "shard_batch",
     "constrain_gradients",
-    "sharded_init",
-    "ShardedStep",
 ]
 
 DATA_AXIS = "data"
@@ -596,104 +494,3 @@ def constrain_gradients(
         return inner.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
-
-
-def sharded_init(
-    init: Callable,
-    mesh: Mesh,
-    strategy: str = "zero3",
-    *,
-    opt_state_memory_kind: str | None = None,
-    min_size: int = DEFAULT_MIN_SIZE,
-) -> Callable:
-    """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale)`` so its result
-    is born sharded: inputs are placed by the param rule, then ``init`` runs under
-    ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
-    materialized whole on one device, and size thresholds see global shapes.
-    """
-    _check_mesh(mesh)
-    _check_strategy(strategy)
-
-    def wrapped(params, frozen=None, fp8=None, loss_scale=None):
-        abstract = jax.eval_shape(init, params, frozen, fp8, loss_scale)
-        shardings = state_shardings(
-            abstract, mesh, strategy, min_size=min_size, opt_state_memory_kind=opt_state_memory_kind
-        )
-        params = shard_state(params, param_shardings(params, mesh, strategy, min_size=min_size))
-        frozen = shard_state(frozen, param_shardings(frozen, mesh, strategy, min_size=min_size))
-        fp8 = shard_state(fp8, _replicated(fp8, mesh))
-        loss_scale = shard_state(loss_scale, _replicated(loss_scale, mesh))
-        return jax.jit(init, out_shardings=shardings)(params, frozen, fp8, loss_scale)
-
-    return wrapped
-
-
-class ShardedStep:
-    """``jax.jit`` of ``step(state, batch) -> (state, metrics)`` with shardings from the rules.
-
-    The shardings depend on the state's shapes, so the jitted function is built on first use
-    for each (structure, shapes, dtypes) of ``(state, batch)`` and cached: in_shardings
-    ``(state_shardings(state), batch shardings)``, out_shardings ``(state_shardings(state),
-    replicated metrics)``, state donated. Supports ``__call__`` and ``.lower`` (so
-    ``jmem.measure`` and ``TrainStep.measure`` work; the figures are per device).
-    """
-
-    def __init__(
-        self,
-        step: Callable,
-        mesh: Mesh,
-        strategy: str = "zero3",
-        *,
-        donate: bool = True,
-        opt_state_memory_kind: str | None = None,
-        min_size: int = DEFAULT_MIN_SIZE,
-        jit_kwargs: dict | None = None,
-    ):
-        _check_mesh(mesh)
-        _check_strategy(strategy)
-        jit_kwargs = dict(jit_kwargs or {})
-        clash = {"in_shardings", "out_shardings", "donate_argnums", "donate_argnames"} & set(
-            jit_kwargs
-        )
-        if clash:
-            raise ValueError(
-                f"jit_kwargs {sorted(clash)} conflict with mesh=: the sharding "
-                f"rules set them. Drop them, or build without mesh= and pass "
-                f"your own shardings."
-            )
-        self.step, self.mesh, self.strategy = step, mesh, strategy
-        self._donate, self._kind, self._min = donate, opt_state_memory_kind, min_size
-        self._jit_kwargs = jit_kwargs
-        self._cache: dict = {}
-
-    def shardings(self, state: Any, batch: Any):
-        """``(state shardings, batch shardings)`` used for this state and batch."""
-        st = state_shardings(
-            state, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
-        )
-        return st, _batch_shardings(batch, self.mesh)
-
-    def _jitted(self, state: Any, batch: Any):
-        leaves, treedef = jax.tree.flatten((state, batch))
-        key = (treedef, tuple((_shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
-        fn = self._cache.get(key)
-        if fn is None:
-            st, bt = self.shardings(state, batch)
-            fn = jax.jit(
-                self.step,
-                in_shardings=(st, bt),
-                out_shardings=(st, NamedSharding(self.mesh, P())),
-                donate_argnums=(0,) if self._donate else (),
-                **self._jit_kwargs,
-            )
-            self._cache[key] = fn
-        return fn
-
-    def __call__(self, state: Any, batch: Any):
-        fn = self._jitted(state, batch)
-        # Host / single-device batches (and, across processes, host values) are placed here.
-        batch = shard_state(batch, _batch_shardings(batch, self.mesh))
-        return fn(state, batch)
-
-    def lower(self, state: Any, batch: Any):
-        return self._jitted(state, batch).lower(state, batch)

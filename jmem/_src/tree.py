@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, TypeVar
+from typing import Any
+from typing import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp

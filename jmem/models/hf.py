@@ -1,11 +1,6 @@
 """Load Hugging Face Llama checkpoints (``config.json`` + ``*.safetensors``) into
-``jmem.models.llama`` params, tensor by tensor.
-
-With ``quantize="nf4"`` every layer's linear weight is quantized to NF4 as soon as it is
-read, so the host never holds the whole bf16 model: the peak is the NF4 model plus the
-embedding/head and one layer's matrix. HF stores linear weights ``[out, in]``; jmem uses
-``[in, out]`` kernels stacked over layers, so each matrix is transposed and placed in
-its layer slot. The rotary layout (half-split ``rotate_half``) is the same as HF's.
+``jmem.models.llama`` params, tensor by tensor, optionally quantizing to NF4 as they are read
+(QLoRA, Dettmers et al. 2023); HF's ``[out, in]`` weights become stacked ``[in, out]`` kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem._src import nf4
-from jmem.models.llama import LINEAR_NAMES, LlamaConfig, param_shapes
+from jmem.models.llama import LINEAR_NAMES
+from jmem.models.llama import LlamaConfig
+from jmem.models.llama import param_shapes
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")
 _NORM_RE = re.compile(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
@@ -110,6 +107,82 @@ def _stack_nf4(parts: list[nf4.NF4Array]) -> nf4.NF4Array:
     )
 
 
+class _TensorReader:
+    """Reads named tensors from a checkpoint's safetensors files, each file opened once."""
+
+    def __init__(self, directory: str, files: dict[str, str]):
+        self.directory, self.files, self.handles = directory, files, {}
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            raise FileNotFoundError(
+                f"Tensor {name!r} is missing from the checkpoint in {self.directory!r}."
+            )
+        from safetensors import safe_open  # noqa: PLC0415
+
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = safe_open(path, framework="numpy").__enter__()
+        return self.handles[path].get_tensor(name)
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.__exit__(None, None, None)
+
+
+def _check(name: str, arr: np.ndarray, shape, config: LlamaConfig) -> np.ndarray:
+    """``arr`` if it has ``shape``; else a ValueError naming the tensor and the config."""
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"Tensor {name!r} has shape {arr.shape}, expected {shape} for {config}.")
+    return arr
+
+
+def _load_unquantized(read: _TensorReader, config: LlamaConfig, shapes, dtype) -> dict[str, Any]:
+    """Embedding, final norm, (untied) head and the per-layer norms, in ``dtype``."""
+    key = "model.embed_tokens.weight"
+    embedding = _check(key, read(key), shapes["embed"]["embedding"], config)
+    params: dict[str, Any] = {
+        "embed": {"embedding": jnp.asarray(embedding, dtype)},
+        "final_norm": {"scale": jnp.asarray(read("model.norm.weight"), dtype)},
+        "layers": {},
+    }
+    if not config.tie_embeddings:
+        head = _check(
+            "lm_head.weight", read("lm_head.weight").T, shapes["lm_head"]["kernel"], config
+        )
+        params["lm_head"] = {"kernel": jnp.asarray(head, dtype)}
+    for ours, theirs in (
+        ("attn_norm", "input_layernorm"),
+        ("mlp_norm", "post_attention_layernorm"),
+    ):
+        rows = [read(f"model.layers.{i}.{theirs}.weight") for i in range(config.num_layers)]
+        params["layers"][ours] = {"scale": jnp.asarray(np.stack(rows), dtype)}
+    return params
+
+
+def _layer_kernels(read: _TensorReader, config: LlamaConfig, name: str, shape):
+    """Yields layer ``i``'s ``name`` weight as a jmem ``[in, out]`` kernel, checked."""
+    group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    for i in range(config.num_layers):
+        key = f"model.layers.{i}.{group}.{name}.weight"
+        yield _check(key, read(key).T, shape[1:], config)
+
+
+def _load_linear(read, config, shape, name, dtype, quantize, block_size, double_quant):
+    """One linear weight stacked over layers: dense ``dtype``, or NF4 quantized per layer."""
+    kernels = _layer_kernels(read, config, name, shape)
+    if quantize == "nf4":
+        parts = [
+            nf4.quantize(jnp.asarray(w, dtype), block_size=block_size, double_quant=double_quant)
+            for w in kernels
+        ]
+        return _stack_nf4(parts)
+    stacked = np.empty(shape, dtype=dtype)
+    for i, w in enumerate(kernels):
+        stacked[i] = w.astype(dtype)
+    return jnp.asarray(stacked)
+
+
 def load_params(
     directory: str,
     config: LlamaConfig | None = None,
@@ -120,6 +193,9 @@ def load_params(
     double_quant: bool = True,
 ) -> tuple[dict[str, Any], LlamaConfig]:
     """Reads a checkpoint into the ``jmem.models.llama`` params layout.
+
+    With ``quantize="nf4"`` the host never holds the whole model in ``dtype``: the peak is
+    the NF4 model plus the embedding/head and one layer's matrix.
 
     Args:
       directory: holds ``config.json`` and ``*.safetensors`` (single file or sharded with
@@ -141,81 +217,16 @@ def load_params(
         raise ValueError(f"quantize must be None or 'nf4'; got {quantize!r}.")
     config = config or load_config(directory)
     shapes = param_shapes(config)
-    files = _weight_files(directory)
-    from safetensors import safe_open  # noqa: PLC0415
-
-    handles: dict[str, Any] = {}
-
-    def read(name: str) -> np.ndarray:
-        if name not in files:
-            raise FileNotFoundError(
-                f"Tensor {name!r} is missing from the checkpoint in {directory!r}."
-            )
-        path = files[name]
-        if path not in handles:
-            handles[path] = safe_open(path, framework="numpy").__enter__()
-        return handles[path].get_tensor(name)
-
-    def check(name, arr, shape):
-        if tuple(arr.shape) != tuple(shape):
-            raise ValueError(
-                f"Tensor {name!r} has shape {arr.shape}, expected {shape} for {config}."
-            )
-        return arr
-
-    L = config.num_layers
+    read = _TensorReader(directory, _weight_files(directory))
     np_dtype = jnp.dtype(dtype)
     try:
-        params: dict[str, Any] = {
-            "embed": {
-                "embedding": jnp.asarray(
-                    check(
-                        "model.embed_tokens.weight",
-                        read("model.embed_tokens.weight"),
-                        shapes["embed"]["embedding"],
-                    ),
-                    np_dtype,
-                )
-            },
-            "final_norm": {"scale": jnp.asarray(read("model.norm.weight"), np_dtype)},
-            "layers": {},
-        }
-        if not config.tie_embeddings:
-            head = read("lm_head.weight")
-            params["lm_head"] = {
-                "kernel": jnp.asarray(
-                    check("lm_head.weight", head.T, shapes["lm_head"]["kernel"]), np_dtype
-                )
-            }
-        for ours, theirs in (
-            ("attn_norm", "input_layernorm"),
-            ("mlp_norm", "post_attention_layernorm"),
-        ):
-            rows = [read(f"model.layers.{i}.{theirs}.weight") for i in range(L)]
-            params["layers"][ours] = {"scale": jnp.asarray(np.stack(rows), np_dtype)}
+        params = _load_unquantized(read, config, shapes, np_dtype)
         for name in LINEAR_NAMES:
-            group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             shape = shapes["layers"][name]["kernel"]
-            if quantize == "nf4":
-                parts = []
-                for i in range(L):
-                    key = f"model.layers.{i}.{group}.{name}.weight"
-                    w = check(key, read(key).T, shape[1:])
-                    parts.append(
-                        nf4.quantize(
-                            jnp.asarray(w, np_dtype),
-                            block_size=block_size,
-                            double_quant=double_quant,
-                        )
-                    )
-                params["layers"][name] = {"kernel": _stack_nf4(parts)}
-            else:
-                stacked = np.empty(shape, dtype=np_dtype)
-                for i in range(L):
-                    key = f"model.layers.{i}.{group}.{name}.weight"
-                    stacked[i] = check(key, read(key).T, shape[1:]).astype(np_dtype)
-                params["layers"][name] = {"kernel": jnp.asarray(stacked)}
+            kernel = _load_linear(
+                read, config, shape, name, np_dtype, quantize, block_size, double_quant
+            )
+            params["layers"][name] = {"kernel": kernel}
     finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+        read.close()
     return params, config

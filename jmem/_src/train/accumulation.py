@@ -16,7 +16,8 @@ accumulation, and the optimizer, schedule and step count see one step per batch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

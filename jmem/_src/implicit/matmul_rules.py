@@ -1,0 +1,166 @@
+"""Matmul rules of the NF4/LoRA interpreter: ``dot_general`` against an implicit ``Weight``.
+
+``x·W`` becomes ``x·W + s·(x·a)·b`` (Hu et al. 2021, arXiv:2106.09685); an NF4 base is
+dequantized just before the matmul and again in the backward pass (Dettmers et al. 2023,
+arXiv:2305.14314). See ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jmem._src.implicit.weight import Weight
+from jmem._src.implicit.weight import error
+from jmem._src.implicit.weight import is_nf4
+from jmem._src.implicit.weight import is_weight
+
+__all__ = ["dot_general", "lowrank_ok", "lora_term"]
+
+
+def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
+    """``dot_general`` of ``x`` with the view ``transpose(wdense, perm)``, without transposing
+    the weight: dimension numbers are mapped to the weight's own axes and the (small)
+    output is permuted instead."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if wi == 0:
+        wc, wb = lc, lb
+        dn = ((tuple(perm[d] for d in lc), tuple(rc)), (tuple(perm[d] for d in lb), tuple(rb)))
+    else:
+        wc, wb = rc, rb
+        dn = ((tuple(lc), tuple(perm[d] for d in rc)), (tuple(lb), tuple(perm[d] for d in rb)))
+    y = lax.dot_general_p.bind(
+        *((wdense, x) if wi == 0 else (x, wdense)), **{**params, "dimension_numbers": dn}
+    )
+    free_view = [d for d in range(len(perm)) if d not in wc and d not in wb]
+    orig_free = [perm[d] for d in free_view]
+    order = [sorted(orig_free).index(o) for o in orig_free]
+    if order != sorted(order):
+        nb = len(wb)
+        start = nb if wi == 0 else y.ndim - len(free_view)
+        full = list(range(y.ndim))
+        full[start : start + len(order)] = [start + i for i in order]
+        y = jnp.transpose(y, full)
+    return y
+
+
+def _frozen_nf4_dot(x, q, *, wi: int, w: Weight, params: dict):
+    """``dot_general`` of x with the dequantized view of ``q``, recomputed in backward."""
+    meta = w.replace(base=None, a=None, b=None)  # static view only; no tracers captured
+
+    def prim(x, q):
+        return _weight_dot(
+            x, meta.replace(base=q).dense_base(), wi=wi, perm=meta.perm, params=params
+        )
+
+    @jax.custom_vjp
+    def f(x, q):
+        return prim(x, q)
+
+    def fwd(x, q):
+        return prim(x, q), (x, q)
+
+    def bwd(res, g):
+        x, q = res
+        _, vjp = jax.vjp(lambda x: prim(x, q), x)
+        return vjp(g)[0], None
+
+    f.defvjp(fwd, bwd)
+    return f(x, q)
+
+
+def dot_general(interp, eqn, invals):
+    """``dot_general`` with a ``Weight`` operand: ``x·W + s·(x·a)·b``.
+
+    An NF4 base goes through ``_frozen_nf4_dot`` (dequantized in forward and backward, never
+    saved); a plain base through an ordinary ``dot_general``. A LoRA weight that does not
+    contract exactly one matrix axis (stacked axes as batch dims) raises, or with
+    ``allow_materialize`` is merged for this matmul. Two weight operands: the right one is
+    materialized (or raises).
+    """
+    lhs, rhs = invals
+    params = dict(eqn.params)
+    if is_weight(lhs) and is_weight(rhs):
+        if not interp.allow_materialize:
+            raise error(lhs, "dot_general", f"both operands are targeted weights ({rhs.name!r})")
+        rhs = rhs.materialize()
+    wi = 0 if is_weight(lhs) else 1
+    w, x = (lhs, rhs) if wi == 0 else (rhs, lhs)
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    wc, wb = (lc, lb) if wi == 0 else (rc, rb)
+    if w.a is not None and not lowrank_ok(w, wc, wb):
+        if not interp.allow_materialize:
+            raise error(
+                w,
+                "dot_general",
+                "the LoRA path needs the weight to contract exactly one "
+                "matrix axis with its stacked axes as batch dimensions",
+            )
+        wm = w.materialize()
+        return lax.dot_general_p.bind(*((wm, x) if wi == 0 else (x, wm)), **params)
+
+    if is_nf4(w.base):
+        y = _frozen_nf4_dot(x, w.base, wi=wi, w=w, params=params)
+    else:
+        y = _weight_dot(x, w.dense_base(), wi=wi, perm=w.perm, params=params)
+    if w.a is None:
+        return y
+    u = lora_term(
+        x,
+        w,
+        wi=wi,
+        dimension_numbers=params["dimension_numbers"],
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+    )
+    return y + u.astype(y.dtype)
+
+
+def lowrank_ok(w: Weight, wc, wb) -> bool:
+    """Whether ``w`` contracts exactly one matrix axis and its stacked axes are batch dims."""
+    orig_c = [w.perm[d] for d in wc]
+    orig_b = [w.perm[d] for d in wb]
+    nl = w.n_lead
+    return len(orig_c) == 1 and orig_c[0] >= nl and sorted(orig_b) == list(range(nl))
+
+
+def lora_term(
+    x, w: Weight, *, wi: int, dimension_numbers, precision=None, preferred_element_type=None
+):
+    """``s·(x·a)·b`` laid out as ``dot_general(x, W)`` (``wi=1``) or ``(W, x)`` (``wi=0``)
+    would lay it out, computed in the weight's view dtype (the compute dtype). The caller
+    checked ``lowrank_ok``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    wc, xc = (lc, rc) if wi == 0 else (rc, lc)
+    wb, xb = (lb, rb) if wi == 0 else (rb, lb)
+    orig_c = [w.perm[d] for d in wc]
+    orig_b = [w.perm[d] for d in wb]
+    nl = w.n_lead
+    pet = preferred_element_type
+    a, b = w.a.astype(w.dtype), w.b.astype(w.dtype)
+    if orig_c[0] == nl:  # x contracts W's input axis:  (x·a)·b
+        first, first_c, second, second_c = a, nl, b, nl
+    else:  # x contracts W's output axis: (x·bᵀ)·aᵀ
+        first, first_c, second, second_c = b, nl + 1, a, nl + 1
+    if x.dtype != first.dtype:
+        x = x.astype(first.dtype)
+    t = lax.dot_general(
+        x,
+        first,
+        ((tuple(xc), (first_c,)), (tuple(xb), tuple(orig_b))),
+        precision=precision,
+        preferred_element_type=pet,
+    )
+    nb = len(xb)
+    t = t.astype(second.dtype)
+    u = lax.dot_general(
+        t,
+        second,
+        (((t.ndim - 1,), (second_c,)), (tuple(range(nb)), tuple(orig_b))),
+        precision=precision,
+        preferred_element_type=pet,
+    )
+    if wi == 0:  # dot_general(W, x) puts W's free axis before x's free axes.
+        u = jnp.moveaxis(u, -1, nb)
+    return u * jnp.asarray(w.scale, u.dtype)

@@ -1,0 +1,164 @@
+"""The implicit value of the NF4/LoRA interpreter: a frozen weight, its adapters and a lazy view.
+
+See ``docs/lora.md`` for how the interpreter carries a ``Weight`` through a jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jmem._src import nf4 as _nf4
+from jmem._src import tree as _tree
+
+__all__ = ["ImplicitWeightError", "Weight", "flatten_params", "is_nf4", "is_weight", "error"]
+
+
+class ImplicitWeightError(ValueError):
+    """A targeted (NF4 / LoRA) weight is used in a way the interpreter cannot rewrite."""
+
+
+def is_nf4(x) -> bool:
+    """Whether ``x`` is a ``jmem.nf4.NF4Array``."""
+    return isinstance(x, _nf4.NF4Array)
+
+
+def flatten_params(params):
+    """Flattens a params pytree keeping ``NF4Array``s as leaves.
+
+    Args:
+      params: a params pytree (arrays, ``NF4Array`` or ``ShapeDtypeStruct`` leaves).
+
+    Returns:
+      ``([(path, leaf)], treedef)`` with ``path`` the '/'-joined key path (``tree.path_str``).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nf4)
+    return [(_tree.path_str(p), x) for p, x in leaves], treedef
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A frozen weight (array or ``NF4Array``) + optional LoRA factors, with a lazy view.
+
+    Attributes:
+      base: the frozen weight ``[*L, in, out]``, an array or an ``NF4Array``.
+      a, b: LoRA factors ``[*L, in, r]`` and ``[*L, r, out]``, or None.
+      scale: static LoRA scale ``s`` (the update is ``s * a @ b``).
+      name: static '/'-joined path of the weight in params (for error messages).
+      dtype: static view dtype (what the model cast the weight to).
+      perm: static view permutation: ``perm[d]`` is the original axis shown at view axis ``d``.
+      base_shape: static shape of ``base`` (``[*L, in, out]``).
+      via: static lossy intermediate casts before ``dtype`` (``f32 -> bf16 -> f32`` rounds
+        to bf16).
+    """
+
+    base: Any
+    a: Any = None
+    b: Any = None
+    scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+    name: str = dataclasses.field(default="", metadata=dict(static=True))
+    dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    perm: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    base_shape: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    via: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    @property
+    def n_lead(self) -> int:
+        """Number of leading stacked axes (``len(base_shape) - 2``)."""
+        return len(self.base_shape) - 2
+
+    @property
+    def shape(self) -> tuple:
+        """The view shape (``base_shape`` permuted by ``perm``)."""
+        return tuple(self.base_shape[p] for p in self.perm)
+
+    def replace(self, **kw) -> "Weight":
+        """A copy with the given fields replaced."""
+        return dataclasses.replace(self, **kw)
+
+    def cast(self, w) -> jax.Array:
+        """Casts the (dequantized) base value ``w`` through ``via`` to ``dtype``."""
+        for d in self.via:
+            w = w.astype(d)
+        return w.astype(self.dtype)
+
+    def dense_base(self) -> jax.Array:
+        """The base weight in the view dtype (not transposed), dequantized if NF4."""
+        if is_nf4(self.base):
+            return self.cast(_nf4.dequantize(self.base, self.via[0] if self.via else self.dtype))
+        return self.cast(self.base)
+
+    def materialize(self) -> jax.Array:
+        """The merged, dequantized weight in its view (allocates the full matrix)."""
+        w = self.dense_base()
+        if self.a is not None:
+            a, b = self.a.astype(jnp.float32), self.b.astype(jnp.float32)
+            delta = jnp.einsum("...ir,...ro->...io", a, b) * self.scale
+            w = (w.astype(jnp.float32) + delta).astype(self.dtype)
+        return jnp.transpose(w, self.perm)
+
+    def map_lead(self, f: Callable, new_lead: tuple) -> "Weight":
+        """Applies ``f`` (acting on the leading stacked axes) to every field and factor.
+
+        Args:
+          f: maps an array ``[*L, ...]`` to ``[*new_lead, ...]`` (slice, squeeze, index).
+          new_lead: the stacked shape after ``f``.
+        """
+        base = jax.tree.map(f, self.base)
+        if is_nf4(base):
+            base = dataclasses.replace(
+                base,
+                shape=tuple(new_lead) + self.base_shape[self.n_lead :],
+                batch_ndim=len(new_lead) if len(new_lead) else 0,
+            )
+        a = None if self.a is None else f(self.a)
+        b = None if self.b is None else f(self.b)
+        nl_new = len(new_lead)
+        perm = tuple(range(nl_new)) + tuple(
+            p - self.n_lead + nl_new for p in self.perm[self.n_lead :]
+        )
+        return self.replace(
+            base=base,
+            a=a,
+            b=b,
+            perm=perm,
+            base_shape=tuple(new_lead) + self.base_shape[self.n_lead :],
+        )
+
+    def scan_carrier(self) -> "Weight":
+        """A pytree for ``lax.scan``'s ``xs``: leaves keep the stacked axis 0, metadata
+        describe one slice, so the scan rebuilds a consistent per-layer ``Weight``."""
+        base = self.base
+        if is_nf4(base):
+            base = dataclasses.replace(
+                base, shape=base.shape[1:], batch_ndim=max(base.batch_ndim - 1, 0)
+            )
+        perm = tuple(p - 1 for p in self.perm[1:])
+        return self.replace(base=base, perm=perm, base_shape=self.base_shape[1:])
+
+
+jax.tree_util.register_dataclass(
+    Weight,
+    data_fields=["base", "a", "b"],
+    meta_fields=["scale", "name", "dtype", "perm", "base_shape", "via"],
+)
+
+
+def is_weight(x) -> bool:
+    """Whether ``x`` is a ``Weight``."""
+    return isinstance(x, Weight)
+
+
+def error(w: Weight, prim: str, why: str = "") -> ImplicitWeightError:
+    """The ``ImplicitWeightError`` for weight ``w`` reaching primitive ``prim``."""
+    return ImplicitWeightError(
+        f"Weight {w.name!r} (view shape {w.shape}, {jnp.dtype(w.dtype).name}) reaches primitive "
+        f"{prim!r}, which jmem cannot apply to an NF4/LoRA weight without materializing it"
+        f"{': ' + why if why else ''}. Use the weight only through matmuls (dot_general/einsum/@), "
+        f"optionally after astype/transpose/slicing its stacked axis, or pass "
+        f"allow_materialize=True to dequantize/merge it for this operation."
+    )

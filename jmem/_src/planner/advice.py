@@ -1,0 +1,315 @@
+"""Advice from the planner: does a configuration fit, which ledger is short, which levers help.
+
+Levers are ordered by cost (memory saved for speed or for what is trained); see
+``docs/planner.md`` for the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+from typing import Mapping
+
+from jmem._src.planner.activations import REMAT_MODES
+from jmem._src.planner.ledger import GB
+from jmem._src.planner.ledger import Ledger
+from jmem._src.planner.ledger import estimate
+from jmem._src.planner.ledger import parse_memory
+
+__all__ = ["Advice", "Lever", "advise"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    """One way to cut memory: the estimate after applying it and what it costs."""
+
+    name: str
+    cost: str
+    changes: Mapping[str, Any]
+    total: int
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """Verdict of :func:`advise` (bytes).
+
+    Attributes:
+      fits: ``ledger.total + reserve <= memory``.
+      short: ``None`` when it fits, ``"states"`` when the model state alone (params, grads,
+        optimizer, masters) does not fit, else ``"activations"``.
+      short_by: bytes missing (0 when it fits).
+      levers: options ordered by cost (cheapest first), each applied alone, with its
+        new total.
+      plan: levers applied cumulatively in cost order (states first, then activations)
+        until the configuration fits; ``plan_total`` is the total after the last one
+        (the plan is empty when it fits already; it may end short of fitting).
+    """
+
+    fits: bool
+    short: str | None
+    short_by: int
+    memory: int
+    reserve: int
+    ledger: Ledger
+    levers: tuple[Lever, ...]
+    plan: tuple[Lever, ...] = ()
+
+    def __str__(self) -> str:
+        avail = self.memory - self.reserve
+        lines = [str(self.ledger), ""]
+        if self.fits:
+            lines.append(
+                f"verdict: FITS: {self.ledger.total / GB:.2f} GB of {avail / GB:.2f} GB "
+                f"usable ({self.memory / GB:.3g} GB - {self.reserve / GB:.3g} GB reserve)"
+            )
+        else:
+            lines.append(
+                f"verdict: DOES NOT FIT: {self.ledger.total / GB:.2f} GB > {avail / GB:.2f} GB "
+                f"usable; short by {self.short_by / GB:.2f} GB in the {self.short} ledger(s)"
+            )
+        if self.levers:
+            lines.append("levers, cheapest first:")
+            for i, lv in enumerate(self.levers, 1):
+                mark = "fits" if lv.fits else "still short"
+                lines.append(f"  {i}. {lv.name}: {lv.total / GB:.2f} GB ({mark}); cost: {lv.cost}")
+        if self.plan:
+            lines.append("cumulative plan:")
+            for lv in self.plan:
+                lines.append(f"  + {lv.name}: {lv.total / GB:.2f} GB")
+            lines.append("  => fits" if self.plan[-1].fits else "  => still does not fit")
+        return "\n".join(lines)
+
+
+def _check_reserve(memory: Any, reserve: float) -> tuple[int, int]:
+    """``(memory, reserve)`` in int bytes; the reserve must leave some memory."""
+    mem = parse_memory(memory)
+    reserve = int(reserve)
+    if reserve < 0 or reserve >= mem:
+        raise ValueError(
+            f"reserve ({reserve} bytes) must be >= 0 and below the memory ({mem} "
+            "bytes); did you forget a unit, e.g. '24GB'?"
+        )
+    return mem, reserve
+
+
+def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
+    """Low-bit optimizer states (for Adam/AdamW) and optimizer/master offload."""
+    opt = config.get("optimizer", "adamw")
+    cands = []
+    if opt in ("adamw", "adam"):
+        cands.append(
+            (
+                "8-bit optimizer states",
+                "a few quantize/dequantize kernels per step",
+                {"optimizer": opt + "_8bit"},
+            )
+        )
+        cands.append(
+            (
+                "4-bit optimizer states",
+                "more quantization error than 8-bit",
+                {"optimizer": opt + "_4bit"},
+            )
+        )
+    if config.get("offload") in (None, False):
+        cands.append(
+            (
+                "offload optimizer state to host",
+                "host<->device copies of the moments every step (PCIe-bound)",
+                {"offload": "optimizer"},
+            )
+        )
+    if config.get("offload") != "optimizer+masters":
+        cands.append(
+            (
+                "offload optimizer state and masters to host",
+                "more PCIe traffic: moments and fp32 masters every step",
+                {"offload": "optimizer+masters"},
+            )
+        )
+    return cands
+
+
+def _sharding_lever(
+    model: Any, config: Mapping[str, Any], avail: int
+) -> list[tuple[str, str, dict]]:
+    """ZeRO-3 over the fewest devices (a power of two up to 64) that makes it fit."""
+    base_k = config.get("num_shards", 1)
+    for k in (2, 4, 8, 16, 32, 64):
+        if k > base_k and estimate(model, **{**config, "num_shards": k}).total <= avail:
+            return [
+                (
+                    f"ZeRO-3 sharding over {k} devices",
+                    f"{k} devices; ~1.5x the all-reduce traffic",
+                    {"num_shards": k},
+                )
+            ]
+    return []
+
+
+def _lora_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
+    """LoRA and QLoRA, for a full fine-tune (they change what is trained)."""
+    if config.get("lora") is not None:
+        return []
+    qv = (8, ("q_proj", "v_proj"))
+    return [
+        ("LoRA r=8 on q/v (frozen base)", "trains adapters only, not the full model", {"lora": qv}),
+        (
+            "QLoRA: NF4 base + LoRA r=8",
+            "adapters only; 4-bit base dequantized per matmul",
+            {"lora": qv, "quantization": "nf4"},
+        ),
+    ]
+
+
+_REMAT_COSTS = {
+    "selective": "a few % more FLOPs (recompute attention and element-wise ops)",
+    "full": "~33% more FLOPs (recompute each layer's forward)",
+    "offload": "host<->device copies of the saved residuals",
+}
+
+
+def _activation_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
+    """Gradient accumulation, stronger remat, shorter sequences."""
+    cands = []
+    b = config.get("batch_size", 1)
+    if b > 1:
+        cands.append(
+            (
+                f"gradient accumulation ({b} micro-batches of 1)",
+                "same math, more sequential steps",
+                {"batch_size": 1},
+            )
+        )
+    cur = config.get("remat") or "none"
+    for r, cost in _REMAT_COSTS.items():
+        if REMAT_MODES.index(r) > REMAT_MODES.index(cur):
+            cands.append((f"remat '{r}'", cost, {"remat": r}))
+    s = config.get("seq_len", 2048)
+    if s > 256:
+        cands.append(
+            (
+                f"shorter sequences ({s // 2})",
+                "changes the training data layout",
+                {"seq_len": s // 2},
+            )
+        )
+    return cands
+
+
+def _priced(
+    model: Any, config: Mapping[str, Any], cands, current: int, avail: int
+) -> tuple[Lever, ...]:
+    """Each candidate applied alone; drops those that are invalid or save nothing."""
+    levers = []
+    for name, cost, changes in cands:
+        try:
+            t = estimate(model, **{**config, **changes}).total
+        except ValueError:
+            continue
+        if t >= current:  # a lever that saves nothing here is no advice
+            continue
+        levers.append(Lever(name, cost, changes, t, t <= avail))
+    return tuple(levers)
+
+
+def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice:
+    """Does ``model`` train in ``memory``? If not, which ledger is short and what helps.
+
+    States short (params + grads + optimizer + masters + reserve > memory): remat cannot
+    help; levers in cost order are 8-bit optimizer states, 4-bit states, offloading the
+    moments, offloading the masters too, ZeRO sharding over the fewest devices that fit,
+    and LoRA / QLoRA (changes what is trained). Activations short: gradient accumulation
+    (smaller micro-batch, same math), selective then full remat (a few % / ~33% more
+    FLOPs), activation offload, shorter sequences.
+
+    Args:
+      memory: device bytes or a string (``"24GB"``).
+      model: as in :func:`estimate`.
+      reserve: bytes kept free (fragmentation, workspace, runtime).
+      **config: keywords of :func:`estimate`.
+
+    Returns:
+      An :class:`Advice`; ``str(advice)`` prints the table and verdict.
+
+    Raises:
+      ValueError: as :func:`estimate`, or a reserve outside ``[0, memory)``.
+    """
+    mem, reserve = _check_reserve(memory, reserve)
+    led = estimate(model, **config)
+    avail = mem - reserve
+    if led.total <= avail:
+        return Advice(True, None, 0, mem, reserve, led, ())
+    short = "states" if led.static > avail else "activations"
+    if short == "states":
+        cands = _optimizer_levers(config) + _sharding_lever(model, config, avail)
+        cands += _lora_levers(config)
+    else:
+        cands = _activation_levers(config)
+    levers = _priced(model, config, cands, led.total, avail)
+    plan = _plan(model, config, avail)
+    return Advice(False, short, led.total - avail, mem, reserve, led, levers, plan)
+
+
+# The cumulative plan: each step maps the current config to its change, or None.
+
+
+def _to_8bit(c: Mapping[str, Any]) -> dict | None:
+    opt = c.get("optimizer", "adamw")
+    return {"optimizer": opt + "_8bit"} if opt in ("adamw", "adam") else None
+
+
+def _to_micro_batch(c: Mapping[str, Any]) -> dict | None:
+    return {"batch_size": 1} if c.get("batch_size", 1) > 1 else None
+
+
+def _to_remat(mode: str, c: Mapping[str, Any]) -> dict | None:
+    cur = c.get("remat") or "none"
+    weaker = REMAT_MODES[: REMAT_MODES.index(mode)]
+    return {"remat": mode} if cur in weaker else None
+
+
+def _to_offload_optimizer(c: Mapping[str, Any]) -> dict | None:
+    return {"offload": "optimizer"} if c.get("offload") in (None, False) else None
+
+
+def _to_offload_masters(c: Mapping[str, Any]) -> dict | None:
+    return {"offload": "optimizer+masters"} if c.get("offload") == "optimizer" else None
+
+
+def _more_shards(k: int, c: Mapping[str, Any]) -> dict | None:
+    """The lever "ZeRO-3 over k devices": None when the config already has as many."""
+    return {"num_shards": k} if c.get("num_shards", 1) < k else None
+
+
+_PLAN_STEPS = (
+    ("8-bit optimizer states", "quantize/dequantize kernels", _to_8bit),
+    ("gradient accumulation (micro-batch 1)", "more sequential steps", _to_micro_batch),
+    ("remat 'selective'", "a few % FLOPs", functools.partial(_to_remat, "selective")),
+    ("offload optimizer state", "PCIe copies of the moments", _to_offload_optimizer),
+    ("remat 'full'", "~33% FLOPs", functools.partial(_to_remat, "full")),
+    ("offload masters too", "PCIe copies of the masters", _to_offload_masters),
+) + tuple(
+    (f"ZeRO-3 over {k} devices", f"{k} devices", functools.partial(_more_shards, k))
+    for k in (2, 4, 8, 16, 32, 64)
+)
+
+
+def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Lever, ...]:
+    """Greedy cumulative plan: cheapest lever that lowers the total, until it fits."""
+    cfg, plan = dict(config), []
+    total = estimate(model, **cfg).total
+    for name, cost, change in _PLAN_STEPS:
+        if total <= avail:
+            break
+        ch = change(cfg)
+        if not ch:
+            continue
+        new = {**cfg, **ch}
+        t = estimate(model, **new).total
+        if t < total:
+            cfg, total = new, t
+            plan.append(Lever(name, cost, ch, t, t <= avail))
+    return tuple(plan)

@@ -1,0 +1,122 @@
+"""The sharded train-step jit: in/out shardings of a ``TrainState`` from ``jmem.sharding``'s rules."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jmem._src.sharding import DEFAULT_MIN_SIZE
+from jmem._src.sharding import _batch_shardings
+from jmem._src.sharding import _check_mesh
+from jmem._src.sharding import _check_strategy
+from jmem._src.sharding import _replicated
+from jmem._src.sharding import _shape
+from jmem._src.sharding import param_shardings
+from jmem._src.sharding import shard_state
+from jmem._src.sharding import state_shardings
+
+
+def sharded_init(
+    init: Callable,
+    mesh: Mesh,
+    strategy: str = "zero3",
+    *,
+    opt_state_memory_kind: str | None = None,
+    min_size: int = DEFAULT_MIN_SIZE,
+) -> Callable:
+    """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale)`` so its result
+    is born sharded: inputs are placed by the param rule, then ``init`` runs under
+    ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
+    materialized whole on one device, and size thresholds see global shapes.
+    """
+    _check_mesh(mesh)
+    _check_strategy(strategy)
+
+    def wrapped(params, frozen=None, fp8=None, loss_scale=None):
+        abstract = jax.eval_shape(init, params, frozen, fp8, loss_scale)
+        shardings = state_shardings(
+            abstract, mesh, strategy, min_size=min_size, opt_state_memory_kind=opt_state_memory_kind
+        )
+        params = shard_state(params, param_shardings(params, mesh, strategy, min_size=min_size))
+        frozen = shard_state(frozen, param_shardings(frozen, mesh, strategy, min_size=min_size))
+        fp8 = shard_state(fp8, _replicated(fp8, mesh))
+        loss_scale = shard_state(loss_scale, _replicated(loss_scale, mesh))
+        return jax.jit(init, out_shardings=shardings)(params, frozen, fp8, loss_scale)
+
+    return wrapped
+
+
+class ShardedStep:
+    """``jax.jit`` of ``step(state, batch) -> (state, metrics)`` with shardings from the rules.
+
+    The shardings depend on the state's shapes, so the jitted function is built on first use
+    for each (structure, shapes, dtypes) of ``(state, batch)`` and cached: in_shardings
+    ``(state_shardings(state), batch shardings)``, out_shardings ``(state_shardings(state),
+    replicated metrics)``, state donated. Supports ``__call__`` and ``.lower`` (so
+    ``jmem.measure`` and ``TrainStep.measure`` work; the figures are per device).
+    """
+
+    def __init__(
+        self,
+        step: Callable,
+        mesh: Mesh,
+        strategy: str = "zero3",
+        *,
+        donate: bool = True,
+        opt_state_memory_kind: str | None = None,
+        min_size: int = DEFAULT_MIN_SIZE,
+        jit_kwargs: dict | None = None,
+    ):
+        _check_mesh(mesh)
+        _check_strategy(strategy)
+        jit_kwargs = dict(jit_kwargs or {})
+        clash = {"in_shardings", "out_shardings", "donate_argnums", "donate_argnames"} & set(
+            jit_kwargs
+        )
+        if clash:
+            raise ValueError(
+                f"jit_kwargs {sorted(clash)} conflict with mesh=: the sharding "
+                f"rules set them. Drop them, or build without mesh= and pass "
+                f"your own shardings."
+            )
+        self.step, self.mesh, self.strategy = step, mesh, strategy
+        self._donate, self._kind, self._min = donate, opt_state_memory_kind, min_size
+        self._jit_kwargs = jit_kwargs
+        self._cache: dict = {}
+
+    def shardings(self, state: Any, batch: Any):
+        """``(state shardings, batch shardings)`` used for this state and batch."""
+        st = state_shardings(
+            state, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
+        )
+        return st, _batch_shardings(batch, self.mesh)
+
+    def _jitted(self, state: Any, batch: Any):
+        leaves, treedef = jax.tree.flatten((state, batch))
+        key = (treedef, tuple((_shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
+        fn = self._cache.get(key)
+        if fn is None:
+            st, bt = self.shardings(state, batch)
+            fn = jax.jit(
+                self.step,
+                in_shardings=(st, bt),
+                out_shardings=(st, NamedSharding(self.mesh, P())),
+                donate_argnums=(0,) if self._donate else (),
+                **self._jit_kwargs,
+            )
+            self._cache[key] = fn
+        return fn
+
+    def __call__(self, state: Any, batch: Any):
+        fn = self._jitted(state, batch)
+        # Host / single-device batches (and, across processes, host values) are placed here.
+        batch = shard_state(batch, _batch_shardings(batch, self.mesh))
+        return fn(state, batch)
+
+    def lower(self, state: Any, batch: Any):
+        return self._jitted(state, batch).lower(state, batch)

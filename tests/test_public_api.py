@@ -1,0 +1,76 @@
+"""The public surface: explicit __all__, docstrings, no function shadowing a module, layering."""
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import pathlib
+
+import pytest
+
+import jmem
+
+ROOT = pathlib.Path(jmem.__file__).parent
+NAMESPACES = ["jmem", "jmem.lora", "jmem.qlora", "jmem.nf4", "jmem.fp8", "jmem.sharding"]
+NAMESPACES += ["jmem.planner", "jmem.tree", "jmem.data"]
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_every_public_name_exists_and_has_a_docstring(namespace):
+    module = importlib.import_module(namespace)
+    assert isinstance(module.__all__, tuple | list) and module.__all__
+    assert len(set(module.__all__)) == len(module.__all__), "duplicate names in __all__"
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj):
+            assert inspect.getdoc(obj), f"{namespace}.{name} has no docstring"
+
+
+def test_top_level_has_a_curated_size():
+    assert 35 <= len(jmem.__all__) <= 45, len(jmem.__all__)
+
+
+@pytest.mark.parametrize("name", ["remat", "measure", "offload", "train_step"])
+def test_no_function_shadows_a_module(name):
+    assert callable(getattr(jmem, name))
+    assert importlib.util.find_spec(f"jmem.{name}") is None
+
+
+def test_internal_names_are_not_exported():
+    for name in ["implicit", "interpret", "resolve_policy", "format_bytes", "loss_scale_from_name"]:
+        assert not hasattr(jmem, name), name
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+@pytest.mark.parametrize("namespace", [n for n in NAMESPACES if n != "jmem"])
+def test_namespaces_only_reexport(namespace):
+    path = ROOT / f"{namespace.split('.')[1]}.py"
+    body = ast.parse(path.read_text()).body
+    for node in body:
+        ok = isinstance(node, ast.ImportFrom | ast.Import | ast.Assign)
+        ok = ok or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        assert ok, f"{path.name}: {ast.dump(node)[:80]} is not a re-export"
+
+
+def test_leaves_do_not_import_upward():
+    """Leaves never import the composition layer, the models, data or the public namespaces."""
+    upward = ("jmem._src.train", "jmem.models", "jmem._src.data", "jmem._src.checkpointing")
+    public = {f"jmem.{n}" for n in ("lora", "qlora", "nf4", "fp8", "sharding", "planner")}
+    src = ROOT / "_src"
+    for path in src.rglob("*.py"):
+        rel = path.relative_to(src).as_posix()
+        if rel.startswith("train/") or rel in ("checkpointing.py", "data.py"):
+            continue
+        for mod in _imports(path):
+            assert not mod.startswith(upward), f"{rel} imports {mod}"
+            assert mod not in public and mod != "jmem", f"{rel} imports {mod}"
