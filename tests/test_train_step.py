@@ -370,17 +370,18 @@ class SkipAndAccumulationTest(chex.TestCase):
         opt = optax.adam(1e-2)
         params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-0.0, 1.0])}
         grads = jax.tree.map(lambda p: 0.1 * p + 1.0, params)
-        state = opt.init(params)
 
-        def param_update(g, s, p):
+        def new_params(g, s, p):  # the builder's convention: the update returns new params
             u, s = opt.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        update = self.variant(skip_if_nonfinite(param_update))
+        wrapped = skip_if_nonfinite(optax.GradientTransformation(opt.init, new_params))
+        state = wrapped.init(params)
+        update = self.variant(lambda g, s, p, f: wrapped.update(g, s, p, finite=f))
         kept_p, kept_s = update(grads, state, params, jnp.array(False))
         jax.tree.map(np.testing.assert_array_equal, (kept_p, kept_s), (params, state))
         new_p, new_s = update(grads, state, params, jnp.array(True))
-        want_p, want_s = param_update(grads, state, params)
+        want_p, want_s = new_params(grads, state, params)
         chex.assert_trees_all_close((new_p, new_s), (want_p, want_s), rtol=1e-6, atol=1e-7)
 
     @chex.variants(with_jit=True, without_jit=True)

@@ -137,15 +137,13 @@ def _opt_state_to_host(state: TrainState) -> TrainState:
     return state.replace(opt_state=to_host(state.opt_state))
 
 
-def _wrap_optimizer(optimizer: optax.GradientTransformation, o: _Options):
-    """Mixed precision -> offload -> sharding constraints, each an optax wrapper."""
-    if o.master_weights:
-        optimizer = mixed_precision(optimizer)
+def _stack(inner: optax.GradientTransformation, o: _Options):
+    """Offload, then sharding constraints, each an optax wrapper (when enabled)."""
     if o.offload:
-        optimizer = offload(optimizer, leaf_by_leaf=o.leaf_by_leaf)
+        inner = offload(inner, leaf_by_leaf=o.leaf_by_leaf)
     if o.mesh is not None:
-        optimizer = constrain_gradients(optimizer, o.mesh, o.strategy)
-    return optimizer
+        inner = constrain_gradients(inner, o.mesh, o.strategy)
+    return inner
 
 
 def _new_params(inner: optax.GradientTransformation, master_weights: bool):
@@ -166,17 +164,18 @@ def _new_params(inner: optax.GradientTransformation, master_weights: bool):
     return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
-def _param_update(optimizer: optax.GradientTransformation, o: _Options) -> Callable:
-    """``update(grads, opt_state, params, finite) -> (params, opt_state)`` for the step."""
+def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
+    """``(optimizer, stepper)``: mixed precision -> offload -> sharding constraints.
+
+    ``optimizer`` is that stack as an optax transformation (``TrainStep.optimizer``, whose
+    ``init`` builds the state); ``stepper`` is the same stack returning the new params,
+    wrapped in ``skip_if_nonfinite`` when non-finite steps are skipped.
+    """
     base = mixed_precision(optimizer) if o.master_weights else optimizer
-    stepper = _new_params(base, o.master_weights)
-    if o.offload:
-        stepper = offload(stepper, leaf_by_leaf=o.leaf_by_leaf)
-    if o.mesh is not None:
-        stepper = constrain_gradients(stepper, o.mesh, o.strategy)
+    stepper = _stack(_new_params(base, o.master_weights), o)
     if o.skip_nonfinite:
-        return skip_if_nonfinite(stepper.update, select_inside=o.offload)
-    return lambda grads, opt_state, params, finite: stepper.update(grads, opt_state, params)
+        stepper = skip_if_nonfinite(stepper, select_inside=o.offload)
+    return _stack(base, o), stepper
 
 
 def _scaled_loss(loss_fn, o: _Options, diff, batch, frozen, scale):
@@ -273,12 +272,13 @@ def _advance(state, params, opt_state, fp8, finite, new_scale, o: _Options) -> T
     )
 
 
-def _step(loss: Callable, update: Callable, o: _Options, state: TrainState, batch: Any):
+def _step(loss: Callable, stepper, o: _Options, state: TrainState, batch: Any):
     """One training step: ``(state, batch) -> (state, metrics)``."""
     (grads, fp8), (loss_value, aux) = _gradients(loss, state, batch, o.microbatches)
     grads, finite, new_scale = _unscale(grads, state, o)
     grads, grad_norm, finite = _norm_before_update(grads, finite, o)
-    params, opt_state = update(grads, state.opt_state, state.params, finite)
+    skip_args = {"finite": finite} if o.skip_nonfinite else {}
+    params, opt_state = stepper.update(grads, state.opt_state, state.params, **skip_args)
     new = _advance(state, params, opt_state, fp8, finite, new_scale, o)
     metrics = {
         "loss": loss_value,
@@ -378,15 +378,13 @@ def train_step(
     Chen et al. 2016 and Korthikanti et al. 2022; ZeRO after Rajbhandari et al. 2020.
     """
     o = _parse_options(**{k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer")})
-    step = functools.partial(
-        _step, _differentiable_loss(loss_fn, o), _param_update(optimizer, o), o
-    )
-    wrapped = _wrap_optimizer(optimizer, o)
-    init = functools.partial(_init_state, wrapped, o)
+    optimizer, stepper = _optimizers(optimizer, o)
+    step = functools.partial(_step, _differentiable_loss(loss_fn, o), stepper, o)
+    init = functools.partial(_init_state, optimizer, o)
     jitted, init = _jit(step, init, o)
     return TrainStep(
         jitted=jitted,
-        optimizer=wrapped,
+        optimizer=optimizer,
         precision=o.precision,
         _init=init,
         offload_optimizer=o.offload,
