@@ -1,10 +1,10 @@
 """Device peak bytes and step time with and without host-offloaded optimizer state.
 
 Model: jmem's reference Llama ("llama_1b", ~1.1B params, on GPU; "tiny" on CPU), bf16
-params, ``jmem.master_weights.mixed_precision(optax.adamw)`` (fp32 masters + fp32 Adam
+params, ``jmem.mixed_precision(optax.adamw)`` (fp32 masters + fp32 Adam
 moments = 12 bytes/param of optimizer state), step jitted with the state donated.
 Variants: ``baseline`` (state in device memory), ``offload``
-(``jmem.offload.offload(...)``, state in ``pinned_host``) and, with ``--leaf-by-leaf``,
+(``jmem.offload(...)``, state in ``pinned_host``) and, with ``--leaf-by-leaf``,
 ``leaf_by_leaf`` (``offload(..., leaf_by_leaf=True)``: the update runs one parameter leaf
 at a time, so about two leaves' state is on the device at once instead of up to all of it).
 

@@ -6,7 +6,7 @@
 
 Levers: frozen base in NF4 with double quantization (jmem.nf4 / jmem.qlora), LoRA adapters
 as their own pytree (jmem.lora), activation remat per layer (jmem.remat), bf16 compute
-(fp16 with dynamic loss scaling by flag), 8-bit AdamW states (jmem.optimizers), gradient
+(fp16 with dynamic loss scaling by flag), 8-bit AdamW states (jmem.adamw_8bit), gradient
 accumulation, optional host offload of the optimizer state — composed by jmem.train_step.
 
 Default config: `llama2_7b` when a GPU is present, `tiny` on CPU. `--dry-run` compiles the
@@ -250,7 +250,7 @@ def dry_run(args, cfg):
         ("temporaries / grads+activations", report.temp_bytes, est.grads + est.activations),
         ("peak", report.peak_bytes, est.total),
     ]
-    print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (jmem.estimate)':>26}")
+    print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
     print(

@@ -240,7 +240,7 @@ class DynamicLossScale:
 
         Gradients of float16 *parameters* would underflow again when cast back; take
         gradients with respect to float32 parameters/masters (cast to the compute dtype inside
-        the loss, see :class:`jmem.precision.Policy`) or cast them to float32 before
+        the loss, see :class:`jmem.Policy`) or cast them to float32 before
         unscaling.
         """
         return jax.tree_util.tree_map(lambda x: _unscale_leaf(x, self.loss_scale), tree)

@@ -98,7 +98,7 @@ class Policy:
 
     Attributes:
       param_dtype: dtype parameters are stored in (e.g. float32, or bfloat16 together with
-        :func:`jmem.master_weights.mixed_precision` float32 master weights).
+        :func:`jmem.mixed_precision` float32 master weights).
       compute_dtype: dtype of the forward/backward computation (e.g. bfloat16).
       output_dtype: dtype of the model outputs (e.g. float32 for the logits and loss).
 

@@ -53,8 +53,8 @@ _CALL_PRIMITIVES = frozenset(
 def _not_per_leaf(what: str) -> ValueError:
     return ValueError(
         f"offload(leaf_by_leaf=True): {what}. Leaf-by-leaf mode needs an optimizer whose "
-        f"state is laid out per parameter (optax adam/adamw, jmem.optimizers.adamw_8bit/"
-        f"adamw_4bit, jmem.master_weights.mixed_precision of those, ...); use "
+        f"state is laid out per parameter (optax adam/adamw, jmem.adamw_8bit/"
+        f"adamw_4bit, jmem.mixed_precision of those, ...); use "
         f"offload(inner) (whole-tree mode) for this one."
     )
 

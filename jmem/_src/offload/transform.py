@@ -55,7 +55,7 @@ def _check_skip(skip: Any) -> jax.Array:
     skip = jnp.asarray(skip)
     if skip.shape != () or skip.dtype != jnp.bool_:
         raise TypeError(
-            f"skip must be a scalar bool (e.g. ~jmem.loss_scale.all_finite(grads)), got "
+            f"skip must be a scalar bool (e.g. ~jmem.all_finite(grads)), got "
             f"{skip.dtype}{list(skip.shape)}."
         )
     return skip

@@ -1,6 +1,6 @@
 """Adam / AdamW with 8-bit and 4-bit block-wise quantized moments, as optax transformations.
 
-The moments are stored as :class:`jmem.quantization.QuantizedArray` (uint8 codes plus one
+The moments are stored as :class:`jmem.QuantizedArray` (uint8 codes plus one
 float32 absmax per block); each step dequantizes them, updates them in float32 with the
 formula of ``optax.scale_by_adam``, computes the bias-corrected update and requantizes them.
 Design notes (non-finite gradients, the bounded transients of the chunked update, the
@@ -54,7 +54,7 @@ class ScaleByQuantizedAdamState(NamedTuple):
     Attributes:
       count: int32 scalar, number of steps taken.
       mu: first moments, a pytree with the structure of the params whose leaves are
-        :class:`~jmem.quantization.QuantizedArray` (large tensors) or float32 arrays.
+        :class:`jmem.QuantizedArray` (large tensors) or float32 arrays.
       nu: second moments, same structure as ``mu``.
     """
 
@@ -480,7 +480,7 @@ def adam_8bit(
     """Adam with 8-bit block-wise quantized moments (bitsandbytes ``Adam8bit``).
 
     Same update as ``optax.adam`` computed from float32 moments; the stored moments use the
-    signed (first) and unsigned (second) dynamic maps of :func:`jmem.quantization.dynamic_map`
+    signed (first) and unsigned (second) dynamic maps of :func:`jmem.dynamic_map`
     with one float32 absmax per ``block_size`` elements: about 2.03 bytes per parameter for
     tensors with at least ``min_8bit_size`` elements, 8 bytes below.
 

@@ -14,7 +14,7 @@ from jmem._src.planner.shapes import ModelShape
 
 __all__ = ["REMAT_MODES", "activation_bytes"]
 
-#: Remat modes, as named by ``jmem.remat.REMAT_POLICIES``, from most to least memory.
+#: Remat modes, as named by ``jmem.REMAT_POLICIES``, from most to least memory.
 REMAT_MODES = ("none", "dots", "selective", "full", "offload")
 
 
