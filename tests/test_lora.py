@@ -329,3 +329,11 @@ def test_lora_weight_survives_jit_and_orbax(tmp_path):
         restored = ckpt.restore(tmp_path / "lora", ad)
     chex.assert_trees_all_equal(restored, ad)
     assert isinstance(restored["up/kernel"], lora.LoraWeight)
+
+
+def test_apply_keeps_python_float_arguments_static():
+    params = {"w": {"kernel": jnp.ones((4, 8))}}
+    ad = lora.init(jax.random.key(0), params, targets=r"w/kernel", rank=2)
+    fn = lora.apply(lambda p, x, t: (x / t if t > 0 else x) @ p["w"]["kernel"])
+    out = fn(params, ad, jnp.ones((2, 4)), 0.5)
+    chex.assert_trees_all_close(out, 2.0 * jnp.ones((2, 4)) @ params["w"]["kernel"])

@@ -236,3 +236,16 @@ def test_python_scalars_in_outputs_come_back_as_python_scalars(policy, with_scan
     assert type(aux["count"]) is int and type(aux["flag"]) is bool and type(aux["scale"]) is float
     ref_value, ref_aux = loss(jnp.ones(4))
     chex.assert_trees_all_close((value, aux["y"]), (ref_value, ref_aux["y"]))
+
+
+def test_python_float_arguments_are_static_like_in_lora_apply():
+    """One rule for remat and LoRA: Python floats are static, so Python control flow on them
+    works (``x / t if t > 0 else x``)."""
+
+    def f(x, t):
+        x, _ = jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=2)
+        return jnp.sum(x / t if t > 0 else x)
+
+    x = jnp.arange(3.0)
+    chex.assert_trees_all_close(jmem.remat(f, "full")(x, 0.5), f(x, 0.5))
+    chex.assert_trees_all_close(jax.grad(jmem.remat(f, "full"))(x, -1.0), jax.grad(f)(x, -1.0))

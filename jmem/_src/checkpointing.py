@@ -12,11 +12,14 @@ interrupted save never replaces a good checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from jmem._src.quantization import QuantizedArray
 
 
 class Checkpointer:
@@ -89,16 +92,27 @@ class Checkpointer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             self._savable(target),
         )
+        try:
+            state, meta = self._restore(step, abstract)
+        except ValueError:
+            if not _has_quantized(abstract):
+                raise
+            # A checkpoint written before QuantizedArray became a registered dataclass
+            # (jmem <= 0.1.0) names its fields by position: [codes, absmax].
+            state, meta = self._restore(step, _positional_quantized(abstract))
+            state = _named_quantized(state, abstract)
+        if frozen is not None:
+            state = state.replace(frozen=frozen)
+        return state, meta
+
+    def _restore(self, step: int, abstract: Any) -> tuple[Any, dict]:
         out = self._mgr.restore(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
             ),
         )
-        state = out["state"]
-        if frozen is not None:
-            state = state.replace(frozen=frozen)
-        return state, dict(out["meta"] or {})
+        return out["state"], dict(out["meta"] or {})
 
     def wait(self):
         """Blocks until asynchronous saves are on disk."""
@@ -107,3 +121,28 @@ class Checkpointer:
     def close(self):
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedArray)
+
+
+def _has_quantized(tree: Any) -> bool:
+    return any(_is_quantized(x) for x in jax.tree.leaves(tree, is_leaf=_is_quantized))
+
+
+def _positional_quantized(tree: Any) -> Any:
+    """``tree`` with each ``QuantizedArray`` as the list ``[codes, absmax]`` (the old layout)."""
+    return jax.tree.map(
+        lambda x: [x.codes, x.absmax] if _is_quantized(x) else x, tree, is_leaf=_is_quantized
+    )
+
+
+def _named_quantized(restored: Any, target: Any) -> Any:
+    """Rebuilds the ``QuantizedArray`` leaves of ``target`` from ``[codes, absmax]`` lists."""
+    return jax.tree.map(
+        lambda t, r: dataclasses.replace(t, codes=r[0], absmax=r[1]) if _is_quantized(t) else r,
+        target,
+        restored,
+        is_leaf=_is_quantized,
+    )

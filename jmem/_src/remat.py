@@ -217,8 +217,8 @@ def remat(
       prevent_cse: passed to ``jax.checkpoint``. Default (None): False for scan bodies (scan
         already blocks CSE, and True costs speed there) and True for a function without scan.
       static_argnums: positional arguments that are not arrays (hashable Python values).
-        Non-array pytree leaves in any argument, and Python bools and ints (flags, lengths),
-        are treated as static automatically; Python floats are traced.
+        Every non-array leaf in any argument (Python bools, ints and floats included) is
+        static automatically (``jmem.tree``'s rule, shared with ``jmem.lora.apply``).
       every: group ``every`` consecutive scan iterations into one checkpoint that saves only
         the group's input (Chen et al. 2016); ``"sqrt"`` picks ~sqrt(L), the O(sqrt(L))
         memory scheme. Inside a group, iterations follow ``policy`` when the group is

@@ -88,16 +88,14 @@ def path_str(path: tuple) -> str:
 
 
 def is_dynamic(x: Any) -> bool:
-    """The one rule by which jmem's tracing transforms split arguments.
+    """The one rule by which jmem's tracing transforms (remat, LoRA/QLoRA) split arguments.
 
-    Arrays (``jax.Array``, numpy arrays and scalars, ``__jax_array__`` objects) and Python
-    floats and complex numbers are traced; everything else (Python bools and ints, strings,
-    None, functions) is static, so flags, lengths and range bounds keep working in Python
-    control flow.
+    Arrays (``jax.Array`` and tracers, NumPy arrays and scalars, ``__jax_array__`` objects)
+    are traced; everything else (Python bools, ints, floats, strings, None, functions) is
+    static, so flags, lengths, rates and range bounds keep working in Python control flow
+    (``x / t if t > 0 else x``). A value that must be traced is passed as an array.
     """
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, float, complex)) or hasattr(
-        x, "__jax_array__"
-    )
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "__jax_array__")
 
 
 def partition(leaves: list, static: list[bool] | None = None) -> tuple[list, Callable]:
