@@ -442,3 +442,12 @@ def test_two_process_sharded_step(tmp_path):
         np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=1e-6)
         assert r["max_param_diff"] < 1e-5
     assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_sharded_step_is_traced_once_for_repeated_calls():
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    step = train_step(chex.assert_max_traces(mlp, n=1), adam(), mesh=mesh, strategy="zero3")
+    state = step.init(_params())
+    for i in range(3):
+        state, _ = step(state, _batch(i))
+    assert int(state.step) == 3

@@ -449,3 +449,18 @@ def test_precision_argument_is_named_precision():
 def test_bad_options_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         train_step(_mlp_loss, optax.sgd(1e-2), **kwargs)
+
+
+class BuiltStepTest(chex.TestCase):
+    """The built step gives the same state called directly or inside the user's own jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_step_inside_a_user_jit_equals_direct_call(self):
+        params, batch = _mlp_problem()
+        step = train_step(_mlp_loss, jmem.adamw_8bit(1e-2, min_8bit_size=64), donate=False)
+        state = step.init(params)
+        want, want_metrics = step(state, batch)
+        got, metrics = self.variant(lambda s, b: step(s, b))(state, batch)
+        chex.assert_trees_all_close(got.params, want.params, rtol=1e-6, atol=1e-7)
+        chex.assert_trees_all_equal(got.step, want.step)
+        chex.assert_trees_all_close(metrics["loss"], want_metrics["loss"], rtol=1e-6)

@@ -12,7 +12,6 @@ from typing import Any
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from jmem._src import lora as _lora
 from jmem._src import nf4 as _nf4
@@ -27,12 +26,9 @@ EXCLUDE = r"(embed|embedding|wte|wpe|lm_head|output_head|norm|ln_|layernorm|bias
 
 def default_targets(path: str, leaf: Any) -> bool:
     """Every floating weight of rank >= 2 except embeddings, the output head and norms."""
-    shape = getattr(leaf, "shape", ())
-    dtype = getattr(leaf, "dtype", None)
     return (
-        len(shape) >= 2
-        and dtype is not None
-        and jnp.issubdtype(dtype, jnp.floating)
+        _tree.is_float_array(leaf)
+        and len(leaf.shape) >= 2
         and re.search(EXCLUDE, path, re.IGNORECASE) is None
     )
 
@@ -69,7 +65,7 @@ def quantize_params(
             out.append(leaf)
             continue
         shape = getattr(leaf, "shape", ())
-        if len(shape) < 2 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+        if len(shape) < 2 or not _tree.is_float_array(leaf):
             raise ValueError(
                 f"Cannot NF4-quantize {path!r} ({getattr(leaf, 'dtype', type(leaf))}"
                 f"{tuple(shape)}): only floating weights of rank >= 2 are supported."

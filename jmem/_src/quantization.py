@@ -1,23 +1,11 @@
-"""Block-wise quantization with dynamic (tree) maps, as used for 8-/4-bit optimizer states.
+"""Block-wise absmax quantization to the nearest value of a sorted code book (dynamic map).
 
-A tensor is flattened, padded to a multiple of ``block_size`` and split into blocks; each
-block is scaled by its own absolute maximum (``absmax``) into ``[-1, 1]`` and every element
-is rounded to the *nearest* value of a small sorted code book (the "map"). The codes are
-stored as ``uint8`` (8-bit maps: one code per byte; maps with at most 16 values: two codes
-per byte).
+Each block of ``block_size`` elements is scaled by its own absmax into ``[-1, 1]`` and
+rounded to the nearest code; codes are stored as ``uint8`` (two per byte for maps of at most
+16 values). Design and implementation notes: ``docs/optimizers.md``.
 
-Sources:
-  * Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"
-    (arXiv:2110.02861): block-wise absmax scaling and the dynamic tree map. The map built by
-    :func:`dynamic_map` reproduces ``bitsandbytes.functional.create_dynamic_map``.
-  * Dettmers 2016, "8-Bit Approximations for Parallelism in Deep Learning"
-    (arXiv:1511.04561): the dynamic exponent data type.
-  * Li et al. 2023, "Memory Efficient Optimizers with 4-bit States" (arXiv:2309.01507):
-    4-bit maps, block size 128 and the zero-free linear map for second moments
-    (:func:`linear_map`).
-
-Implementation notes (exact nearest rounding without a distance matrix, one lookup per
-element) are in ``docs/optimizers.md``.
+Sources: Dettmers et al. 2022 (arXiv:2110.02861; ``bitsandbytes.functional.create_dynamic_map``),
+Dettmers 2016 (arXiv:1511.04561), Li et al. 2023 (arXiv:2309.01507).
 """
 
 from __future__ import annotations
@@ -30,6 +18,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jmem._src import tree as _tree
 
 __all__ = [
     "QuantizedArray",
@@ -396,7 +386,7 @@ class QuantizedArray:
     @property
     def nbytes(self) -> int:
         """Bytes held by the leaves (codes + absmax)."""
-        return int(self.codes.size) * 1 + int(self.absmax.size) * 4
+        return _tree.nbytes(self)
 
     def dequantize(self) -> jax.Array:
         return dequantize_blockwise(self)

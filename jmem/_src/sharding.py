@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jmem._src import lora as _lora
 from jmem._src import nf4 as _nf4
 from jmem._src import quantization as _qz
 
@@ -85,7 +86,7 @@ def make_mesh(data: int = 1, fsdp: int | None = None, devices=None) -> Mesh:
     return Mesh(arr, (DATA_AXIS, FSDP_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def _check_mesh(mesh: Any) -> Mesh:
+def check_mesh(mesh: Any) -> Mesh:
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh (see jmem.sharding.make_mesh), "
@@ -107,7 +108,7 @@ def _check_mesh(mesh: Any) -> Mesh:
     return mesh
 
 
-def _check_strategy(strategy: str) -> str:
+def check_strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     return strategy
@@ -122,7 +123,7 @@ def _fsdp_size(mesh: Mesh) -> int:
 # ----------------------------------------------------------------------------------------
 
 
-def _shape(x: Any) -> tuple[int, ...] | None:
+def shape_of(x: Any) -> tuple[int, ...] | None:
     s = getattr(x, "shape", None)
     return None if s is None else tuple(int(d) for d in s)
 
@@ -156,7 +157,7 @@ def _sharding(mesh: Mesh, spec: P, memory_kind: str | None = None) -> NamedShard
 
 
 def _quantized_shardings(q: _qz.QuantizedArray, mesh: Mesh, kind) -> _qz.QuantizedArray:
-    nb = _shape(q.codes)[0]
+    nb = shape_of(q.codes)[0]
     n = _fsdp_size(mesh)
     split = n > 1 and nb % n == 0
     codes = _sharding(mesh, P(FSDP_AXIS) if split else P(), kind(q.codes))
@@ -166,14 +167,14 @@ def _quantized_shardings(q: _qz.QuantizedArray, mesh: Mesh, kind) -> _qz.Quantiz
 
 def _nf4_shardings(w: _nf4.NF4Array, mesh: Mesh, split_ok: bool, kind) -> _nf4.NF4Array:
     n = _fsdp_size(mesh)
-    ab = _shape(w.absmax)
+    ab = shape_of(w.absmax)
     nb = ab[-1] if ab else 0
     split = split_ok and n > 1 and nb > 0 and nb % n == 0
 
     def last(x):
         if x is None:
             return None
-        nd = len(_shape(x))
+        nd = len(shape_of(x))
         spec = P(*([None] * (nd - 1) + [FSDP_AXIS])) if split and nd else P()
         return _sharding(mesh, spec, kind(x))
 
@@ -193,18 +194,8 @@ def _nf4_shardings(w: _nf4.NF4Array, mesh: Mesh, split_ok: bool, kind) -> _nf4.N
     )
 
 
-def _lora_type() -> tuple:
-    """``(LoraWeight,)`` when ``jmem.lora`` imports, else ``()``."""
-    try:
-        from jmem._src import lora as _lora  # noqa: PLC0415
-
-        return (_lora.LoraWeight,)
-    except Exception:  # noqa: BLE001 - LoRA unavailable: nothing to special-case.
-        return ()
-
-
 def _is_special(x: Any) -> bool:
-    return isinstance(x, (_qz.QuantizedArray, _nf4.NF4Array) + _lora_type())
+    return isinstance(x, (_qz.QuantizedArray, _nf4.NF4Array, _lora.LoraWeight))
 
 
 def _existing_kind(x: Any) -> str | None:
@@ -225,7 +216,6 @@ def _tree_shardings(
     every dense array and NF4 leaf. QuantizedArrays are split by blocks when ``split``."""
     n = _fsdp_size(mesh)
     kind = _kind_fn(memory_kind)
-    lora_t = _lora_type()
 
     def one(x):
         if x is None:
@@ -236,9 +226,9 @@ def _tree_shardings(
             return jax.tree.map(lambda l: _sharding(mesh, P(), kind(l)), x)
         if isinstance(x, _nf4.NF4Array):
             return _nf4_shardings(x, mesh, split, kind)
-        if lora_t and isinstance(x, lora_t):
+        if isinstance(x, _lora.LoraWeight):
             return jax.tree.map(lambda l: _sharding(mesh, P(), kind(l)), x)
-        shape = _shape(x)
+        shape = shape_of(x)
         if shape is None:  # Python scalars and other non-array leaves: replicated.
             return _sharding(mesh, P(), kind(x))
         spec = array_spec(shape, n, min_size=min_size) if split else P()
@@ -266,8 +256,8 @@ def param_shardings(
       ValueError / TypeError: unknown strategy, or a mesh without the two axes / with
       Explicit axes.
     """
-    _check_mesh(mesh)
-    split = _check_strategy(strategy) in ("zero3", "fsdp")
+    check_mesh(mesh)
+    split = check_strategy(strategy) in ("zero3", "fsdp")
     return _tree_shardings(params, mesh, split=split, min_size=min_size)
 
 
@@ -279,8 +269,8 @@ def gradient_shardings(
 
     Args / Raises: as :func:`param_shardings`.
     """
-    _check_mesh(mesh)
-    split = _check_strategy(strategy) != "zero1"
+    check_mesh(mesh)
+    split = check_strategy(strategy) != "zero1"
     return _tree_shardings(grads, mesh, split=split, min_size=min_size)
 
 
@@ -303,11 +293,11 @@ def opt_state_shardings(
     Returns:
       A pytree like ``opt_state`` of ``NamedSharding``.
     """
-    _check_mesh(mesh)
+    check_mesh(mesh)
     return _tree_shardings(opt_state, mesh, split=True, min_size=min_size, memory_kind=memory_kind)
 
 
-def _replicated(tree: Any, mesh: Mesh) -> Any:
+def replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: _sharding(mesh, P(), _existing_kind(x)), tree)
 
 
@@ -339,8 +329,8 @@ def state_shardings(
       TypeError: ``abstract_state`` is not a TrainState-like object, or a bad mesh.
       ValueError: unknown strategy or a mesh without ``"data"``/``"fsdp"`` axes.
     """
-    _check_mesh(mesh)
-    _check_strategy(strategy)
+    check_mesh(mesh)
+    check_strategy(strategy)
     fields = ("step", "params", "opt_state", "loss_scale", "frozen", "fp8")
     if not all(hasattr(abstract_state, f) for f in fields) or not hasattr(
         abstract_state, "replace"
@@ -352,14 +342,14 @@ def state_shardings(
         )
     s = abstract_state
     return s.replace(
-        step=_replicated(s.step, mesh),
+        step=replicated(s.step, mesh),
         params=param_shardings(s.params, mesh, strategy, min_size=min_size),
         opt_state=opt_state_shardings(
             s.opt_state, mesh, memory_kind=opt_state_memory_kind, min_size=min_size
         ),
-        loss_scale=_replicated(s.loss_scale, mesh),
+        loss_scale=replicated(s.loss_scale, mesh),
         frozen=param_shardings(s.frozen, mesh, strategy, min_size=min_size),
-        fp8=_replicated(s.fp8, mesh),
+        fp8=replicated(s.fp8, mesh),
     )
 
 
@@ -368,15 +358,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
     The batch size must be a multiple of ``mesh.size`` (``data * fsdp``).
     """
-    _check_mesh(mesh)
+    check_mesh(mesh)
     return NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS)))
 
 
-def _batch_shardings(batch: Any, mesh: Mesh) -> Any:
+def batch_shardings_of(batch: Any, mesh: Mesh) -> Any:
     n = mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
 
     def one(path, x):
-        shape = _shape(x)
+        shape = shape_of(x)
         if not shape:
             return NamedSharding(mesh, P())
         if shape[0] % n:
@@ -452,13 +442,13 @@ def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
     Raises:
       ValueError: the (global) batch size is not a multiple of ``data * fsdp``.
     """
-    _check_mesh(mesh)
+    check_mesh(mesh)
     if process_local:
         s = batch_sharding(mesh)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(s, np.asarray(x)), batch
         )
-    return jax.tree.map(_put, batch, _batch_shardings(batch, mesh))
+    return jax.tree.map(_put, batch, batch_shardings_of(batch, mesh))
 
 
 # ----------------------------------------------------------------------------------------
@@ -484,8 +474,8 @@ def constrain_gradients(
     Raises:
       TypeError / ValueError: as :func:`gradient_shardings`.
     """
-    _check_mesh(mesh)
-    _check_strategy(strategy)
+    check_mesh(mesh)
+    check_strategy(strategy)
     inner = optax.with_extra_args_support(inner)
 
     def update_fn(updates, state, params=None, **extra_args):

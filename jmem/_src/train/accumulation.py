@@ -22,6 +22,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jmem._src.tree import is_float_array
+
 
 def split_microbatches(batch: Any, microbatches: int) -> Any:
     """Reshapes every leaf ``[B, ...]`` of ``batch`` to ``[microbatches, B // microbatches, ...]``.
@@ -90,14 +92,14 @@ def accumulate_gradients(
     )
 
     def zeros(s):
-        dt = accum_dtype if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype
+        dt = accum_dtype if is_float_array(s) else s.dtype
         return jnp.zeros(s.shape, dt)
 
     def init_leaf(s, m):
         if m:
             return jnp.full(
                 s.shape,
-                -jnp.inf if jnp.issubdtype(s.dtype, jnp.floating) else jnp.iinfo(s.dtype).min,
+                -jnp.inf if is_float_array(s) else jnp.iinfo(s.dtype).min,
                 s.dtype,
             )
         return zeros(s)
@@ -110,7 +112,7 @@ def accumulate_gradients(
         g, aux = grad_fn(params, mb)
         g_acc = jax.tree.map(combine, g_acc, g, is_max)
         aux_acc = jax.tree.map(
-            lambda a, x: a + x.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else x,
+            lambda a, x: a + x.astype(a.dtype) if is_float_array(a) else x,
             aux_acc,
             aux,
         )
@@ -119,6 +121,6 @@ def accumulate_gradients(
     init = (jax.tree.map(init_leaf, g_shape, is_max), jax.tree.map(zeros, aux_shape))
     (g_sum, aux_sum), _ = jax.lax.scan(body, init, mbs)
     scale = 1.0 / microbatches
-    mean = lambda x: x * scale if jnp.issubdtype(x.dtype, jnp.floating) else x
+    mean = lambda x: x * scale if is_float_array(x) else x
     grads = jax.tree.map(lambda x, m: x if m else mean(x), g_sum, is_max)
     return grads, jax.tree.map(mean, aux_sum)

@@ -11,12 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmem._src.sharding import DEFAULT_MIN_SIZE
-from jmem._src.sharding import _batch_shardings
-from jmem._src.sharding import _check_mesh
-from jmem._src.sharding import _check_strategy
-from jmem._src.sharding import _replicated
-from jmem._src.sharding import _shape
+from jmem._src.sharding import batch_shardings_of
+from jmem._src.sharding import check_mesh
+from jmem._src.sharding import check_strategy
 from jmem._src.sharding import param_shardings
+from jmem._src.sharding import replicated
+from jmem._src.sharding import shape_of
 from jmem._src.sharding import shard_state
 from jmem._src.sharding import state_shardings
 
@@ -34,8 +34,8 @@ def sharded_init(
     ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
     materialized whole on one device, and size thresholds see global shapes.
     """
-    _check_mesh(mesh)
-    _check_strategy(strategy)
+    check_mesh(mesh)
+    check_strategy(strategy)
 
     def wrapped(params, frozen=None, fp8=None, loss_scale=None):
         abstract = jax.eval_shape(init, params, frozen, fp8, loss_scale)
@@ -44,8 +44,8 @@ def sharded_init(
         )
         params = shard_state(params, param_shardings(params, mesh, strategy, min_size=min_size))
         frozen = shard_state(frozen, param_shardings(frozen, mesh, strategy, min_size=min_size))
-        fp8 = shard_state(fp8, _replicated(fp8, mesh))
-        loss_scale = shard_state(loss_scale, _replicated(loss_scale, mesh))
+        fp8 = shard_state(fp8, replicated(fp8, mesh))
+        loss_scale = shard_state(loss_scale, replicated(loss_scale, mesh))
         return jax.jit(init, out_shardings=shardings)(params, frozen, fp8, loss_scale)
 
     return wrapped
@@ -72,8 +72,8 @@ class ShardedStep:
         min_size: int = DEFAULT_MIN_SIZE,
         jit_kwargs: dict | None = None,
     ):
-        _check_mesh(mesh)
-        _check_strategy(strategy)
+        check_mesh(mesh)
+        check_strategy(strategy)
         jit_kwargs = dict(jit_kwargs or {})
         clash = {"in_shardings", "out_shardings", "donate_argnums", "donate_argnames"} & set(
             jit_kwargs
@@ -94,11 +94,11 @@ class ShardedStep:
         st = state_shardings(
             state, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
         )
-        return st, _batch_shardings(batch, self.mesh)
+        return st, batch_shardings_of(batch, self.mesh)
 
     def _jitted(self, state: Any, batch: Any):
         leaves, treedef = jax.tree.flatten((state, batch))
-        key = (treedef, tuple((_shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
+        key = (treedef, tuple((shape_of(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
         fn = self._cache.get(key)
         if fn is None:
             st, bt = self.shardings(state, batch)
@@ -115,7 +115,7 @@ class ShardedStep:
     def __call__(self, state: Any, batch: Any):
         fn = self._jitted(state, batch)
         # Host / single-device batches (and, across processes, host values) are placed here.
-        batch = shard_state(batch, _batch_shardings(batch, self.mesh))
+        batch = shard_state(batch, batch_shardings_of(batch, self.mesh))
         return fn(state, batch)
 
     def lower(self, state: Any, batch: Any):
