@@ -1,4 +1,10 @@
-"""jmem: fit LLM training in less accelerator memory, in pure JAX."""
+"""jmem: fit LLM training in less accelerator memory, in pure JAX.
+
+Top level: ``remat``, ``measure``, precision policies and master weights, loss scales, 8-/4-bit
+Adam, block-wise quantization, ``offload``, and ``train_step`` which composes them.
+Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
+``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
+"""
 
 from jmem import data as data
 from jmem import fp8 as fp8

@@ -88,24 +88,52 @@ def _add_estimate(sub) -> None:
     )
     p.add_argument("--memory", help="device memory: 24GB, 24GiB, 80G or bytes")
     p.add_argument("--reserve", default="2GB", help="memory kept free (default 2GB)")
-    p.add_argument("--param-dtype", default="bf16")
-    p.add_argument("--optimizer", default="adamw", help="comma list, e.g. adamw,adamw_8bit")
+    p.add_argument(
+        "--param-dtype", default="bf16", help="dtype the params are stored in (default bf16)"
+    )
+    p.add_argument(
+        "--optimizer", default="adamw", help="comma list, e.g. adamw,adamw_8bit (default adamw)"
+    )
     p.add_argument(
         "--master-weights",
         default=None,
         action=argparse.BooleanOptionalAction,
         help="fp32 masters (default: on for 16-bit params)",
     )
-    p.add_argument("--offload", choices=["optimizer", "optimizer+masters"])
-    p.add_argument("--lora-rank", type=int, default=0)
-    p.add_argument("--lora-targets", default="q_proj,v_proj", help="comma list or 'all'")
-    p.add_argument("--quant", choices=["nf4"], default=None)
-    p.add_argument("--remat", default="none", help="comma list of none,dots,selective,full,offload")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=None)
-    p.add_argument("--accounting", choices=["stored", "nominal"], default="stored")
+    p.add_argument(
+        "--offload",
+        choices=["optimizer", "optimizer+masters"],
+        help="ledgers kept in host memory",
+    )
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA rank r (default 0: full fine-tuning)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="comma list or 'all' (default q_proj,v_proj)",
+    )
+    p.add_argument("--quant", choices=["nf4"], default=None, help="quantization of the frozen base")
+    p.add_argument(
+        "--remat",
+        default="none",
+        help="comma list of none,dots,selective,full,offload (default none)",
+    )
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument(
+        "--shards", type=int, default=1, help="devices the state is split over (default 1)"
+    )
+    p.add_argument(
+        "--zero-stage", type=int, choices=[1, 2, 3], default=None, help="ZeRO stage with --shards"
+    )
+    p.add_argument(
+        "--accounting",
+        choices=["stored", "nominal"],
+        default="stored",
+        help="stored (default): bytes as stored, with padding and absmax; nominal: bits per "
+        "parameter only",
+    )
     p.add_argument(
         "--activation-budget",
         default=None,

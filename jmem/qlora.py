@@ -15,3 +15,14 @@ __all__ = (
     "dequantize_params",
     "quantize_params",
 )
+
+_RENAMED = {"quantize": "quantize_params", "dequantize": "dequantize_params"}
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        raise AttributeError(
+            f"jmem.qlora.{name} was renamed to jmem.qlora.{_RENAMED[name]} (it works on a "
+            f"params tree; jmem.nf4.{name} works on one array)."
+        )
+    raise AttributeError(f"module 'jmem.qlora' has no attribute {name!r}")

@@ -433,7 +433,7 @@ def test_step_is_traced_once_for_repeated_calls():
 def test_precision_argument_is_named_precision():
     step = train_step(_mlp_loss, optax.sgd(1e-2), precision="p=f32,c=bf16,o=f32")
     assert step.precision == jmem.get_policy("p=f32,c=bf16,o=f32")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="now precision="):
         train_step(_mlp_loss, optax.sgd(1e-2), policy="p=f32,c=bf16,o=f32")
 
 
@@ -444,6 +444,7 @@ def test_precision_argument_is_named_precision():
         ({"offload_optimizer": "sometimes"}, "offload_optimizer"),
         ({"remat": "mlp_hidden"}, "remat policy"),
         ({"precision": "p=f33"}, "dtype"),
+        ({"strategy": "zero4"}, "strategy"),
     ],
 )
 def test_bad_options_are_clear_errors(kwargs, match):

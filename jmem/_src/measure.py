@@ -39,6 +39,8 @@ class MemoryReport:
       peak_bytes: the backend's peak figure where it reports a meaningful one (GPU/TPU),
         else ``argument + output + temp - alias`` (an upper bound: XLA may free arguments
         early). The CPU backend's own peak figure counts arguments only, so it is not used.
+      state_bytes (property): bytes that persist between steps when the state is donated,
+        i.e. ``argument_bytes``.
     """
 
     argument_bytes: int

@@ -174,6 +174,11 @@ def quantize(w: jax.Array, *, block_size: int = 64, double_quant: bool = True) -
       ValueError: for an unsupported ``block_size`` or an empty / 0-d array.
     """
     _check_block_size(block_size)
+    if not (hasattr(w, "shape") and hasattr(w, "dtype")):
+        raise TypeError(
+            f"nf4.quantize takes one array, got {type(w).__name__}; for a params tree use "
+            "jmem.qlora.quantize_params(params)."
+        )
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(f"NF4 quantizes floating-point weights; got dtype {w.dtype}.")
     if w.ndim == 0 or w.size == 0:

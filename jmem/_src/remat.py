@@ -232,7 +232,7 @@ def remat(
       e.g. in an aux dict, come back as Python scalars, not 0-d arrays).
 
     Raises:
-      ValueError: an unknown policy name (see ``resolve_policy``), ``every`` not a positive
+      ValueError: an unknown policy name (names: ``jmem.REMAT_POLICIES``), ``every`` not a positive
         int or ``"sqrt"``, or (on call) ``static_argnums`` out of range.
       TypeError: a policy that is not a name, a sequence of names or a callable.
     """

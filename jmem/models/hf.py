@@ -18,6 +18,8 @@ from jmem.models.llama import LINEAR_NAMES
 from jmem.models.llama import LlamaConfig
 from jmem.models.llama import param_shapes
 
+__all__ = ["load_config", "load_params"]
+
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")
 _NORM_RE = re.compile(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
 

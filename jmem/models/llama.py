@@ -31,6 +31,26 @@ from jmem._src import fp8 as fp8_lib
 Params = dict[str, Any]
 
 #: Names given with ``checkpoint_name`` inside each layer, in execution order.
+__all__ = [
+    "CHECKPOINT_NAMES",
+    "CONFIGS",
+    "LINEAR_NAMES",
+    "LlamaConfig",
+    "abstract_params",
+    "apply_rope",
+    "attention",
+    "cross_entropy",
+    "decoder_layer",
+    "forward",
+    "get_config",
+    "init",
+    "loss_fn",
+    "num_params",
+    "param_shapes",
+    "rms_norm",
+    "rope_tables",
+]
+
 CHECKPOINT_NAMES = (
     "attn_norm",
     "query_proj",

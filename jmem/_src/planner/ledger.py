@@ -550,8 +550,8 @@ def parse_memory(memory: Any) -> int:
     """Bytes from ``24e9``, ``"24GB"`` (1e9), ``"24GiB"`` (2**30), ``"80G"``, ``"512MiB"``.
 
     Raises:
-      ValueError: for an unparsable string, a non-positive amount, or a bare number under
-        1 MiB (a likely missing unit).
+      ValueError: for an unparsable string, a non-positive amount, or a string without a
+        unit under 1 MiB (``"24"``: a likely missing unit; a Python number is taken as bytes).
       TypeError: for anything but a number or a string.
     """
     if isinstance(memory, bool):

@@ -23,6 +23,7 @@ from jmem._src.precision import Policy
 from jmem._src.precision import get_policy
 from jmem._src.remat import remat as _remat
 from jmem._src.remat import resolve_policy
+from jmem._src.sharding import check_strategy
 from jmem._src.sharding import constrain_gradients
 from jmem._src.train.accumulation import accumulate_gradients
 from jmem._src.train.sharded import ShardedStep
@@ -55,8 +56,15 @@ class _Options:
     strategy: str
 
 
-def _parse_options(**kw: Any) -> _Options:
+_RENAMED = {"policy": "precision"}
+
+
+def _parse_options(unknown: dict, **kw: Any) -> _Options:
     """Validates the builder's options (see ``train_step`` for the errors raised)."""
+    for name in unknown:
+        hint = f"; it is now {_RENAMED[name]}=" if name in _RENAMED else ""
+        raise TypeError(f"train_step() got an unexpected keyword argument {name!r}{hint}.")
+    check_strategy(kw["strategy"])
     precision = kw["precision"]
     if isinstance(precision, str):
         precision = get_policy(precision)
@@ -94,6 +102,15 @@ class TrainStep:
     offload_optimizer: bool = False
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        """One step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated.
+
+        Args:
+          state: a ``TrainState`` from ``init`` (or restored into ``abstract_state``).
+          batch: a pytree of arrays with a leading batch axis (divisible by ``microbatches``).
+
+        Returns:
+          ``(state, metrics)``; metrics are float32/int32/bool scalars (``train_step``).
+        """
         if self.offload_optimizer:
             state = _opt_state_to_host(state)
         return self.jitted(state, batch)
@@ -326,6 +343,7 @@ def train_step(
     jit_kwargs: dict | None = None,
     mesh: Any = None,
     strategy: str = "zero3",
+    **unknown: Any,
 ) -> TrainStep:
     """Builds a jitted, donating ``step(state, batch) -> (state, metrics)``.
 
@@ -355,8 +373,9 @@ def train_step(
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches and
         returned in ``metrics["aux"]``.
       skip_nonfinite: a step with non-finite gradients leaves params, optimizer state, step
-        and FP8 metadata unchanged (the loss scale still adjusts); see
-        ``skip_if_nonfinite`` (results can differ in the last bit from ``False``).
+        and FP8 metadata unchanged (the loss scale still adjusts). The update runs in a
+        ``lax.cond`` branch, so the state is updated in place; results can differ in the
+        last bit from ``False``.
       donate: donate the state buffers to the step.
       jit_kwargs: extra ``jax.jit`` arguments (e.g. ``in_shardings``/``out_shardings``).
       mesh: a ``jax.sharding.Mesh`` with ``"data"``/``"fsdp"`` axes
@@ -370,14 +389,18 @@ def train_step(
       ``grads_finite``, ``step`` (after the update).
 
     Raises:
-      ValueError: for an unknown remat policy or precision string, ``microbatches < 1``, an
-        ``offload_optimizer`` other than False/True/"whole_tree"/"leaf_by_leaf", or
-        ``jit_kwargs`` that set shardings or donation together with ``mesh``.
+      ValueError: for an unknown remat policy, precision string or strategy,
+        ``microbatches < 1``, an ``offload_optimizer`` other than
+        False/True/"whole_tree"/"leaf_by_leaf", or ``jit_kwargs`` that set shardings or
+        donation together with ``mesh``.
+      TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
+        ``precision=``).
 
     Source: mixed precision after Micikevicius et al. 2018 (arXiv:1710.03740); remat after
     Chen et al. 2016 and Korthikanti et al. 2022; ZeRO after Rajbhandari et al. 2020.
     """
-    o = _parse_options(**{k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer")})
+    kw = {k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer", "unknown")}
+    o = _parse_options(unknown, **kw)
     optimizer, stepper = _optimizers(optimizer, o)
     step = functools.partial(_step, _differentiable_loss(loss_fn, o), stepper, o)
     init = functools.partial(_init_state, optimizer, o)
