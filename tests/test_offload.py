@@ -639,7 +639,7 @@ def test_leaf_by_leaf_refuses_to_drop_the_shardings_of_an_inlined_jit():
     strict=True,
     raises=ValueError,
     reason=(
-        "known limitation, documented in jmem.offload: JAX cannot transpose the "
+        "known limitation, documented in docs/offload.md: JAX cannot transpose the "
         "optimization_barrier chain over host-memory values; use whole-tree mode"
     ),
 )
