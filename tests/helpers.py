@@ -7,9 +7,17 @@ import numpy as np
 from jmem.models import llama
 
 
-def tiny_config(**overrides) -> llama.LlamaConfig:
-    """The reference Llama at test size (the ``tiny`` config, float32)."""
-    return llama.get_config("tiny", **overrides)
+def small_config(**overrides) -> llama.LlamaConfig:
+    """A 2-layer, 64-wide Llama with GQA (4 heads, 2 KV heads) and a 64-token vocabulary."""
+    kw = dict(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=64,
+    )
+    return llama.get_config("tiny", **{**kw, **overrides})
 
 
 def token_batch(config, batch_size: int = 2, seq_len: int = 16, seed: int = 0) -> dict:

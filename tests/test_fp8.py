@@ -9,6 +9,7 @@ import contextlib
 import io
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -386,15 +387,7 @@ def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
     token stream: the final loss is within 5% of the bf16 run (measured: 0.842 vs 0.835, <1%)."""
     from jmem.models import llama
 
-    cfg = llama.get_config(
-        "tiny",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-    )
+    cfg = helpers.small_config()
     params = llama.init(jax.random.PRNGKey(0), cfg)
     metas = fp8.init_metas(params, llama.LINEAR_NAMES, history_len=16)
     assert metas["layers"]["q_proj"]["kernel"].batch_shape == (2,)

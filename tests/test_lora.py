@@ -3,6 +3,7 @@
 import math
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,15 +275,7 @@ def test_llama_fp8_lora():
     within FP8 error of the FP8 model with merged weights."""
     from jmem.models import llama
 
-    cfg = llama.get_config(
-        "tiny",
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=64,
-    )
+    cfg = helpers.small_config()
     p = llama.init(jax.random.key(0), cfg, dtype=jnp.bfloat16)
     # FP8 + LoRA (q, down), FP8 only (o), LoRA only (v); fewer FP8 matmuls compile faster.
     metas = fp8.init_metas(p, ("q_proj", "o_proj", "down_proj"), history_len=4)

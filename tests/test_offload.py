@@ -8,6 +8,7 @@ need an accelerator (benchmarks/offload_gpu.py).
 import re
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,12 +34,8 @@ HOST = "pinned_host"
 DEVICE = "device"
 
 
-def _kinds(tree):
-    return [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
-
-
 def _assert_kind(tree, kind):
-    kinds = _kinds(tree)
+    kinds = helpers.memory_kinds(tree)
     assert kinds, "tree has no array leaves"
     assert all(k == kind for k in kinds), kinds
 

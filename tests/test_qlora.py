@@ -3,6 +3,7 @@
 import functools
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,15 +18,7 @@ from jmem import qlora
 from jmem._src.implicit.weight import flatten_params
 from jmem.models import llama
 
-CFG = llama.get_config(
-    "tiny",
-    num_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=4,
-    num_kv_heads=2,
-    vocab_size=64,
-)
+CFG = helpers.small_config()
 PROJ = r"layers/.*_proj/kernel"
 
 
@@ -38,8 +31,7 @@ def _nonzero(ad, key=7, s=0.05):
 
 
 def _batch(b=2, s=8, key=1):
-    tok = jax.random.randint(jax.random.key(key), (b, s + 1), 0, CFG.vocab_size)
-    return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    return helpers.token_batch(CFG, b, s, seed=key)
 
 
 def _max_diff(a, b):

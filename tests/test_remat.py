@@ -1,6 +1,7 @@
 """remat: identical gradients under every policy, and the memory each policy saves."""
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +19,7 @@ SEQ = 256
 @pytest.fixture(scope="module")
 def setup():
     params = llama.init(jax.random.key(0), CFG)
-    toks = jax.random.randint(jax.random.key(1), (2, SEQ + 1), 0, CFG.vocab_size)
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    batch = helpers.token_batch(CFG, 2, SEQ, seed=1)
     loss = lambda p, b: llama.loss_fn(p, b, CFG)
     return params, batch, loss
 
@@ -42,8 +42,7 @@ class RematGradTest(chex.TestCase):
             vocab_size=64,
         )
         params = llama.init(jax.random.key(0), cfg)
-        toks = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
-        batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+        batch = helpers.token_batch(cfg, 2, 16, seed=1)
         loss = lambda p, b: llama.loss_fn(p, b, cfg)
         ref = self.variant(jax.grad(loss))(params, batch)
         # jitted and not: one name-based and one primitive-based policy (the others are
@@ -181,8 +180,7 @@ def test_every_groups_scan_iterations_sqrt_scheme():
         "tiny", num_layers=16, hidden_size=64, intermediate_size=172, num_heads=4, num_kv_heads=2
     )
     params = llama.init(jax.random.key(0), cfg)
-    toks = jax.random.randint(jax.random.key(1), (2, 129), 0, cfg.vocab_size)
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    batch = helpers.token_batch(cfg, 2, 128, seed=1)
     loss = lambda p, b: llama.loss_fn(p, b, cfg)
     ref = jax.jit(jax.grad(loss))(params, batch)
     got = jax.jit(jax.grad(jmem.remat(loss, "none", every="sqrt")))(params, batch)

@@ -1,6 +1,7 @@
 """The train-step builder: composition of precision, loss scaling, remat and accumulation."""
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -379,7 +380,7 @@ class SkipAndAccumulationTest(chex.TestCase):
         state = wrapped.init(params)
         update = self.variant(lambda g, s, p, f: wrapped.update(g, s, p, finite=f))
         kept_p, kept_s = update(grads, state, params, jnp.array(False))
-        jax.tree.map(np.testing.assert_array_equal, (kept_p, kept_s), (params, state))
+        helpers.assert_bitwise_equal((kept_p, kept_s), (params, state))
         new_p, new_s = update(grads, state, params, jnp.array(True))
         want_p, want_s = new_params(grads, state, params)
         chex.assert_trees_all_close((new_p, new_s), (want_p, want_s), rtol=1e-6, atol=1e-7)
