@@ -22,8 +22,10 @@ def test_every_public_name_exists_and_has_a_docstring(namespace):
     assert len(set(module.__all__)) == len(module.__all__), "duplicate names in __all__"
     for name in module.__all__:
         obj = getattr(module, name)
-        if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj):
-            assert inspect.getdoc(obj), f"{namespace}.{name} has no docstring"
+        table = isinstance(obj, dict) and namespace == "jmem"  # tables elsewhere: #: comments
+        if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj) or table:
+            doc = inspect.getdoc(obj)
+            assert doc and doc != inspect.getdoc(dict), f"{namespace}.{name} has no docstring"
 
 
 def test_top_level_has_a_curated_size():

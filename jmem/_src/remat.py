@@ -23,16 +23,26 @@ from jmem._src.interpret import eval_jaxpr
 
 _cp = jax.checkpoint_policies
 
-#: Remat policies by name, from most device memory to least (``docs/remat.md`` lists what
-#: each saves): each maps to the ``jax.checkpoint_policies`` callable it uses (``None``: no
-#: remat).
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "dots": _cp.dots_saveable,
-    "selective": _cp.dots_with_no_batch_dims_saveable,
-    "full": _cp.nothing_saveable,
-    "offload": _cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
+
+class RematPolicies(dict):
+    """Remat policies by name, from most device memory to least: name -> the
+    ``jax.checkpoint_policies`` callable it uses (``None`` for ``"none"``: no remat).
+
+    ``none``: everything saved. ``dots``: every matmul output saved. ``selective``: matmuls
+    against weights saved, attention and element-wise work recomputed (Korthikanti et al.
+    2022). ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
+    ``offload``: as ``selective`` with the residuals in ``pinned_host`` memory.
+    ``docs/remat.md`` has the measured table.
+    """
+
+
+REMAT_POLICIES = RematPolicies(
+    none=None,
+    dots=_cp.dots_saveable,
+    selective=_cp.dots_with_no_batch_dims_saveable,
+    full=_cp.nothing_saveable,
+    offload=_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+)
 
 
 def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | None:
