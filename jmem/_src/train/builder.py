@@ -33,55 +33,13 @@ from jmem._src.train.state import TrainState
 from jmem._src.tree import is_float_array
 from jmem._src.tree import select_tree
 
-_OFFLOAD_MODES = {False: (False, False), True: (True, False), "whole_tree": (True, False)}
-_OFFLOAD_MODES["leaf_by_leaf"] = (True, True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """The builder's keyword arguments, validated (``_parse_options``)."""
-
-    precision: Policy | None
-    master_weights: bool
-    loss_scale: Any
-    remat: Any
-    microbatches: int
-    offload: bool
-    leaf_by_leaf: bool
-    has_aux: bool
-    skip_nonfinite: bool
-    donate: bool
-    jit_kwargs: dict
-    mesh: Any
-    strategy: str
-
-
-_RENAMED = {"policy": "precision"}
-
-
-def _parse_options(unknown: dict, **kw: Any) -> _Options:
-    """Validates the builder's options (see ``train_step`` for the errors raised)."""
-    for name in unknown:
-        hint = f"; it is now {_RENAMED[name]}=" if name in _RENAMED else ""
-        raise TypeError(f"train_step() got an unexpected keyword argument {name!r}{hint}.")
-    check_strategy(kw["strategy"])
-    precision = kw["precision"]
-    if isinstance(precision, str):
-        precision = get_policy(precision)
-    resolve_policy(kw["remat"])
-    if kw["microbatches"] < 1:
-        raise ValueError(f"microbatches must be >= 1, got {kw['microbatches']}.")
-    mode = kw.pop("offload_optimizer")
-    if not isinstance(mode, (bool, str)) or mode not in _OFFLOAD_MODES:
-        raise ValueError(
-            f"offload_optimizer must be False, True (= 'whole_tree') or 'leaf_by_leaf', got "
-            f"{mode!r}."
-        )
-    offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
-    if kw["loss_scale"] is None:
-        kw["loss_scale"] = NoOpLossScale()
-    kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
-    return _Options(offload=offload_, leaf_by_leaf=leaf_by_leaf, **kw)
+#: ``offload_optimizer`` value -> (offload, leaf by leaf).
+_OFFLOAD_MODES = {
+    False: (False, False),
+    True: (True, False),
+    "whole_tree": (True, False),
+    "leaf_by_leaf": (True, True),
+}
 
 
 @dataclasses.dataclass
@@ -142,189 +100,6 @@ class TrainStep:
             params,
             kwargs,
         )
-
-
-def _opt_state_to_host(state: TrainState) -> TrainState:
-    """Moves optimizer-state leaves that arrive in device memory (e.g. restored from a
-    checkpoint into an abstract target) to ``pinned_host``, as the offloaded step expects;
-    a donated buffer of the wrong memory kind would abort the runtime."""
-    leaves = [x for x in jax.tree.leaves(state.opt_state) if isinstance(x, jax.Array)]
-    if all(getattr(x.sharding, "memory_kind", None) == "pinned_host" for x in leaves):
-        return state
-    return state.replace(opt_state=to_host(state.opt_state))
-
-
-def _stack(inner: optax.GradientTransformation, o: _Options):
-    """Offload, then sharding constraints, each an optax wrapper (when enabled)."""
-    if o.offload:
-        inner = offload(inner, leaf_by_leaf=o.leaf_by_leaf)
-    if o.mesh is not None:
-        inner = constrain_gradients(inner, o.mesh, o.strategy)
-    return inner
-
-
-def _new_params(inner: optax.GradientTransformation, master_weights: bool):
-    """``inner`` returning the new params in place of the updates.
-
-    With master weights the new params are the new fp32 masters cast down
-    (``params_from_masters``), computed where the masters are: inside the offloaded update
-    when the state lives in host memory. Same state as ``inner``.
-    """
-    inner = optax.with_extra_args_support(inner)
-
-    def update(grads, state, params=None, **extra_args):
-        updates, state = inner.update(grads, state, params, **extra_args)
-        if master_weights:
-            return params_from_masters(state, params), state
-        return optax.apply_updates(params, updates), state
-
-    return optax.GradientTransformationExtraArgs(inner.init, update)
-
-
-def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
-    """``(optimizer, stepper)``: mixed precision -> offload -> sharding constraints.
-
-    ``optimizer`` is that stack as an optax transformation (``TrainStep.optimizer``, whose
-    ``init`` builds the state); ``stepper`` is the same stack returning the new params,
-    wrapped in ``skip_if_nonfinite`` when non-finite steps are skipped.
-    """
-    base = mixed_precision(optimizer) if o.master_weights else optimizer
-    stepper = _stack(_new_params(base, o.master_weights), o)
-    if o.skip_nonfinite:
-        stepper = skip_if_nonfinite(stepper, select_inside=o.offload)
-    return _stack(base, o), stepper
-
-
-def _scaled_loss(loss_fn, o: _Options, diff, batch, frozen, scale):
-    """``(scale * loss, (loss, aux))`` of ``loss_fn`` on ``diff = (params, fp8)``."""
-    params, fp8 = diff
-    if o.precision is not None:
-        params = o.precision.cast_to_compute(params)
-    extras = {k: v for k, v in (("frozen", frozen), ("fp8", fp8)) if v is not None}
-    out = loss_fn(params, batch, **extras)
-    loss, aux = out if o.has_aux else (out, None)
-    loss = jnp.asarray(loss, jnp.float32)
-    return scale.scale(loss), (loss, aux)
-
-
-def _differentiable_loss(loss_fn: Callable, o: _Options) -> Callable:
-    """The loss the step differentiates: precision cast, loss scale, then ``jmem.remat``."""
-    loss = functools.partial(_scaled_loss, loss_fn, o)
-    return _remat(loss, o.remat) if resolve_policy(o.remat) is not None else loss
-
-
-def _fresh(tree: Any, ids: set[int]) -> Any:
-    """Copies the leaves of ``tree`` that are the caller's own arrays (``id`` in ``ids``)."""
-
-    def copy(x):
-        own = id(x) in ids and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        return jnp.array(x, copy=True) if own else x
-
-    return jax.tree.map(copy, tree)
-
-
-def _init_state(optimizer, o: _Options, params, frozen, fp8, loss_scale) -> TrainState:
-    """The initial state: optimizer state from ``params``, then params in the param dtype."""
-    callers = {id(x) for x in jax.tree.leaves((params, frozen, fp8))}
-    opt_state = optimizer.init(params)
-    if o.precision is not None:
-        params = o.precision.cast_to_param(params)
-    # The step donates the state: own fresh buffers, so the caller's arrays survive.
-    params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=opt_state,
-        loss_scale=o.loss_scale if loss_scale is None else loss_scale,
-        frozen=frozen,
-        fp8=fp8,
-    )
-
-
-def _gradients(loss: Callable, state: TrainState, batch: Any, microbatches: int):
-    """``((grads, new fp8 metadata), (loss, aux))``, accumulated over microbatches."""
-
-    def grad_fn(diff, mb):
-        return jax.grad(loss, has_aux=True)(diff, mb, state.frozen, state.loss_scale)
-
-    diff = (state.params, state.fp8)
-    return accumulate_gradients(grad_fn, diff, batch, microbatches, maximum=(False, True))
-
-
-def _unscale(grads: Any, state: TrainState, o: _Options):
-    """``(grads, finite, new loss scale)``: unscaled grads, checked once after accumulation."""
-    scale = state.loss_scale
-    if o.master_weights and not isinstance(scale, NoOpLossScale):
-        # unscale in float32: fp16 would flush tiny gradients again
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) if is_float_array(g) else g, grads)
-    grads = scale.unscale(grads)
-    finite = all_finite(grads)
-    if not o.master_weights:  # keep the optimizer state's dtypes stable across steps
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    return grads, finite, scale.adjust(finite)
-
-
-def _norm_before_update(grads: Any, finite: jax.Array, o: _Options):
-    """``(grads, grad_norm, finite)`` with the norm computed before the update.
-
-    An update may write over the gradients' buffers (chunked 8-bit Adam does), and a read
-    after it costs a copy. Under the ``lax.cond`` of ``skip_if_nonfinite`` the branch
-    predicate reads the norm (a term that is always true: a norm is never negative,
-    NaN < 0 is false); elsewhere an optimization barrier orders it.
-    """
-    grad_norm = optax.tree.norm(grads)
-    if o.skip_nonfinite and not o.offload:
-        return grads, grad_norm, jnp.logical_and(finite, jnp.logical_not(grad_norm < 0))
-    grads, grad_norm = jax.lax.optimization_barrier((grads, grad_norm))
-    return grads, grad_norm, finite
-
-
-def _advance(state, params, opt_state, fp8, finite, new_scale, o: _Options) -> TrainState:
-    """The next state; a skipped step keeps step count and FP8 metadata."""
-    step, fp8 = state.step + 1, fp8 if state.fp8 is not None else None
-    if o.skip_nonfinite:
-        step, fp8 = select_tree(finite, (step, fp8), (state.step, state.fp8))
-    return state.replace(
-        step=step, params=params, opt_state=opt_state, fp8=fp8, loss_scale=new_scale
-    )
-
-
-def _step(loss: Callable, stepper, o: _Options, state: TrainState, batch: Any):
-    """One training step: ``(state, batch) -> (state, metrics)``."""
-    (grads, fp8), (loss_value, aux) = _gradients(loss, state, batch, o.microbatches)
-    grads, finite, new_scale = _unscale(grads, state, o)
-    grads, grad_norm, finite = _norm_before_update(grads, finite, o)
-    skip_args = {"finite": finite} if o.skip_nonfinite else {}
-    params, opt_state = stepper.update(grads, state.opt_state, state.params, **skip_args)
-    new = _advance(state, params, opt_state, fp8, finite, new_scale, o)
-    metrics = {
-        "loss": loss_value,
-        "grad_norm": grad_norm,
-        "loss_scale": jnp.asarray(getattr(new_scale, "loss_scale", 1.0), jnp.float32),
-        "grads_finite": finite,
-        "step": new.step,
-    }
-    if o.has_aux:
-        metrics["aux"] = aux
-    return new, metrics
-
-
-def _jit(step: Callable, init: Callable, o: _Options) -> tuple[Callable, Callable]:
-    """``(jitted step, init)``: sharded by ``jmem.sharding``'s rules with a mesh."""
-    if o.mesh is None:
-        donate = (0,) if o.donate else ()
-        # One compiled program builds the state (op-by-op 8-bit quantization is slow).
-        return jax.jit(step, donate_argnums=donate, **o.jit_kwargs), jax.jit(init)
-    kind = "pinned_host" if o.offload else None
-    jitted = ShardedStep(
-        step,
-        o.mesh,
-        o.strategy,
-        donate=o.donate,
-        jit_kwargs=o.jit_kwargs,
-        opt_state_memory_kind=kind,
-    )
-    return jitted, sharded_init(init, o.mesh, o.strategy, opt_state_memory_kind=kind)
 
 
 def train_step(
@@ -412,3 +187,234 @@ def train_step(
         _init=init,
         offload_optimizer=o.offload,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The builder's keyword arguments, validated (``_parse_options``)."""
+
+    precision: Policy | None
+    master_weights: bool
+    loss_scale: Any
+    remat: Any
+    microbatches: int
+    offload: bool
+    leaf_by_leaf: bool
+    has_aux: bool
+    skip_nonfinite: bool
+    donate: bool
+    jit_kwargs: dict
+    mesh: Any
+    strategy: str
+
+
+_RENAMED = {"policy": "precision"}
+
+
+def _parse_options(unknown: dict, **kw: Any) -> _Options:
+    """Validates the builder's options (see ``train_step`` for the errors raised)."""
+    if unknown:
+        name = next(iter(unknown))
+        hint = f"; it is now {_RENAMED[name]}=" if name in _RENAMED else ""
+        raise TypeError(f"train_step() got an unexpected keyword argument {name!r}{hint}.")
+    check_strategy(kw["strategy"])
+    precision = kw["precision"]
+    if isinstance(precision, str):
+        precision = get_policy(precision)
+    resolve_policy(kw["remat"])
+    if kw["microbatches"] < 1:
+        raise ValueError(f"microbatches must be >= 1, got {kw['microbatches']}.")
+    mode = kw.pop("offload_optimizer")
+    if not isinstance(mode, (bool, str)) or mode not in _OFFLOAD_MODES:
+        raise ValueError(
+            f"offload_optimizer must be False, True (= 'whole_tree') or 'leaf_by_leaf', got "
+            f"{mode!r}."
+        )
+    offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
+    if kw["loss_scale"] is None:
+        kw["loss_scale"] = NoOpLossScale()
+    kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
+    return _Options(offload=offload_, leaf_by_leaf=leaf_by_leaf, **kw)
+
+
+def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
+    """``(optimizer, stepper)``: mixed precision -> offload -> sharding constraints.
+
+    ``optimizer`` is that stack as an optax transformation (``TrainStep.optimizer``, whose
+    ``init`` builds the state); ``stepper`` is the same stack returning the new params,
+    wrapped in ``skip_if_nonfinite`` when non-finite steps are skipped.
+    """
+    base = mixed_precision(optimizer) if o.master_weights else optimizer
+    stepper = _stack(_new_params(base, o.master_weights), o)
+    if o.skip_nonfinite:
+        stepper = skip_if_nonfinite(stepper, select_inside=o.offload)
+    return _stack(base, o), stepper
+
+
+def _stack(inner: optax.GradientTransformation, o: _Options):
+    """Offload, then sharding constraints, each an optax wrapper (when enabled)."""
+    if o.offload:
+        inner = offload(inner, leaf_by_leaf=o.leaf_by_leaf)
+    if o.mesh is not None:
+        inner = constrain_gradients(inner, o.mesh, o.strategy)
+    return inner
+
+
+def _new_params(inner: optax.GradientTransformation, master_weights: bool):
+    """``inner`` returning the new params in place of the updates.
+
+    With master weights the new params are the new fp32 masters cast down
+    (``params_from_masters``), computed where the masters are: inside the offloaded update
+    when the state lives in host memory. Same state as ``inner``.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def update(grads, state, params=None, **extra_args):
+        updates, state = inner.update(grads, state, params, **extra_args)
+        if master_weights:
+            return params_from_masters(state, params), state
+        return optax.apply_updates(params, updates), state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def _differentiable_loss(loss_fn: Callable, o: _Options) -> Callable:
+    """The loss the step differentiates: precision cast, loss scale, then ``jmem.remat``."""
+    loss = functools.partial(_scaled_loss, loss_fn, o)
+    return _remat(loss, o.remat) if resolve_policy(o.remat) is not None else loss
+
+
+def _scaled_loss(loss_fn, o: _Options, diff, batch, frozen, scale):
+    """``(scale * loss, (loss, aux))`` of ``loss_fn`` on ``diff = (params, fp8)``."""
+    params, fp8 = diff
+    if o.precision is not None:
+        params = o.precision.cast_to_compute(params)
+    extras = {k: v for k, v in (("frozen", frozen), ("fp8", fp8)) if v is not None}
+    out = loss_fn(params, batch, **extras)
+    loss, aux = out if o.has_aux else (out, None)
+    loss = jnp.asarray(loss, jnp.float32)
+    return scale.scale(loss), (loss, aux)
+
+
+def _init_state(optimizer, o: _Options, params, frozen, fp8, loss_scale) -> TrainState:
+    """The initial state: optimizer state from ``params``, then params in the param dtype."""
+    callers = {id(x) for x in jax.tree.leaves((params, frozen, fp8))}
+    opt_state = optimizer.init(params)
+    if o.precision is not None:
+        params = o.precision.cast_to_param(params)
+    # The step donates the state: own fresh buffers, so the caller's arrays survive.
+    params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        loss_scale=o.loss_scale if loss_scale is None else loss_scale,
+        frozen=frozen,
+        fp8=fp8,
+    )
+
+
+def _fresh(tree: Any, ids: set[int]) -> Any:
+    """Copies the leaves of ``tree`` that are the caller's own arrays (``id`` in ``ids``)."""
+
+    def copy(x):
+        own = id(x) in ids and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        return jnp.array(x, copy=True) if own else x
+
+    return jax.tree.map(copy, tree)
+
+
+def _step(loss: Callable, stepper, o: _Options, state: TrainState, batch: Any):
+    """One training step: ``(state, batch) -> (state, metrics)``."""
+    (grads, fp8), (loss_value, aux) = _gradients(loss, state, batch, o.microbatches)
+    grads, finite, new_scale = _unscale(grads, state, o)
+    grads, grad_norm, finite = _norm_before_update(grads, finite, o)
+    skip_args = {"finite": finite} if o.skip_nonfinite else {}
+    params, opt_state = stepper.update(grads, state.opt_state, state.params, **skip_args)
+    new = _advance(state, params, opt_state, fp8, finite, new_scale, o)
+    metrics = {
+        "loss": loss_value,
+        "grad_norm": grad_norm,
+        "loss_scale": jnp.asarray(getattr(new_scale, "loss_scale", 1.0), jnp.float32),
+        "grads_finite": finite,
+        "step": new.step,
+    }
+    if o.has_aux:
+        metrics["aux"] = aux
+    return new, metrics
+
+
+def _gradients(loss: Callable, state: TrainState, batch: Any, microbatches: int):
+    """``((grads, new fp8 metadata), (loss, aux))``, accumulated over microbatches."""
+
+    def grad_fn(diff, mb):
+        return jax.grad(loss, has_aux=True)(diff, mb, state.frozen, state.loss_scale)
+
+    diff = (state.params, state.fp8)
+    return accumulate_gradients(grad_fn, diff, batch, microbatches, maximum=(False, True))
+
+
+def _unscale(grads: Any, state: TrainState, o: _Options):
+    """``(grads, finite, new loss scale)``: unscaled grads, checked once after accumulation."""
+    scale = state.loss_scale
+    if o.master_weights and not isinstance(scale, NoOpLossScale):
+        # unscale in float32: fp16 would flush tiny gradients again
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) if is_float_array(g) else g, grads)
+    grads = scale.unscale(grads)
+    finite = all_finite(grads)
+    if not o.master_weights:  # keep the optimizer state's dtypes stable across steps
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    return grads, finite, scale.adjust(finite)
+
+
+def _norm_before_update(grads: Any, finite: jax.Array, o: _Options):
+    """``(grads, grad_norm, finite)`` with the norm computed before the update.
+
+    An update may write over the gradients' buffers (chunked 8-bit Adam does), and a read
+    after it costs a copy. Under the ``lax.cond`` of ``skip_if_nonfinite`` the branch
+    predicate reads the norm (a term that is always true: a norm is never negative,
+    NaN < 0 is false); elsewhere an optimization barrier orders it.
+    """
+    grad_norm = optax.tree.norm(grads)
+    if o.skip_nonfinite and not o.offload:
+        return grads, grad_norm, jnp.logical_and(finite, jnp.logical_not(grad_norm < 0))
+    grads, grad_norm = jax.lax.optimization_barrier((grads, grad_norm))
+    return grads, grad_norm, finite
+
+
+def _advance(state, params, opt_state, fp8, finite, new_scale, o: _Options) -> TrainState:
+    """The next state; a skipped step keeps step count and FP8 metadata."""
+    step, fp8 = state.step + 1, fp8 if state.fp8 is not None else None
+    if o.skip_nonfinite:
+        step, fp8 = select_tree(finite, (step, fp8), (state.step, state.fp8))
+    return state.replace(
+        step=step, params=params, opt_state=opt_state, fp8=fp8, loss_scale=new_scale
+    )
+
+
+def _jit(step: Callable, init: Callable, o: _Options) -> tuple[Callable, Callable]:
+    """``(jitted step, init)``: sharded by ``jmem.sharding``'s rules with a mesh."""
+    if o.mesh is None:
+        donate = (0,) if o.donate else ()
+        # One compiled program builds the state (op-by-op 8-bit quantization is slow).
+        return jax.jit(step, donate_argnums=donate, **o.jit_kwargs), jax.jit(init)
+    kind = "pinned_host" if o.offload else None
+    jitted = ShardedStep(
+        step,
+        o.mesh,
+        o.strategy,
+        donate=o.donate,
+        jit_kwargs=o.jit_kwargs,
+        opt_state_memory_kind=kind,
+    )
+    return jitted, sharded_init(init, o.mesh, o.strategy, opt_state_memory_kind=kind)
+
+
+def _opt_state_to_host(state: TrainState) -> TrainState:
+    """Moves optimizer-state leaves that arrive in device memory (e.g. restored from a
+    checkpoint into an abstract target) to ``pinned_host``, as the offloaded step expects;
+    a donated buffer of the wrong memory kind would abort the runtime."""
+    leaves = [x for x in jax.tree.leaves(state.opt_state) if isinstance(x, jax.Array)]
+    if all(getattr(x.sharding, "memory_kind", None) == "pinned_host" for x in leaves):
+        return state
+    return state.replace(opt_state=to_host(state.opt_state))
