@@ -1,37 +1,105 @@
 """Command line: ``python -m jmem estimate ...`` (``jmem`` when installed), the memory planner.
 
 ``--optimizer`` and ``--remat`` take comma-separated lists; one table is printed per
-combination. See ``docs/planner.md`` for examples and for adding a command.
+combination. A bad input exits with status 2 and one line ``error: ...`` naming the flag
+(``--debug`` shows the traceback instead). See ``docs/planner.md`` for examples and for
+adding a command.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from typing import Any
+from typing import Callable
 from typing import Sequence
 
 from jmem import planner
 from jmem.models import llama
 
 
-def _resolve_model(name: str) -> Any:
-    """A config for ``name`` from ``jmem.models.llama.CONFIGS``, else ``name`` itself: the
-    planner resolves its table's names and counts (``7e9``, ``7B``) and raises for the rest."""
-    return llama.get_config(name) if name in llama.CONFIGS else name
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line, ``error: ...``, status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _bytes_or_zero(text: str) -> int:
-    return 0 if text.strip() in ("0", "0B", "0GB") else planner.parse_memory(text)
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _memory(allow_zero: bool) -> Callable[[str], int]:
+    """argparse type: bytes from ``24GB``, ``24GiB``, ``80G`` (``planner.parse_memory``)."""
+
+    def parse(text: str) -> int:
+        if allow_zero and re.fullmatch(r"\s*0+(\.0*)?\s*[A-Za-z]*\s*", text):
+            return 0
+        try:
+            return planner.parse_memory(text)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
+
+    return parse
+
+
+def _choices_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a non-empty comma list of names from ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(bad) or repr(text)} is not one of {', '.join(allowed)} (a comma list)"
+            )
+        return names
+
+    return parse
+
+
+def _model(name: str) -> Any:
+    """argparse type: a config from ``jmem.models.llama.CONFIGS``, else a parameter count
+    (``7e9``, ``7B``) that the planner resolves."""
+    if name in llama.CONFIGS:
+        return llama.get_config(name)
+    try:
+        planner.resolve_shape(name)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
+    return name
+
+
+def _lora_targets(text: str) -> tuple[str, ...] | str:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return "all"
+    return tuple(_choices_list(llama.LINEAR_NAMES)(text))
 
 
 def _lora(args: argparse.Namespace) -> tuple[int, Any] | None:
     """``(rank, targets)`` from ``--lora-rank``/``--lora-targets``; None without a rank."""
-    if not args.lora_rank:
-        return None
-    targets = tuple(t for t in args.lora_targets.split(",") if t)
-    return args.lora_rank, targets if targets != ("all",) else "all"
+    return (args.lora_rank, args.lora_targets) if args.lora_rank else None
 
 
 def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> dict[str, Any]:
@@ -54,22 +122,34 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
     if args.activation_budget is not None:
-        kw["activations"] = _bytes_or_zero(args.activation_budget)
+        kw["activations"] = args.activation_budget
     return kw
+
+
+def static_line(ledger: planner.Ledger) -> str:
+    """The static subtotal of a ledger: everything but activations, in GB and GiB."""
+    return (
+        f"static (params + grads + optimizer state + master weights): "
+        f"{ledger.static / planner.GB:.3f} GB = {ledger.static / 2**30:.3f} GiB"
+    )
 
 
 def _estimate(args: argparse.Namespace) -> int:
     """Prints one ledger (or, with ``--memory``, one verdict) per optimizer and remat mode."""
-    model = _resolve_model(args.model)
-    optimizers = [o for o in args.optimizer.split(",") if o]
-    remats = [r for r in args.remat.split(",") if r]
-    for opt, remat in itertools.product(optimizers, remats):
+    if args.quant and not args.lora_rank:
+        raise ValueError(
+            "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
+            "adapters (QLoRA)."
+        )
+    for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         print(f"== optimizer={opt} remat={remat} ==")
         if args.memory:
-            print(planner.advise(args.memory, model, reserve=_bytes_or_zero(args.reserve), **kw))
+            print(planner.advise(args.memory, args.model, reserve=args.reserve, **kw))
         else:
-            print(planner.estimate(model, **kw))
+            ledger = planner.estimate(args.model, **kw)
+            print(ledger)
+            print(static_line(ledger))
         print()
     return 0
 
@@ -84,15 +164,21 @@ def _add_estimate(sub) -> None:
     p.add_argument(
         "--model",
         required=True,
+        type=_model,
         help="config name (tiny, llama_1b, llama2_7b, llama3_8b) or parameter count (7e9, 7B)",
     )
-    p.add_argument("--memory", help="device memory: 24GB, 24GiB, 80G or bytes")
-    p.add_argument("--reserve", default="2GB", help="memory kept free (default 2GB)")
+    p.add_argument("--memory", type=_memory(False), help="device memory: 24GB, 24GiB, 80G or bytes")
+    p.add_argument(
+        "--reserve", type=_memory(True), default="2GB", help="memory kept free (default 2GB)"
+    )
     p.add_argument(
         "--param-dtype", default="bf16", help="dtype the params are stored in (default bf16)"
     )
     p.add_argument(
-        "--optimizer", default="adamw", help="comma list, e.g. adamw,adamw_8bit (default adamw)"
+        "--optimizer",
+        type=_choices_list(sorted(planner.OPTIMIZERS)),
+        default="adamw",
+        help="comma list, e.g. adamw,adamw_8bit (default adamw)",
     )
     p.add_argument(
         "--master-weights",
@@ -106,23 +192,39 @@ def _add_estimate(sub) -> None:
         help="ledgers kept in host memory",
     )
     p.add_argument(
-        "--lora-rank", type=int, default=0, help="LoRA rank r (default 0: full fine-tuning)"
+        "--lora-rank",
+        type=_nonnegative_int,
+        default=0,
+        help="LoRA rank r (default 0: full fine-tuning)",
     )
     p.add_argument(
         "--lora-targets",
+        type=_lora_targets,
         default="q_proj,v_proj",
         help="comma list or 'all' (default q_proj,v_proj)",
     )
+    p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
     p.add_argument("--quant", choices=["nf4"], default=None, help="quantization of the frozen base")
+    _add_shape_flags(p)
+    p.set_defaults(func=_estimate)
+
+
+def _add_shape_flags(p) -> None:
+    """``estimate``'s flags for the activations and the layout: remat, sizes, shards."""
     p.add_argument(
         "--remat",
+        type=_choices_list(planner.REMAT_MODES),
         default="none",
         help="comma list of none,dots,selective,full,offload (default none)",
     )
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument(
-        "--shards", type=int, default=1, help="devices the state is split over (default 1)"
+        "--seq-len", type=positive_int, default=2048, help="tokens per sequence (default 2048)"
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=1, help="sequences per step (default 1)"
+    )
+    p.add_argument(
+        "--shards", type=positive_int, default=1, help="devices the state is split over (default 1)"
     )
     p.add_argument(
         "--zero-stage", type=int, choices=[1, 2, 3], default=None, help="ZeRO stage with --shards"
@@ -136,27 +238,47 @@ def _add_estimate(sub) -> None:
     )
     p.add_argument(
         "--activation-budget",
+        type=_memory(True),
         default=None,
         help="fix activations to this many bytes (e.g. 6GB) instead of computing them",
     )
-    p.add_argument("--hidden-size", type=int, default=None, help="shape for a parameter count")
-    p.add_argument("--num-layers", type=int, default=None, help="shape for a parameter count")
-    p.set_defaults(func=_estimate)
+    p.add_argument(
+        "--hidden-size", type=positive_int, default=None, help="shape for a parameter count"
+    )
+    p.add_argument(
+        "--num-layers", type=positive_int, default=None, help="shape for a parameter count"
+    )
 
 
 _COMMANDS = (_add_estimate,)
 
+#: Keyword names in the planner's messages -> the flags that set them.
+_FLAGS = {
+    "param_dtype": "--param-dtype",
+    "hidden_size": "--hidden-size",
+    "num_layers": "--num-layers",
+}
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line, with the planner's keywords spelled as flags."""
+    text = " ".join(str(e).split())
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m[1]], text)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jmem", description="jmem command line tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """Runs one command. A bad input exits with status 2 and one line ``error: ...``."""
+    parser = _Parser(prog="jmem", description="jmem command line tools")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in _COMMANDS:
         add(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:
-        parser.exit(2, f"jmem {args.command}: error: {e}\n")
+        if args.debug:
+            raise
+        parser.exit(2, f"error: {_one_line(e)}\n")
 
 
 if __name__ == "__main__":

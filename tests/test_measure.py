@@ -30,3 +30,13 @@ def test_donation_shows_as_alias_and_big_abstract_model_allocates_nothing():
 def test_format_bytes():
     assert jmem._src.measure.format_bytes(1536) == "1.50 KiB"
     assert jmem._src.measure.format_bytes(12) == "12 B"
+
+
+def test_report_from_a_compiled_executable_is_public():
+    """``MemoryReport.from_compiled`` reads the executable that runs (no second compile) and
+    gives what ``jmem.measure`` gives; ``MemoryReport.format_bytes`` is the report's units."""
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    compiled = jax.jit(lambda a: a * 2).lower(x).compile()
+    assert jmem.MemoryReport.from_compiled(compiled) == jmem.measure(lambda a: a * 2, x)
+    assert jmem.MemoryReport.format_bytes(1536) == "1.50 KiB"
+    assert jmem.MemoryReport.format_bytes(3 * 2**30) == "3.00 GiB"

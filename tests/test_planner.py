@@ -465,7 +465,7 @@ def test_cli_rejects_a_zero_hidden_size(capsys):
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--model", "7B", "--hidden-size", "0"])
     assert e.value.code == 2
-    assert "hidden_size must be a positive int" in capsys.readouterr().err
+    assert "argument --hidden-size: must be a positive integer" in capsys.readouterr().err
 
 
 def _build_optimizer(name):

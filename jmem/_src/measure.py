@@ -54,6 +54,21 @@ class MemoryReport:
     host_temp_bytes: int = 0
     peak_bytes: int = 0
 
+    @classmethod
+    def from_compiled(cls, compiled: Any) -> MemoryReport:
+        """The report of a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``): reuse
+        the executable that runs the steps instead of compiling again (``jmem.measure``).
+
+        Raises:
+          RuntimeError: if the backend gives no memory analysis.
+        """
+        return report_from_compiled(compiled)
+
+    @staticmethod
+    def format_bytes(n: float) -> str:
+        """Bytes in binary units, as the report prints them: ``1536 -> '1.50 KiB'``."""
+        return format_bytes(n)
+
     @property
     def state_bytes(self) -> int:
         """Bytes that persist between steps when the state is donated: ``argument_bytes``."""
