@@ -35,6 +35,10 @@ SMALL = [
     "--no-progress",
     "--lr",
     "3e-3",
+    "--eval-every",
+    "2",
+    "--eval-batches",
+    "2",
 ]
 
 
@@ -49,6 +53,8 @@ def test_interrupted_and_resumed_run_gives_the_same_losses(example, tmp_path):
         SMALL + ["--steps", "4", "--save-every", "2", "--out", str(out), "--resume"]
     )
     np.testing.assert_array_equal(resumed["losses"], full["losses"])
+    assert [s for s, _ in full["eval_losses"]] == [0, 2, 4]
+    np.testing.assert_array_equal(resumed["eval_losses"], full["eval_losses"])
     assert os.path.exists(out / "loss.png")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_loss"] == full["losses"][0] and summary["tokens_per_s"] > 0
@@ -72,9 +78,35 @@ def test_dry_run_plans_from_abstract_shapes(example, tmp_path):
     assert out["compiled"]["peak_bytes"] > 0 and os.path.exists(tmp_path / "dry_run.json")
 
 
-def test_resume_without_checkpoint_is_a_clear_error(example, tmp_path):
-    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+def test_resume_without_checkpoint_is_a_clear_error(example, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         example.main(SMALL + ["--steps", "1", "--out", str(tmp_path), "--resume"])
+    assert e.value.code == 2 and "--resume: no checkpoint" in capsys.readouterr().err
+
+
+def test_a_second_run_into_the_same_out_replaces_or_resumes_never_mixes(example, tmp_path, capsys):
+    """--overwrite drops the older run's checkpoints, so a later --resume finds the newer
+    run's; summary.json records the model, data, tokenizer, flags and the held-out losses."""
+    out = str(tmp_path / "run")
+    example.main(SMALL + ["--steps", "4", "--save-every", "4", "--out", out])
+    with pytest.raises(SystemExit):
+        example.main(SMALL + ["--steps", "2", "--out", out])
+    assert "--overwrite" in capsys.readouterr().err
+    second = example.main(
+        SMALL + ["--steps", "2", "--save-every", "100", "--overwrite", "--out", out]
+    )
+    assert sorted(int(p) for p in os.listdir(os.path.join(out, "checkpoints"))) == [2]
+    summary = json.loads(open(os.path.join(out, "summary.json")).read())
+    assert summary["config"] == "tiny" and summary["model"]["vocab_size"] == 256
+    assert summary["data"] == "pydoc_data.topics" and summary["tokenizer"] == "byte"
+    assert summary["args"]["lora_rank"] == 4 and summary["args"]["seq_len"] == 32
+    assert [s for s, _ in summary["eval_losses"]] == [0, 2] == [s for s, _ in second["eval_losses"]]
+    assert len(summary["learning_rates"]) == 2 and summary["last_eval_loss"] > 0
+    capsys.readouterr()
+    again = example.main(SMALL + ["--steps", "2", "--resume", "--out", out])
+    text = capsys.readouterr().out
+    assert "Nothing to do: the checkpoint is at step 2" in text and "compiled" not in text
+    assert again["losses"] == second["losses"]
 
 
 def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_path):
@@ -115,3 +147,5 @@ def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_p
         ]
     )
     assert len(out["losses"]) == 3 and all(np.isfinite(out["losses"]))
+    assert out["checkpoint"] == str(ckpt) and out["tokenizer"] == str(ckpt)
+    assert out["config"] is None and out["model"]["vocab_size"] == 128

@@ -1,0 +1,237 @@
+"""Command lines: every bad input exits with status 2 and one line ``error: ...`` naming the
+flag or file, before anything is compiled or written (examples/qlora_7b.py and
+``python -m jmem estimate``); defaults are filled with ``is None``, sized for the device."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jmem import planner
+from jmem.__main__ import main as jmem_main
+
+_ROOT = os.path.join(os.path.dirname(__file__), "..")
+_EXAMPLE = os.path.join(_ROOT, "examples", "qlora_7b.py")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("qlora_7b_cli", _EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _config_json(directory, vocab_size=128, max_position_embeddings=512):
+    """A tiny Llama config.json (no weights: every check here runs before they are read)."""
+    os.makedirs(directory, exist_ok=True)
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(directory)
+
+
+def _one_line_error(capsys, excinfo, *words):
+    """The error is one line ``error: ...`` on stderr, status 2, naming ``words``."""
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def _files(tmp_path):
+    """Inputs for the bad-input table, written once per test."""
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (tmp_path / "notext.jsonl").write_text('{"prompt": "no text field"}\n')
+    _config_json(tmp_path / "no_tokenizer")
+    return tmp_path
+
+
+#: (argv, words the one-line error must contain). {t} is the test's tmp_path.
+BAD_EXAMPLE_INPUTS = {
+    "missing checkpoint dir": (["--checkpoint", "{t}/nowhere"], ["--checkpoint", "no such"]),
+    "checkpoint without config.json": (["--checkpoint", "{t}"], ["--checkpoint", "config.json"]),
+    "csv data": (["--data", "{t}/data.csv"], ["--data", "data.csv", ".txt or .jsonl"]),
+    "empty txt": (["--data", "{t}/empty.txt"], ["--data", "empty.txt", "no text"]),
+    "missing data file": (["--data", "{t}/missing.txt"], ["--data", "missing.txt", "no such"]),
+    "broken jsonl line": (["--data", "{t}/broken.jsonl"], ["--data", "broken.jsonl:2"]),
+    "jsonl without text": (["--data", "{t}/notext.jsonl"], ["--data", "'text'"]),
+    "lora rank 0": (["--lora-rank", "0"], ["--lora-rank", "positive integer"]),
+    "lora targets match nothing": (["--lora-targets", ".*nomatch.*"], ["--lora-targets"]),
+    "lora targets bad regex": (["--lora-targets", "(q_proj"], ["--lora-targets", "regex"]),
+    "checkpoint without tokenizer": (
+        ["--checkpoint", "{t}/no_tokenizer"],
+        ["--checkpoint", "tokenizer.json", "--tokenizer DIR"],
+    ),
+    "missing tokenizer dir": (["--tokenizer", "{t}/nowhere"], ["--tokenizer", "no such"]),
+    "seq len 0": (["--seq-len", "0"], ["--seq-len", "positive integer"]),
+    "batch size 0": (["--batch-size", "0"], ["--batch-size", "positive integer"]),
+    "grad accum 0": (["--grad-accum", "0"], ["--grad-accum", "positive integer"]),
+    "grad accum not dividing": (["--batch-size", "3", "--grad-accum", "2"], ["--grad-accum"]),
+    "negative steps": (["--steps", "-3"], ["--steps", "positive integer"]),
+    "steps not a number": (["--steps", "ten"], ["--steps", "'ten'"]),
+    "eval split 1": (["--eval-split", "1"], ["--eval-split", "[0, 1)"]),
+    "eval split below a batch": (["--eval-split", "0.0001"], ["--eval-split", "--eval-split 0"]),
+    "zero learning rate": (["--lr", "0"], ["--lr", "positive"]),
+    "config and checkpoint": (["--config", "tiny", "--checkpoint", "{t}"], ["--checkpoint"]),
+    "resume and overwrite": (["--resume", "--overwrite"], ["--overwrite", "--resume"]),
+    "resume without checkpoint": (["--resume"], ["--resume", "no checkpoint"]),
+    "sizes larger than the data": (["--data", "{t}/small.txt"], ["--data", "--batch-size"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_EXAMPLE_INPUTS))
+def test_example_bad_input_is_one_line_and_status_2(example, tmp_path, capsys, case):
+    argv, words = BAD_EXAMPLE_INPUTS[case]
+    t = _files(tmp_path)
+    (t / "small.txt").write_text("only a few bytes of text")
+    argv = [a.format(t=t) for a in argv] + ["--no-progress", "--out", str(t / "out")]
+    with pytest.raises(SystemExit) as e:
+        example.main(argv)
+    _one_line_error(capsys, e, *words)
+    assert not (t / "out").exists(), "a refused run writes nothing"
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(example, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(300)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    os.makedirs(tmp_path / "tok")
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    argv = ["--config", "tiny", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as e:
+        example.main(argv)
+    _one_line_error(capsys, e, "--tokenizer", "300 tokens", "256")
+
+
+def test_out_holding_another_run_is_refused(example, tmp_path, capsys):
+    """A new run never mixes its checkpoints with an older run's: --resume or --overwrite."""
+    out = tmp_path / "out"
+    os.makedirs(out / "checkpoints" / "200")
+    (out / "run.json").write_text(json.dumps({"lora_rank": 8}))
+    with pytest.raises(SystemExit) as e:
+        example.main(["--steps", "3", "--out", str(out)])
+    _one_line_error(capsys, e, "--out", "[200]", "--resume", "--overwrite")
+    # --resume with other shaping flags than the run in --out: named, with both values.
+    with pytest.raises(SystemExit) as e:
+        example.main(["--steps", "300", "--lora-rank", "4", "--resume", "--out", str(out)])
+    _one_line_error(capsys, e, "--resume", "--lora-rank 4 (was 8)")
+    assert os.path.isdir(out / "checkpoints" / "200")
+
+
+def test_debug_keeps_the_traceback(example, tmp_path):
+    with pytest.raises(example.CliError, match="--data"):
+        example.main(["--data", str(tmp_path / "missing.txt"), "--debug", "--out", str(tmp_path)])
+
+
+def test_defaults_are_filled_with_is_none_and_sized_for_the_device(example, tmp_path):
+    """A --checkpoint run on CPU takes its shapes from config.json and CPU-sized defaults;
+    on a GPU the 7B sizes, capped at the model's max_seq_len; given values are kept."""
+    ck = _config_json(tmp_path / "ck", max_position_embeddings=512)
+    args = example.parse_args(["--checkpoint", ck])
+    cfg = example.model_config(args)
+    assert (cfg.vocab_size, cfg.num_layers, cfg.max_seq_len) == (128, 2, 512)
+    notes = example.resolve_defaults(args, cfg, on_gpu=False)
+    assert (args.steps, args.batch_size, args.seq_len) == (200, 16, 128)
+    assert args.lr == 2e-4 and args.eval_every == 20 and "CPU-sized" in notes[0]
+    args = example.parse_args(["--checkpoint", ck])
+    example.resolve_defaults(args, cfg, on_gpu=True)
+    assert (args.steps, args.batch_size, args.seq_len) == (20, 1, 512)
+    args = example.parse_args(["--checkpoint", ck, "--steps", "1", "--seq-len", "1024"])
+    notes = example.resolve_defaults(args, cfg, on_gpu=False)
+    assert (args.steps, args.seq_len, args.eval_every) == (1, 1024, 1)
+    assert any("exceeds the model's max_seq_len 512" in n for n in notes)
+
+
+def test_example_entry_point_prints_no_traceback(tmp_path):
+    """The script itself (``python examples/qlora_7b.py``): status 2, one line."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(_ROOT), JAX_PLATFORMS="cpu")
+    argv = ["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")]
+    r = subprocess.run(
+        [sys.executable, _EXAMPLE, *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --data") and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------- python -m jmem estimate
+
+BAD_ESTIMATE_INPUTS = {
+    "unknown model": (["--model", "llama9"], ["--model", "llama9"]),
+    "zero model": (["--model", "0"], ["--model"]),
+    "seq len 0": (["--model", "7B", "--seq-len", "0"], ["--seq-len", "positive integer"]),
+    "batch size -1": (["--model", "7B", "--batch-size", "-1"], ["--batch-size"]),
+    "shards 0": (["--model", "7B", "--shards", "0"], ["--shards"]),
+    "lora rank -1": (["--model", "7B", "--lora-rank", "-1"], ["--lora-rank"]),
+    "lora target": (["--model", "7B", "--lora-targets", "qproj"], ["--lora-targets", "qproj"]),
+    "memory": (["--model", "7B", "--memory", "lots"], ["--memory", "'lots'"]),
+    "memory without unit": (["--model", "7B", "--memory", "24"], ["--memory", "unit"]),
+    "reserve": (["--model", "7B", "--reserve", "x"], ["--reserve"]),
+    "activation budget": (["--model", "7B", "--activation-budget", "6XB"], ["--activation"]),
+    "unknown optimizer": (["--model", "7B", "--optimizer", "adamw,sgdd"], ["--optimizer", "sgdd"]),
+    "empty optimizer list": (["--model", "7B", "--optimizer", ","], ["--optimizer"]),
+    "unknown remat": (["--model", "7B", "--remat", "most"], ["--remat", "most"]),
+    "param dtype": (["--model", "7B", "--param-dtype", "int8"], ["--param-dtype", "nf4"]),
+    "quant without lora": (["--model", "7B", "--quant", "nf4"], ["--quant", "--lora-rank"]),
+    "hidden size 0": (["--model", "7B", "--hidden-size", "0"], ["--hidden-size"]),
+    "shape for a config": (["--model", "tiny", "--num-layers", "3"], ["--num-layers"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ESTIMATE_INPUTS))
+def test_estimate_bad_input_is_one_line_and_status_2(capsys, case):
+    argv, words = BAD_ESTIMATE_INPUTS[case]
+    with pytest.raises(SystemExit) as e:
+        jmem_main(["estimate", *argv])
+    _one_line_error(capsys, e, *words)
+
+
+def test_estimate_debug_keeps_the_traceback():
+    with pytest.raises(ValueError, match="lora"):
+        jmem_main(["estimate", "--model", "7B", "--quant", "nf4", "--debug"])
+
+
+@pytest.mark.parametrize("optimizer, static_gb", [("adamw", 112.0), ("adamw_8bit", 70.0)])
+def test_estimate_prints_the_static_subtotal(capsys, optimizer, static_gb):
+    """params + grads + optimizer state + masters: the seeds' 112 GB / 70 GB for 7B."""
+    argv = ["--model", "7B", "--accounting", "nominal", "--optimizer", optimizer]
+    assert jmem_main(["estimate", *argv]) == 0
+    out = capsys.readouterr().out
+    m = re.search(
+        r"static \(params \+ grads \+ optimizer state \+ master weights\): ([\d.]+) GB", out
+    )
+    assert m and float(m.group(1)) == pytest.approx(static_gb, abs=1e-3), out
+    led = planner.estimate("7B", accounting="nominal", optimizer=optimizer)
+    assert float(m.group(1)) == pytest.approx(led.static / planner.GB, abs=1e-3)
+    assert led.total > led.static  # the table's total adds the activations
+
+
+def test_estimate_entry_point_status_2():
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(_ROOT), JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, "-m", "jmem", "estimate", "--model", "7B", "--seq-len", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: argument --seq-len")
