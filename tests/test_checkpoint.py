@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jmem
 from jmem import Checkpointer
@@ -163,3 +164,111 @@ def test_mismatch_error_lists_every_leaf_up_to_a_limit(tmp_path):
         ck.restore({f"w{i:02d}": jnp.ones((2,), jnp.bfloat16) for i in range(20)})
     assert "w00: saved float32[2], target bfloat16[2]" in str(err.value)
     ck.close()
+
+
+# ----------------------------------------------------------------------------------------
+# TrainStep.abstract_state carries the step's shardings and memory kinds.
+# ----------------------------------------------------------------------------------------
+
+
+def _mlp_loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] - b["y"]) ** 2)
+
+
+def _mlp_params(d=64, f=128):
+    k = jax.random.split(jax.random.key(0), 2)
+    return {
+        "w1": 0.1 * jax.random.normal(k[0], (d, f)),
+        "b1": jnp.zeros((f,)),
+        "w2": 0.1 * jax.random.normal(k[1], (f, d)),
+    }
+
+
+def _mlp_batch(seed, b=8, d=64):
+    k = jax.random.split(jax.random.key(seed), 2)
+    return {"x": jax.random.normal(k[0], (b, d)), "y": jax.random.normal(k[1], (b, d))}
+
+
+def _mesh(n):
+    return jmem.sharding.make_mesh(data=1, fsdp=n, devices=jax.devices()[:n])
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"offload_optimizer": True},
+        {"offload_optimizer": "leaf_by_leaf", "master_weights": True, "precision": "p=bf16"},
+        {"mesh": 4},
+        {"mesh": 4, "offload_optimizer": True},
+    ],
+    ids=["plain", "offload", "leaf_by_leaf+masters", "mesh", "mesh+offload"],
+)
+def test_abstract_state_has_the_shardings_of_init(kw):
+    if "mesh" in kw:
+        kw = {**kw, "mesh": _mesh(kw["mesh"])}
+    step = jmem.train_step(_mlp_loss, jmem.adamw_8bit(1e-3, min_8bit_size=1024), **kw)
+    params = _mlp_params()
+    abstract = step.abstract_state(params)
+    state = step.init(params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, state)
+    assert _shardings(abstract) == _shardings(state)
+    if kw.get("offload_optimizer"):
+        assert helpers.memory_kinds(state.opt_state) == {"pinned_host"}
+    # ShapeDtypeStruct params give the same target
+    assert step.abstract_state(jax.eval_shape(lambda: params)) == abstract
+
+
+def test_offloaded_opt_state_restores_into_host_memory(tmp_path):
+    step = jmem.train_step(
+        _mlp_loss, jmem.adamw_8bit(1e-3, min_8bit_size=1024), offload_optimizer=True
+    )
+    params = _mlp_params()
+    state, _ = step(step.init(params), _mlp_batch(0))
+    ck = _saved(tmp_path, state)
+    restored, _ = ck.restore(step.abstract_state(params))
+    ck.close()
+    assert helpers.memory_kinds(restored.opt_state) == {"pinned_host"}
+    assert helpers.memory_kinds(restored.params) == {"device"}
+    helpers.assert_bitwise_equal(restored, state)
+    # the restored state trains exactly as the saved one does
+    _, m_restored = step(restored, _mlp_batch(1))
+    _, m_saved = step(state, _mlp_batch(1))
+    assert float(m_restored["loss"]) == float(m_saved["loss"])
+
+
+@pytest.mark.slow
+def test_mesh_checkpoint_restores_onto_another_device_count(tmp_path):
+    """Saved on a 2-device mesh (offloaded), restored onto a 4-device mesh and onto one
+    device through abstract_state: each lands with its step's shardings and memory kinds."""
+    opt = lambda: jmem.adamw_8bit(1e-3, min_8bit_size=1024)  # noqa: E731
+    params = _mlp_params()
+    step2 = jmem.train_step(_mlp_loss, opt(), mesh=_mesh(2), offload_optimizer=True)
+    state2, _ = step2(step2.init(params), _mlp_batch(0))
+    ck = _saved(tmp_path, state2)
+
+    step4 = jmem.train_step(_mlp_loss, opt(), mesh=_mesh(4), offload_optimizer=True)
+    target4 = step4.abstract_state(params)
+    got4, _ = ck.restore(target4)
+    helpers.assert_bitwise_equal(got4, state2)
+    assert _shardings(got4) == _shardings(target4)
+    kernel_codes = got4.opt_state[0].mu["w1"].codes
+    assert kernel_codes.sharding.mesh.size == 4 and kernel_codes.sharding.spec == P("fsdp")
+    assert helpers.memory_kinds(got4.opt_state) == {"pinned_host"}
+
+    step1 = jmem.train_step(_mlp_loss, opt())
+    got1, _ = ck.restore(step1.abstract_state(params))
+    ck.close()
+    helpers.assert_bitwise_equal(got1, state2)
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(got1)} == {1}
+
+    # all three continue alike (sums over shards in another order: rounding only)
+    losses = [
+        float(s(st, _mlp_batch(1))[1]["loss"])
+        for s, st in [(step2, state2), (step4, got4), (step1, got1)]
+    ]
+    np.testing.assert_allclose(losses, losses[0], rtol=1e-6)
