@@ -338,3 +338,50 @@ def test_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_
     ck = Checkpointer(str(ckpt))
     assert ck.latest_step() == steps
     ck.close()
+
+
+_RESTORE_ON_4_DEVICES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, numpy as np, jmem
+sys.path.insert(0, sys.argv[2])
+import test_checkpoint as t
+step = jmem.train_step(t._mlp_loss, jmem.adamw_8bit(1e-3, min_8bit_size=1024),
+                       mesh=t._mesh(4), offload_optimizer=True)
+state, _ = jmem.Checkpointer(sys.argv[1]).restore(step.abstract_state(t._mlp_params()))
+codes = state.opt_state[0].mu["w1"].codes
+assert len(jax.devices()) == 4 and codes.sharding.mesh.size == 4, codes.sharding
+assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+np.savez(sys.argv[3], *[np.asarray(x) for x in jax.tree.leaves(state)])
+"""
+
+
+@pytest.mark.slow
+def test_checkpoint_of_an_8_device_process_restores_in_a_4_device_process(tmp_path):
+    """The user's case: written by a process with 8 devices, read by one with 4. A target
+    without shardings makes orbax look for the writer's devices (a topology error);
+    abstract_state's shardings put it on the reader's mesh."""
+    step = jmem.train_step(
+        _mlp_loss,
+        jmem.adamw_8bit(1e-3, min_8bit_size=1024),
+        mesh=_mesh(8),
+        offload_optimizer=True,
+    )
+    state, _ = step(step.init(_mlp_params()), _mlp_batch(0))
+    _saved(tmp_path / "ckpt", state).close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = tmp_path / "restored.npz"
+    args = [tmp_path / "ckpt", pathlib.Path(__file__).parent, out]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESTORE_ON_4_DEVICES, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    restored = np.load(out)
+    leaves = jax.tree.leaves(state)
+    assert len(restored.files) == len(leaves)
+    for i, leaf in enumerate(leaves):
+        np.testing.assert_array_equal(restored[f"arr_{i}"], np.asarray(leaf))
