@@ -236,6 +236,11 @@ def test_offloaded_opt_state_restores_into_host_memory(tmp_path):
     state, _ = step(step.init(params), _mlp_batch(0))
     ck = _saved(tmp_path, state)
     restored, _ = ck.restore(step.abstract_state(params))
+    frozen = {"base": jnp.ones((8,))}
+    with pytest.raises(ValueError, match="frozen base is not in the checkpoint"):
+        ck.restore(step.abstract_state(params, frozen=frozen))
+    again, _ = ck.restore(step.abstract_state(params).replace(frozen=frozen))
+    assert again.frozen is frozen
     ck.close()
     assert helpers.memory_kinds(restored.opt_state) == {"pinned_host"}
     assert helpers.memory_kinds(restored.params) == {"device"}

@@ -112,7 +112,7 @@ class Checkpointer:
             included (``abstract_state`` of an offloaded step puts the optimizer state
             straight into ``pinned_host``; of a ``mesh=`` step, onto that mesh, whatever
             device count wrote the checkpoint). Its ``frozen`` field is kept as given
-            (re-attached, not read).
+            (re-attached, not read), so it must hold the real frozen params (or None).
           step: which step; default the latest complete one.
 
         Returns:
@@ -125,7 +125,7 @@ class Checkpointer:
             the target, in the target but not saved, or with another shape or dtype. The
             message lists each leaf by its path (``params.w``, ``opt_state.0.mu.w.codes``)
             with the saved and the target shape/dtype. Also if the checkpoint has no tree
-            metadata to check against.
+            metadata to check against, or if ``target.frozen`` holds ShapeDtypeStructs.
 
         A checkpoint of jmem 0.1.0, which stored each ``QuantizedArray`` by position as
         ``[codes, absmax]``, is recognized from its metadata and restored into today's
@@ -140,6 +140,14 @@ class Checkpointer:
                 f"(found steps {steps}). Start without --resume, or point to the right directory."
             )
         frozen = getattr(target, "frozen", None)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(frozen)):
+            raise ValueError(
+                "target.frozen holds jax.ShapeDtypeStructs (e.g. from abstract_state(params, "
+                "frozen=...)): the frozen base is not in the checkpoint, it is re-attached as "
+                "given, so the restored state would hold no weights. Pass the real frozen "
+                "params: restore(target.replace(frozen=frozen)), placed as the step wants them "
+                "(jmem.sharding.shard_state(frozen, shardings of target.frozen) on a mesh)."
+            )
         abstract = jax.tree.map(_abstract_leaf, self._savable(target))
         saved = self._saved_leaves(step)
         problems = _mismatches(saved, _target_leaves(abstract))
