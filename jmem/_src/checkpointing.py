@@ -174,7 +174,7 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpoint step {step} in {self.directory!r} has no readable tree metadata "
                 f"(state/_METADATA), so the restore target cannot be checked against it. "
-                f"Re-save it with this version of jmem (orbax >= 0.5 writes the metadata)."
+                f"Re-save it with the orbax installed with jmem, which writes that metadata."
             )
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         return {_path_name(p): (tuple(m.shape), _dtype_name(m.dtype)) for p, m in leaves}
