@@ -3,10 +3,14 @@
 import json
 import warnings
 
+import helpers
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jmem import data
+from jmem.models import llama
 
 CHATML = (
     "{% for message in messages %}"
@@ -341,3 +345,51 @@ def test_from_rows_errors():
         data.PackedDataset.from_rows({"inputs": np.zeros((4, 8))}, 8)
     with pytest.raises(ValueError, match=">= 1"):
         data.PackedDataset.from_rows({"inputs": np.zeros((4, 8))}, 0)
+
+
+# --- the packed row through the reference model -------------------------------------------
+
+
+def test_packed_example_has_its_logits_alone_and_the_loss_is_the_token_mean():
+    cfg = helpers.small_config(vocab_size=256)
+    params = llama.init(jax.random.key(0), cfg)
+    tok = data.ByteTokenizer()
+    first = {"prompt": "The capital of France is", "completion": " Paris."}
+    second = {"prompt": "2 + 2 =", "completion": " 4"}
+    rows = data.pack_examples([first, second], tok, seq_len=48)
+    assert rows["inputs"].shape == (1, 48)
+    n1, n2 = (
+        len(tok.encode("The capital of France is Paris.")) - 1,
+        len(tok.encode("2 + 2 = 4")) - 1,
+    )
+    np.testing.assert_array_equal(rows["segment_ids"][0, : n1 + n2 + 1], [1] * n1 + [2] * n2 + [0])
+
+    packed = llama.forward(
+        params, rows["inputs"], cfg, positions=rows["positions"], segment_ids=rows["segment_ids"]
+    )
+    alone = [
+        llama.forward(params, data.pack_examples([ex], tok, n)["inputs"], cfg)
+        for ex, n in ((first, n1), (second, n2))
+    ]
+    np.testing.assert_allclose(packed[0, n1 : n1 + n2], alone[1][0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[0, :n1], alone[0][0], atol=1e-5, rtol=0)
+    # Without segment ids and positions the second example attends to the first.
+    crosstalk = llama.forward(params, rows["inputs"], cfg)
+    assert np.abs(crosstalk[0, n1 : n1 + n2] - alone[1][0]).max() > 1e-3
+
+    # The loss is the mean over the response tokens of both examples (7 + 2 targets).
+    def nll(logits, targets):
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        return logz - np.take_along_axis(np.asarray(logits), targets[..., None], -1)[..., 0]
+
+    per_token = np.concatenate(
+        [
+            nll(alone[0][0], rows["targets"][0, :n1]),
+            nll(alone[1][0], rows["targets"][0, n1 : n1 + n2]),
+        ]
+    )
+    response = rows["mask"][0, : n1 + n2].astype(bool)
+    assert response.sum() == len(" Paris.") + len(" 4")
+    want = per_token[response].mean()
+    got = llama.loss_fn(params, {k: jnp.asarray(v) for k, v in rows.items()}, cfg)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
