@@ -37,15 +37,15 @@ def test_reference_llama_mask_by_name_not_ndim(tied):
 
 
 @pytest.mark.parametrize(
-    "make_tx",
+    "make_tx, as_function",
     [
-        lambda m: optax.adamw(0.1, weight_decay=0.5, mask=m),
-        lambda m: jmem.adamw_8bit(0.1, weight_decay=0.5, mask=m),
-        lambda m: jmem.adamw_4bit(0.1, weight_decay=0.5, mask=m),
+        (lambda m: optax.adamw(0.1, weight_decay=0.5, mask=m), True),
+        (lambda m: optax.adamw(0.1, weight_decay=0.5, mask=m), False),
+        (lambda m: jmem.adamw_8bit(0.1, weight_decay=0.5, mask=m), False),
+        (lambda m: jmem.adamw_4bit(0.1, weight_decay=0.5, mask=m), True),
     ],
-    ids=["optax.adamw", "adamw_8bit", "adamw_4bit"],
+    ids=["optax.adamw-function", "optax.adamw-tree", "adamw_8bit-tree", "adamw_4bit-function"],
 )
-@pytest.mark.parametrize("as_function", [False, True])
 def test_optimizers_decay_only_the_masked_params(make_tx, as_function):
     params = llama.init(jax.random.key(0), helpers.small_config())
     tx = make_tx(jmem.decay_mask if as_function else jmem.decay_mask(params))

@@ -350,6 +350,7 @@ def test_from_rows_errors():
 # --- the packed row through the reference model -------------------------------------------
 
 
+@pytest.mark.slow
 def test_packed_example_has_its_logits_alone_and_the_loss_is_the_token_mean():
     cfg = helpers.small_config(vocab_size=256)
     params = llama.init(jax.random.key(0), cfg)
@@ -393,3 +394,35 @@ def test_packed_example_has_its_logits_alone_and_the_loss_is_the_token_mean():
     want = per_token[response].mean()
     got = llama.loss_fn(params, {k: jnp.asarray(v) for k, v in rows.items()}, cfg)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_train_step_on_packed_batches_with_microbatches_is_the_whole_batch_token_mean():
+    import optax  # noqa: PLC0415
+
+    import jmem  # noqa: PLC0415
+
+    cfg = helpers.small_config(vocab_size=256)
+    params = llama.init(jax.random.key(0), cfg)
+    examples = [
+        {
+            "messages": [
+                {"role": "user", "content": "hi " * (i % 5)},
+                {"role": "assistant", "content": "ok" * i},
+            ]
+        }
+        for i in range(1, 9)
+    ]
+    ds = data.PackedDataset.from_examples(examples, data.ByteTokenizer(), 64, 4, seed=0)
+    batch = jax.tree.map(jnp.asarray, ds.batch_at(data.Position())[0])
+    counts = batch["mask"].reshape(2, -1).sum(axis=1)
+    assert counts[0] != counts[1]  # the two microbatches have different response-token counts
+    loss = lambda p, b: llama.loss_fn(p, b, cfg)
+    step = jmem.train_step(loss, optax.sgd(0.1), microbatches=2, donate=False)
+    state, metrics = step(step.init(params), batch)
+    want_loss, grads = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-6), state.params, want
+    )

@@ -437,6 +437,7 @@ class MaskedAccumulationTest(chex.TestCase):
         assert float(metrics["loss"]) == 1.75
         assert float(state.params) == 1.0 - 1.75
 
+    @pytest.mark.slow
     def test_masked_llama_gradients_equal_one_batch(self):
         cfg = helpers.small_config()
         params = llama.init(jax.random.key(0), cfg)
