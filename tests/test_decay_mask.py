@@ -125,6 +125,11 @@ def test_lora_adapters_and_torch_style_names():
     assert set(mask) == {"layers/q_proj/kernel", "layers/v_proj/kernel"}
     for m in mask.values():
         assert isinstance(m, jmem.lora.LoraWeight) and m.a is True and m.b is True
+    tx = optax.adamw(0.1, weight_decay=0.5, mask=jmem.decay_mask)  # masks LoraWeight leaves
+    zeros = jax.tree.map(jnp.zeros_like, adapters)
+    new = optax.apply_updates(adapters, tx.update(zeros, tx.init(adapters), adapters)[0])
+    for key, w in adapters.items():
+        np.testing.assert_allclose(new[key].a, 0.95 * w.a, rtol=1e-6)
     torch_style = {
         "model.embed_tokens.weight": jnp.zeros((4, 2)),
         "model.layers.0.input_layernorm.weight": jnp.ones((2,)),

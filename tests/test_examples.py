@@ -64,6 +64,10 @@ def tokenizer_dir(tmp_path_factory):
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(["hello world héllo user system assistant brief"] * 20, trainer)
+    # Llama-style: the tokenizer starts a plain text with <s>.
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
     path = tmp_path_factory.mktemp("tok")
     tok.save(str(path / "tokenizer.json"))
     return path
@@ -178,6 +182,19 @@ def test_prompt_completion_and_text_are_verbatim(tokenizer_dir):
     assert data.render_example({"prompt": "2+2=", "completion": "4"}, data.ByteTokenizer()) == (
         "2+2=4",
         [(4, 5)],
+    )
+
+
+def test_no_bos_when_the_tokenizer_does_not_add_one(tokenizer_dir, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    gpt2_style = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    gpt2_style.post_processor = tokenizers.processors.ByteLevel()  # adds no special token
+    gpt2_style.save(str(tmp_path / "tokenizer.json"))
+    tok = _write_config(tmp_path)
+    assert _write_config(tokenizer_dir).add_bos_token and not tok.add_bos_token
+    assert data.render_example({"prompt": "2+2=", "completion": "4"}, tok) == (
+        "2+2=4</s>",
+        [(4, 9)],
     )
 
 
@@ -307,7 +324,7 @@ def test_truncation_and_untrained_examples_warn_and_errors_are_clear():
         data.pack_examples([{"text": "a"}], tok, seq_len=4)
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         data.pack_examples([{"text": "ab"}], tok, seq_len=0)
-    with pytest.raises(ValueError, match=r"example 1: example: got keys \['body'\]"):
+    with pytest.raises(ValueError, match=r"example 1: got keys \['body'\]"):
         data.pack_examples([{"text": "ab"}, {"body": "x"}], tok, seq_len=4)
     with pytest.raises(TypeError, match="encode_with_offsets"):
         data.pack_examples([{"text": "ab"}], object(), seq_len=4)

@@ -6,6 +6,10 @@ An example is a dict in one of four forms (extra keys are ignored):
 * ``{"prompt": str, "completion": str}``: used verbatim (as TRL does for non-conversational
   prompt/completion data): ``bos_token + prompt + completion + eos_token``, trained on
   ``completion + eos_token``.
+
+``bos_token`` starts text and prompt/completion examples when the tokenizer adds it to plain
+text (``add_bos_token``, e.g. Llama; not GPT-2 or Qwen); ``eos_token`` ends them when the
+tokenizer has one.
 * ``{"instruction": str, "input": str (optional), "output": str}`` (Alpaca, Taori et al.
   2023): the conversation ``user: instruction [+ "\\n\\n" + input]``, ``assistant: output``.
 * ``{"messages": [{"role": str, "content": str}, ...]}`` (the OpenAI / Hugging Face chat
@@ -130,11 +134,12 @@ def render_example(example: dict, tokenizer: Any) -> tuple[str, list[tuple[int, 
     Args:
       example: an example in any form of the module docstring.
       tokenizer: gives ``chat_template``, ``bos_token``, ``eos_token`` (None or missing:
-        the plain template, no BOS/EOS text).
+        the plain template, no BOS/EOS text) and ``add_bos_token`` (default True).
 
     Returns:
-      ``(text, spans)``: ``text`` starts with ``bos_token`` (unless the example or the
-      template already does) and ends with ``eos_token`` where the form adds it.
+      ``(text, spans)``: text and prompt/completion examples start with ``bos_token`` (with
+      ``add_bos_token``, unless the text already does) and end with ``eos_token`` (unless
+      they already do); conversations are as the template renders them.
 
     Raises:
       ValueError: for an example in no known form, or a chat template that fails.
@@ -146,7 +151,8 @@ def render_example(example: dict, tokenizer: Any) -> tuple[str, list[tuple[int, 
         template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
         return assistant_spans(ex["messages"], template, bos_token=bos, eos_token=eos)
     body = ex.get("text", ex.get("prompt"))
-    start = "" if bos is None or body.startswith(bos) else bos
+    add_bos = bos is not None and getattr(tokenizer, "add_bos_token", True)
+    start = bos if add_bos and not body.startswith(bos) else ""
     if "text" in ex:
         text = _with_eos(start + body, eos)
         return text, [(0, len(text))]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jmem._src.data.examples import normalize_example
 from jmem._src.data.examples import render_example
 
 #: The arrays of ``pack_examples`` and their dtypes.
@@ -101,9 +102,10 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
         raise ValueError(f"seq_len must be >= 1; got {seq_len}.")
     tokenized, truncated, untrained = [], 0, 0
     for i, example in enumerate(examples):
+        example = normalize_example(example, f"example {i}")
         try:
             ids, response = tokenize_example(example, tokenizer)
-        except ValueError as e:
+        except ValueError as e:  # a chat template that fails on this conversation
             raise ValueError(f"example {i}: {e}") from None
         if len(ids) > seq_len + 1:
             truncated += 1

@@ -18,13 +18,15 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: vocabulary 256, no unknown tokens, no training needed.
 
     It has no chat template and no BOS/EOS tokens (``chat_template``, ``bos_token`` and
-    ``eos_token`` are None): instruction data is rendered with the plain template.
+    ``eos_token`` are None, ``add_bos_token`` False): instruction data is rendered with the
+    plain template.
     """
 
     vocab_size = 256
     chat_template = None
     bos_token = None
     eos_token = None
+    add_bos_token = False
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ``[n_bytes]``."""
@@ -66,7 +68,9 @@ class HFTokenizer:
     """A checkpoint directory's own ``tokenizer.json``, through the ``tokenizers`` library.
 
     ``tokenizer_config.json`` (optional) gives ``bos_token``, ``eos_token`` and
-    ``chat_template`` (also read from ``chat_template.jinja``), as in transformers.
+    ``chat_template`` (also read from ``chat_template.jinja``), as in transformers;
+    ``add_bos_token`` is True when the tokenizer's post-processor starts a text with
+    ``bos_token`` (then text and prompt/completion examples start with it too).
 
     Raises:
       FileNotFoundError: if the directory has no ``tokenizer.json``.
@@ -94,6 +98,11 @@ class HFTokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = _chat_template(directory, config)
+        # Whether plain text gets BOS, as transformers tokenizes it: the tokenizer's own
+        # post-processor prepends it (Llama) or not (GPT-2, Qwen).
+        with_special = self._tok.encode("a").ids
+        bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos_token = bool(with_special) and bos_id is not None and with_special[0] == bos_id
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ``[n_tokens]``, with the tokenizer's own special tokens (e.g. BOS)."""
