@@ -100,9 +100,8 @@ class HFTokenizer:
         self.chat_template = _chat_template(directory, config)
         # Whether plain text gets BOS, as transformers tokenizes it: the tokenizer's own
         # post-processor prepends it (Llama) or not (GPT-2, Qwen).
-        with_special = self._tok.encode("a").ids
         bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.add_bos_token = bool(with_special) and bos_id is not None and with_special[0] == bos_id
+        self.add_bos_token = bos_id is not None and self._tok.encode("").ids[:1] == [bos_id]
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ``[n_tokens]``, with the tokenizer's own special tokens (e.g. BOS)."""
