@@ -79,7 +79,7 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
     """Tokenizes examples and packs them into rows of ``seq_len`` slots, without cross-talk.
 
     Args:
-      examples: a list of example dicts (``load_examples``; e.g.
+      examples: an iterable of example dicts (``load_examples``; e.g.
         ``[{"prompt": "2+2=", "completion": "4"}]``).
       tokenizer: as ``tokenize_example``.
       seq_len: slots per row (the model's sequence length), >= 1.
@@ -100,8 +100,9 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}.")
-    tokenized, truncated, untrained = [], 0, 0
+    tokenized, truncated, untrained, total = [], 0, 0, 0
     for i, example in enumerate(examples):
+        total += 1
         example = normalize_example(example, f"example {i}")
         try:
             ids, response = tokenize_example(example, tokenizer)
@@ -116,7 +117,7 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
             tokenized.append((ids, response))
     if not tokenized:
         raise ValueError("No example has 2 tokens (one input and one target) to pack.")
-    _warn(truncated, untrained, len(examples), seq_len)
+    _warn(truncated, untrained, total, seq_len)
     placement, row, offset, segment = [], 0, 0, 0
     for ids, _ in tokenized:
         if offset + len(ids) - 1 > seq_len:
