@@ -49,7 +49,7 @@ def _messages(obj: dict) -> list[dict] | None:
         )
         if not ok or not any(m["role"] == "assistant" for m in msgs):
             return None
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        return [dict(m) for m in msgs]  # other keys (name, tool_calls) go to the template
     if isinstance(obj.get("instruction"), str) and isinstance(obj.get("output"), str):
         extra = obj.get("input") or ""
         if not isinstance(extra, str):
