@@ -13,7 +13,8 @@ tokenizer has one.
 * ``{"instruction": str, "input": str (optional), "output": str}`` (Alpaca, Taori et al.
   2023): the conversation ``user: instruction [+ "\\n\\n" + input]``, ``assistant: output``.
 * ``{"messages": [{"role": str, "content": str}, ...]}`` (the OpenAI / Hugging Face chat
-  format): trained on every assistant turn.
+  format): trained on every assistant turn. Other keys of a message (``name``,
+  ``tool_calls``...) are passed to the template.
 
 Conversations (chat and Alpaca) are rendered with the tokenizer's chat template when it has
 one (``HFTokenizer.chat_template``, from the checkpoint's ``tokenizer_config.json``), else
