@@ -34,6 +34,9 @@ def test_reference_llama_mask_by_name_not_ndim(tied):
     # The stacked per-layer norm scales are 2-D: an ndim > 1 rule would decay them.
     assert params["layers"]["attn_norm"]["scale"].shape == (cfg.num_layers, cfg.hidden_size)
     assert jmem.decay_mask(llama.abstract_params(cfg)) == mask  # ShapeDtypeStructs too
+    # Stacked q/k/v biases [L, out] (Qwen2 style) are 2-D too, and never decayed.
+    params["layers"]["q_proj"]["bias"] = jnp.zeros((cfg.num_layers, 8))
+    assert jmem.decay_mask(params)["layers"]["q_proj"] == {"kernel": True, "bias": False}
 
 
 @pytest.mark.parametrize(
