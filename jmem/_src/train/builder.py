@@ -157,7 +157,10 @@ def train_step(
 
     Args:
       loss_fn: ``loss_fn(params, batch, **extras) -> loss`` (or ``(loss, aux)`` with
-        ``has_aux``), a float scalar mean over the batch; ``extras`` holds ``frozen=`` and/or
+        ``has_aux``), a float scalar mean over the batch: over the tokens where
+        ``batch["mask"]`` is nonzero when the batch has a ``"mask"`` (as
+        ``jmem.models.llama.loss_fn``), so that microbatches are weighted by their token
+        counts (see ``microbatches``); ``extras`` holds ``frozen=`` and/or
         ``fp8=`` when the state has them (FP8 metadata is differentiated with the "overwrite
         with gradient" rule: its new value comes out as its gradient).
       optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
@@ -170,11 +173,15 @@ def train_step(
       remat: a ``jmem.REMAT_POLICIES`` name, checkpoint names or a policy callable, applied
         with ``jmem.remat`` to the loss.
       microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
+        The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
+        each microbatch is weighted by its count of unmasked tokens (the loss is the mean
+        over all unmasked target tokens of the step, not a mean of microbatch means);
+        without one, every microbatch weighs ``1 / microbatches``.
       offload_optimizer: keep the optimizer state (and masters) in ``pinned_host`` memory
         between steps (``jmem.offload``): ``True``/``"whole_tree"``, or ``"leaf_by_leaf"``
         (one parameter leaf's state on the device at a time; separable optimizers only).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches and
-        returned in ``metrics["aux"]``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches (with
+        the same weights as the loss) and returned in ``metrics["aux"]``.
       skip_nonfinite: a step with non-finite gradients leaves params, optimizer state, step
         and FP8 metadata unchanged (the loss scale still adjusts). The update runs in a
         ``lax.cond`` branch, so the state is updated in place; results can differ in the
