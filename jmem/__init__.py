@@ -1,7 +1,8 @@
 """jmem: fit LLM training in less accelerator memory, in pure JAX.
 
 Top level: ``remat``, ``measure``, precision policies and master weights, loss scales, 8-/4-bit
-Adam, block-wise quantization, ``offload``, and ``train_step`` which composes them.
+Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offload``, and
+``train_step`` which composes them.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
 ``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
 """
@@ -15,6 +16,7 @@ from jmem import qlora as qlora
 from jmem import sharding as sharding
 from jmem import tree as tree
 from jmem._src.checkpointing import Checkpointer
+from jmem._src.decay_mask import decay_mask
 from jmem._src.loss_scale import DynamicLossScale
 from jmem._src.loss_scale import NoOpLossScale
 from jmem._src.loss_scale import StaticLossScale
@@ -71,6 +73,7 @@ __all__ = (
     "all_finite",
     "cast_floating",
     "data",
+    "decay_mask",
     "dequantize_blockwise",
     "dynamic_map",
     "fp8",

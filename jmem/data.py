@@ -1,15 +1,33 @@
-"""Text data for the examples: loading, byte and Hugging Face tokenizers, packing."""
+"""Data: text and instruction/chat examples, tokenizers, packing with segment ids, batches.
 
-from jmem._src.data import ByteTokenizer
-from jmem._src.data import HFTokenizer
-from jmem._src.data import PackedDataset
-from jmem._src.data import Position
-from jmem._src.data import load_text
+Text: ``load_text`` -> ``tokenizer.encode`` -> ``PackedDataset(tokens, seq_len, batch_size)``.
+Examples (``{"text"}``, ``{"prompt", "completion"}``, Alpaca, chat ``messages``):
+``load_examples`` -> ``PackedDataset.from_examples(examples, tokenizer, seq_len, batch_size)``
+(``pack_examples`` underneath), batches with ``mask``, ``segment_ids`` and ``positions``.
+"""
+
+from jmem._src.data.chat_template import PLAIN_CHAT_TEMPLATE
+from jmem._src.data.chat_template import render_chat
+from jmem._src.data.dataset import PackedDataset
+from jmem._src.data.dataset import Position
+from jmem._src.data.examples import load_examples
+from jmem._src.data.examples import render_example
+from jmem._src.data.packing import pack_examples
+from jmem._src.data.packing import tokenize_example
+from jmem._src.data.text import load_text
+from jmem._src.data.tokenizer import ByteTokenizer
+from jmem._src.data.tokenizer import HFTokenizer
 
 __all__ = (
+    "PLAIN_CHAT_TEMPLATE",
     "ByteTokenizer",
     "HFTokenizer",
     "PackedDataset",
     "Position",
+    "load_examples",
     "load_text",
+    "pack_examples",
+    "render_chat",
+    "render_example",
+    "tokenize_example",
 )

@@ -13,6 +13,8 @@ from flax import nnx
 
 from jmem import fp8
 from jmem import lora
+from jmem import qlora
+from jmem.models import llama
 
 IN, OUT, HID, R = 48, 40, 56, 4
 
@@ -330,3 +332,130 @@ def test_apply_keeps_python_float_arguments_static():
     fn = lora.apply(lambda p, x, t: (x / t if t > 0 else x) @ p["w"]["kernel"])
     out = fn(params, ad, jnp.ones((2, 4)), 0.5)
     chex.assert_trees_all_close(out, 2.0 * jnp.ones((2, 4)) @ params["w"]["kernel"])
+
+
+# ----------------------------------------------------------------------------- PEFT options
+
+
+def test_init_peft_options_are_recorded_and_named_as_peft():
+    p = {"w": jnp.zeros((1024, 512))}
+    a_ref = lora.init(jax.random.key(1), p, rank=16, targets="w")["w"]
+    # True / "default" = the old default (kaiming-uniform a, zero b), same draws.
+    for how in (True, "default"):
+        w = lora.init(jax.random.key(1), p, rank=16, targets="w", init_lora_weights=how)["w"]
+        helpers.assert_bitwise_equal(w, a_ref)
+        assert w.init_lora_weights is True
+    g = lora.init(jax.random.key(1), p, rank=16, targets="w", init_lora_weights="gaussian")["w"]
+    helpers.assert_bitwise_equal(
+        g.a, lora.init(jax.random.key(1), p, rank=16, targets="w", init="gaussian")["w"].a
+    )
+    # False: b random as nn.Linear(r, out) inits lora_B: U(-1/sqrt(r), 1/sqrt(r)).
+    f = lora.init(jax.random.key(1), p, rank=16, targets="w", init_lora_weights=False)["w"]
+    helpers.assert_bitwise_equal(f.a, a_ref.a)
+    assert 0.99 * 0.25 < float(jnp.abs(f.b).max()) <= 0.25
+    np.testing.assert_allclose(float(jnp.std(f.b)), 0.25 / math.sqrt(3), rtol=0.02)
+    w = lora.init(
+        jax.random.key(1), p, rank=16, alpha=8.0, targets="w", use_rslora=True, dropout=0.1
+    )["w"]
+    assert (w.scale, w.alpha, w.use_rslora, w.dropout, w.lora_alpha) == (2.0, 8.0, True, 0.1, 8.0)
+    assert lora.LoraWeight(w.a, w.b, scale=2.0, use_rslora=True).lora_alpha == 8.0
+    with pytest.raises(ValueError, match="init_lora_weights"):
+        lora.init(jax.random.key(0), p, targets="w", init_lora_weights="pissa")
+    with pytest.raises(ValueError, match="contradicts"):
+        lora.init(jax.random.key(0), p, targets="w", init="kaiming", init_lora_weights=False)
+    with pytest.raises(ValueError, match="contradicts"):
+        lora.init(jax.random.key(0), p, targets="w", rslora=False, use_rslora=True)
+    with pytest.raises(ValueError, match="dropout"):
+        lora.init(jax.random.key(0), p, targets="w", dropout=1.0)
+
+
+def _dropout_case(n=16, rate=0.3):
+    x = jax.random.normal(jax.random.key(2), (8, n)) + 3.0  # no zeros
+    w = jax.random.normal(jax.random.key(3), (n, n)) * 0.1
+    ident = lora.LoraWeight(a=jnp.eye(n), b=jnp.eye(n), scale=1.0, dropout=rate)
+    k1, k2 = jax.random.split(jax.random.key(4))
+    ad = lora.LoraWeight(
+        a=jax.random.normal(k1, (n, 4)), b=jax.random.normal(k2, (4, n)), scale=0.5, dropout=rate
+    )
+    return x, w, ident, ad
+
+
+class DropoutTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dropout_is_peft_dropout_on_the_adapter_input(self):
+        """With a key: y = x·W + s·((m⊙x/(1-p))·a)·b, m ~ Bernoulli(1-p) (the mask read off an
+        identity adapter); the base sees x unchanged. Without a key: bitwise no dropout."""
+        rate = 0.3
+        x, w, ident, ad = _dropout_case(rate=rate)
+        key = jax.random.key(0)
+        f = self.variant(lora.apply(lambda p, x: x @ p["w"]))
+        zero = {"w": jnp.zeros_like(w)}
+        m = f(zero, {"w": ident}, x, lora_dropout_key=key)
+        kept = np.asarray(m) != 0
+        np.testing.assert_allclose(np.asarray(m)[kept], np.asarray(x)[kept] / (1 - rate), rtol=1e-6)
+        assert 0.15 < 1 - kept.mean() < 0.45
+        y = f({"w": w}, {"w": ad}, x, lora_dropout_key=key)
+        want = x @ w + 0.5 * ((x * kept / (1 - rate)) @ ad.a) @ ad.b
+        chex.assert_trees_all_close(y, want, atol=1e-5, rtol=1e-5)
+        no_drop = lora.LoraWeight(ad.a, ad.b, scale=0.5)
+        helpers.assert_bitwise_equal(f({"w": w}, {"w": ad}, x), f({"w": w}, {"w": no_drop}, x))
+        helpers.assert_bitwise_equal(
+            f({"w": w}, {"w": no_drop}, x, lora_dropout_key=key), f({"w": w}, {"w": no_drop}, x)
+        )
+        other = f({"w": w}, {"w": ad}, x, lora_dropout_key=jax.random.key(1))
+        assert float(jnp.abs(other - y).max()) > 1e-3
+        # Gradients flow through the kept elements only (as the formula's).
+        loss = lambda ad: jnp.sum(f({"w": w}, {"w": ad}, x, lora_dropout_key=key) ** 2)
+        ref = lambda a, b: jnp.sum((x @ w + 0.5 * ((x * kept / (1 - rate)) @ a) @ b) ** 2)
+        g = jax.grad(loss)(ad)
+        ga, gb = jax.grad(ref, argnums=(0, 1))(ad.a, ad.b)
+        chex.assert_trees_all_close((g.a, g.b), (ga, gb), atol=1e-3, rtol=1e-4)
+
+
+def test_dropout_masks_differ_per_layer_and_per_use():
+    n, rate = 16, 0.5
+    x = jnp.ones((4, n))
+    p = {"stack": jnp.zeros((3, n, n)), "w": jnp.zeros((n, n))}
+    eye = jnp.broadcast_to(jnp.eye(n), (3, n, n))
+    ad = {
+        "stack": lora.LoraWeight(a=eye, b=eye, scale=1.0, dropout=rate),
+        "w": lora.LoraWeight(a=jnp.eye(n), b=jnp.eye(n), scale=1.0, dropout=rate),
+    }
+
+    def fn(p, x):
+        _, ys = jax.lax.scan(lambda c, w: (c, x @ w), 0.0, p["stack"])
+        return ys, x @ p["w"], x @ p["w"]
+
+    ys, u1, u2 = jax.jit(lora.apply(fn))(p, ad, x, lora_dropout_key=jax.random.key(0))
+    masks = [np.asarray(m) != 0 for m in (*ys, u1, u2)]
+    for i in range(len(masks)):
+        for j in range(i):
+            assert (masks[i] != masks[j]).any(), (i, j)
+
+
+@pytest.mark.slow
+def test_qlora_llama_dropout():
+    """NF4 base, scanned layers, jit + grad: a key changes the loss (same key, same loss),
+    no key equals dropout=0; materializing with dropout active raises."""
+    cfg = helpers.small_config()
+    q = qlora.quantize_params(llama.init(jax.random.key(0), cfg))
+    batch = helpers.token_batch(cfg)
+    mk = lambda d: lora.init(
+        jax.random.key(1), q, targets=r"layers/.*_proj/kernel", dropout=d, init_lora_weights=False
+    )
+    ad, ad0 = mk(0.2), mk(0.0)
+    loss = jax.jit(qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg)))
+    grad = jax.jit(jax.value_and_grad(qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg)), 1))
+    key = jax.random.key(7)
+    assert float(loss(q, ad, batch)) == float(loss(q, ad0, batch))
+    l1, g1 = grad(q, ad, batch, lora_dropout_key=key)
+    l2, g2 = grad(q, ad, batch, lora_dropout_key=key)
+    assert float(l1) == float(l2) and float(l1) != float(loss(q, ad, batch))
+    helpers.assert_bitwise_equal(g1, g2)
+    assert all(bool(jnp.all(jnp.isfinite(t))) for t in jax.tree.leaves(g1))
+    bad = qlora.apply(
+        lambda p, b: jnp.sum(jnp.exp(p["layers"]["q_proj"]["kernel"])), allow_materialize=True
+    )
+    with pytest.raises(lora.ImplicitWeightError, match="dropout"):
+        bad(q, ad, batch, lora_dropout_key=key)
+    assert np.isfinite(float(bad(q, ad, batch)))  # no key: materializing is allowed

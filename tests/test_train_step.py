@@ -400,6 +400,61 @@ class SkipAndAccumulationTest(chex.TestCase):
         chex.assert_trees_all_close(acc, full, rtol=1e-5, atol=1e-7)
 
 
+def _masked_mean_loss(w, b):
+    """Per-token loss ``w * x``, averaged over the tokens where ``mask`` is 1."""
+    return jnp.sum(b["mask"] * w * b["x"]) / jnp.maximum(jnp.sum(b["mask"]), 1.0)
+
+
+def _three_and_nine_tokens():
+    """Two rows (one per microbatch): 3 unmasked tokens of loss 1, then 9 of loss 2."""
+    x = jnp.array([[1.0] * 12, [2.0] * 12])
+    mask = jnp.array([[1.0] * 3 + [0.0] * 9, [1.0] * 9 + [0.0] * 3])
+    return {"x": x, "mask": mask}
+
+
+class MaskedAccumulationTest(chex.TestCase):
+    """The accumulated loss is the token mean of the whole batch (3 and 9 tokens -> 1.75)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_microbatches_are_weighted_by_their_unmasked_tokens(self):
+        batch = _three_and_nine_tokens()
+        grad_fn = jax.value_and_grad(_masked_mean_loss)
+        grad_aux = lambda w, b: grad_fn(w, b)[::-1]  # (grads, loss)
+        acc = self.variant(lambda w, b: accumulation.accumulate_gradients(grad_aux, w, b, 2))
+        g, loss = acc(jnp.float32(1.0), batch)
+        assert float(loss) == 1.75 and float(g) == 1.75  # (3 * 1 + 9 * 2) / 12, exactly
+        full_loss, full_g = grad_fn(jnp.float32(1.0), batch)
+        np.testing.assert_allclose([full_loss, full_g], [1.75, 1.75], rtol=1e-6)
+        # weight_fn=None keeps equal weights: the mean of the microbatch means.
+        unweighted = self.variant(
+            lambda w, b: accumulation.accumulate_gradients(grad_aux, w, b, 2, weight_fn=None)
+        )
+        assert float(unweighted(jnp.float32(1.0), batch)[1]) == 1.5
+
+    def test_train_step_loss_is_the_token_mean_of_the_step(self):
+        step = train_step(_masked_mean_loss, optax.sgd(1.0), microbatches=2, donate=False)
+        state, metrics = step(step.init(jnp.float32(1.0)), _three_and_nine_tokens())
+        assert float(metrics["loss"]) == 1.75
+        assert float(state.params) == 1.0 - 1.75
+
+    @pytest.mark.slow
+    def test_masked_llama_gradients_equal_one_batch(self):
+        cfg = helpers.small_config()
+        params = llama.init(jax.random.key(0), cfg)
+        batch = helpers.token_batch(cfg, batch_size=4, seq_len=16, seed=1)
+        # 1, 16, 5 and 9 unmasked targets: one microbatch per row.
+        lengths = jnp.array([1, 16, 5, 9])
+        batch["mask"] = (jnp.arange(16)[None, :] < lengths[:, None]).astype(jnp.float32)
+        loss = lambda p, b: llama.loss_fn(p, b, cfg)
+        grad_fn = jax.value_and_grad(loss)
+        full_loss, full = grad_fn(params, batch)
+        grads, acc_loss = accumulation.accumulate_gradients(
+            lambda p, b: grad_fn(p, b)[::-1], params, batch, 4
+        )
+        chex.assert_trees_all_close(grads, full, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(acc_loss, full_loss, rtol=1e-6)
+
+
 def _mlp_loss(p, b):
     return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
 

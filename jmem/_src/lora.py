@@ -35,16 +35,36 @@ class LoraWeight:
       a: ``[*L, in, r]`` (PEFT's ``lora_A.weight`` transposed), random at init.
       b: ``[*L, r, out]`` (PEFT's ``lora_B.weight`` transposed), zeros at init.
       scale: static float, ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA).
+      dropout: static dropout probability on the adapter's input (PEFT's ``lora_dropout``);
+        applied only when the applied function gets a ``lora_dropout_key``.
+      alpha: static LoRA alpha (PEFT's ``lora_alpha``); ``None``: derived from ``scale``.
+      use_rslora: static, whether ``scale`` is ``alpha / sqrt(r)`` (PEFT's ``use_rslora``).
+      init_lora_weights: static, how ``a``/``b`` were initialized (PEFT's name and values:
+        ``True``, ``"gaussian"`` or ``False``); recorded in ``adapter_config.json``.
     """
 
     a: Any
     b: Any
     scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+    dropout: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+    alpha: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    use_rslora: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    init_lora_weights: bool | str = dataclasses.field(default=True, metadata=dict(static=True))
 
     @property
     def rank(self) -> int:
         """The adapter rank ``r`` (``a.shape[-1]``)."""
         return int(self.a.shape[-1])
+
+    @property
+    def lora_alpha(self) -> float:
+        """``alpha``, or when unset the alpha that gives ``scale`` (``scale * r``, or
+        ``scale * sqrt(r)`` with rsLoRA), rounded to an integer when within 1e-9 of one."""
+        if self.alpha is not None:
+            return self.alpha
+        r = self.rank
+        x = self.scale * (math.sqrt(r) if self.use_rslora else r)
+        return float(round(x)) if abs(x - round(x)) <= 1e-9 * max(1.0, abs(x)) else x
 
     def delta(self, dtype=jnp.float32) -> jax.Array:
         """The dense update ``scale * a @ b`` ``[*L, in, out]`` (materializes it)."""
@@ -52,7 +72,61 @@ class LoraWeight:
         return (d * self.scale).astype(dtype)
 
 
-jax.tree_util.register_dataclass(LoraWeight, data_fields=["a", "b"], meta_fields=["scale"])
+jax.tree_util.register_dataclass(
+    LoraWeight,
+    data_fields=["a", "b"],
+    meta_fields=["scale", "dropout", "alpha", "use_rslora", "init_lora_weights"],
+)
+
+
+def _init_choice(init_lora_weights, init, use_rslora, rslora):
+    """Resolves the PEFT-named options against their older jmem names (``init``, ``rslora``)."""
+    if init is not None:
+        if init not in ("kaiming", "gaussian"):
+            raise ValueError(f"init must be 'kaiming' or 'gaussian'; got {init!r}.")
+        old = True if init == "kaiming" else "gaussian"
+        if init_lora_weights is not True and init_lora_weights != old:
+            raise ValueError(
+                f"init={init!r} contradicts init_lora_weights={init_lora_weights!r}; "
+                "pass only init_lora_weights (PEFT's name)."
+            )
+        init_lora_weights = old
+    if init_lora_weights == "default":
+        init_lora_weights = True
+    if isinstance(init_lora_weights, str) and init_lora_weights.lower() == "gaussian":
+        init_lora_weights = "gaussian"
+    if not (
+        init_lora_weights is True or init_lora_weights is False or init_lora_weights == "gaussian"
+    ):
+        raise ValueError(
+            f"init_lora_weights must be True (kaiming-uniform a, zero b), 'gaussian' "
+            f"(a ~ N(0, 1/r^2), zero b) or False (random a and b); got {init_lora_weights!r}. "
+            "PEFT's data- or SVD-based inits (pissa, olora, loftq, eva, corda, ...) are not "
+            "implemented."
+        )
+    if rslora is not None:
+        if use_rslora and not rslora:
+            raise ValueError("rslora=False contradicts use_rslora=True; pass only use_rslora.")
+        use_rslora = bool(rslora)
+    return init_lora_weights, bool(use_rslora)
+
+
+def _init_factors(key, shape, rank: int, how, dtype):
+    """``(a, b)`` for a weight of ``shape [*L, in, out]``, initialized as PEFT's ``how``."""
+    *lead, fan_in, fan_out = shape
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) on lora_A [r, in]
+    if how == "gaussian":
+        a = jax.random.normal(key, (*lead, fan_in, rank), jnp.float32) / rank
+    else:
+        a = jax.random.uniform(key, (*lead, fan_in, rank), jnp.float32, -bound, bound)
+    if how is False:  # nn.Linear(r, out)'s default init of lora_B [out, r]: U(+-1/sqrt(r))
+        b_bound = 1.0 / math.sqrt(rank)
+        b = jax.random.uniform(
+            jax.random.fold_in(key, 1), (*lead, rank, fan_out), jnp.float32, -b_bound, b_bound
+        )
+    else:
+        b = jnp.zeros((*lead, rank, fan_out), jnp.float32)
+    return a.astype(dtype), b.astype(dtype)
 
 
 def init(
@@ -62,36 +136,54 @@ def init(
     rank: int = 8,
     alpha: float = 16.0,
     targets: str | Callable[[str, Any], bool] = DEFAULT_TARGETS,
-    init: str = "kaiming",
-    rslora: bool = False,
+    init_lora_weights: bool | str = True,
+    use_rslora: bool = False,
+    dropout: float = 0.0,
     dtype=jnp.float32,
+    init: str | None = None,
+    rslora: bool | None = None,
 ) -> dict[str, LoraWeight]:
     """Creates LoRA adapters for the weights of ``params`` matched by ``targets``.
+
+    Options are named as in PEFT's ``LoraConfig`` (``r`` -> ``rank``, ``lora_alpha`` ->
+    ``alpha``, ``lora_dropout`` -> ``dropout``) and are recorded on each ``LoraWeight`` so
+    ``jmem.models.hf.save_adapters`` writes them to ``adapter_config.json``.
 
     Args:
       key: PRNG key.
       params: the base params pytree (arrays, ``NF4Array`` or ``ShapeDtypeStruct`` leaves).
       rank: r, the adapter rank (>= 1).
-      alpha: LoRA alpha; the scale is ``alpha / rank`` (``alpha / sqrt(rank)`` if rslora).
+      alpha: LoRA alpha; the scale is ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA).
       targets: regex matched (``re.fullmatch``) against each leaf's '/'-joined path, or a
         predicate ``(path, leaf) -> bool``. Only leaves of rank >= 2 are adapted (a matched
         bias is skipped); rank-3+ leaves are stacks ``[*L, in, out]``.
-      init: ``"kaiming"`` (PEFT default: ``a ~ U(-1/sqrt(in), 1/sqrt(in))``) or
-        ``"gaussian"`` (``a ~ N(0, (1/r)^2)``); ``b`` is zeros either way.
-      rslora: rank-stabilized scaling ``alpha / sqrt(rank)``.
+      init_lora_weights: as PEFT (``LoraLayer.reset_lora_parameters``): ``True`` (or
+        ``"default"``): ``a ~ U(-1/sqrt(in), 1/sqrt(in))`` (kaiming-uniform, ``a=sqrt(5)``),
+        ``b = 0``; ``"gaussian"``: ``a ~ N(0, (1/r)^2)``, ``b = 0``; ``False``: ``a`` as
+        ``True`` and ``b ~ U(-1/sqrt(r), 1/sqrt(r))`` (nn.Linear's init; for testing: the
+        adapter is not a no-op at init).
+      use_rslora: rank-stabilized scaling ``alpha / sqrt(rank)`` (Kalajdzievski 2023).
+      dropout: probability in ``[0, 1)`` of dropping an element of the adapter's input
+        (PEFT's ``lora_dropout``: ``y = x·W + s·(dropout(x)·a)·b``). Applied only when the
+        ``lora.apply``'d function is called with ``lora_dropout_key=``; without a key the
+        output is bitwise that of ``dropout=0``.
       dtype: dtype of ``a`` and ``b`` (float32 by default, as PEFT keeps adapters).
+      init: older name of ``init_lora_weights``: ``"kaiming"`` (= ``True``) or ``"gaussian"``.
+      rslora: older name of ``use_rslora``.
 
     Returns:
       ``{path: LoraWeight}``, ordered as the leaves of ``params``.
 
     Raises:
-      ValueError: for rank < 1, an unknown ``init``, or when no leaf matches ``targets``.
+      ValueError: for rank < 1, a dropout outside ``[0, 1)``, an unknown or contradictory
+        init choice, or when no leaf matches ``targets``.
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int; got {rank!r}.")
-    if init not in ("kaiming", "gaussian"):
-        raise ValueError(f"init must be 'kaiming' or 'gaussian'; got {init!r}.")
-    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {dropout!r}.")
+    how, use_rslora = _init_choice(init_lora_weights, init, use_rslora, rslora)
+    scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     pred = _tree.path_predicate(targets)
     flat, _ = _implicit.flatten_params(params)
     chosen = [(p, x) for p, x in flat if len(getattr(x, "shape", ())) >= 2 and pred(p, x)]
@@ -103,14 +195,16 @@ def init(
     keys = jax.random.split(key, len(chosen))
     out: dict[str, LoraWeight] = {}
     for k, (path, w) in zip(keys, chosen):
-        *lead, fan_in, fan_out = w.shape
-        if init == "kaiming":
-            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) on lora_A [r, in]
-            a = jax.random.uniform(k, (*lead, fan_in, rank), jnp.float32, -bound, bound)
-        else:
-            a = jax.random.normal(k, (*lead, fan_in, rank), jnp.float32) / rank
-        b = jnp.zeros((*lead, rank, fan_out), dtype)
-        out[path] = LoraWeight(a=a.astype(dtype), b=b, scale=float(scale))
+        a, b = _init_factors(k, w.shape, rank, how, dtype)
+        out[path] = LoraWeight(
+            a=a,
+            b=b,
+            scale=float(scale),
+            dropout=float(dropout),
+            alpha=float(alpha),
+            use_rslora=use_rslora,
+            init_lora_weights=how,
+        )
     return out
 
 
@@ -121,6 +215,16 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     targeted matmul (no merged weight is built). ``params`` may contain ``NF4Array`` leaves
     (QLoRA: dequantized per matmul, recomputed in backward). ``lora`` may be ``None``.
 
+    LoRA dropout (PEFT's ``lora_dropout``): ``fn_lora(params, lora, *args,
+    lora_dropout_key=key, **kwargs)`` computes ``x·W + s·(dropout(x)·a)·b`` for adapters
+    with ``dropout > 0``: each element of the adapter's input is zeroed with probability
+    ``dropout`` and the rest scaled by ``1 / (1 - dropout)`` (inverted dropout, as
+    ``torch.nn.Dropout`` in training); the base matmul ``x·W`` sees ``x`` unchanged. Every
+    adapted weight, every layer of a stacked weight and every matmul using it draws its own
+    mask from ``key``. Without ``lora_dropout_key`` (or with ``None``, for evaluation) the
+    call is bitwise the same as with ``dropout = 0``. ``lora_dropout_key`` is consumed here
+    and not passed to ``fn``.
+
     Args:
       fn: any JAX function whose first argument is a params pytree: a pure model function,
         an NNX ``nnx.merge(graphdef, state)(x)`` wrapper, the reference Llama.
@@ -128,16 +232,26 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
         materialize its merged, dequantized value for that operation instead of raising.
 
     Returns:
-      ``fn_lora(params, lora, *args, **kwargs)``.
+      ``fn_lora(params, lora, *args, lora_dropout_key=None, **kwargs)``.
 
     Raises (when called):
       ValueError: an adapter path missing from ``params`` or of the wrong shape.
-      jmem.lora.ImplicitWeightError: a targeted weight used other than in a matmul.
+      jmem.lora.ImplicitWeightError: a targeted weight used other than in a matmul (also
+        with ``allow_materialize`` when dropout is active: a merged weight cannot drop its
+        adapter's input).
     """
 
     @functools.wraps(fn)
-    def fn_lora(params, lora, *args, **kwargs):
-        return _implicit.call(fn, params, lora, args, kwargs, allow_materialize=allow_materialize)
+    def fn_lora(params, lora, *args, lora_dropout_key=None, **kwargs):
+        return _implicit.call(
+            fn,
+            params,
+            lora,
+            args,
+            kwargs,
+            allow_materialize=allow_materialize,
+            dropout_key=lora_dropout_key,
+        )
 
     return fn_lora
 

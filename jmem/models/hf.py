@@ -14,11 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem._src import nf4
+from jmem.models.export import save_params
 from jmem.models.llama import LINEAR_NAMES
 from jmem.models.llama import LlamaConfig
 from jmem.models.llama import param_shapes
+from jmem.models.peft_format import load_adapters
+from jmem.models.peft_format import save_adapters
 
-__all__ = ["load_config", "load_params"]
+__all__ = ["load_adapters", "load_config", "load_params", "save_adapters", "save_params"]
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")
 _NORM_RE = re.compile(r"^model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")

@@ -39,6 +39,7 @@ __all__ = [
     "abstract_params",
     "apply_rope",
     "attention",
+    "attention_mask",
     "cross_entropy",
     "decoder_layer",
     "forward",
@@ -244,18 +245,33 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
-    """cos/sin tables ``[seq_len, head_dim // 2]`` (float32) for rotary embeddings."""
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos/sin tables (float32) for rotary embeddings (Su et al. 2021, "RoFormer").
+
+    Args:
+      positions: an ``int`` sequence length (positions ``0..n-1``) or an integer array of
+        positions, ``[S]`` or ``[B, S]`` (e.g. reset to 0 at each packed example).
+      head_dim: per-head width D (even).
+      theta: RoPE base frequency.
+
+    Returns:
+      ``(cos, sin)``, each ``positions.shape + (D // 2,)`` float32.
+    """
+    if isinstance(positions, int):
+        positions = jnp.arange(positions)
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x [B, S, heads, D]`` by position, half-split layout as in HF Llama."""
+    """Rotates ``x [B, S, heads, D]`` by position, half-split layout as in HF Llama.
+    ``cos``/``sin``: ``[S, D // 2]`` or ``[B, S, D // 2]`` from ``rope_tables``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
@@ -272,24 +288,82 @@ def _meta(fp8: Params | None, name: str):
     return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
-def attention(q, k, v):
-    """Causal grouped-query attention. q ``[B,S,nH,D]``, k/v ``[B,S,nKV,D]`` -> ``[B,S,nH,D]``."""
+def attention_mask(
+    q_index: jax.Array,
+    kv_index: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean attention mask, True where query ``i`` may attend key ``j``.
+
+    Query ``i`` attends key ``j`` iff ``kv_index[j] <= q_index[i]`` (causal), both carry the
+    same segment id (packed examples never see each other), and, with ``sliding_window=W``,
+    ``q_index[i] - kv_index[j] < W`` (the query and the ``W - 1`` tokens before it, as
+    Mistral and Hugging Face's ``sliding_window_overlay``).
+
+    Args:
+      q_index: int ``[S]`` or ``[B, S]``: each query's index in its row (not its RoPE
+        position: positions restart in packed rows, indices do not).
+      kv_index: int ``[T]`` or ``[B, T]``: each key's index (a KV cache's slot); default
+        ``q_index`` (self-attention over the same tokens).
+      segment_ids: int ``[B, S]`` of the queries, or None (one segment).
+      kv_segment_ids: int ``[B, T]`` of the keys; default ``segment_ids``.
+      sliding_window: None (full causal attention) or the window W >= 1, in tokens.
+
+    Returns:
+      bool ``[B, S, T]`` (``B`` is 1 when nothing has a batch axis).
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}.")
+    kv_index = q_index if kv_index is None else kv_index
+    qi, ki = jnp.atleast_2d(q_index)[:, :, None], jnp.atleast_2d(kv_index)[:, None, :]
+    mask = ki <= qi
+    if sliding_window is not None:
+        mask = mask & (qi - ki < sliding_window)
+    if segment_ids is not None:
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    return mask
+
+
+def attention(q, k, v, mask):
+    """Grouped-query softmax attention (scale ``1/sqrt(D)``, softmax in float32).
+
+    Args:
+      q: ``[B, S, nH, D]`` queries.
+      k, v: ``[B, T, nKV, D]`` keys and values; ``nH`` a multiple of ``nKV``.
+      mask: bool ``[B, S, T]`` (or broadcastable, e.g. ``[1, S, T]``), True = attend; from
+        ``attention_mask``. Every query must attend at least one key.
+
+    Returns:
+      ``[B, S, nH, D]`` in ``v``'s dtype.
+    """
     b, s, nh, d = q.shape
     nkv = k.shape[2]
     q = q.reshape(b, s, nkv, nh // nkv, d)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(b, s, nh, d)
 
 
 def decoder_layer(
-    x: jax.Array, layer: Params, config: LlamaConfig, cos, sin, fp8: Params | None = None
+    x: jax.Array,
+    layer: Params,
+    config: LlamaConfig,
+    cos,
+    sin,
+    mask,
+    fp8: Params | None = None,
 ) -> jax.Array:
     """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
-    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
+
+    ``cos``/``sin`` from ``rope_tables``, ``mask`` bool ``[B, S, S]`` from
+    ``attention_mask``; ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]``
+    (or None)."""
     c = config
     b, s, _ = x.shape
     h = checkpoint_name(rms_norm(x, layer["attn_norm"]["scale"], c.rms_norm_eps), "attn_norm")
@@ -299,7 +373,7 @@ def decoder_layer(
     q = apply_rope(q.reshape(b, s, c.num_heads, c.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), cos, sin)
     v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
-    ctx = checkpoint_name(attention(q, k, v).reshape(b, s, -1), "attn_context")
+    ctx = checkpoint_name(attention(q, k, v, mask).reshape(b, s, -1), "attn_context")
     x = x + checkpoint_name(
         _dense(ctx, layer["o_proj"]["kernel"], _meta(fp8, "o_proj")), "attn_out"
     )
@@ -314,11 +388,23 @@ def decoder_layer(
     )
 
 
+def _check_row_arrays(tokens, **arrays) -> None:
+    """ValueError unless each given array is an integer ``[B, S]`` like ``tokens``."""
+    for name, a in arrays.items():
+        if a is not None and (a.shape != tokens.shape or not jnp.issubdtype(a.dtype, jnp.integer)):
+            raise ValueError(
+                f"{name} must be an integer array shaped like tokens {tokens.shape}; "
+                f"got {a.dtype}{a.shape}."
+            )
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
     config: LlamaConfig,
     *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
     layer_transform: Callable | None = None,
     fp8: Params | None = None,
 ) -> jax.Array:
@@ -328,6 +414,11 @@ def forward(
       params: the params pytree (see ``init``); activations take the embedding's dtype.
       tokens: int32 ``[B, S]``.
       config: the model's ``LlamaConfig``.
+      positions: optional int32 ``[B, S]`` RoPE positions; default ``0..S-1`` in every row.
+        For packed rows, restart at 0 at each example.
+      segment_ids: optional int32 ``[B, S]``: packed examples (a row holding several
+        sequences), one id per example; attention never crosses ids (see
+        ``attention_mask``). Default: one sequence per row.
       layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``,
         e.g. ``lambda f: jmem.remat(f, "selective")``. ``jmem.remat`` around the whole loss
         reaches the scan body without it.
@@ -341,17 +432,21 @@ def forward(
       float32 logits ``[B, S, V]``.
 
     Raises:
-      ValueError: if ``tokens`` is not a 2-D integer array, or ``fp8`` holds metas
-        outside ``"layers"`` (they would go unused and be reset).
+      ValueError: if ``tokens`` is not a 2-D integer array, ``positions``/``segment_ids``
+        are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``
+        (they would go unused and be reset).
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
             f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
         )
+    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
     c = config
     embedding = params["embed"]["embedding"]
     x = jnp.take(embedding, tokens, axis=0)
-    cos, sin = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
+    seq = tokens.shape[1]
+    cos, sin = rope_tables(seq if positions is None else positions, c.head_dim, c.rope_theta)
+    mask = attention_mask(jnp.arange(seq), segment_ids=segment_ids)
 
     if fp8 is not None and any(
         fp8_lib.is_meta(m)
@@ -366,7 +461,7 @@ def forward(
 
     def body(x, layer):
         layer, layer_fp8 = layer if fp8 is not None else (layer, None)
-        return decoder_layer(x, layer, c, cos, sin, layer_fp8), None
+        return decoder_layer(x, layer, c, cos, sin, mask, layer_fp8), None
 
     if layer_transform is not None:
         body = layer_transform(body)
@@ -394,7 +489,17 @@ def cross_entropy(
 def loss_fn(
     params: Params, batch: dict[str, jax.Array], config: LlamaConfig, **kwargs
 ) -> jax.Array:
-    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``
-    (optional ``"mask"`` ``[B,S]``). Extra keyword arguments go to ``forward``."""
-    logits = forward(params, batch["inputs"], config, **kwargs)
+    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``.
+
+    Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
+    ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
+    keyword arguments go to ``forward``."""
+    logits = forward(
+        params,
+        batch["inputs"],
+        config,
+        positions=batch.get("positions"),
+        segment_ids=batch.get("segment_ids"),
+        **kwargs,
+    )
     return cross_entropy(logits, batch["targets"], batch.get("mask"))

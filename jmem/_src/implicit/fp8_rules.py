@@ -27,7 +27,7 @@ def _fp8_base_dot(x, src, meta, *, w: Weight, cfg):
     and the re-quantization run the same ops, so the backward sees the forward's bits.
     ``meta``'s cotangent is the updated ``Fp8Meta`` (``jmem.fp8``'s overwrite rule); an
     NF4 ``src`` gets no cotangent, a plain array gets ``∂L/∂W`` through its view."""
-    view = w.replace(base=None, a=None, b=None)  # static view only; no tracers captured
+    view = w.replace(base=None, a=None, b=None, key=None)  # static view only; no tracers
     nf4_src = is_nf4(src)
 
     def build(src):
@@ -79,5 +79,6 @@ def fp8_dot(interp, eqn, invals, cfg):
     y = _fp8_base_dot(x, w.base, meta, w=w, cfg=cfg)
     if w.a is None:
         return [y]
-    u = lora_term(x, w, wi=1, dimension_numbers=cfg.dimension_numbers)
+    site = interp.next_dropout_site() if w.dropout_active else 0
+    u = lora_term(x, w, wi=1, dimension_numbers=cfg.dimension_numbers, site=site)
     return [y + u.astype(y.dtype)]

@@ -8,6 +8,7 @@ targeted weight: ``docs/lora.md``.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -61,6 +62,13 @@ class _Interpreter:
 
     def __init__(self, allow_materialize: bool):
         self.allow_materialize = allow_materialize
+        self.dropout_sites = 0
+
+    def next_dropout_site(self) -> int:
+        """A new number for a LoRA matmul, folded into its dropout key (distinct masks for
+        two matmuls of one weight)."""
+        self.dropout_sites += 1
+        return self.dropout_sites
 
     def fallback(self, eqn, invals, w: Weight, why: str = ""):
         """Raises for ``w`` reaching ``eqn``, or (``allow_materialize``) binds ``eqn`` on the
@@ -113,10 +121,21 @@ def _check_target(name: str, shape: tuple, adapter) -> None:
         )
 
 
-def _implicit_leaf(name: str, leaf, adapter) -> tuple[jax.ShapeDtypeStruct, Weight]:
-    """The tracing placeholder and the ``Weight`` standing for one targeted leaf."""
+def _dropout_keys(key, index: int, lead: tuple):
+    """One PRNG key per stacked matrix (``[*lead]``) for the adapter of leaf ``index``."""
+    if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    key = jax.random.fold_in(key, index)
+    n = math.prod(lead)
+    return jax.random.split(key, n).reshape(lead) if lead else key
+
+
+def _implicit_leaf(name: str, leaf, adapter, key=None) -> tuple[jax.ShapeDtypeStruct, Weight]:
+    """The tracing placeholder and the ``Weight`` standing for one targeted leaf; ``key``
+    (``[*L]`` keys) turns on the adapter's dropout."""
     shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
     _check_target(name, shape, adapter)
+    dropout = 0.0 if adapter is None else float(getattr(adapter, "dropout", 0.0))
     weight = Weight(
         base=leaf,
         a=None if adapter is None else adapter.a,
@@ -126,11 +145,22 @@ def _implicit_leaf(name: str, leaf, adapter) -> tuple[jax.ShapeDtypeStruct, Weig
         dtype=dtype,
         perm=tuple(range(len(shape))),
         base_shape=shape,
+        key=key if dropout > 0 else None,
+        dropout=dropout,
     )
     return jax.ShapeDtypeStruct(shape, dtype), weight
 
 
-def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *, allow_materialize: bool = False):
+def call(
+    fn: Callable,
+    params,
+    lora,
+    args: tuple,
+    kwargs: dict,
+    *,
+    allow_materialize: bool = False,
+    dropout_key=None,
+):
     """Evaluates ``fn(params, *args, **kwargs)`` with NF4 leaves and LoRA adapters implicit.
 
     Args:
@@ -141,6 +171,8 @@ def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *, allow_materia
       args, kwargs: the other arguments; array leaves are traced, other leaves are static.
       allow_materialize: materialize a weight where it cannot stay implicit, instead of
         raising ``ImplicitWeightError``.
+      dropout_key: PRNG key for the adapters' dropout (``LoraWeight.dropout``), or None
+        (no dropout: the same program as with ``dropout = 0``).
 
     Returns:
       What ``fn`` returns.
@@ -153,9 +185,13 @@ def call(fn: Callable, params, lora, args: tuple, kwargs: dict, *, allow_materia
     flat, treedef = flatten_params(params)
     _check_adapter_paths(lora, [n for n, _ in flat])
     p_avals, p_vals = [], []
-    for name, leaf in flat:
+    for i, (name, leaf) in enumerate(flat):
         if is_nf4(leaf) or name in lora:
-            aval, leaf_val = _implicit_leaf(name, leaf, lora.get(name))
+            ad = lora.get(name)
+            key = None
+            if dropout_key is not None and ad is not None and getattr(ad, "dropout", 0.0) > 0:
+                key = _dropout_keys(dropout_key, i, tuple(leaf.shape[:-2]))
+            aval, leaf_val = _implicit_leaf(name, leaf, ad, key)
         else:
             aval, leaf_val = leaf, leaf
         p_avals.append(aval)

@@ -16,7 +16,7 @@ from jmem._src.implicit.weight import error
 from jmem._src.implicit.weight import is_nf4
 from jmem._src.implicit.weight import is_weight
 
-__all__ = ["dot_general", "lowrank_ok", "lora_term"]
+__all__ = ["dot_general", "lowrank_ok", "lora_dropout", "lora_term"]
 
 
 def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
@@ -113,6 +113,7 @@ def dot_general(interp, eqn, invals):
         dimension_numbers=params["dimension_numbers"],
         precision=params.get("precision"),
         preferred_element_type=params.get("preferred_element_type"),
+        site=interp.next_dropout_site() if w.dropout_active else 0,
     )
     return y + u.astype(y.dtype)
 
@@ -125,12 +126,30 @@ def lowrank_ok(w: Weight, wc, wb) -> bool:
     return len(orig_c) == 1 and orig_c[0] >= nl and sorted(orig_b) == list(range(nl))
 
 
+def lora_dropout(x, w: Weight, site: int):
+    """Inverted dropout of the adapter input ``x`` (PEFT's ``lora_dropout``): each element
+    is zeroed with probability ``w.dropout``, the others scaled by ``1 / (1 - dropout)``.
+    The mask comes from ``w.key`` (one key per stacked matrix; a batched matmul over the
+    stack uses the first, its mask covering every matrix's input) folded with ``site``."""
+    key = w.key if w.key.ndim == 0 else w.key.reshape(-1)[0]
+    keep = jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - w.dropout, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - w.dropout, x.dtype), jnp.zeros((), x.dtype))
+
+
 def lora_term(
-    x, w: Weight, *, wi: int, dimension_numbers, precision=None, preferred_element_type=None
+    x,
+    w: Weight,
+    *,
+    wi: int,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    site: int = 0,
 ):
     """``s·(x·a)·b`` laid out as ``dot_general(x, W)`` (``wi=1``) or ``(W, x)`` (``wi=0``)
-    would lay it out, computed in the weight's view dtype (the compute dtype). The caller
-    checked ``lowrank_ok``."""
+    would lay it out, computed in the weight's view dtype (the compute dtype), with ``x``
+    through ``lora_dropout`` when ``w.dropout_active`` (``site`` numbers this matmul). The
+    caller checked ``lowrank_ok``."""
     (lc, rc), (lb, rb) = dimension_numbers
     wc, xc = (lc, rc) if wi == 0 else (rc, lc)
     wb, xb = (lb, rb) if wi == 0 else (rb, lb)
@@ -145,6 +164,8 @@ def lora_term(
         first, first_c, second, second_c = b, nl + 1, a, nl + 1
     if x.dtype != first.dtype:
         x = x.astype(first.dtype)
+    if w.dropout_active:
+        x = lora_dropout(x, w, site)
     t = lax.dot_general(
         x,
         first,

@@ -54,6 +54,8 @@ class Weight:
       base_shape: static shape of ``base`` (``[*L, in, out]``).
       via: static lossy intermediate casts before ``dtype`` (``f32 -> bf16 -> f32`` rounds
         to bf16).
+      key: PRNG key array ``[*L]`` (one key per stacked matrix) for LoRA dropout, or None.
+      dropout: static LoRA dropout probability on the adapter's input (used with ``key``).
     """
 
     base: Any
@@ -65,6 +67,8 @@ class Weight:
     perm: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     base_shape: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     via: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    key: Any = None
+    dropout: float = dataclasses.field(default=0.0, metadata=dict(static=True))
 
     @property
     def n_lead(self) -> int:
@@ -92,8 +96,26 @@ class Weight:
             return self.cast(_nf4.dequantize(self.base, self.via[0] if self.via else self.dtype))
         return self.cast(self.base)
 
+    @property
+    def dropout_active(self) -> bool:
+        """Whether this weight's LoRA path drops its input (a key and ``dropout > 0``)."""
+        return self.a is not None and self.key is not None and self.dropout > 0
+
     def materialize(self) -> jax.Array:
-        """The merged, dequantized weight in its view (allocates the full matrix)."""
+        """The merged, dequantized weight in its view (allocates the full matrix).
+
+        Raises:
+          ImplicitWeightError: when LoRA dropout is active (it acts on the adapter's input,
+            which a merged weight no longer has).
+        """
+        if self.dropout_active:
+            raise error(
+                self,
+                "<materialize>",
+                f"LoRA dropout ({self.dropout}) drops the adapter's input, which a merged "
+                "weight cannot do; call without lora_dropout_key or use the weight only in "
+                "matmuls",
+            )
         w = self.dense_base()
         if self.a is not None:
             a, b = self.a.astype(jnp.float32), self.b.astype(jnp.float32)
@@ -117,6 +139,7 @@ class Weight:
             )
         a = None if self.a is None else f(self.a)
         b = None if self.b is None else f(self.b)
+        key = None if self.key is None else f(self.key)
         nl_new = len(new_lead)
         perm = tuple(range(nl_new)) + tuple(
             p - self.n_lead + nl_new for p in self.perm[self.n_lead :]
@@ -125,6 +148,7 @@ class Weight:
             base=base,
             a=a,
             b=b,
+            key=key,
             perm=perm,
             base_shape=tuple(new_lead) + self.base_shape[self.n_lead :],
         )
@@ -143,8 +167,8 @@ class Weight:
 
 jax.tree_util.register_dataclass(
     Weight,
-    data_fields=["base", "a", "b"],
-    meta_fields=["scale", "name", "dtype", "perm", "base_shape", "via"],
+    data_fields=["base", "a", "b", "key"],
+    meta_fields=["scale", "name", "dtype", "perm", "base_shape", "via", "dropout"],
 )
 
 

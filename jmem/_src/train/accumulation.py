@@ -2,10 +2,16 @@
 
 The batch is split into ``microbatches`` equal slices along its leading axis and a
 ``lax.scan`` runs the gradient function on one slice at a time, summing float32
-gradients. Each microbatch loss is a mean over its examples, so the accumulated
-gradient divided by ``microbatches`` equals the full-batch mean gradient (exactly in
-real arithmetic; with per-token masks of different sizes it is the mean of means).
-Activation memory is that of one microbatch.
+gradients. Activation memory is that of one microbatch.
+
+Normalization: each microbatch loss is a mean over its own tokens (or examples), and
+microbatch ``i`` is weighted by ``w_i = n_i / sum_j n_j``, ``n_i`` its count of unmasked
+tokens (``sum(batch["mask"])`` of the slice) when the batch is a mapping with a ``"mask"``,
+else ``w_i = 1 / microbatches``. Then ``sum_i w_i * mean_i = sum(loss * mask) / sum(mask)``
+over the whole batch: the loss and gradient are those of one big batch (in real
+arithmetic), not the mean of microbatch means, which would over-weight the tokens of a
+microbatch with few unmasked tokens (e.g. 3 and 9 tokens of losses 1 and 2: the token mean
+is 1.75, the mean of means 1.5).
 
 Relation to ``optax.MultiSteps``: MultiSteps accumulates across *optimizer calls*, one
 microbatch per jitted step, and keeps a params-sized accumulator in the optimizer state
@@ -16,6 +22,7 @@ accumulation, and the optimizer, schedule and step count see one step per batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from typing import Callable
 
@@ -46,6 +53,14 @@ def split_microbatches(batch: Any, microbatches: int) -> Any:
     return jax.tree.map(split, batch)
 
 
+def mask_count(microbatch: Any) -> jax.Array | None:
+    """The number of unmasked tokens of a batch: float32 ``sum(batch["mask"])``, or None
+    when ``batch`` is not a mapping with a ``"mask"`` (the default ``weight_fn``)."""
+    if isinstance(microbatch, Mapping) and microbatch.get("mask") is not None:
+        return jnp.sum(jnp.asarray(microbatch["mask"], jnp.float32))
+    return None
+
+
 def accumulate_gradients(
     grad_fn: Callable,
     params: Any,
@@ -54,13 +69,15 @@ def accumulate_gradients(
     *,
     accum_dtype=jnp.float32,
     maximum: Any = None,
+    weight_fn: Callable | None = mask_count,
 ):
-    """Mean gradient over ``microbatches`` slices of ``batch``.
+    """Gradient of the whole batch's loss, accumulated over ``microbatches`` slices of it.
 
     Args:
       grad_fn: ``grad_fn(params, microbatch) -> (grads, aux)``, e.g.
-        ``jax.grad(loss, has_aux=True)``; ``aux`` must be a pytree of scalars/arrays with
-        the same structure for every microbatch.
+        ``jax.grad(loss, has_aux=True)``, where the loss is a mean over the microbatch's
+        (unmasked) tokens; ``aux`` must be a pytree of scalars/arrays with the same
+        structure for every microbatch.
       params: what ``grad_fn`` differentiates.
       batch: pytree of arrays with a leading batch axis divisible by ``microbatches``.
       microbatches: number of slices (1 calls ``grad_fn`` once, without a scan).
@@ -68,10 +85,17 @@ def accumulate_gradients(
       maximum: optional pytree prefix of ``params`` with bools: subtrees marked True are
         combined by elementwise maximum over microbatches instead of averaged (FP8 scaling
         state, whose "gradient" is its new amax history: the step's amax is the max).
+      weight_fn: ``weight_fn(microbatch) -> float scalar or None``, the count of elements
+        the microbatch's loss averages over. Microbatch ``i`` is weighted by
+        ``n_i / sum_j n_j`` (all weights 0 when the counts sum to 0), so the result is the
+        gradient of the mean over all counted elements of the batch. The default,
+        ``mask_count``, counts ``batch["mask"]`` (the ``mask`` of ``jmem.models.llama.loss_fn``
+        and ``jmem.data``); None (from ``weight_fn`` or as ``weight_fn``) weights every
+        microbatch ``1 / microbatches``.
 
     Returns:
-      ``(grads, aux)``: grads averaged over microbatches (in ``accum_dtype`` when
-      ``microbatches > 1``), aux averaged likewise (floating leaves) or taken from the
+      ``(grads, aux)``: grads combined with those weights (in ``accum_dtype`` when
+      ``microbatches > 1``), aux combined likewise (floating leaves) or taken from the
       last microbatch (other leaves).
 
     Raises:
@@ -80,6 +104,7 @@ def accumulate_gradients(
     if microbatches == 1:
         return grad_fn(params, batch)
     mbs = split_microbatches(batch, microbatches)
+    weights, scale = _weights(weight_fn, mbs, microbatches)
     first = jax.tree.map(lambda x: x[0], mbs)
     g_shape, aux_shape = jax.eval_shape(grad_fn, params, first)
     if maximum is None:
@@ -104,23 +129,35 @@ def accumulate_gradients(
             )
         return zeros(s)
 
-    def combine(a, x, m):
-        return jnp.maximum(a, x.astype(a.dtype)) if m else a + x.astype(a.dtype)
+    def add(a, x, w):
+        return a + x.astype(a.dtype) * w.astype(a.dtype) if is_float_array(a) else x
 
-    def body(acc, mb):
-        g_acc, aux_acc = acc
+    def body(acc, xs):
+        (g_acc, aux_acc), (mb, w) = acc, xs
         g, aux = grad_fn(params, mb)
-        g_acc = jax.tree.map(combine, g_acc, g, is_max)
-        aux_acc = jax.tree.map(
-            lambda a, x: a + x.astype(a.dtype) if is_float_array(a) else x,
-            aux_acc,
-            aux,
+        g_acc = jax.tree.map(
+            lambda a, x, m: jnp.maximum(a, x.astype(a.dtype)) if m else add(a, x, w),
+            g_acc,
+            g,
+            is_max,
         )
+        aux_acc = jax.tree.map(lambda a, x: add(a, x, w), aux_acc, aux)
         return (g_acc, aux_acc), None
 
     init = (jax.tree.map(init_leaf, g_shape, is_max), jax.tree.map(zeros, aux_shape))
-    (g_sum, aux_sum), _ = jax.lax.scan(body, init, mbs)
-    scale = 1.0 / microbatches
+    (g_sum, aux_sum), _ = jax.lax.scan(body, init, (mbs, weights))
     mean = lambda x: x * scale if is_float_array(x) else x
     grads = jax.tree.map(lambda x, m: x if m else mean(x), g_sum, is_max)
     return grads, jax.tree.map(mean, aux_sum)
+
+
+def _weights(weight_fn: Callable | None, mbs: Any, microbatches: int):
+    """``(weights [microbatches] float32, scale)``: the accumulated sum times ``scale`` is
+    the weighted mean. Counted: weights ``n_i / sum(n)`` (all 0 when the counts sum to 0),
+    scale 1. Uncounted: weights 1, scale ``1 / microbatches`` (summed, then scaled once)."""
+    first = jax.tree.map(lambda x: x[0], mbs)
+    if weight_fn is None or weight_fn(first) is None:
+        return jnp.ones((microbatches,), jnp.float32), 1.0 / microbatches
+    counts = jax.vmap(lambda mb: jnp.asarray(weight_fn(mb), jnp.float32))(mbs)
+    total = jnp.sum(counts)
+    return jnp.where(total > 0, counts / jnp.where(total > 0, total, 1.0), 0.0), 1.0

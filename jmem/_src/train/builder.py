@@ -26,6 +26,7 @@ from jmem._src.remat import resolve_policy
 from jmem._src.sharding import check_strategy
 from jmem._src.sharding import constrain_gradients
 from jmem._src.train.accumulation import accumulate_gradients
+from jmem._src.train.sharded import ShardedInit
 from jmem._src.train.sharded import ShardedStep
 from jmem._src.train.sharded import sharded_init
 from jmem._src.train.skip import skip_if_nonfinite
@@ -94,11 +95,38 @@ class TrainStep:
 
     def abstract_state(self, params: Any, **kwargs: Any) -> TrainState:
         """``jax.ShapeDtypeStruct``s of the state ``init`` would build from ``params``
-        (which may themselves be ShapeDtypeStructs): plan a 7B step without allocating it."""
-        return jax.eval_shape(
-            lambda p, kw: self._init(p, kw.get("frozen"), kw.get("fp8"), kw.get("loss_scale")),
-            params,
-            kwargs,
+        (which may themselves be ShapeDtypeStructs): plan a 7B step without allocating it,
+        or restore a checkpoint into it (``Checkpointer.restore``).
+
+        Each leaf carries the sharding ``init`` gives it, memory kind included: with
+        ``mesh=``, the ``NamedSharding`` of ``jmem.sharding``'s rules on that mesh
+        (``memory_kind="pinned_host"`` for the optimizer state with ``offload_optimizer``);
+        without a mesh, the single device (or the inputs' placement) that ``jax.jit(init)``
+        uses, the optimizer state in ``pinned_host`` when offloaded. A restore into it
+        therefore lands where the step wants the state: an offloaded optimizer state goes
+        straight to host memory (never whole to the device first), and a checkpoint written
+        on another device count is resharded onto this step's mesh.
+
+        Args:
+          params: trainable params (arrays or ``ShapeDtypeStruct``s), as for ``init``.
+          **kwargs: ``frozen=``, ``fp8=``, ``loss_scale=``, as for ``init``.
+
+        Returns:
+          A ``TrainState`` of ``jax.ShapeDtypeStruct`` with ``sharding`` set on every leaf.
+
+        Note: shardings given through ``jit_kwargs`` apply to the step, not to ``init``;
+        with them, build the restore target from those shardings yourself.
+        """
+        args = (params, kwargs.get("frozen"), kwargs.get("fp8"), kwargs.get("loss_scale"))
+        if isinstance(self._init, ShardedInit):
+            return self._init.abstract(*args)
+        abstract = jax.eval_shape(self._init, *args)
+        # Where jit places init's outputs (device, memory kind): read from the compiled init.
+        shardings = self._init.lower(*args).compile().output_shardings
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+            abstract,
+            shardings,
         )
 
 
@@ -129,7 +157,10 @@ def train_step(
 
     Args:
       loss_fn: ``loss_fn(params, batch, **extras) -> loss`` (or ``(loss, aux)`` with
-        ``has_aux``), a float scalar mean over the batch; ``extras`` holds ``frozen=`` and/or
+        ``has_aux``), a float scalar mean over the batch: over the tokens where
+        ``batch["mask"]`` is nonzero when the batch has a ``"mask"`` (as
+        ``jmem.models.llama.loss_fn``), so that microbatches are weighted by their token
+        counts (see ``microbatches``); ``extras`` holds ``frozen=`` and/or
         ``fp8=`` when the state has them (FP8 metadata is differentiated with the "overwrite
         with gradient" rule: its new value comes out as its gradient).
       optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
@@ -142,11 +173,15 @@ def train_step(
       remat: a ``jmem.REMAT_POLICIES`` name, checkpoint names or a policy callable, applied
         with ``jmem.remat`` to the loss.
       microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
+        The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
+        each microbatch is weighted by its count of unmasked tokens (the loss is the mean
+        over all unmasked target tokens of the step, not a mean of microbatch means);
+        without one, every microbatch weighs ``1 / microbatches``.
       offload_optimizer: keep the optimizer state (and masters) in ``pinned_host`` memory
         between steps (``jmem.offload``): ``True``/``"whole_tree"``, or ``"leaf_by_leaf"``
         (one parameter leaf's state on the device at a time; separable optimizers only).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches and
-        returned in ``metrics["aux"]``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches (with
+        the same weights as the loss) and returned in ``metrics["aux"]``.
       skip_nonfinite: a step with non-finite gradients leaves params, optimizer state, step
         and FP8 metadata unchanged (the loss scale still adjusts). The update runs in a
         ``lax.cond`` branch, so the state is updated in place; results can differ in the

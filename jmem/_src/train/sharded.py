@@ -28,7 +28,7 @@ def sharded_init(
     *,
     opt_state_memory_kind: str | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
-) -> Callable:
+) -> ShardedInit:
     """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale)`` so its result
     is born sharded: inputs are placed by the param rule, then ``init`` runs under
     ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
@@ -36,19 +36,40 @@ def sharded_init(
     """
     check_mesh(mesh)
     check_strategy(strategy)
+    return ShardedInit(init, mesh, strategy, opt_state_memory_kind, min_size)
 
-    def wrapped(params, frozen=None, fp8=None, loss_scale=None):
-        abstract = jax.eval_shape(init, params, frozen, fp8, loss_scale)
-        shardings = state_shardings(
-            abstract, mesh, strategy, min_size=min_size, opt_state_memory_kind=opt_state_memory_kind
+
+class ShardedInit:
+    """``init(params, frozen, fp8, loss_scale)`` placed by the rules (``sharded_init``)."""
+
+    def __init__(self, init: Callable, mesh: Mesh, strategy: str, kind: str | None, min_size: int):
+        self.init, self.mesh, self.strategy = init, mesh, strategy
+        self._kind, self._min = kind, min_size
+
+    def shardings(self, abstract: Any) -> Any:
+        """The ``NamedSharding`` of each leaf of the state ``abstract`` (from ``init``)."""
+        return state_shardings(
+            abstract, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
         )
+
+    def abstract(self, params, frozen=None, fp8=None, loss_scale=None):
+        """``ShapeDtypeStruct``s of the state with the shardings (and memory kinds) that
+        ``__call__`` gives it; nothing is computed or allocated."""
+        abstract = jax.eval_shape(self.init, params, frozen, fp8, loss_scale)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+            abstract,
+            self.shardings(abstract),
+        )
+
+    def __call__(self, params, frozen=None, fp8=None, loss_scale=None):
+        shardings = self.shardings(jax.eval_shape(self.init, params, frozen, fp8, loss_scale))
+        mesh, strategy, min_size = self.mesh, self.strategy, self._min
         params = shard_state(params, param_shardings(params, mesh, strategy, min_size=min_size))
         frozen = shard_state(frozen, param_shardings(frozen, mesh, strategy, min_size=min_size))
         fp8 = shard_state(fp8, replicated(fp8, mesh))
         loss_scale = shard_state(loss_scale, replicated(loss_scale, mesh))
-        return jax.jit(init, out_shardings=shardings)(params, frozen, fp8, loss_scale)
-
-    return wrapped
+        return jax.jit(self.init, out_shardings=shardings)(params, frozen, fp8, loss_scale)
 
 
 class ShardedStep:

@@ -1,0 +1,280 @@
+"""Export ``jmem.models.llama`` params (optionally NF4, optionally with LoRA merged) as a
+Hugging Face checkpoint: ``config.json`` + sharded ``*.safetensors`` +
+``model.safetensors.index.json``, written tensor by tensor.
+
+The inverse of ``jmem.models.hf.load_params``: stacked ``[L, in, out]`` kernels become
+per-layer ``[out, in]`` ``model.layers.{i}....weight`` tensors, the layout of
+``transformers.LlamaForCausalLM``. See ``docs/lora.md`` (PEFT interop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem._src import lora as _lora
+from jmem._src import nf4
+from jmem._src.implicit.weight import flatten_params
+from jmem.models.llama import LINEAR_NAMES
+from jmem.models.llama import LlamaConfig
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "hf_config", "save_params"]
+
+#: Default shard size, as transformers' ``save_pretrained(max_shard_size="5GB")``.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+# LlamaConfig fields hf_config writes; a config with another field set (a newer family's
+# option) is refused rather than exported without it.
+_LLAMA_FIELDS = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_embeddings",
+    "max_seq_len",
+}
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of a ``LlamaConfig`` (``model_type`` ``"llama"``).
+
+    The one place that maps jmem config fields to transformers' names; a family added to
+    ``LlamaConfig`` (Mistral, Qwen2, RoPE scaling) extends it here.
+
+    Args:
+      config: the model's config.
+      dtype: the checkpoint's dtype, written as ``dtype`` (transformers >= 5) and
+        ``torch_dtype`` (transformers 4).
+
+    Returns:
+      A JSON-ready dict readable by ``transformers.AutoConfig`` and ``hf.load_config``.
+
+    Raises:
+      ValueError: a config field set away from its default that this function does not
+        write (so the export would silently lose it).
+    """
+    unknown = [
+        f.name
+        for f in dataclasses.fields(config)
+        if f.name not in _LLAMA_FIELDS and getattr(config, f.name) != _default(f)
+    ]
+    if unknown:
+        raise ValueError(
+            f"hf_config does not write {unknown} of {config}; extend "
+            "jmem.models.export.hf_config for them before exporting."
+        )
+    c = config
+    name = jnp.dtype(dtype).name
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "dtype": name,
+        "torch_dtype": name,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor of the HF checkpoint: leaf ``path`` of params, layer ``layer`` of a
+    stack (or None), transposed from jmem's ``[in, out]`` when ``transpose``."""
+
+    name: str
+    path: str
+    layer: int | None
+    transpose: bool
+    shape: tuple
+    dtype: Any
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+
+def _hf_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
+    """``{jmem path: (HF name, with {i} for stacked layers, transpose)}``."""
+    names = {
+        "embed/embedding": ("model.embed_tokens.weight", False),
+        "final_norm/scale": ("model.norm.weight", False),
+        "layers/attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", False),
+        "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    }
+    for n in LINEAR_NAMES:
+        group = "self_attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        names[f"layers/{n}/kernel"] = (f"model.layers.{{i}}.{group}.{n}.weight", True)
+    if not config.tie_embeddings:
+        names["lm_head/kernel"] = ("lm_head.weight", True)
+    return names
+
+
+def _layer_order() -> list[str]:
+    """jmem paths in the order of HF's Llama state dict (per layer: norms and projections)."""
+    attn = [f"layers/{n}/kernel" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    mlp = [f"layers/{n}/kernel" for n in ("gate_proj", "up_proj", "down_proj")]
+    return ["layers/attn_norm/scale", *attn, "layers/mlp_norm/scale", *mlp]
+
+
+def _plan(leaves: dict, config: LlamaConfig, dtype) -> list[_Tensor]:
+    """The checkpoint's tensors in HF order, from shapes only (nothing is computed)."""
+    names = _hf_names(config)
+    extra = sorted(set(leaves) - set(names))
+    missing = sorted(set(names) - set(leaves))
+    if extra or missing:
+        raise ValueError(
+            f"params do not have the jmem.models.llama layout of {config}: unexpected "
+            f"leaves {extra}, missing {missing}; save_params writes only that layout."
+        )
+
+    def tensor(path, layer):
+        name, transpose = names[path]
+        leaf = leaves[path]
+        shape = tuple(leaf.shape) if layer is None else tuple(leaf.shape[1:])
+        dt = jnp.dtype(dtype if dtype is not None else leaf.dtype)
+        name = name if layer is None else name.format(i=layer)
+        return _Tensor(name, path, layer, transpose, shape[::-1] if transpose else shape, dt)
+
+    plan = [tensor("embed/embedding", None)]
+    for i in range(config.num_layers):
+        plan.extend(tensor(path, i) for path in _layer_order())
+    plan.append(tensor("final_norm/scale", None))
+    if not config.tie_embeddings:
+        plan.append(tensor("lm_head/kernel", None))
+    return plan
+
+
+def _layer(x, i: int):
+    """Layer ``i`` of a stacked array or ``NF4Array`` (an NF4Array of one matrix)."""
+    if isinstance(x, nf4.NF4Array):
+        sliced = jax.tree.map(lambda f: f[i], x)
+        return dataclasses.replace(sliced, shape=x.shape[1:], batch_ndim=x.batch_ndim - 1)
+    return x[i]
+
+
+def _materialize(t: _Tensor, leaves: dict, adapters: dict) -> np.ndarray:
+    """Tensor ``t`` as a host array: dequantized (one matrix) and merged with its adapter."""
+    w = leaves[t.path]
+    ad = adapters.get(t.path)
+    if t.layer is not None:
+        w = _layer(w, t.layer)
+        if ad is not None:
+            ad = _lora.LoraWeight(a=ad.a[t.layer], b=ad.b[t.layer], scale=ad.scale)
+    dense = nf4.dequantize(w, w.dtype) if isinstance(w, nf4.NF4Array) else jnp.asarray(w)
+    if ad is not None:  # as jmem.lora.merge: in float32, back to the weight's dtype
+        dense = (dense.astype(jnp.float32) + ad.delta(jnp.float32)).astype(dense.dtype)
+    arr = np.asarray(jax.device_get(dense.astype(t.dtype)))
+    return np.ascontiguousarray(arr.T if t.transpose else arr)
+
+
+def _shards(plan: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
+    """Consecutive tensors grouped into shards of at most ``max_shard_bytes`` (a larger
+    tensor gets a shard of its own)."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in plan:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def save_params(
+    directory: str,
+    params,
+    config: LlamaConfig,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    adapters: dict[str, _lora.LoraWeight] | None = None,
+    dtype=None,
+) -> None:
+    """Writes ``params`` as a Hugging Face Llama checkpoint, LoRA merged in, tensor by tensor.
+
+    ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` then computes what
+    ``jmem.lora.apply(llama.forward)(params, adapters, ...)`` computes (up to the rounding
+    of the merged weight to its dtype). The inverse of ``jmem.models.hf.load_params``.
+
+    Memory: each tensor is made on its own (an ``NF4Array`` stack is dequantized one layer
+    matrix at a time, its adapter merged into that matrix) and copied to the host; the host
+    holds at most one shard (``max_shard_bytes``) before it is written. No dequantized or
+    merged copy of the whole model exists at any point (``jmem.lora.merge`` followed by
+    ``save_params`` would build every merged stack first: pass ``adapters=`` instead).
+
+    Args:
+      directory: created if missing; receives ``config.json`` (``hf_config``),
+        ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+      params: ``jmem.models.llama`` params (arrays or ``NF4Array`` leaves, e.g. from
+        ``jmem.qlora.quantize_params`` or ``hf.load_params(quantize="nf4")``).
+      config: the model's ``LlamaConfig``.
+      max_shard_bytes: largest shard in bytes (a larger single tensor gets its own shard).
+      adapters: optional ``{path: LoraWeight}`` merged into their weights as they are written
+        (``W + scale * a @ b`` in float32, then the weight's dtype, as ``jmem.lora.merge``).
+      dtype: dtype of every written tensor; ``None`` keeps each leaf's (an ``NF4Array``'s
+        original) dtype. ``config.json``'s ``dtype`` is the embedding's.
+
+    Raises:
+      ValueError: params not in the ``jmem.models.llama`` layout of ``config``, an adapter
+        naming no leaf, a config field ``hf_config`` does not write, or
+        ``max_shard_bytes < 1``.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive; got {max_shard_bytes}.")
+    leaves = dict(flatten_params(params)[0])
+    adapters = dict(adapters or {})
+    stray = sorted(set(adapters) - set(leaves))
+    if stray:
+        raise ValueError(f"Adapters {stray} name no leaf of params.")
+    plan = _plan(leaves, config, dtype)
+    hf = hf_config(config, plan[0].dtype)
+    shards = _shards(plan, max_shard_bytes)
+    os.makedirs(directory, exist_ok=True)
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {t.name: _materialize(t, leaves, adapters) for t in shard}
+        save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+        del tensors
+        weight_map.update({t.name: fname for t in shard})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in plan)}, "weight_map": weight_map}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)

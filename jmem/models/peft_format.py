@@ -1,0 +1,325 @@
+"""LoRA adapters in Hugging Face PEFT's format, for ``jmem.models.llama`` params.
+
+A PEFT LoRA adapter directory holds ``adapter_config.json`` (``peft.LoraConfig``) and
+``adapter_model.safetensors`` with, per adapted linear layer,
+``base_model.model.model.layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` ``[r, in]`` and
+``...lora_B.weight`` ``[out, r]``; the update is ``scaling * B @ A`` on the ``[out, in]``
+weight, ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``). jmem keeps one
+``LoraWeight`` per stacked kernel ``[L, in, out]`` with ``a [L, in, r] = stack(A_i.T)`` and
+``b [L, r, out] = stack(B_i.T)``. Reference: PEFT's ``LoraLayer`` and ``save_pretrained``
+(huggingface/peft); Hu et al. 2021 (arXiv:2106.09685). See ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jmem._src import lora as _lora
+from jmem._src.implicit.weight import flatten_params
+from jmem.models.llama import LINEAR_NAMES
+from jmem.models.llama import LlamaConfig
+from jmem.models.llama import param_shapes
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "save_adapters", "load_adapters"]
+
+#: File names PEFT's ``save_pretrained`` writes and ``PeftModel.from_pretrained`` reads.
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+_GROUP = {
+    n: "self_attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for n in LINEAR_NAMES
+}
+_PATH_RE = re.compile(r"^layers/(\w+_proj)/kernel$")
+_KEY_RE = re.compile(
+    r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$"
+)
+
+# adapter_config.json fields that describe, not change, the adapter.
+_INFORMATIONAL = {
+    "auto_mapping",
+    "base_model_name_or_path",
+    "exclude_modules",
+    "inference_mode",
+    "megatron_core",
+    "peft_version",
+    "qalora_group_size",
+    "revision",
+}
+# Fields read and checked by ``_check_config``; every other field must be neutral (None,
+# False, empty): a set value is a PEFT feature (DoRA, modules_to_save, layers_to_transform,
+# lora_bias, ...) that jmem does not implement, and loading refuses it by name.
+_HANDLED = {
+    "peft_type",
+    "task_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "use_rslora",
+    "init_lora_weights",
+    "bias",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_modules",
+}
+
+
+def _key(i: int, name: str, which: str) -> str:
+    return f"base_model.model.model.layers.{i}.{_GROUP[name]}.{name}.lora_{which}.weight"
+
+
+def _module_of(path: str) -> str:
+    """The Llama module name (``q_proj``, ...) adapted by jmem adapter ``path``."""
+    m = _PATH_RE.match(path)
+    if m is None or m.group(1) not in LINEAR_NAMES:
+        raise ValueError(
+            f"Adapter {path!r} has no PEFT counterpart: save_adapters writes adapters of "
+            f"jmem.models.llama's layers/<name>/kernel for name in {LINEAR_NAMES} (PEFT "
+            "target_modules); adapt only those (lora.init(targets=r'layers/.*_proj/kernel'))."
+        )
+    return m.group(1)
+
+
+def _uniform(adapters: dict, field: str, get) -> Any:
+    """The one value of ``get(w)`` over all adapters, or a ValueError naming ``field``."""
+    values = {repr(get(w)): get(w) for w in adapters.values()}
+    if len(values) != 1:
+        raise ValueError(
+            f"Adapters disagree on {field} ({sorted(values)}); PEFT's per-module "
+            "rank_pattern/alpha_pattern are not written by jmem: use one setting for all."
+        )
+    return next(iter(values.values()))
+
+
+def _adapter_config(adapters: dict, modules: list[str], base_model_name_or_path) -> dict:
+    """``adapter_config.json`` of ``adapters`` (``peft.LoraConfig`` fields)."""
+    r = _uniform(adapters, "r (rank)", lambda w: w.rank)
+    alpha = _uniform(adapters, "lora_alpha", lambda w: w.lora_alpha)
+    rs = _uniform(adapters, "use_rslora", lambda w: bool(w.use_rslora))
+    for path, w in adapters.items():
+        want = alpha / math.sqrt(r) if rs else alpha / r
+        if not math.isclose(w.scale, want, rel_tol=1e-6):
+            raise ValueError(
+                f"Adapter {path!r} has scale {w.scale}, but alpha={alpha}, r={r}, "
+                f"use_rslora={rs} give {want}; PEFT recomputes the scale from those fields."
+            )
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": _uniform(adapters, "lora_dropout", lambda w: float(w.dropout)),
+        "use_rslora": rs,
+        "init_lora_weights": _uniform(adapters, "init_lora_weights", lambda w: w.init_lora_weights),
+        "target_modules": modules,
+        "bias": "none",
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "inference_mode": True,
+    }
+
+
+def save_adapters(
+    directory: str,
+    adapters: dict[str, _lora.LoraWeight],
+    config: LlamaConfig,
+    *,
+    base_model_name_or_path: str | None = None,
+) -> None:
+    """Writes jmem LoRA adapters as a PEFT adapter directory.
+
+    ``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), directory)``
+    then computes what ``jmem.lora.apply(llama.forward)(params, adapters, ...)`` computes.
+
+    Args:
+      directory: created if missing; receives ``adapter_config.json`` and
+        ``adapter_model.safetensors`` (tensors in the adapters' dtype).
+      adapters: ``{path: LoraWeight}`` for ``jmem.models.llama`` params (``jmem.lora.init``
+        or ``load_adapters``): paths ``layers/<name>/kernel``, ``a [L, in, r]``,
+        ``b [L, r, out]``; one rank, alpha, dropout, rsLoRA and init setting for all.
+      config: the model's ``LlamaConfig`` (checks ``L`` and the shapes).
+      base_model_name_or_path: recorded in ``adapter_config.json`` (PEFT loads this base
+        when given only the adapter directory).
+
+    Raises:
+      ValueError: an adapter on a weight PEFT's Llama has no module for, shapes that do not
+        fit ``config``, or adapters that differ in rank/alpha/dropout/rsLoRA/init.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    if not adapters:
+        raise ValueError("No adapters to save.")
+    shapes = param_shapes(config)["layers"]
+    tensors: dict[str, np.ndarray] = {}
+    modules = []
+    for path, w in adapters.items():
+        name = _module_of(path)
+        L, fan_in, fan_out = shapes[name]["kernel"]
+        r = w.rank
+        if tuple(w.a.shape) != (L, fan_in, r) or tuple(w.b.shape) != (L, r, fan_out):
+            raise ValueError(
+                f"Adapter {path!r} has a{tuple(w.a.shape)}, b{tuple(w.b.shape)}; expected "
+                f"a{(L, fan_in, r)}, b{(L, r, fan_out)} for {config}."
+            )
+        a, b = np.asarray(w.a), np.asarray(w.b)
+        for i in range(L):
+            tensors[_key(i, name, "A")] = np.ascontiguousarray(a[i].T)
+            tensors[_key(i, name, "B")] = np.ascontiguousarray(b[i].T)
+        modules.append(name)
+    cfg = _adapter_config(adapters, sorted(modules), base_model_name_or_path)
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def _neutral(value) -> bool:
+    return value is None or value is False or value == {} or value == [] or value == ""
+
+
+def _check_config(c: dict) -> tuple[int, float]:
+    """Refuses what jmem does not implement, naming the field; returns ``(r, lora_alpha)``."""
+    if c.get("peft_type") != "LORA":
+        raise ValueError(f"peft_type {c.get('peft_type')!r} is not LORA; jmem loads LoRA only.")
+    if c.get("task_type") not in (None, "CAUSAL_LM"):
+        raise ValueError(f"task_type {c['task_type']!r}: jmem.models.llama is a CAUSAL_LM.")
+    if c.get("bias", "none") != "none":
+        raise ValueError(f"bias={c['bias']!r} is not implemented (trained biases); need 'none'.")
+    init = c.get("init_lora_weights", True)
+    if not (init is True or init is False or init == "gaussian"):
+        raise ValueError(
+            f"init_lora_weights={init!r} is not implemented: PiSSA/OLoRA/CorDA/LoftQ-style "
+            "inits change the base weights; convert the adapter to plain LoRA in PEFT first."
+        )
+    r, alpha = int(c["r"]), float(c["lora_alpha"])
+    for field, base in (("rank_pattern", r), ("alpha_pattern", alpha)):
+        odd = {k: v for k, v in (c.get(field) or {}).items() if v != base}
+        if odd:
+            raise ValueError(f"{field}={odd} (per-module values) is not implemented.")
+    targets = c.get("target_modules")
+    if isinstance(targets, list | tuple):
+        unknown = sorted(set(targets) - set(LINEAR_NAMES))
+        if unknown:
+            raise ValueError(
+                f"target_modules {unknown} are not jmem.models.llama linear layers "
+                f"{LINEAR_NAMES}; jmem cannot load adapters on them."
+            )
+    for field, value in c.items():
+        if field not in _HANDLED and field not in _INFORMATIONAL and not _neutral(value):
+            raise ValueError(
+                f"adapter_config.json sets {field}={value!r}, a PEFT feature jmem does not "
+                "implement (jmem loads plain LoRA on linear layers)."
+            )
+    return r, alpha
+
+
+def _read_tensors(directory: str, config: LlamaConfig) -> dict[str, dict[int, dict]]:
+    """``{module: {layer: {"A": [r, in], "B": [out, r]}}}`` from the safetensors file."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    path = os.path.join(directory, WEIGHTS_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{directory!r} has no {WEIGHTS_NAME} (PEFT's adapter_model.bin is not supported)."
+        )
+    out: dict[str, dict[int, dict]] = {}
+    unknown = []
+    for key, arr in load_file(path).items():
+        m = _KEY_RE.match(key)
+        if m is None or m.group(3) not in LINEAR_NAMES or m.group(2) != _GROUP[m.group(3)]:
+            unknown.append(key)
+            continue
+        i, name, which = int(m.group(1)), m.group(3), m.group(4)
+        out.setdefault(name, {}).setdefault(i, {})[which] = arr
+    if unknown:
+        raise ValueError(
+            f"{path} holds tensors jmem cannot map to jmem.models.llama adapters "
+            f"(modules_to_save, embeddings, DoRA magnitudes, ...): {unknown[:6]}."
+        )
+    for name, layers in out.items():
+        missing = [i for i in range(config.num_layers) if set(layers.get(i, {})) != {"A", "B"}]
+        extra = sorted(set(layers) - set(range(config.num_layers)))
+        if missing or extra:
+            raise ValueError(
+                f"{name} adapters cover layers {sorted(layers)} of {config.num_layers}: "
+                "partial coverage (layers_to_transform) is not implemented."
+            )
+    return out
+
+
+def load_adapters(directory: str, params, config: LlamaConfig) -> dict[str, _lora.LoraWeight]:
+    """Reads a PEFT LoRA adapter directory into jmem's adapter pytree.
+
+    The result is what ``jmem.lora.init(key, params, ...)`` makes for ``jmem.models.llama``
+    params (stacked layers, ``a [L, in, r]``, ``b [L, r, out]``), holding PEFT's weights
+    in their stored dtype, with ``scale`` = ``lora_alpha / r`` (``/ sqrt(r)`` with
+    ``use_rslora``) and ``lora_dropout`` / ``use_rslora`` / ``init_lora_weights`` recorded.
+
+    Args:
+      directory: holds ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's
+        ``save_pretrained``).
+      params: the base params (arrays, ``NF4Array`` or ``ShapeDtypeStruct`` leaves), for
+        the adapted leaves' paths and shapes.
+      config: the model's ``LlamaConfig``.
+
+    Returns:
+      ``{path: LoraWeight}`` ordered as the leaves of ``params``.
+
+    Raises:
+      FileNotFoundError: a missing file.
+      ValueError: a PEFT feature jmem does not implement (the message names the field:
+        ``use_dora``, ``modules_to_save``, ``rank_pattern``/``alpha_pattern`` that differ,
+        ``bias``, ``target_modules`` outside the Llama linear layers, partial layers,
+        non-LoRA ``peft_type``, ...), or shapes that do not match ``params``.
+    """
+    cpath = os.path.join(directory, CONFIG_NAME)
+    if not os.path.exists(cpath):
+        raise FileNotFoundError(f"{directory!r} has no {CONFIG_NAME}: not a PEFT adapter.")
+    with open(cpath) as f:
+        c = json.load(f)
+    r, alpha = _check_config(c)
+    rs = bool(c.get("use_rslora", False))
+    scale = alpha / math.sqrt(r) if rs else alpha / r
+    tensors = _read_tensors(directory, config)
+    leaves = dict(flatten_params(params)[0])
+    out = {}
+    for path, leaf in leaves.items():
+        m = _PATH_RE.match(path)
+        if m is None or m.group(1) not in tensors:
+            continue
+        name = m.group(1)
+        layers = tensors.pop(name)
+        a = np.stack([layers[i]["A"].T for i in range(config.num_layers)])
+        b = np.stack([layers[i]["B"].T for i in range(config.num_layers)])
+        L, fan_in, fan_out = tuple(leaf.shape)
+        if a.shape != (L, fan_in, r) or b.shape != (L, r, fan_out):
+            raise ValueError(
+                f"PEFT {name} adapters give a{a.shape}, b{b.shape}; expected "
+                f"a{(L, fan_in, r)}, b{(L, r, fan_out)} for {path!r} with r={r}."
+            )
+        out[path] = _lora.LoraWeight(
+            a=jnp.asarray(a),
+            b=jnp.asarray(b),
+            scale=float(scale),
+            dropout=float(c.get("lora_dropout", 0.0) or 0.0),
+            alpha=alpha,
+            use_rslora=rs,
+            init_lora_weights=c.get("init_lora_weights", True),
+        )
+    if tensors:
+        raise ValueError(
+            f"params have no leaf layers/<name>/kernel for the PEFT adapters of {sorted(tensors)}."
+        )
+    return out
