@@ -272,3 +272,22 @@ def test_greedy_generate_matches_transformers(tmp_path, family):
     got = llama.generate(params, jnp.asarray(prompt, jnp.int32), cfg, max_new_tokens=10)
     assert got.dtype == jnp.int32 and got.shape == (2, 22)
     np.testing.assert_array_equal(np.asarray(got), ref)  # 22 > window 16 for mistral
+
+
+def test_bfloat16_checkpoint_loads_exactly(tmp_path):
+    model = _save_family(tmp_path, "qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True)  # as published checkpoints
+    params, cfg = hf.load_params(str(tmp_path), dtype=jnp.bfloat16)
+    assert params["embed"]["embedding"].dtype == jnp.bfloat16
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(
+        np.asarray(params["embed"]["embedding"], np.float32), sd["model.embed_tokens.weight"]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(params["layers"]["q_proj"]["bias"][1], np.float32),
+        sd["model.layers.1.self_attn.q_proj.bias"],
+    )
+    np.testing.assert_array_equal(
+        np.asarray(params["layers"]["down_proj"]["kernel"][0], np.float32),
+        sd["model.layers.0.mlp.down_proj.weight"].T,
+    )

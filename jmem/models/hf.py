@@ -11,6 +11,7 @@ import os
 import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -315,10 +316,18 @@ class _TensorReader:
         from safetensors import safe_open  # noqa: PLC0415
 
         path = self.files[name]
-        if path not in self.handles:
-            self.handles[path] = safe_open(path, framework="numpy").__enter__()
         self.read.add(name)
-        return self.handles[path].get_tensor(name)
+        try:
+            return self._handle(safe_open, path, "numpy").get_tensor(name)
+        except TypeError:  # bfloat16 (most checkpoints): numpy has no such dtype
+            # read as a JAX array on the host CPU, then a zero-copy ml_dtypes numpy view
+            with jax.default_device(jax.devices("cpu")[0]):
+                return np.asarray(self._handle(safe_open, path, "flax").get_tensor(name))
+
+    def _handle(self, safe_open, path: str, framework: str):
+        if (path, framework) not in self.handles:
+            self.handles[path, framework] = safe_open(path, framework=framework).__enter__()
+        return self.handles[path, framework]
 
     def unread(self) -> list[str]:
         """Tensors never read, except RoPE tables some conversions store (recomputed)."""

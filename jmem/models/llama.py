@@ -1,8 +1,11 @@
 """Reference Llama-family decoder as pure functions of a params pytree.
 
-RMSNorm, rotary position embeddings (``rope_theta``), grouped-query attention and a
-SwiGLU MLP, as in Touvron et al. 2023 ("Llama 2") and Hugging Face's
-``LlamaForCausalLM``, whose checkpoints load into it (``jmem.models.hf``).
+RMSNorm, rotary position embeddings (``rope_theta``, optional Llama 3.1 / linear
+scaling), grouped-query attention (optional sliding window, packed rows via
+``segment_ids``) and a gated MLP (SwiGLU by default), with optional projection biases, as
+in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``,
+``MistralForCausalLM`` and ``Qwen2ForCausalLM``, whose checkpoints load into it
+(``jmem.models.hf``). ``generate`` decodes with a KV cache.
 
 Why pure functions instead of Flax modules: every jmem transform (remat over scans,
 NF4 leaves, LoRA adapters, FP8 scaling state, sharding rules) acts on a params pytree
