@@ -156,7 +156,9 @@ def _add_model_and_data_flags(p):
         "unset: the checkpoint's own, else byte",
     )
     p.add_argument(
-        "--data", help=".txt or .jsonl (text field); default: pydoc_data.topics (CPython docs)"
+        "--data",
+        help=".txt (one text) or .jsonl (examples: text, prompt/completion, Alpaca or chat "
+        "messages; loss on the responses only); default: pydoc_data.topics (CPython docs)",
     )
     p.add_argument(
         "--eval-split",
@@ -192,6 +194,12 @@ def _add_training_flags(p):
         type=positive_float,
         help="peak learning rate; unset: 3e-3 for tiny (random init), 2e-4 otherwise",
     )
+    p.add_argument(
+        "--weight-decay",
+        type=_number(float, lambda v: v >= 0, "a number >= 0"),
+        default=0.0,
+        help="decoupled weight decay on the adapter matrices (jmem.decay_mask)",
+    )
     p.add_argument("--lora-rank", type=positive_int, default=8, help="LoRA rank r")
     p.add_argument("--lora-alpha", type=positive_float, help="LoRA alpha; unset: 2 * rank")
     p.add_argument(
@@ -220,6 +228,13 @@ def _add_run_flags(p):
     )
     again.add_argument(
         "--overwrite", action="store_true", help="replace the run in --out (its checkpoints too)"
+    )
+    p.add_argument(
+        "--export-merged",
+        metavar="DIR",
+        help="after training, write the base with the adapters merged in as a Hugging Face "
+        "checkpoint (the NF4 base dequantized, so its quantization error stays); the adapters "
+        "alone are always written to --out/adapter in PEFT format",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="compile only; print memory report and estimate"
@@ -349,10 +364,14 @@ def make_tokenizer(args, cfg):
 
 
 def load_datasets(args, tok):
-    """``(train, eval or None)``: ``--data`` tokenized, its last ``--eval-split`` held out."""
-    flag = f"--data {args.data}" if args.data else "the default corpus"
+    """``(train, eval or None)`` from ``--data``: a .jsonl file of examples (text,
+    prompt/completion, Alpaca or chat messages; loss on the responses only), else text (a
+    .txt file or the default corpus) as one token stream. ``--eval-split`` is held out."""
     if args.data is not None and not os.path.isfile(args.data):
         raise CliError(f"--data {args.data}: no such file; pass a .txt or .jsonl file")
+    if args.data is not None and args.data.endswith(".jsonl"):
+        return _example_datasets(args, tok)
+    flag = f"--data {args.data}" if args.data else "the default corpus"
     with user_input(flag):
         text = jdata.load_text(args.data)
     if not text.strip():
@@ -371,11 +390,39 @@ def load_datasets(args, tok):
             f"--eval-split {args.eval_split}: holds out {n_eval:,} tokens, fewer than one "
             f"batch ({need:,}); raise it, pass smaller sizes, or --eval-split 0 for no evaluation"
         )
-    cut = len(tokens) - n_eval
+    cut = len(tokens) - n_eval  # the tail is held out: no window straddles the two
     train = jdata.PackedDataset(tokens[:cut], args.seq_len, args.batch_size, seed=args.seed)
     held = None
     if n_eval:
         held = jdata.PackedDataset(tokens[cut:], args.seq_len, args.batch_size, seed=args.seed)
+    return train, held
+
+
+def _example_datasets(args, tok):
+    """Examples packed into rows (``jmem.data.pack_examples``); a seeded shuffle of the
+    examples, then the last ``--eval-split`` of them held out."""
+    flag = f"--data {args.data}"
+    with user_input(flag):
+        examples = jdata.load_examples(args.data)
+    order = np.random.default_rng([args.seed, len(examples)]).permutation(len(examples))
+    examples = [examples[i] for i in order]
+    n_eval = int(len(examples) * args.eval_split)
+    if args.eval_split and n_eval == 0:
+        raise CliError(
+            f"--eval-split {args.eval_split}: holds out none of the {len(examples)} examples; "
+            "raise it, or pass --eval-split 0 for no evaluation"
+        )
+    cut = len(examples) - n_eval
+    with user_input(flag):
+        train = jdata.PackedDataset.from_examples(
+            examples[:cut], tok, args.seq_len, args.batch_size, seed=args.seed
+        )
+    held = None
+    if n_eval:
+        with user_input(f"--eval-split {args.eval_split} (held-out examples of {args.data})"):
+            held = jdata.PackedDataset.from_examples(
+                examples[cut:], tok, args.seq_len, args.batch_size, seed=args.seed
+            )
     return train, held
 
 
@@ -397,6 +444,9 @@ def prepare_out(args) -> int | None:
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"--out {out} is a file; pass a directory")
+    merged = args.export_merged
+    if merged and os.path.exists(merged) and (not os.path.isdir(merged) or os.listdir(merged)):
+        raise CliError(f"--export-merged {merged} exists and is not empty; pass a new directory")
     ckpt_dir = os.path.join(out, "checkpoints")
     steps = _checkpoint_steps(ckpt_dir)
     record = os.path.join(out, "run.json")
@@ -416,6 +466,7 @@ def prepare_out(args) -> int | None:
         )
     if previous:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+        shutil.rmtree(os.path.join(out, "adapter"), ignore_errors=True)
         for name in ("run.json", "summary.json", "loss.png"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
@@ -462,7 +513,7 @@ def build(args, cfg):
         decay_steps=max(2, args.steps),
         end_value=args.lr / 10,
     )
-    opt = OPTIMIZERS[args.optimizer](schedule, weight_decay=0.0)
+    opt = OPTIMIZERS[args.optimizer](schedule, weight_decay=args.weight_decay, mask=jmem.decay_mask)
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
     step = jmem.train_step(
@@ -609,7 +660,7 @@ def device_memory() -> int | None:
 
 
 class Evaluator:
-    """Mean loss over a fixed set of held-out batches (the first ``--eval-batches`` of the
+    """Loss over a fixed set of held-out batches (the first ``--eval-batches`` of the
     held-out split), with the adapters cast to the compute dtype as the train step does."""
 
     def __init__(self, step, loss_fn, held, n_batches: int):
@@ -624,8 +675,10 @@ class Evaluator:
         self._loss = jax.jit(eval_loss)
 
     def __call__(self, state) -> float:
+        """The held-out loss: batch means weighted by their trained-on target tokens."""
         losses = [float(self._loss(state.params, state.frozen, b)) for b in self.batches]
-        return float(np.mean(losses))
+        weights = [float(np.sum(b["mask"])) if "mask" in b else 1.0 for b in self.batches]
+        return float(np.average(losses, weights=weights)) if sum(weights) else float("nan")
 
 
 def _meta(args, pos, losses, evals) -> dict:
@@ -733,8 +786,25 @@ def train(args, cfg, tok, ds, held, resume_step):
     if args.steps not in ckpt.all_steps():
         ckpt.save(args.steps, state, _meta(args, pos, losses, evals))  # always keep the last
     ckpt.close()
+    save_adapters(args, cfg, state)
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
     return finish(args, cfg, losses, evals, lrs, tps, n_adapter, compiled_peak)
+
+
+def save_adapters(args, cfg, state) -> None:
+    """The adapters in PEFT format in --out/adapter; with --export-merged, the merged model
+    as a Hugging Face checkpoint (written tensor by tensor, jmem.models.hf.save_params)."""
+    base = os.path.abspath(args.checkpoint) if args.checkpoint else None
+    path = os.path.join(args.out, "adapter")
+    try:
+        hf.save_adapters(path, state.params, cfg, base_model_name_or_path=base)
+        print(f"adapters (PEFT format): {path}", flush=True)
+    except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
+        print(f"note: adapters not written in PEFT format: {_one_line(e)}", flush=True)
+    if args.export_merged:
+        with user_input(f"--export-merged {args.export_merged}"):
+            hf.save_params(args.export_merged, state.frozen, cfg, adapters=state.params)
+        print(f"merged checkpoint (Hugging Face format): {args.export_merged}", flush=True)
 
 
 def finish(args, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak):

@@ -9,8 +9,10 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from jmem import data
 from jmem import planner
 from jmem.__main__ import main as jmem_main
 
@@ -60,7 +62,7 @@ def _files(tmp_path):
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
-    (tmp_path / "notext.jsonl").write_text('{"prompt": "no text field"}\n')
+    (tmp_path / "notext.jsonl").write_text('{"title": "no text field"}\n')
     _config_json(tmp_path / "no_tokenizer")
     return tmp_path
 
@@ -73,7 +75,7 @@ BAD_EXAMPLE_INPUTS = {
     "empty txt": (["--data", "{t}/empty.txt"], ["--data", "empty.txt", "no text"]),
     "missing data file": (["--data", "{t}/missing.txt"], ["--data", "missing.txt", "no such"]),
     "broken jsonl line": (["--data", "{t}/broken.jsonl"], ["--data", "broken.jsonl:2"]),
-    "jsonl without text": (["--data", "{t}/notext.jsonl"], ["--data", "'text'"]),
+    "jsonl without text": (["--data", "{t}/notext.jsonl"], ["--data", "notext.jsonl:1"]),
     "lora rank 0": (["--lora-rank", "0"], ["--lora-rank", "positive integer"]),
     "lora targets match nothing": (["--lora-targets", ".*nomatch.*"], ["--lora-targets"]),
     "lora targets bad regex": (["--lora-targets", "(q_proj"], ["--lora-targets", "regex"]),
@@ -170,6 +172,43 @@ def test_example_entry_point_prints_no_traceback(tmp_path):
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: --data") and "Traceback" not in r.stderr
+
+
+def _sft_jsonl(path, n=60):
+    """A tiny instruction dataset: prompt/completion pairs (sums), one per line."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for a, b in rng.integers(0, 50, size=(n, 2)):
+            f.write(json.dumps({"prompt": f"Q: {a}+{b}=?\nA:", "completion": f" {a + b}\n"}))
+            f.write("\n")
+    return str(path)
+
+
+def test_instruction_data_trains_on_responses_only(example, tmp_path):
+    """--data sft.jsonl: packed examples whose mask is 1 exactly on the completions."""
+    sft = _sft_jsonl(tmp_path / "sft.jsonl")
+    args = example.parse_args(
+        ["--data", sft, "--seq-len", "32", "--batch-size", "4", "--eval-split", "0.2"]
+    )
+    cfg = example.model_config(args)
+    example.resolve_defaults(args, cfg, on_gpu=False)
+    train, held = example.load_datasets(args, data.ByteTokenizer())
+    completions = {json.loads(line)["completion"] for line in open(sft)}
+    batch = train.batch_at(data.Position())[0]
+    assert set(batch) >= {"inputs", "targets", "mask", "segment_ids", "positions"}
+    for row in range(batch["targets"].shape[0]):
+        seg, mask, tgt = batch["segment_ids"][row], batch["mask"][row], batch["targets"][row]
+        for s in set(seg[seg > 0].tolist()):
+            trained = tgt[(seg == s) & (mask > 0)]
+            assert data.ByteTokenizer().decode(trained) in completions
+    assert held is not None and held.batches_per_epoch >= 1
+
+
+def test_eval_split_that_holds_out_no_example(example, tmp_path, capsys):
+    sft = _sft_jsonl(tmp_path / "sft.jsonl", n=5)
+    with pytest.raises(SystemExit) as e:
+        example.main(["--data", sft, "--eval-split", "0.1", "--out", str(tmp_path / "o")])
+    _one_line_error(capsys, e, "--eval-split 0.1", "none of the 5 examples", "--eval-split 0")
 
 
 # ------------------------------------------------------------------- python -m jmem estimate

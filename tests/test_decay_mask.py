@@ -128,6 +128,8 @@ def test_lora_adapters_and_torch_style_names():
     assert set(mask) == {"layers/q_proj/kernel", "layers/v_proj/kernel"}
     for m in mask.values():
         assert isinstance(m, jmem.lora.LoraWeight) and m.a is True and m.b is True
+    # The mask keeps every static field (scale, alpha, ...): optax needs the same treedef.
+    assert jax.tree.structure(mask) == jax.tree.structure(adapters)
     tx = optax.adamw(0.1, weight_decay=0.5, mask=jmem.decay_mask)  # masks LoraWeight leaves
     zeros = jax.tree.map(jnp.zeros_like, adapters)
     new = optax.apply_updates(adapters, tx.update(zeros, tx.init(adapters), adapters)[0])

@@ -149,3 +149,45 @@ def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_p
     assert len(out["losses"]) == 3 and all(np.isfinite(out["losses"]))
     assert out["checkpoint"] == str(ckpt) and out["tokenizer"] == str(ckpt)
     assert out["config"] is None and out["model"]["vocab_size"] == 128
+
+
+def _sft_jsonl(path, n=60):
+    """A tiny instruction dataset: prompt/completion pairs (sums), one per line."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for a, b in rng.integers(0, 50, size=(n, 2)):
+            f.write(json.dumps({"prompt": f"Q: {a}+{b}=?\nA:", "completion": f" {a + b}\n"}))
+            f.write("\n")
+    return str(path)
+
+
+def test_instruction_run_writes_adapters_and_a_merged_checkpoint(example, tmp_path):
+    """The main job on a tiny SFT set: response-only loss, eval loss, PEFT adapters in
+    --out/adapter, and a merged Hugging Face checkpoint that computes the eval loss the
+    adapters computed (up to the bf16 rounding of the merged weights)."""
+    import jax  # noqa: PLC0415
+
+    from jmem.models import hf  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    sft = _sft_jsonl(tmp_path / "sft.jsonl")
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    argv = SMALL + ["--data", sft, "--steps", "3", "--eval-every", "3", "--eval-split", "0.2"]
+    summary = example.main(argv + ["--out", str(out), "--export-merged", str(merged)])
+    assert summary["data"] == sft and len(summary["losses"]) == 3
+    assert [s for s, _ in summary["eval_losses"]] == [0, 3] and np.isfinite(
+        summary["last_eval_loss"]
+    )
+    assert (out / "adapter" / "adapter_config.json").exists()
+    cfg = hf.load_config(str(merged))
+    params, _ = hf.load_params(str(merged), cfg, dtype=jax.numpy.bfloat16)
+    adapters = hf.load_adapters(str(out / "adapter"), params, cfg)
+    assert set(adapters) == {f"layers/{n}/kernel" for n in llama.LINEAR_NAMES}
+    args = example.parse_args(argv)
+    example.resolve_defaults(args, example.model_config(args), on_gpu=False)
+    _, held = example.load_datasets(args, data.ByteTokenizer())
+    n = min(2, held.batches_per_epoch)  # as the example's Evaluator (--eval-batches 2)
+    batches = [held.batch_at(data.Position(0, i * 4))[0] for i in range(n)]
+    losses = [float(llama.loss_fn(params, b, cfg)) for b in batches]
+    merged_loss = np.average(losses, weights=[b["mask"].sum() for b in batches])
+    assert merged_loss == pytest.approx(summary["last_eval_loss"], abs=0.03)

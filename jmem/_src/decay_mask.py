@@ -14,6 +14,7 @@ role* (its key path), never by its number of dimensions.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -105,7 +106,7 @@ def decay_mask(params: Any, *, default: bool | None = None) -> Any:
         if isinstance(leaf, LoraWeight):
             d = _decide(names, leaf.a)
             d = True if d is None else d  # an adapter of a custom-named matrix
-            return LoraWeight(a=d, b=d, scale=leaf.scale)
+            return dataclasses.replace(leaf, a=d, b=d)  # same static fields: same treedef
         d = _decide(names, leaf)
         if d is None:
             unknown.append(jax.tree_util.keystr(path))
