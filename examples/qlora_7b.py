@@ -53,6 +53,7 @@ from jmem import lora as jlora
 from jmem import nf4
 from jmem import planner
 from jmem import qlora
+from jmem.models import export
 from jmem.models import hf
 from jmem.models import llama
 
@@ -236,6 +237,12 @@ def _add_run_flags(p):
         "checkpoint (the NF4 base dequantized, so its quantization error stays); the adapters "
         "alone are always written to --out/adapter in PEFT format",
     )
+    p.add_argument(
+        "--sample-prompt",
+        metavar="TEXT",
+        help="print a greedy continuation of TEXT before and after training",
+    )
+    p.add_argument("--sample-tokens", type=positive_int, default=32, help="tokens in each sample")
     p.add_argument(
         "--dry-run", action="store_true", help="compile only; print memory report and estimate"
     )
@@ -767,6 +774,9 @@ def train(args, cfg, tok, ds, held, resume_step):
     lrs = np.asarray(schedule(jnp.arange(args.steps)), np.float64).tolist()
     if evaluate is not None and start == 0:
         evals.append([0, evaluate(state)])
+    sample = Sampler(args, cfg, tok, step) if args.sample_prompt is not None else None
+    if sample is not None:
+        sample(state, f"before (step {start})")
     tokens_per_step = args.batch_size * args.seq_len
     progress = Progress(args, start)
     times, it = [], ds.iterate(pos)
@@ -786,9 +796,53 @@ def train(args, cfg, tok, ds, held, resume_step):
     if args.steps not in ckpt.all_steps():
         ckpt.save(args.steps, state, _meta(args, pos, losses, evals))  # always keep the last
     ckpt.close()
+    if sample is not None:
+        sample(state, f"after (step {args.steps})")
     save_adapters(args, cfg, state)
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
-    return finish(args, cfg, losses, evals, lrs, tps, n_adapter, compiled_peak)
+    summary = finish(args, cfg, losses, evals, lrs, tps, n_adapter, compiled_peak)
+    if sample is not None:
+        summary["samples"] = sample.texts
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def check_outputs(args, cfg, tok) -> None:
+    """Fails before training for what would fail after it: a model --export-merged cannot
+    write, a --sample-prompt with no tokens."""
+    if args.export_merged:
+        with user_input(f"--export-merged {args.export_merged}"):
+            export.hf_config(cfg)
+    if args.sample_prompt is not None and not len(tok.encode(args.sample_prompt)):
+        raise CliError("--sample-prompt: the text has no tokens; pass a non-empty prompt")
+
+
+class Sampler:
+    """``--sample-prompt``: the greedy continuation under the current adapters (NF4 base and
+    adapters through ``jmem.qlora.apply``, as in training; ``jmem.models.llama.generate``)."""
+
+    def __init__(self, args, cfg, tok, step):
+        self.args, self.cfg, self.tok, self.step = args, cfg, tok, step
+        self.prompt = jnp.asarray(tok.encode(args.sample_prompt), jnp.int32)[None]
+        self.texts = {}
+
+    def __call__(self, state, when: str) -> str:
+        adapters = state.params
+        if self.step.precision is not None:
+            adapters = self.step.precision.cast_to_compute(adapters)
+        out = llama.generate(
+            state.frozen,
+            self.prompt,
+            self.cfg,
+            max_new_tokens=self.args.sample_tokens,
+            adapters=adapters,
+            apply=qlora.apply,
+        )
+        text = self.tok.decode(np.asarray(out[0, self.prompt.shape[1] :]))
+        self.texts[when] = text
+        print(f"sample {when}: {self.args.sample_prompt!r} -> {text!r}", flush=True)
+        return text
 
 
 def save_adapters(args, cfg, state) -> None:
@@ -885,6 +939,7 @@ def run(args):
     if not args.dry_run:
         tok = make_tokenizer(args, cfg)
         ds, held = load_datasets(args, tok)
+        check_outputs(args, cfg, tok)
         resume_step = prepare_out(args)
     for line in notes:
         print(line, flush=True)

@@ -96,6 +96,9 @@ BAD_EXAMPLE_INPUTS = {
     "config and checkpoint": (["--config", "tiny", "--checkpoint", "{t}"], ["--checkpoint"]),
     "resume and overwrite": (["--resume", "--overwrite"], ["--overwrite", "--resume"]),
     "resume without checkpoint": (["--resume"], ["--resume", "no checkpoint"]),
+    "export into a non-empty dir": (["--export-merged", "{t}"], ["--export-merged", "not empty"]),
+    "empty sample prompt": (["--sample-prompt", ""], ["--sample-prompt", "no tokens"]),
+    "sample tokens 0": (["--sample-tokens", "0"], ["--sample-tokens", "positive integer"]),
     "sizes larger than the data": (["--data", "{t}/small.txt"], ["--data", "--batch-size"]),
 }
 

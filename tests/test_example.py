@@ -173,7 +173,10 @@ def test_instruction_run_writes_adapters_and_a_merged_checkpoint(example, tmp_pa
     sft = _sft_jsonl(tmp_path / "sft.jsonl")
     out, merged = tmp_path / "run", tmp_path / "merged"
     argv = SMALL + ["--data", sft, "--steps", "3", "--eval-every", "3", "--eval-split", "0.2"]
-    summary = example.main(argv + ["--out", str(out), "--export-merged", str(merged)])
+    extra = ["--export-merged", str(merged), "--sample-prompt", "Q: 1+2=?\nA:"]
+    summary = example.main(argv + ["--out", str(out), "--sample-tokens", "4", *extra])
+    assert set(summary["samples"]) == {"before (step 0)", "after (step 3)"}
+    assert all(isinstance(t, str) for t in summary["samples"].values())
     assert summary["data"] == sft and len(summary["losses"]) == 3
     assert [s for s, _ in summary["eval_losses"]] == [0, 3] and np.isfinite(
         summary["last_eval_loss"]
