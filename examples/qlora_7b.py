@@ -345,7 +345,8 @@ def make_tokenizer(args, cfg):
     """``--tokenizer``: 'byte', a directory with tokenizer.json, or (unset) the checkpoint's."""
     given = args.tokenizer is not None
     args.tokenizer = args.tokenizer if given else (args.checkpoint or "byte")
-    flag = f"--tokenizer {args.tokenizer}" if given else f"--checkpoint {args.checkpoint}"
+    from_ckpt = not given and args.checkpoint is not None
+    flag = f"--checkpoint {args.checkpoint}" if from_ckpt else f"--tokenizer {args.tokenizer}"
     if args.tokenizer == "byte":
         tok = jdata.ByteTokenizer()
     elif not os.path.isdir(args.tokenizer):
