@@ -17,7 +17,11 @@ estimate. A run holds out `--eval-split` of the data and reports its loss every
 `--eval-every` steps; it writes `run.json` (its flags), a loss/eval/learning-rate plot,
 `summary.json` and orbax checkpoints (every `--save-every` steps, last `--keep`) under
 `--out`; `--resume` continues exactly where the last checkpoint left off, and an `--out`
-that holds another run is refused unless `--resume` or `--overwrite` is given.
+that holds another run is refused unless `--resume` or `--overwrite` is given. `--data` takes
+text (.txt) or instruction/chat examples (.jsonl, loss on the responses only). At the end
+the adapters are written in PEFT format to `--out/adapter`; `--export-merged DIR` writes the
+merged model as a Hugging Face checkpoint; `--sample-prompt TEXT` prints a greedy
+continuation before and after training.
 
 A bad input exits with status 2 and one line `error: ...` naming the flag or file
 (`--debug` shows the traceback instead).
