@@ -49,28 +49,43 @@ def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
 
 
 def _opaque_zero(dep: jax.Array) -> jax.Array:
-    """A uint8 zero computed from one element of ``dep`` that XLA cannot constant-fold.
+    """A uint8 zero computed from ``dep`` that XLA cannot constant-fold.
 
-    ``popcount(bits(v)) >> bit_length(width)`` is 0 for every value ``v`` (the popcount of a
-    ``width``-bit word is at most ``width``), but no XLA simplifier tracks the range of a
-    popcount, so the result stays a data dependency on ``dep``."""
+    ``max(popcount(bits(dep))) >> bit_length(width)`` is 0 for every value (the popcount
+    of a ``width``-bit word is at most ``width``), but no XLA simplifier tracks the range
+    of a popcount, so the result stays a data dependency on ``dep``. A full reduction (not
+    an element) so that a sharded ``dep`` needs no slicing of a sharded axis."""
     if dep.size == 0:
         return jnp.zeros((), jnp.uint8)
-    v = dep.reshape(-1)[0]
-    if jnp.iscomplexobj(v):
-        v = jnp.real(v)
-    if v.dtype == jnp.bool_:
-        v = v.astype(jnp.uint8)
-    bits = 8 * jnp.dtype(v.dtype).itemsize
-    u = lax.bitcast_convert_type(v, jnp.dtype(f"uint{bits}"))
-    z = lax.shift_right_logical(lax.population_count(u), jnp.asarray(bits.bit_length(), u.dtype))
-    return z.astype(jnp.uint8)
+    if jnp.iscomplexobj(dep):
+        dep = jnp.real(dep)
+    if dep.dtype == jnp.bool_:
+        dep = dep.astype(jnp.uint8)
+    bits = 8 * jnp.dtype(dep.dtype).itemsize
+    u = jnp.max(lax.population_count(lax.bitcast_convert_type(dep, jnp.dtype(f"uint{bits}"))))
+    return lax.shift_right_logical(u, jnp.asarray(bits.bit_length(), u.dtype)).astype(jnp.uint8)
+
+
+def _tie_cpu(packed: jax.Array, dep: jax.Array) -> jax.Array:
+    """``packed | 0`` with the 0 computed from ``dep``: XLA:CPU expands optimization
+    barriers early in its pipeline (right after its first CSE pass, before the CSE and
+    scheduling that would merge and hoist the dequantizations), so there the order needs a
+    data dependency."""
+    return packed | _opaque_zero(dep)
+
+
+def _tie_barrier(packed: jax.Array, dep: jax.Array) -> jax.Array:
+    """``packed`` through an ``optimization_barrier`` with ``dep``: XLA:GPU/TPU keep
+    barriers until after scheduling, and a barrier costs no compute or communication
+    (``dep`` may be sharded)."""
+    return lax.optimization_barrier((packed, dep))[0]
 
 
 @custom_vmap
 def _tie(packed: jax.Array, dep: jax.Array) -> jax.Array:
-    """``packed | 0``, with the 0 computed from ``dep`` (``_opaque_zero``)."""
-    return packed | _opaque_zero(dep)
+    """``packed``, ordered after ``dep`` and distinct from any other use of ``packed`` for
+    XLA (the branch is picked at lowering, per platform)."""
+    return lax.platform_dependent(packed, dep, cpu=_tie_cpu, default=_tie_barrier)
 
 
 @_tie.def_vmap
@@ -82,15 +97,13 @@ def _tie_vmap(axis_size, in_batched, packed, dep):
 
 
 def _after(q, dep: jax.Array):
-    """``q`` (an ``NF4Array``) made data-dependent on ``dep`` without changing its value.
+    """``q`` (an ``NF4Array``) made dependent on ``dep`` without changing its value.
 
     Ties a dequantization to the activation it multiplies (the layer input ``x`` in the
     forward pass, the cotangent ``g`` in the backward pass), so XLA can neither hoist every
     layer's dequantization to the start of the program nor merge (CSE) the backward
     dequantization with the forward one: either keeps every layer's dense weight alive at
-    once in an unrolled (Python-loop) model. ``lax.optimization_barrier`` does not do this
-    on every backend: XLA:CPU expands barriers early in its pipeline, before the CSE passes
-    that merge the two dequantizations."""
+    once in an unrolled (Python-loop) model."""
     return dataclasses.replace(q, packed=_tie(q.packed, lax.stop_gradient(dep)))
 
 
