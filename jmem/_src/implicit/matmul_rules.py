@@ -90,10 +90,11 @@ def _tie(packed: jax.Array, dep: jax.Array) -> jax.Array:
 
 @_tie.def_vmap
 def _tie_vmap(axis_size, in_batched, packed, dep):
-    """Under ``vmap`` the dependency is on one example: a batched activation must not
-    turn the shared packed weight (and so its dequantization) into a per-example copy."""
+    """Under ``vmap`` the dependency is on the whole batch of ``dep`` at once: a batched
+    activation must not turn the shared packed weight (and so its dequantization) into a
+    per-example copy."""
     del axis_size
-    return _tie(packed, dep[0] if in_batched[1] else dep), in_batched[0]
+    return _tie(packed, dep), in_batched[0]
 
 
 def _after(q, dep: jax.Array):
