@@ -291,3 +291,99 @@ def test_bfloat16_checkpoint_loads_exactly(tmp_path):
         np.asarray(params["layers"]["down_proj"]["kernel"][0], np.float32),
         sd["model.layers.0.mlp.down_proj.weight"].T,
     )
+
+
+_COMMON = dict(bos_token_id=1, eos_token_id=2, initializer_range=0.02, use_cache=True)
+#: config.json of published checkpoints (the fields that shape the model), and our preset.
+PUBLISHED = {
+    "llama3_1_8b": dict(
+        architectures=["LlamaForCausalLM"],
+        attention_bias=False,
+        attention_dropout=0.0,
+        hidden_act="silu",
+        hidden_size=4096,
+        intermediate_size=14336,
+        max_position_embeddings=131072,
+        mlp_bias=False,
+        model_type="llama",
+        num_attention_heads=32,
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        pretraining_tp=1,
+        rms_norm_eps=1e-05,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        transformers_version="4.43.0.dev0",
+        vocab_size=128256,
+    ),
+    "mistral_7b": dict(
+        architectures=["MistralForCausalLM"],
+        hidden_act="silu",
+        hidden_size=4096,
+        intermediate_size=14336,
+        max_position_embeddings=32768,
+        model_type="mistral",
+        num_attention_heads=32,
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-05,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        transformers_version="4.34.0.dev0",
+        vocab_size=32000,
+    ),
+    "qwen2_5_7b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        attention_dropout=0.0,
+        hidden_act="silu",
+        hidden_size=3584,
+        intermediate_size=18944,
+        max_position_embeddings=32768,
+        max_window_layers=28,
+        model_type="qwen2",
+        num_attention_heads=28,
+        num_hidden_layers=28,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-06,
+        rope_scaling=None,
+        rope_theta=1000000.0,
+        sliding_window=131072,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        transformers_version="4.43.1",
+        use_sliding_window=False,
+        vocab_size=152064,
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_configs_load_as_the_presets_without_warnings(preset):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = hf.config_from_dict({**_COMMON, **PUBLISHED[preset]})
+    assert cfg == llama.get_config(preset), (cfg, llama.get_config(preset))
+
+
+def test_tied_checkpoint_storing_a_head_is_checked(tmp_path):
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file
+
+    _save_tiny(tmp_path, tie=True, shard=False)
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, path)
+    hf.load_params(str(tmp_path), dtype=jnp.float32)  # the same matrix: read and accepted
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, path)
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        hf.load_params(str(tmp_path), dtype=jnp.float32)

@@ -549,6 +549,44 @@ def test_leaf_by_leaf_detects_a_dependency_through_the_state():
         jax.jit(opt.update)(params, opt.init(params), params)
 
 
+def _scoped_momentum():
+    """Momentum SGD whose update runs under named scopes, one of them around a jitted
+    call spanning every leaf (which the leaf-by-leaf split inlines)."""
+
+    @jax.jit
+    def moments(m, g):
+        with jax.named_scope("inside_jit"):
+            return jax.tree.map(lambda m, g: 0.9 * m + g, m, g)
+
+    def init(params):
+        return {"m": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(updates, state, params=None):
+        with jax.named_scope("around_jit"):
+            m = moments(state["m"], updates)
+        with jax.named_scope("lr_scale"):
+            return jax.tree.map(lambda m: -0.01 * m, m), {"m": m}
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_leaf_by_leaf_keeps_name_stacks():
+    """Re-evaluated equations keep their jax.named_scope names (and those of an inlined
+    call around them) in the lowered HLO's locations, as the whole-tree update has them."""
+    params = _params(jax.random.key(13))
+    grads = jax.tree.map(lambda p: p * 0.1, params)
+    for lbl in (False, True):
+        opt = offload(_scoped_momentum(), leaf_by_leaf=lbl)
+        state = opt.init(params)
+        text = jax.jit(opt.update).lower(grads, state, params).as_text(debug_info=True)
+        assert re.search(r"lr_scale/mul", text), lbl
+        assert re.search(r"around_jit/", text) and re.search(r"inside_jit/(mul|add)", text), lbl
+    # Leaf by leaf, the jitted call is inlined: its scope prefixes the equations of its body.
+    assert re.search(r"around_jit/inside_jit/(mul|add)", text)
+    upd, _ = jax.jit(opt.update)(grads, state, params)
+    chex.assert_trees_all_close(upd, jax.tree.map(lambda g: -0.01 * g, grads), rtol=1e-6)
+
+
 def test_leaf_by_leaf_eager_extra_args_and_bad_flag():
     params = _params(jax.random.key(12))
     grads = jax.tree.map(lambda p: p * 0.1, params)

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 from jmem._src.implicit import interpreter as _implicit
+from jmem._src.implicit import targets as _targets
 
 __all__ = ["LoraWeight", "init", "apply", "merge", "num_trainable", "DEFAULT_TARGETS"]
 
 #: Default targets, as PEFT's default for Llama: the query and value projections.
-DEFAULT_TARGETS = r".*(q_proj|v_proj).*"
+DEFAULT_TARGETS = _targets.LORA_DEFAULT_TARGETS
 
 
 @dataclasses.dataclass(frozen=True)

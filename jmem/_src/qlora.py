@@ -7,7 +7,6 @@ inside a layer ``scan``) and again in the backward pass, never kept. See ``docs/
 
 from __future__ import annotations
 
-import re
 from typing import Any
 from typing import Callable
 
@@ -17,20 +16,11 @@ from jmem._src import lora as _lora
 from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 from jmem._src.implicit import interpreter as _implicit
+from jmem._src.implicit import targets as _targets
+from jmem._src.implicit.targets import EXCLUDE
+from jmem._src.implicit.targets import default_targets
 
 __all__ = ["quantize_params", "dequantize_params", "apply", "default_targets", "EXCLUDE"]
-
-#: Leaves whose path matches this (case-insensitive) are never quantized by default.
-EXCLUDE = r"(embed|embedding|wte|wpe|lm_head|output_head|norm|ln_|layernorm|bias)"
-
-
-def default_targets(path: str, leaf: Any) -> bool:
-    """Every floating weight of rank >= 2 except embeddings, the output head and norms."""
-    return (
-        _tree.is_float_array(leaf)
-        and len(leaf.shape) >= 2
-        and re.search(EXCLUDE, path, re.IGNORECASE) is None
-    )
 
 
 def quantize_params(
@@ -44,8 +34,12 @@ def quantize_params(
 
     Args:
       params: a params pytree (arrays; ``jax.ShapeDtypeStruct`` under ``jax.eval_shape``).
-      targets: ``None`` for ``default_targets``, a regex (``re.fullmatch`` on the
-        '/'-joined path) or a predicate ``(path, leaf) -> bool``. Only floating leaves of
+      targets: ``None`` for the default rule: ``default_targets`` (floating, rank >= 2,
+        path not matching ``EXCLUDE``: no embedding, output head, norm, bias or ``scale``)
+        minus the per-layer vectors of a stacked model (a ``[L, H]`` leaf whose siblings
+        are ``[L, ...]`` stacks, e.g. a norm scale under ``nn.scan``/``nnx.scan``); or a
+        regex (``re.fullmatch`` on the '/'-joined path) or a predicate
+        ``(path, leaf) -> bool``. Only floating leaves of
         rank >= 2 can be quantized; rank >= 3 leaves are stacks ``[*L, in, out]`` quantized
         per matrix, so a layer ``scan`` slices them into per-layer ``NF4Array``s.
       block_size, double_quant: see ``jmem.nf4.quantize``.
@@ -57,8 +51,12 @@ def quantize_params(
     Raises:
       ValueError: if a targeted leaf is not a floating array of rank >= 2, or nothing matched.
     """
-    pred = _tree.path_predicate(default_targets if targets is None else targets)
     flat, treedef = _implicit.flatten_params(params)
+    if targets is None:
+        chosen = _targets.default_quantized(flat)
+        pred = lambda path, leaf: path in chosen  # noqa: E731
+    else:
+        pred = _tree.path_predicate(targets)
     out, n = [], 0
     for path, leaf in flat:
         if isinstance(leaf, _nf4.NF4Array) or not pred(path, leaf):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jmem._src import tree as _tree
 from jmem._src.implicit import matmul_rules as _matmul
 from jmem._src.implicit import structural_rules as _structural
+from jmem._src.implicit import targets as _targets
 from jmem._src.implicit.weight import ImplicitWeightError
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import error
@@ -208,9 +209,24 @@ def call(
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*p_avals, *a_dyn)
     interp = _Interpreter(allow_materialize)
-    outs = interp.eval(closed.jaxpr, closed.consts, [*p_vals, *a_dyn])
-    outs = [o.materialize() if (is_weight(o) and allow_materialize) else o for o in outs]
-    for o in outs:
-        if is_weight(o):
-            raise error(o, "<output>", "the function returns the weight itself")
+    try:
+        outs = interp.eval(closed.jaxpr, closed.consts, [*p_vals, *a_dyn])
+        outs = [o.materialize() if (is_weight(o) and allow_materialize) else o for o in outs]
+        for o in outs:
+            if is_weight(o):
+                raise error(o, "<output>", "the function returns the weight itself")
+    except ImplicitWeightError as e:
+        _add_rule_note(e, flat, lora)
+        raise
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _add_rule_note(e: ImplicitWeightError, flat: list, lora: dict) -> None:
+    """Appends to ``e`` which target rule made its weight implicit (once, innermost call)."""
+    leaf = dict(flat).get(e.weight_name)
+    if leaf is None or getattr(e, "rule_noted", False):
+        return
+    note = _targets.rule_note(e.weight_name, flat, nf4=is_nf4(leaf), lora=e.weight_name in lora)
+    if note:
+        e.args = (f"{e.args[0]} {note}", *e.args[1:])
+    e.rule_noted = True

@@ -7,9 +7,12 @@ arXiv:2305.14314). See ``docs/lora.md``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import error
@@ -45,8 +48,73 @@ def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
     return y
 
 
+def _opaque_zero(dep: jax.Array) -> jax.Array:
+    """A uint8 zero computed from ``dep`` that XLA cannot constant-fold.
+
+    ``max(popcount(bits(dep))) >> bit_length(width)`` is 0 for every value (the popcount
+    of a ``width``-bit word is at most ``width``), but no XLA simplifier tracks the range
+    of a popcount, so the result stays a data dependency on ``dep``. A full reduction (not
+    an element) so that a sharded ``dep`` needs no slicing of a sharded axis."""
+    if dep.size == 0:
+        return jnp.zeros((), jnp.uint8)
+    if jnp.iscomplexobj(dep):
+        dep = jnp.real(dep)
+    if dep.dtype == jnp.bool_:
+        dep = dep.astype(jnp.uint8)
+    bits = 8 * jnp.dtype(dep.dtype).itemsize
+    u = jnp.max(lax.population_count(lax.bitcast_convert_type(dep, jnp.dtype(f"uint{bits}"))))
+    return lax.shift_right_logical(u, jnp.asarray(bits.bit_length(), u.dtype)).astype(jnp.uint8)
+
+
+def _tie_cpu(packed: jax.Array, dep: jax.Array) -> jax.Array:
+    """``packed | 0`` with the 0 computed from ``dep``: XLA:CPU expands optimization
+    barriers early in its pipeline (right after its first CSE pass, before the CSE and
+    scheduling that would merge and hoist the dequantizations), so there the order needs a
+    data dependency."""
+    return packed | _opaque_zero(dep)
+
+
+def _tie_barrier(packed: jax.Array, dep: jax.Array) -> jax.Array:
+    """``packed`` through an ``optimization_barrier`` with ``dep``: XLA:GPU/TPU keep
+    barriers until after scheduling, and a barrier costs no compute or communication
+    (``dep`` may be sharded)."""
+    return lax.optimization_barrier((packed, dep))[0]
+
+
+@custom_vmap
+def _tie(packed: jax.Array, dep: jax.Array) -> jax.Array:
+    """``packed``, ordered after ``dep`` and distinct from any other use of ``packed`` for
+    XLA (the branch is picked at lowering, per platform)."""
+    return lax.platform_dependent(packed, dep, cpu=_tie_cpu, default=_tie_barrier)
+
+
+@_tie.def_vmap
+def _tie_vmap(axis_size, in_batched, packed, dep):
+    """Under ``vmap`` the dependency is on the whole batch of ``dep`` at once: a batched
+    activation must not turn the shared packed weight (and so its dequantization) into a
+    per-example copy."""
+    del axis_size
+    return _tie(packed, dep), in_batched[0]
+
+
+def _after(q, dep: jax.Array):
+    """``q`` (an ``NF4Array``) made dependent on ``dep`` without changing its value.
+
+    Ties a dequantization to the activation it multiplies (the layer input ``x`` in the
+    forward pass, the cotangent ``g`` in the backward pass), so XLA can neither hoist every
+    layer's dequantization to the start of the program nor merge (CSE) the backward
+    dequantization with the forward one: either keeps every layer's dense weight alive at
+    once in an unrolled (Python-loop) model."""
+    return dataclasses.replace(q, packed=_tie(q.packed, lax.stop_gradient(dep)))
+
+
 def _frozen_nf4_dot(x, q, *, wi: int, w: Weight, params: dict):
-    """``dot_general`` of x with the dequantized view of ``q``, recomputed in backward."""
+    """``dot_general`` of x with the dequantized view of ``q``, recomputed in backward.
+
+    The dequantized weight is never a residual (the residuals are ``x`` and the packed
+    ``q``) and each dequantization depends on its activation (``_after``), so an unrolled
+    model holds one layer's dense weight at a time, forward and backward, as a scanned one.
+    """
     meta = w.replace(base=None, a=None, b=None)  # static view only; no tracers captured
 
     def prim(x, q):
@@ -56,13 +124,14 @@ def _frozen_nf4_dot(x, q, *, wi: int, w: Weight, params: dict):
 
     @jax.custom_vjp
     def f(x, q):
-        return prim(x, q)
+        return prim(x, _after(q, x))
 
     def fwd(x, q):
-        return prim(x, q), (x, q)
+        return prim(x, _after(q, x)), (x, q)
 
     def bwd(res, g):
         x, q = res
+        q = _after(q, g)
         _, vjp = jax.vjp(lambda x: prim(x, q), x)
         return vjp(g)[0], None
 

@@ -19,7 +19,15 @@ __all__ = ["ImplicitWeightError", "Weight", "flatten_params", "is_nf4", "is_weig
 
 
 class ImplicitWeightError(ValueError):
-    """A targeted (NF4 / LoRA) weight is used in a way the interpreter cannot rewrite."""
+    """A targeted (NF4 / LoRA) weight is used in a way the interpreter cannot rewrite.
+
+    Attributes:
+      weight_name: the '/'-joined path of the weight in params ("" if unknown).
+    """
+
+    def __init__(self, message: str, weight_name: str = ""):
+        super().__init__(message)
+        self.weight_name = weight_name
 
 
 def is_nf4(x) -> bool:
@@ -184,5 +192,6 @@ def error(w: Weight, prim: str, why: str = "") -> ImplicitWeightError:
         f"{prim!r}, which jmem cannot apply to an NF4/LoRA weight without materializing it"
         f"{': ' + why if why else ''}. Use the weight only through matmuls (dot_general/einsum/@), "
         f"optionally after astype/transpose/slicing its stacked axis, or pass "
-        f"allow_materialize=True to dequantize/merge it for this operation."
+        f"allow_materialize=True to dequantize/merge it for this operation.",
+        weight_name=w.name,
     )

@@ -22,6 +22,8 @@ import optax
 from jax.extend import core as jcore
 
 from jmem._src.interpret import bind_eqn
+from jmem._src.interpret import eqn_context
+from jmem._src.interpret import name_stack_of
 from jmem._src.offload.memory_kinds import DEVICE
 from jmem._src.offload.memory_kinds import is_array
 from jmem._src.offload.memory_kinds import is_tracer
@@ -209,6 +211,7 @@ class _Entry(NamedTuple):
     ins: list  # refs of its inputs (or Literals)
     outs: list  # refs of its outputs
     deps: int  # bit mask: parameter leaves its inputs depend on
+    prefix: Any = None  # name stack of the inlined calls around it (None at top level)
 
 
 class _Program(NamedTuple):
@@ -347,25 +350,25 @@ def _is_zero_after(eqn: Any) -> bool:
     return eqn.params.get("name") == ZERO_AFTER_NAME and eqn.primitive.name in ("pjit", "jit")
 
 
-def _inline(eqn: Any, body: tuple, ins: list, ref_of: dict, labels: _Labels) -> None:
+def _inline(eqn: Any, body: tuple, ins: list, ref_of: dict, labels: _Labels, prefix=None) -> None:
     """Walks a call spanning several leaves in place of the call (its shardings must be
-    unset: splitting it would drop them)."""
+    unset: splitting it would drop them); its equations keep the call's name stack."""
     shardings = (*eqn.params.get("in_shardings", ()), *eqn.params.get("out_shardings", ()))
     if any(isinstance(x, jax.sharding.Sharding) for x in shardings):
         raise _sharded_call_error()
     sub_ref_of = dict(zip(body[0].invars, ins))
-    _walk(body[0], body[1], sub_ref_of, labels)
+    _walk(body[0], body[1], sub_ref_of, labels, name_stack_of(eqn, prefix))
     for v, w in zip(eqn.outvars, body[0].outvars):
         ref_of[v] = w if isinstance(w, jcore.Literal) else sub_ref_of[w]
 
 
-def _walk(jaxpr: Any, const_vals: list, ref_of: dict, labels: _Labels) -> None:
+def _walk(jaxpr: Any, const_vals: list, ref_of: dict, labels: _Labels, prefix=None) -> None:
     """Labels every equation of ``jaxpr`` with the parameter leaves its inputs depend on.
 
     ``ref_of`` maps the jaxpr's input variables to refs (see ``_Program``) and is extended
     with every equation output. An ordering dependency ``zero_after`` (exactly 0) becomes
     the literal 0: the leaves are ordered here anyway. Calls spanning several leaves are
-    inlined.
+    inlined; ``prefix`` is the name stack of the calls inlined around ``jaxpr``.
     """
     ctx = next(labels.contexts)
     for v, c in zip(jaxpr.constvars, const_vals):
@@ -382,12 +385,12 @@ def _walk(jaxpr: Any, const_vals: list, ref_of: dict, labels: _Labels) -> None:
             continue
         body = _call_body(eqn)
         if body is not None and d & (d - 1):  # spans several leaves: inline
-            _inline(eqn, body, ins, ref_of, labels)
+            _inline(eqn, body, ins, ref_of, labels, prefix)
             continue
         outs = [(ctx, v) for v in eqn.outvars]
         for v, r in zip(eqn.outvars, outs):
             ref_of[v], labels.deps[r] = r, d
-        labels.entries.append(_Entry(eqn, ins, outs, d))
+        labels.entries.append(_Entry(eqn, ins, outs, d, prefix))
 
 
 def _check_outputs(out_refs, deps, owner, lay: _Layout, names) -> None:
@@ -524,7 +527,8 @@ def _read(env: dict, r: Any) -> Any:
 
 def _evaluate(env: dict, entries: list) -> None:
     for e in entries:
-        outs = bind_eqn(e.eqn, [_read(env, r) for r in e.ins])
+        with eqn_context(e.eqn, e.prefix):
+            outs = bind_eqn(e.eqn, [_read(env, r) for r in e.ins])
         if not e.eqn.primitive.multiple_results:
             outs = [outs]
         for r, o in zip(e.outs, outs):
