@@ -11,7 +11,7 @@ benchmark of ``jmem.remat`` on user code (``tests/test_remat_user_code.py``,
 Each block: pre-norm causal attention (one head per 32 features) and a GELU MLP whose
 hidden activation is tagged ``checkpoint_name(h, "mlp_hidden")``; the model: embedding,
 blocks, final norm (``ln_f``) and output projection (``head``) under those name scopes.
-``make(style, ...)`` returns a ``UserModel`` whose ``step(policy, where)`` is a functional
+``make(style, ...)`` returns a ``UserModel`` whose ``step(policy, where, **remat_kw)`` is a functional
 train step (AdamW update inside) with ``jmem.remat`` around the whole step
 (``where="step"``), around the loss inside it (``"loss"``) or nowhere (``"none"``).
 """
@@ -80,8 +80,9 @@ class UserModel:
     loss: Callable[[Any, dict], jax.Array]  # params-level loss (for the unrolled warning)
 
 
-def _wrap(fn, policy, here, where):
-    return jmem.remat(fn, policy) if (where == here and policy != "none") else fn
+def _wrap(fn, policy, here, where, **remat_kw):
+    wrap = where == here and (policy != "none" or remat_kw)
+    return jmem.remat(fn, policy, **remat_kw) if wrap else fn
 
 
 def _plain_params(key, layers, hidden, vocab):
@@ -118,8 +119,8 @@ def _plain_loss(unrolled):
 def _optax_model(style, params, loss, batch):
     tx = optax.adamw(1e-3)
 
-    def step(policy, where):
-        inner_loss = _wrap(loss, policy, "loss", where)
+    def step(policy, where, **remat_kw):
+        inner_loss = _wrap(loss, policy, "loss", where, **remat_kw)
 
         def train_step(state, batch):
             params, opt_state = state
@@ -127,7 +128,7 @@ def _optax_model(style, params, loss, batch):
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), value
 
-        return _wrap(train_step, policy, "step", where)
+        return _wrap(train_step, policy, "step", where, **remat_kw)
 
     return UserModel(style, (params, tx.init(params)), batch, step, loss)
 
@@ -246,12 +247,12 @@ def _nnx_model(layers, hidden, vocab, batch, seed):
     model, optimizer, train_step = nnx_step_fns(layers, hidden, vocab, seed=seed)
     graphdef, state = nnx.split((model, optimizer))
 
-    def step(policy, where):
-        loss_transform = lambda f: _wrap(f, policy, "loss", where)
-        user_step = _wrap(train_step, policy, "step", where)
+    def step(policy, where, **remat_kw):
+        loss_transform = lambda f: _wrap(f, policy, "loss", where, **remat_kw)
+        user_step = _wrap(train_step, policy, "step", where, **remat_kw)
 
         def functional(state, batch):  # what nnx.jit does around the user's step
-            model, optimizer = nnx.merge(graphdef, state)
+            model, optimizer = nnx.merge(graphdef, state, copy=True)
             value = user_step(model, optimizer, batch, loss_transform=loss_transform)
             return nnx.state((model, optimizer)), value
 
