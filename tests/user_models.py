@@ -103,12 +103,14 @@ def _plain_params(key, layers, hidden, vocab):
     }
 
 
-def _plain_loss(unrolled):
+def _plain_loss(unrolled, layer_transform=None):
+    block = _block if layer_transform is None else layer_transform(_block)
+
     def loss(params, batch):
         x = params["embed"][batch["inputs"]]
         if unrolled:
             for i in range(params["layers"]["wq"].shape[0]):
-                x = _block(x, jax.tree.map(lambda a: a[i], params["layers"]))
+                x = block(x, jax.tree.map(lambda a: a[i], params["layers"]))
         else:
             x, _ = jax.lax.scan(lambda c, w: (_block(c, w), None), x, params["layers"])
         return _cross_entropy(_head(x, params["head"]), batch["targets"])
@@ -265,14 +267,19 @@ def _nnx_model(layers, hidden, vocab, batch, seed):
     return UserModel("nnx", state, batch, step, loss)
 
 
-def make(style, layers=4, hidden=64, seq=128, batch_size=2, vocab=128, seed=0) -> UserModel:
-    """A ``UserModel`` of ``style`` (``STYLES`` or ``"jax_unrolled"``) with float32 params."""
+def make(
+    style, layers=4, hidden=64, seq=128, batch_size=2, vocab=128, seed=0, layer_transform=None
+) -> UserModel:
+    """A ``UserModel`` of ``style`` (``STYLES`` or ``"jax_unrolled"``) with float32 params;
+    ``layer_transform`` (plain JAX styles) wraps the block function, e.g.
+    ``lambda f: jax.checkpoint(f)`` for per-layer checkpoints in the Python loop."""
     key = jax.random.key(seed)
     tokens = jax.random.randint(jax.random.key(seed + 1), (batch_size, seq + 1), 0, vocab)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if style in ("jax", "jax_unrolled"):
         params = _plain_params(key, layers, hidden, vocab)
-        return _optax_model(style, params, _plain_loss(style == "jax_unrolled"), batch)
+        loss = _plain_loss(style == "jax_unrolled", layer_transform)
+        return _optax_model(style, params, loss, batch)
     if style == "linen":
         return _linen_model(key, layers, hidden, vocab, batch)
     if style == "nnx":
