@@ -7,6 +7,7 @@ import warnings
 import chex
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 import user_models
 
@@ -79,6 +80,35 @@ def test_unrolled_layers_warn_that_nothing_is_saved():
     for where in ("step", "loss"):
         with pytest.warns(UserWarning, match="no lax.scan.*nnx.scan.*linen.scan.*lax.scan"):
             jax.jit(m.step("full", where)).lower(m.state, m.batch)
+
+
+def test_nnx_step_with_python_loop_layers_warns_and_keeps_state():
+    """No scan and NNX state mutated in place: run as written (state advances), with a
+    warning that nothing was checkpointed."""
+    batch = {"x": jnp.ones((2, 8)), "y": jnp.zeros((2, 8))}
+
+    def run(wrap):
+        layers = nnx.List([nnx.Linear(8, 8, rngs=nnx.Rngs(i)) for i in range(3)])
+        opt = nnx.Optimizer(layers, optax.sgd(0.1), wrt=nnx.Param)
+
+        def step(layers, opt, batch):
+            def loss_fn(layers):
+                h = batch["x"]
+                for layer in layers:
+                    h = jnp.tanh(layer(h))
+                return jnp.mean((h - batch["y"]) ** 2)
+
+            loss, grads = nnx.value_and_grad(loss_fn)(layers)
+            opt.update(layers, grads)
+            return loss
+
+        return wrap(step)(layers, opt, batch), nnx.state(layers), int(opt.step[...])
+
+    ref = run(lambda f: f)
+    with pytest.warns(UserWarning, match="no lax.scan.*ran as written"):
+        got = run(lambda f: jmem.remat(f, "full"))
+    assert got[2] == ref[2] == 1
+    chex.assert_trees_all_close(got[:2], ref[:2], atol=1e-6)
 
 
 def test_scanned_layers_do_not_warn():

@@ -290,7 +290,10 @@ def _python_scalars_back(out, traced_out):
 def _is_graph_node(x) -> bool:
     """True for a Flax NNX object (module, optimizer, RNG stream): state mutated in place."""
     nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, getattr(nnx, "Object", ()))
+    if nnx is None:
+        return False
+    kinds = tuple(getattr(nnx, n, None) for n in ("Pytree", "Object", "Variable"))
+    return isinstance(x, tuple(k for k in kinds if isinstance(k, type)))
 
 
 def _has_graph_nodes(args, kwargs) -> bool:
