@@ -212,11 +212,23 @@ def remat(
 ) -> Callable:
     """Rematerializes ``fn``'s activations per layer under a named policy.
 
-    Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``)
-    and on a whole loss: every ``lax.scan`` traced inside ``fn`` gets its body checkpointed,
-    so ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer. Values and
-    gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA may
-    fuse a recomputed region differently elsewhere, changing the last bits).
+    Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``),
+    on a whole loss and on a whole train step: every ``lax.scan`` that ``fn`` runs
+    (``nnx.scan``, ``flax.linen.scan``, ``fori_loop`` included) gets its body checkpointed
+    when it is bound, before any ``jax.grad``/``nnx.grad`` inside ``fn`` differentiates it.
+    So ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer, and
+    ``jmem.remat(step, policy)`` around a step that calls ``jax.value_and_grad`` and an
+    optax update (or ``nnx.value_and_grad`` and ``optimizer.update(model, grads)``) saves
+    the same. ``fn`` itself runs once, as written: in-place NNX updates (optimizer state,
+    batch statistics, RNG counters) and name stacks are as without remat. Values and
+    gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA
+    may fuse a recomputed region differently elsewhere, changing the last bits).
+    Mechanism and the JAX internals it relies on: ``docs/remat.md``.
+
+    A function without a scan is checkpointed whole (a layer called in a Python loop);
+    when that saves nothing (a whole loss, or a step that differentiates inside or mutates
+    NNX state, which then runs as written) it warns (``UserWarning``) with how to scan the
+    layers.
 
     Args:
       fn: the function; may be omitted to use ``remat`` as a decorator factory.
@@ -241,8 +253,11 @@ def remat(
 
     Raises:
       ValueError: an unknown policy name (names: ``jmem.REMAT_POLICIES``), ``every`` not a positive
-        int or ``"sqrt"``, or (on call) ``static_argnums`` out of range.
+        int or ``"sqrt"``; on call: ``static_argnums`` out of range, or a names policy naming
+        a ``checkpoint_name`` that ``fn`` does not carry (the message lists those it does).
       TypeError: a policy that is not a name, a sequence of names or a callable.
+      RuntimeError: on call, ``fn`` holds a scan but none was bound while it ran (traced
+        before, by a cache jmem cannot see), so nothing would be checkpointed.
     """
     if fn is None:
         return functools.partial(

@@ -49,13 +49,17 @@ _JIT_CALLERS = tuple(
     for n in ("_run_python_pjit", "_python_pjit_helper")
     if callable(getattr(_pjit_mod, n, None))
 )
-_ORIG_SCAN_BIND = _SCAN_P.bind
-_ORIG_JIT_BIND = _jit_p.bind
+# the primitives' own binds (kept on them, so a reload of this module finds them again)
+_ORIG_SCAN_BIND = _SCAN_P.__dict__.get("_jmem_original_bind", _SCAN_P.bind)
+_ORIG_JIT_BIND = _jit_p.__dict__.get("_jmem_original_bind", _jit_p.bind)
 _LOCAL = threading.local()
 _INSTALLED = []
 
 
 def _make_context_state():
+    existing = getattr(_jax_config, "config_states", {}).get("jmem_remat_context")
+    if existing is not None:  # this module imported again (reload, second copy of jmem)
+        return existing
     try:
         return _jax_config.string_or_object_state(
             "jmem_remat_context",
@@ -63,7 +67,7 @@ def _make_context_state():
             "jmem.remat's active configuration (separates JAX's trace caches).",
             include_in_trace_context=True,
         )
-    except (TypeError, AttributeError):  # pragma: no cover - JAX without trace-context states
+    except (TypeError, AttributeError):  # JAX without trace-context states
         return None
 
 
@@ -71,8 +75,10 @@ _CONTEXT_STATE = _make_context_state()
 
 
 class Interception:
-    """What one call of a ``jmem.remat``-wrapped function did: scans and jits rewritten,
-    and the ``checkpoint_name`` names found in the rewritten scan bodies."""
+    """One call of a ``jmem.remat``-wrapped function: how to rewrite a scan bind
+    (``rewrite_scan(params, args)``) and a jit call holding unchecked scans
+    (``rewrite_jit(closed_jaxpr, args)``), the trace-cache ``key``, and the counts of
+    scans and jit calls rewritten."""
 
     def __init__(self, rewrite_scan: Callable, rewrite_jit: Callable, key: Any, entry=None):
         self.rewrite_scan, self.rewrite_jit, self.key = rewrite_scan, rewrite_jit, key
@@ -157,6 +163,7 @@ def _jit_bind(*args, **params):
 
 def _install():
     if not _INSTALLED:
+        _SCAN_P._jmem_original_bind, _jit_p._jmem_original_bind = _ORIG_SCAN_BIND, _ORIG_JIT_BIND
         _SCAN_P.bind = _scan_bind
         _jit_p.bind = _jit_bind
         _INSTALLED.append(True)
