@@ -111,6 +111,19 @@ def test_nnx_step_with_python_loop_layers_warns_and_keeps_state():
     chex.assert_trees_all_close(got[:2], ref[:2], atol=1e-6)
 
 
+def test_remat_step_around_a_remat_loss():
+    """Both forms at once (e.g. jmem.remat around a step built with train_step(remat=...)):
+    the inner wrapper checkpoints the scans, the outer one accepts that."""
+    m = user_models.make("jax", layers=2, hidden=16, seq=8, batch_size=1, vocab=16)
+    both = jmem.remat(m.step("full", "loss"), "full")
+    chex.assert_trees_all_close(
+        jax.jit(both)(m.state, m.batch),
+        jax.jit(m.step("full", "none"))(m.state, m.batch),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
 def test_scanned_layers_do_not_warn():
     m = user_models.make("jax", **SHAPE)
     with warnings.catch_warnings():

@@ -141,8 +141,9 @@ def _scan_bind(*args, **params):
     caller = sys._getframe(1)
     if caller.f_code is not _SCAN_CODE or _inside_user_scan(caller.f_back, icp.entry):
         return _ORIG_SCAN_BIND(*args, **params)
+    for outer in _LOCAL.stack:  # an inner jmem.remat's rewrite serves the outer ones too
+        outer.scans += 1
     with busy(icp):
-        icp.scans += 1
         return icp.rewrite_scan(params, list(args))
 
 
@@ -156,8 +157,9 @@ def _jit_bind(*args, **params):
     closed = params.get("jaxpr")
     if closed is None or _inside_user_scan(caller, icp.entry) or not has_plain_scan(closed.jaxpr):
         return _ORIG_JIT_BIND(*args, **params)
+    for outer in _LOCAL.stack:
+        outer.jits += 1
     with busy(icp):
-        icp.jits += 1
         return icp.rewrite_jit(closed, list(args))
 
 
