@@ -198,3 +198,12 @@ def test_every_groups_layers_of_a_whole_step():
     loss = _temp(m, "loss", policy="none", every=2)
     step = _temp(m, "step", policy="none", every=2)
     assert step <= 1.05 * loss and step < _temp(m, "none"), (step, loss)
+
+
+def test_scan_that_is_not_intercepted_raises_instead_of_saving_nothing(monkeypatch):
+    """If no scan can be intercepted (simulated: a JAX whose lax.scan binds elsewhere),
+    jmem.remat raises rather than return a function that silently saves nothing."""
+    monkeypatch.setattr(scan_intercept, "_SCAN_CODE", (lambda: None).__code__)
+    m = user_models.make("jax", layers=2, hidden=16, seq=8, batch_size=1, vocab=16)
+    with pytest.raises(RuntimeError, match="nothing would be checkpointed"):
+        jax.grad(jmem.remat(m.loss, "full"))(m.state[0], m.batch)

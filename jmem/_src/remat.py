@@ -401,9 +401,10 @@ class _RematWrapper:
         stateful = _has_graph_nodes(args, kwargs)
         if stateful or _si.differentiates(closed.jaxpr):
             warnings.warn(
-                f"jmem.remat: {name!r} has no lax.scan; it differentiates inside or mutates "
-                "NNX state, so it ran as written and nothing was checkpointed (no memory "
-                f"saved). {_UNROLLED_ADVICE}",
+                f"jmem.remat: {name!r} has no lax.scan; it differentiates inside or takes NNX "
+                "objects (whose in-place updates a whole-function jax.checkpoint would drop), "
+                "so it ran as written and nothing was checkpointed (no memory saved; for one "
+                f"NNX layer use nnx.remat). {_UNROLLED_ADVICE}",
                 UserWarning,
                 stacklevel=3,
             )
