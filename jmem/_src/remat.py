@@ -413,7 +413,8 @@ class _RematWrapper:
             return flat_fn(*dyn)
         if any(getattr(v.aval, "shape", None) == () for v in closed.jaxpr.outvars[:1]):
             warnings.warn(
-                f"jmem.remat: {name!r} has no lax.scan, so it was checkpointed whole, which "
+                f"jmem.remat: {name!r} has no lax.scan (outside custom_vjp/custom_jvp rules), "
+                "so it was checkpointed whole, which "
                 "saves no memory for a whole loss (the backward pass recomputes every layer at "
                 f"once and holds them all). {_UNROLLED_ADVICE}",
                 UserWarning,
