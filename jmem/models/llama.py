@@ -237,6 +237,7 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
+@jax.named_scope("rms_norm")
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019), computed in float32, returned in ``x.dtype``."""
     xf = x.astype(jnp.float32)
@@ -251,6 +252,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float):
     return jnp.cos(angles), jnp.sin(angles)
 
 
+@jax.named_scope("rope")
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates ``x [B, S, heads, D]`` by position, half-split layout as in HF Llama."""
     half = x.shape[-1] // 2
@@ -272,6 +274,7 @@ def _meta(fp8: Params | None, name: str):
     return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
+@jax.named_scope("attention")
 def attention(q, k, v):
     """Causal grouped-query attention. q ``[B,S,nH,D]``, k/v ``[B,S,nKV,D]`` -> ``[B,S,nH,D]``."""
     b, s, nh, d = q.shape
@@ -377,6 +380,7 @@ def forward(
     return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+@jax.named_scope("cross_entropy")
 def cross_entropy(
     logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
 ) -> jax.Array:
