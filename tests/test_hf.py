@@ -1,13 +1,17 @@
-"""Loading Hugging Face Llama checkpoints; oracle: transformers' LlamaForCausalLM (torch CPU)."""
+"""Loading Hugging Face Llama/Mistral/Qwen2 checkpoints and generating; oracle: transformers'
+LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (torch CPU, float32)."""
 
 import json
 import os
+import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jmem import nf4
+from jmem import qlora
 from jmem.models import hf
 from jmem.models import llama
 
@@ -82,5 +86,189 @@ def test_missing_files_are_clear_errors(tmp_path):
     c = json.loads((tmp_path / "config.json").read_text())
     c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(c))
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match="rope_scaling.rope_type='yarn'.*llama3"):
         hf.load_config(str(tmp_path))
+
+
+_TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+)
+
+#: family -> (transformers class name, config overrides, expected jmem config fields)
+FAMILIES = {
+    "llama3_scaling": (
+        "Llama",
+        dict(
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,  # short, so seq 40 exercises it
+            },
+        ),
+        dict(rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 16), tie_embeddings=True),
+    ),
+    "linear_scaling": (
+        "Llama",
+        dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        dict(rope_scaling=llama.RopeScaling("linear", 4.0)),
+    ),
+    "mistral_sliding": ("Mistral", dict(sliding_window=16), dict(sliding_window=16)),
+    "qwen2": ("Qwen2", dict(), dict(biases=("q_proj", "k_proj", "v_proj"))),
+    "llama_biases": (
+        "Llama",
+        dict(attention_bias=True, mlp_bias=True),
+        dict(biases=llama.LINEAR_NAMES),
+    ),
+    "llama_gelu": ("Llama", dict(hidden_act="gelu"), dict(hidden_act="gelu")),
+}
+
+
+def _save_family(tmp_path, family):
+    arch, overrides, _ = FAMILIES[family]
+    cfg = getattr(transformers, f"{arch}Config")(**{**_TINY, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a dropped one would show
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_logits_match_transformers(tmp_path, family):
+    model = _save_family(tmp_path, family)
+    params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
+    for field, value in FAMILIES[family][2].items():
+        assert getattr(cfg, field) == value, (field, getattr(cfg, field))
+    tokens = np.random.default_rng(0).integers(0, 97, size=(2, 40))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(llama.forward(params, jnp.asarray(tokens, jnp.int32), cfg))
+    assert np.max(np.abs(got - ref)) <= 1e-4, np.max(np.abs(got - ref))
+
+
+def test_rope_scaling_spelled_before_transformers_5(tmp_path):
+    _save_family(tmp_path, "llama3_scaling")
+    new = hf.load_config(str(tmp_path))
+    c = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in c  # what the installed transformers writes
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope.pop("rope_theta")
+    c["rope_scaling"] = {**rope, "type": rope.pop("rope_type")}  # oldest spelling: "type"
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert hf.load_config(str(tmp_path)) == new
+
+
+def test_nf4_on_load_equals_quantizing_dense_params(tmp_path):
+    _save_family(tmp_path, "qwen2")
+    dense, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
+    q, _ = hf.load_params(str(tmp_path), dtype=jnp.float32, quantize="nf4")
+    ref = qlora.quantize_params(dense)
+    assert jax.tree.structure(q) == jax.tree.structure(ref)
+    for name in llama.LINEAR_NAMES:
+        np.testing.assert_array_equal(
+            q["layers"][name]["kernel"].packed, ref["layers"][name]["kernel"].packed
+        )
+    for name in cfg.biases:  # biases stay dense, as read
+        np.testing.assert_array_equal(q["layers"][name]["bias"], dense["layers"][name]["bias"])
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, size=(1, 16)), jnp.int32)
+    got = llama.forward(qlora.dequantize_params(q), tokens, cfg)
+    want = llama.forward(qlora.dequantize_params(ref), tokens, cfg)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _edit_config(tmp_path, **changes):
+    c = json.loads((tmp_path / "config.json").read_text())
+    c.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"hidden_act": "tanh"}, "hidden_act='tanh'.*silu"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "linear",
+                    "factor": 2.0,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor=0.5",
+        ),
+        ({"model_type": "gemma"}, "model_type='gemma'.*qwen2"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quant_method='gptq'"),
+        (
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+            "layer_types=.*one attention type",
+        ),
+    ],
+)
+def test_unimplemented_config_fields_are_refused(tmp_path, changes, match):
+    _save_family(tmp_path, "qwen2")
+    c = json.loads((tmp_path / "config.json").read_text())
+    c.pop("layer_types")  # as transformers < 5 wrote it: derived from max_window_layers
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    hf.load_config(str(tmp_path))
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        hf.load_config(str(tmp_path))
+
+
+def test_unread_tensors_are_an_error(tmp_path):
+    model = _save_family(tmp_path, "llama_biases")
+    _edit_config(tmp_path, attention_bias=False)  # the biases are in the file, not the config
+    with pytest.raises(ValueError, match=r"8 tensors.*layers\.0\.self_attn\.k_proj\.bias"):
+        hf.load_params(str(tmp_path), dtype=jnp.float32)
+    params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32, allow_unused=True)
+    assert cfg.biases == ("gate_proj", "up_proj", "down_proj")
+    assert "bias" not in params["layers"]["q_proj"]
+    del model
+
+
+def test_unknown_config_field_warns(tmp_path):
+    _save_tiny(tmp_path, shard=False)
+    _edit_config(tmp_path, attn_logit_softcapping=30.0)
+    with pytest.warns(UserWarning, match="attn_logit_softcapping"):
+        hf.load_config(str(tmp_path))
+    _edit_config(tmp_path, attn_logit_softcapping=None)  # null: nothing to implement
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["llama3_scaling", "mistral_sliding", "qwen2"])
+def test_greedy_generate_matches_transformers(tmp_path, family):
+    model = _save_family(tmp_path, family)
+    params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
+    prompt = np.random.default_rng(2).integers(0, 97, size=(2, 12))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+        ).numpy()
+    got = llama.generate(params, jnp.asarray(prompt, jnp.int32), cfg, max_new_tokens=10)
+    assert got.dtype == jnp.int32 and got.shape == (2, 22)
+    np.testing.assert_array_equal(np.asarray(got), ref)  # 22 > window 16 for mistral

@@ -18,6 +18,7 @@ checkpoint each layer. Intermediates carry ``checkpoint_name`` tags (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 from typing import Callable
@@ -34,20 +35,25 @@ Params = dict[str, Any]
 __all__ = [
     "CHECKPOINT_NAMES",
     "CONFIGS",
+    "ACTIVATIONS",
     "LINEAR_NAMES",
     "LlamaConfig",
+    "RopeScaling",
     "abstract_params",
     "apply_rope",
     "attention",
+    "attention_mask",
     "cross_entropy",
     "decoder_layer",
     "forward",
+    "generate",
     "get_config",
     "init",
     "loss_fn",
     "num_params",
     "param_shapes",
     "rms_norm",
+    "rope_frequencies",
     "rope_tables",
 ]
 
@@ -69,6 +75,53 @@ CHECKPOINT_NAMES = (
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+#: ``LlamaConfig.hidden_act`` values and their functions (names as Hugging Face's ``ACT2FN``).
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for long context (hashable: part of a static config).
+
+    Attributes:
+      rope_type: ``"linear"`` (position interpolation, Chen et al. 2023: every frequency
+        divided by ``factor``) or ``"llama3"`` (Llama 3.1: low frequencies divided by
+        ``factor``, high ones kept, a smooth ramp between; as Meta's reference and
+        transformers' ``_compute_llama3_parameters``).
+      factor: the scaling factor (> 0).
+      low_freq_factor, high_freq_factor, original_max_position_embeddings: ``llama3`` only;
+        wavelengths above ``original / low_freq_factor`` are scaled, below
+        ``original / high_freq_factor`` kept.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(
+                f"RopeScaling.rope_type={self.rope_type!r} is not implemented; "
+                "jmem implements 'linear' and 'llama3'."
+            )
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0; got {self.factor}.")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"llama3 RoPE needs high_freq_factor > low_freq_factor; got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}."
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a Llama-family model.
@@ -85,6 +138,12 @@ class LlamaConfig:
       rms_norm_eps: epsilon inside RMSNorm.
       tie_embeddings: reuse the embedding matrix as the output head.
       max_seq_len: longest sequence the config is meant for (informational).
+      rope_scaling: None (plain RoPE) or a ``RopeScaling`` (Llama 3.1+, linear).
+      sliding_window: None, or W: each token attends itself and the W - 1 before it, in
+        every layer (Mistral 7B v0.1).
+      biases: names (from ``LINEAR_NAMES``) of the projections with an additive bias
+        ``layers[name]["bias"] [L, out]``: Qwen2 has ``("q_proj", "k_proj", "v_proj")``.
+      hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``).
     """
 
     vocab_size: int = 32000
@@ -98,8 +157,23 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_seq_len: int = 4096
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    biases: tuple[str, ...] = ()
+    hidden_act: str = "silu"
 
     def __post_init__(self):
+        object.__setattr__(self, "biases", tuple(self.biases))
+        unknown = sorted(set(self.biases) - set(LINEAR_NAMES))
+        if unknown:
+            raise ValueError(f"biases {unknown} are not projections; choose from {LINEAR_NAMES}.")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not implemented; choose from "
+                f"{sorted(ACTIVATIONS)}."
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1; got {self.sliding_window}.")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -154,11 +228,62 @@ CONFIGS: dict[str, LlamaConfig] = {
         rope_theta=500000.0,
         max_seq_len=8192,
     ),
+    # Llama 3.1 8B: Llama 3 shapes, llama3 RoPE scaling to 128K context.
+    "llama3_1_8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+    ),
+    # Llama 3.2 1B: tied embeddings, llama3 RoPE scaling with factor 32.
+    "llama3_2_1b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+    ),
+    # Mistral 7B v0.1: sliding-window attention (4096 tokens) in every layer.
+    "mistral_7b": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=10000.0,
+        max_seq_len=32768,
+        sliding_window=4096,
+    ),
+    # Qwen2.5 7B: biases on q/k/v, 28 heads of 128, untied 152K vocabulary.
+    "qwen2_5_7b": LlamaConfig(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_seq_len=32768,
+        biases=("q_proj", "k_proj", "v_proj"),
+    ),
 }
 
 
 def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
-    """Returns a named config (``tiny``, ``llama_1b``, ``llama2_7b``, ``llama3_8b``).
+    """Returns a named config from ``CONFIGS`` (``tiny``, ``llama2_7b``, ``llama3_2_1b``,
+    ``mistral_7b``, ``qwen2_5_7b``, ...), with ``overrides`` replaced.
 
     Raises:
       ValueError: for an unknown name; the message lists the known ones.
@@ -194,6 +319,8 @@ def param_shapes(config: LlamaConfig) -> Params:
         },
         "final_norm": {"scale": (H,)},
     }
+    for name in c.biases:
+        shapes["layers"][name]["bias"] = (L, shapes["layers"][name]["kernel"][-1])
     if not c.tie_embeddings:
         shapes["lm_head"] = {"kernel": (H, c.vocab_size)}
     return shapes
@@ -216,7 +343,8 @@ def abstract_params(config: LlamaConfig, dtype=jnp.float32) -> Params:
 
 
 def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
-    """Random parameters: normal(0, 0.02) weights (as HF's ``initializer_range``), unit norms.
+    """Random parameters: normal(0, 0.02) weights (as HF's ``initializer_range``), unit
+    norms, zero biases.
 
     Returns:
       The params pytree described in the module docstring, every leaf of ``dtype``.
@@ -232,6 +360,8 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     for k, shape, path in zip(keys, leaves, paths):
         if "norm" in path:
             out.append(jnp.ones(shape, dtype))
+        elif "bias" in path:
+            out.append(jnp.zeros(shape, dtype))
         else:
             out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
@@ -245,19 +375,55 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
-    """cos/sin tables ``[seq_len, head_dim // 2]`` (float32) for rotary embeddings."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """Inverse frequencies ``[head_dim // 2]`` float32 of RoPE, scaled per ``scaling``."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """cos/sin tables (float32) for rotary embeddings (Su et al. 2021, "RoFormer").
+
+    Args:
+      positions: an ``int`` sequence length (positions ``0..n-1``) or an integer array of
+        positions, ``[S]`` or ``[B, S]`` (e.g. reset to 0 at each packed example).
+      head_dim: per-head width D (even).
+      theta: RoPE base frequency.
+      scaling: optional ``RopeScaling`` (``config.rope_scaling``).
+
+    Returns:
+      ``(cos, sin)``, each ``positions.shape + (D // 2,)`` float32.
+    """
+    if isinstance(positions, int):
+        positions = jnp.arange(positions)
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
 
 @jax.named_scope("rope")
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x [B, S, heads, D]`` by position, half-split layout as in HF Llama."""
+    """Rotates ``x [B, S, heads, D]`` by position, half-split layout as in HF Llama.
+    ``cos``/``sin``: ``[S, D // 2]`` or ``[B, S, D // 2]`` from ``rope_tables``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
@@ -274,47 +440,140 @@ def _meta(fp8: Params | None, name: str):
     return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
-@jax.named_scope("attention")
-def attention(q, k, v):
-    """Causal grouped-query attention. q ``[B,S,nH,D]``, k/v ``[B,S,nKV,D]`` -> ``[B,S,nH,D]``."""
+@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
+def attention_mask(
+    q_index: jax.Array,
+    kv_index: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean attention mask, True where query ``i`` may attend key ``j``.
+
+    Query ``i`` attends key ``j`` iff ``kv_index[j] <= q_index[i]`` (causal), both carry the
+    same segment id (packed examples never see each other), and, with ``sliding_window=W``,
+    ``q_index[i] - kv_index[j] < W`` (the query and the ``W - 1`` tokens before it, as
+    Mistral and Hugging Face's ``sliding_window_overlay``).
+
+    Args:
+      q_index: int ``[S]`` or ``[B, S]``: each query's index in its row (not its RoPE
+        position: positions restart in packed rows, indices do not).
+      kv_index: int ``[T]`` or ``[B, T]``: each key's index (a KV cache's slot); default
+        ``q_index`` (self-attention over the same tokens).
+      segment_ids: int ``[B, S]`` of the queries, or None (one segment).
+      kv_segment_ids: int ``[B, T]`` of the keys; default ``segment_ids``.
+      sliding_window: None (full causal attention) or the window W >= 1, in tokens.
+
+    Returns:
+      bool ``[B, S, T]`` (``B`` is 1 when nothing has a batch axis).
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}.")
+    kv_index = q_index if kv_index is None else kv_index
+    qi, ki = jnp.atleast_2d(q_index)[:, :, None], jnp.atleast_2d(kv_index)[:, None, :]
+    mask = ki <= qi
+    if sliding_window is not None:
+        mask = mask & (qi - ki < sliding_window)
+    if segment_ids is not None:
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    return mask
+
+
+def attention(q, k, v, mask):
+    """Grouped-query softmax attention (scale ``1/sqrt(D)``, softmax in float32).
+
+    Args:
+      q: ``[B, S, nH, D]`` queries.
+      k, v: ``[B, T, nKV, D]`` keys and values; ``nH`` a multiple of ``nKV``.
+      mask: bool ``[B, S, T]`` (or broadcastable, e.g. ``[1, S, T]``), True = attend; from
+        ``attention_mask``. Every query must attend at least one key.
+
+    Returns:
+      ``[B, S, nH, D]`` in ``v``'s dtype.
+    """
     b, s, nh, d = q.shape
     nkv = k.shape[2]
-    q = q.reshape(b, s, nkv, nh // nkv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    # Heads-major layouts ([B, nKV, G, S, D], [B, nKV, T, D]) make both einsums plain batched
+    # matmuls whose results need no transpose: the [.., S, T] scores and their gradients
+    # (the big arrays) are written once, in place; only q/k/v/out (D wide) are transposed.
+    q = q.reshape(b, s, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, s, nh, d)
+    out = jnp.einsum("bkgqs,bksd->bkgqd", probs, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh, d)
 
 
-def decoder_layer(
-    x: jax.Array, layer: Params, config: LlamaConfig, cos, sin, fp8: Params | None = None
-) -> jax.Array:
-    """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
-    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
+def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Array:
+    """Projection ``name`` of ``h``: ``h @ kernel`` (+ ``bias`` when the params have one)."""
+    y = _dense(h, layer[name]["kernel"], _meta(fp8, name))
+    bias = layer[name].get("bias")
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def _layer(x, layer, config, cos, sin, mask, fp8=None, cache=None, index=None):
+    """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
+    ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache."""
     c = config
     b, s, _ = x.shape
     h = checkpoint_name(rms_norm(x, layer["attn_norm"]["scale"], c.rms_norm_eps), "attn_norm")
-    q = checkpoint_name(_dense(h, layer["q_proj"]["kernel"], _meta(fp8, "q_proj")), "query_proj")
-    k = checkpoint_name(_dense(h, layer["k_proj"]["kernel"], _meta(fp8, "k_proj")), "key_proj")
-    v = checkpoint_name(_dense(h, layer["v_proj"]["kernel"], _meta(fp8, "v_proj")), "value_proj")
+    q = checkpoint_name(_proj(h, layer, "q_proj", fp8), "query_proj")
+    k = checkpoint_name(_proj(h, layer, "k_proj", fp8), "key_proj")
+    v = checkpoint_name(_proj(h, layer, "v_proj", fp8), "value_proj")
     q = apply_rope(q.reshape(b, s, c.num_heads, c.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), cos, sin)
     v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
-    ctx = checkpoint_name(attention(q, k, v).reshape(b, s, -1), "attn_context")
-    x = x + checkpoint_name(
-        _dense(ctx, layer["o_proj"]["kernel"], _meta(fp8, "o_proj")), "attn_out"
-    )
+    if cache is not None:
+        cache = tuple(
+            jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
+            for full, new in zip(cache, (k, v))
+        )
+        k, v = cache
+    ctx = checkpoint_name(attention(q, k, v, mask).reshape(b, s, -1), "attn_context")
+    x = x + checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
     h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
-    gate = checkpoint_name(
-        _dense(h, layer["gate_proj"]["kernel"], _meta(fp8, "gate_proj")), "mlp_gate"
-    )
-    up = checkpoint_name(_dense(h, layer["up_proj"]["kernel"], _meta(fp8, "up_proj")), "mlp_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-    return x + checkpoint_name(
-        _dense(hidden, layer["down_proj"]["kernel"], _meta(fp8, "down_proj")), "mlp_down"
-    )
+    gate = checkpoint_name(_proj(h, layer, "gate_proj", fp8), "mlp_gate")
+    up = checkpoint_name(_proj(h, layer, "up_proj", fp8), "mlp_up")
+    hidden = checkpoint_name(ACTIVATIONS[c.hidden_act](gate) * up, "mlp_hidden")
+    return x + checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down"), cache
+
+
+def decoder_layer(
+    x: jax.Array,
+    layer: Params,
+    config: LlamaConfig,
+    cos,
+    sin,
+    mask,
+    fp8: Params | None = None,
+) -> jax.Array:
+    """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
+
+    ``cos``/``sin`` from ``rope_tables``, ``mask`` bool ``[B, S, S]`` from
+    ``attention_mask``; ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]``
+    (or None)."""
+    return _layer(x, layer, config, cos, sin, mask, fp8)[0]
+
+
+def _head(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
+    """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``."""
+    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+    embedding = params["embed"]["embedding"]
+    head = embedding.T if config.tie_embeddings else params["lm_head"]["kernel"]
+    return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _check_row_arrays(tokens, **arrays) -> None:
+    """ValueError unless each given array is an integer ``[B, S]`` like ``tokens``."""
+    for name, a in arrays.items():
+        if a is not None and (a.shape != tokens.shape or not jnp.issubdtype(a.dtype, jnp.integer)):
+            raise ValueError(
+                f"{name} must be an integer array shaped like tokens {tokens.shape}; "
+                f"got {a.dtype}{a.shape}."
+            )
 
 
 def forward(
@@ -322,6 +581,8 @@ def forward(
     tokens: jax.Array,
     config: LlamaConfig,
     *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
     layer_transform: Callable | None = None,
     fp8: Params | None = None,
 ) -> jax.Array:
@@ -331,6 +592,11 @@ def forward(
       params: the params pytree (see ``init``); activations take the embedding's dtype.
       tokens: int32 ``[B, S]``.
       config: the model's ``LlamaConfig``.
+      positions: optional int32 ``[B, S]`` RoPE positions; default ``0..S-1`` in every row.
+        For packed rows, restart at 0 at each example.
+      segment_ids: optional int32 ``[B, S]``: packed examples (a row holding several
+        sequences), one id per example; attention never crosses ids (see
+        ``attention_mask``). Default: one sequence per row.
       layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``,
         e.g. ``lambda f: jmem.remat(f, "selective")``. ``jmem.remat`` around the whole loss
         reaches the scan body without it.
@@ -344,17 +610,22 @@ def forward(
       float32 logits ``[B, S, V]``.
 
     Raises:
-      ValueError: if ``tokens`` is not a 2-D integer array, or ``fp8`` holds metas
-        outside ``"layers"`` (they would go unused and be reset).
+      ValueError: if ``tokens`` is not a 2-D integer array, ``positions``/``segment_ids``
+        are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``
+        (they would go unused and be reset).
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
             f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
         )
+    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
     c = config
-    embedding = params["embed"]["embedding"]
-    x = jnp.take(embedding, tokens, axis=0)
-    cos, sin = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    seq = tokens.shape[1]
+    cos, sin = rope_tables(
+        seq if positions is None else positions, c.head_dim, c.rope_theta, c.rope_scaling
+    )
+    mask = attention_mask(jnp.arange(seq), segment_ids=segment_ids, sliding_window=c.sliding_window)
 
     if fp8 is not None and any(
         fp8_lib.is_meta(m)
@@ -369,15 +640,13 @@ def forward(
 
     def body(x, layer):
         layer, layer_fp8 = layer if fp8 is not None else (layer, None)
-        return decoder_layer(x, layer, c, cos, sin, layer_fp8), None
+        return decoder_layer(x, layer, c, cos, sin, mask, layer_fp8), None
 
     if layer_transform is not None:
         body = layer_transform(body)
     xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
     x, _ = jax.lax.scan(body, x, xs)
-    x = rms_norm(x, params["final_norm"]["scale"], c.rms_norm_eps)
-    head = embedding.T if c.tie_embeddings else params["lm_head"]["kernel"]
-    return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return _head(params, x, c)
 
 
 @jax.named_scope("cross_entropy")
@@ -398,7 +667,155 @@ def cross_entropy(
 def loss_fn(
     params: Params, batch: dict[str, jax.Array], config: LlamaConfig, **kwargs
 ) -> jax.Array:
-    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``
-    (optional ``"mask"`` ``[B,S]``). Extra keyword arguments go to ``forward``."""
-    logits = forward(params, batch["inputs"], config, **kwargs)
+    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``.
+
+    Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
+    ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
+    keyword arguments go to ``forward``."""
+    logits = forward(
+        params,
+        batch["inputs"],
+        config,
+        positions=batch.get("positions"),
+        segment_ids=batch.get("segment_ids"),
+        **kwargs,
+    )
     return cross_entropy(logits, batch["targets"], batch.get("mask"))
+
+
+def _cached_forward(params, tokens, config, cache, index):
+    """Logits of the last of ``tokens [B, S]`` (row indices ``index..index+S-1``) and the
+    updated cache; ``cache``: a pair ``[L, B, T, nKV, D]`` of keys and values."""
+    c = config
+    q_index = index + jnp.arange(tokens.shape[1])
+    cos, sin = rope_tables(q_index, c.head_dim, c.rope_theta, c.rope_scaling)
+    mask = attention_mask(q_index, jnp.arange(cache[0].shape[2]), sliding_window=c.sliding_window)
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+
+    def body(x, xs):
+        layer, kv = xs
+        return _layer(x, layer, c, cos, sin, mask, None, kv, index)
+
+    x, cache = jax.lax.scan(body, x, (params["layers"], cache))
+    return _head(params, x[:, -1:], c)[:, 0], cache
+
+
+def _sample(logits: jax.Array, temperature: float, top_p: float, key) -> jax.Array:
+    """Next tokens int32 ``[B]`` from float32 logits ``[B, V]``: argmax at temperature 0,
+    else nucleus sampling (Holtzman et al. 2020) at ``temperature``."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # keep the most likely tokens until their mass reaches top_p (at least one)
+        kept = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1, keepdims=True)
+        threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_p", "apply")
+)
+def _generate(params, adapters, prompt, key, *, config, max_new_tokens, temperature, top_p, apply):
+    c = config
+    b, p = prompt.shape
+    if apply is None:
+        run = lambda t, cache, i: _cached_forward(params, t, c, cache, i)
+    else:
+        step = lambda prm, t, cache, i: _cached_forward(prm, t, c, cache, i)
+        run = lambda t, cache, i: apply(step)(params, adapters, t, cache, i)
+    dtype = params["embed"]["embedding"].dtype
+    shape = (c.num_layers, b, p + max_new_tokens, c.num_kv_heads, c.head_dim)
+    cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    logits, cache = run(prompt, cache, 0)
+    keys = jax.random.split(key, max_new_tokens)
+    out = jnp.zeros((b, p + max_new_tokens), jnp.int32).at[:, :p].set(prompt)
+    out = out.at[:, p].set(_sample(logits, temperature, top_p, keys[0]))
+
+    def step_fn(i, carry):
+        out, cache = carry
+        index = p + i
+        token = jax.lax.dynamic_slice_in_dim(out, index, 1, axis=1)
+        logits, cache = run(token, cache, index)
+        nxt = _sample(logits, temperature, top_p, keys[i + 1])
+        return jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], index + 1, axis=1), cache
+
+    out, _ = jax.lax.fori_loop(0, max_new_tokens - 1, step_fn, (out, cache))
+    return out
+
+
+def generate(
+    params: Params,
+    prompt_tokens: jax.Array,
+    config: LlamaConfig,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    key: jax.Array | None = None,
+    adapters: Any = None,
+    apply: Callable | None = None,
+) -> jax.Array:
+    """Autoregressive decoding with a KV cache, compiled once per shape (``jax.jit``).
+
+    The prompt is run in one pass (prefill), then one token per step in a ``fori_loop``;
+    keys and values of every layer live in a cache ``[L, B, P + max_new_tokens, nKV, D]``
+    of the activation dtype. Greedy output equals transformers' ``generate(do_sample=False)``
+    on the same checkpoint. All rows share the prompt length (no padding); decoding does
+    not stop at an end-of-sequence token: cut the output after it.
+
+    On an NF4 base with LoRA adapters, pass the frozen params, the adapters and the
+    transform that runs a function on them, ``apply=jmem.qlora.apply`` (or
+    ``jmem.lora.apply``): each decoding step is then ``apply(step)(params, adapters, ...)``,
+    the same calling convention as training (``x·W + s·(x·a)·b``, W never materialized).
+
+    Args:
+      params: the params pytree (``init``, ``hf.load_params``), dense or NF4.
+      prompt_tokens: int32 ``[B, P]``, P >= 1.
+      config: the model's ``LlamaConfig``.
+      max_new_tokens: tokens to generate (>= 1).
+      temperature: 0 for greedy (argmax), else the softmax temperature of sampling.
+      top_p: nucleus sampling mass in (0, 1]; 1 samples from the whole distribution.
+      key: PRNG key, required when ``temperature > 0``.
+      adapters: LoRA adapters for ``apply`` (with ``apply`` only).
+      apply: None, or a transform ``apply(fn)(params, adapters, *args)`` such as
+        ``jmem.qlora.apply``.
+
+    Returns:
+      int32 ``[B, P + max_new_tokens]``: the prompt followed by the new tokens.
+
+    Raises:
+      ValueError: a prompt that is not int ``[B, P]``, ``max_new_tokens < 1``, a negative
+        temperature, ``top_p`` outside (0, 1], sampling without ``key``, or ``adapters``
+        without ``apply``.
+    """
+    if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"prompt_tokens must be int [batch, len]; got {prompt_tokens.dtype}"
+            f"{prompt_tokens.shape}."
+        )
+    if prompt_tokens.shape[1] < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"need a prompt of >= 1 token and max_new_tokens >= 1; got prompt "
+            f"{prompt_tokens.shape} and max_new_tokens={max_new_tokens}."
+        )
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}.")
+    if temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=.")
+    if adapters is not None and apply is None:
+        raise ValueError("adapters need apply= (e.g. jmem.qlora.apply) to be used.")
+    return _generate(
+        params,
+        adapters,
+        prompt_tokens.astype(jnp.int32),
+        jax.random.key(0) if key is None else key,
+        config=config,
+        max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        apply=apply,
+    )
