@@ -60,7 +60,7 @@ from jmem.models import llama
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _COMP = re.compile(r"^%?([\w.\-]+) .*\{\s*$")
-_OPCODE = re.compile(r"^[^=]*?\]\S*\s+([\w\-]+)\(|^\([^=]*\)\s+([\w\-]+)\(")
+_OPCODE = re.compile(r"^[^=(]*?\]\S*\s+([\w\-]+)\(|^\(.*?\)\s+([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
@@ -127,7 +127,11 @@ def classify(ins: dict) -> str:
     has = lambda tag: any(tag in n for n in names)  # noqa: E731
     in_loop = has("/while/")
     if "dot" in opcodes or "convolution" in opcodes or ins["kind"] == "custom":
-        dot_names = [n for o, n in ins["fused"] if o == "dot"] or [ins["op_name"]]
+        # The dot's own name; when a pass dropped it (bf16 dots rewritten through float32
+        # on XLA:CPU), the names of whatever was fused with it.
+        dot_names = [n for o, n in ins["fused"] if o == "dot" and n] or [ins["op_name"]]
+        if not any(dot_names):
+            dot_names = names
         if any("attention" in n for n in dot_names):
             return "matmul: attention"
         if any("/lora" in n for n in dot_names):
