@@ -114,6 +114,8 @@ class PeerStep:
         from peft import get_peft_model  # noqa: PLC0415
         from peft import prepare_model_for_kbit_training  # noqa: PLC0415
 
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
         self.torch = torch
         tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -440,7 +440,6 @@ def _meta(fp8: Params | None, name: str):
     return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
-@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
 def attention_mask(
     q_index: jax.Array,
     kv_index: jax.Array | None = None,
@@ -481,6 +480,7 @@ def attention_mask(
     return mask
 
 
+@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
 def attention(q, k, v, mask):
     """Grouped-query softmax attention (scale ``1/sqrt(D)``, softmax in float32).
 
