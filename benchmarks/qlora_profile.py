@@ -139,7 +139,10 @@ def classify(ins: dict) -> str:
         return "matmul: base projections" if in_loop else "matmul: LM head"
     if has("dequantize"):
         return "NF4 dequantization"
-    if ins["root_opcode"] in ("copy", "transpose"):
+    fused_ops = {o for o, _ in ins["fused"]}
+    if ins["root_opcode"] in ("copy", "transpose") or (
+        ins["root_opcode"] == "bitcast" and fused_ops & {"copy", "transpose"}
+    ):
         return "layout copies"
     for tag, cat in (
         ("attention", "attention: mask + softmax"),
@@ -189,7 +192,11 @@ def _trace_step(run) -> tuple[list[dict], float, float]:
 def profile(dtype: str, args) -> dict:
     cfg = llama.get_config(args.config)
     run = JmemStep(cfg, dtype, _batch(cfg, args.batch, args.seq), remat=args.remat)
-    instrs = parse_hlo(run.compiled.as_text())
+    text = run.compiled.as_text()
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(text)
+    instrs = parse_hlo(text)
     for _ in range(args.warmup):
         run()
     walls, dispatch, spans = [], [], []
@@ -254,6 +261,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="traced steps (one trace each)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--remat", default="full")
+    ap.add_argument("--hlo", default=None, help="also write the compiled HLO text here")
     ap.add_argument("--top", type=int, default=15, help="slowest ops listed")
     ap.add_argument("--out", default=None, help="default results/qlora_profile_<dtype>.json")
     args = ap.parse_args(argv)
