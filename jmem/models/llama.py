@@ -498,12 +498,16 @@ def attention(q, k, v, mask):
     # Heads-major layouts ([B, nKV, G, S, D], [B, nKV, T, D]) make both einsums plain batched
     # matmuls whose results need no transpose: the [.., S, T] scores and their gradients
     # (the big arrays) are written once, in place; only q/k/v/out (D wide) are transposed.
-    q = q.reshape(b, s, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
+    # The G query heads of a KV head are merged with the queries ([B, nKV, G*S, D]) so that
+    # every gradient contracts one axis (two contracted axes made XLA:CPU transpose again).
+    g, t = nh // nkv, k.shape[1]
+    q = q.reshape(b, s, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) / math.sqrt(d)
+    scores = scores.reshape(b, nkv, g, s, t)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bksd->bkgqd", probs, v)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, s, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh, d)
 
 
