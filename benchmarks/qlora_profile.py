@@ -120,6 +120,15 @@ def parse_hlo(text: str) -> dict[str, dict]:
     return instrs
 
 
+_TAGS = (
+    ("attention", "attention: mask + softmax"),
+    ("rms_norm", "RMSNorm"),
+    ("rope", "RoPE"),
+    ("cross_entropy", "loss (cross-entropy)"),
+)
+_STRUCTURAL = {"parameter", "constant", "broadcast", "bitcast", "reshape", "get-tuple-element"}
+
+
 def classify(ins: dict) -> str:
     """The category of one HLO instruction (see the module docstring)."""
     names = [ins["op_name"]] + [n for _, n in ins["fused"]]
@@ -144,14 +153,16 @@ def classify(ins: dict) -> str:
         ins["root_opcode"] == "bitcast" and fused_ops & {"copy", "transpose"}
     ):
         return "layout copies"
-    for tag, cat in (
-        ("attention", "attention: mask + softmax"),
-        ("rms_norm", "RMSNorm"),
-        ("rope", "RoPE"),
-        ("cross_entropy", "loss (cross-entropy)"),
-    ):
-        if has(tag):
-            return cat
+    # The tag most of the fused arithmetic carries (a SwiGLU fusion may take in one op of
+    # the attention's backward); untagged arithmetic in the layer loop is element-wise.
+    arith = [n for o, n in ins["fused"] if o not in _STRUCTURAL] or [ins["op_name"]]
+    votes = collections.Counter(
+        next((cat for tag, cat in _TAGS if tag in n), "element-wise" if "/while/" in n else "")
+        for n in arith
+    )
+    best = max(votes, key=votes.get)
+    if best and best != "element-wise":
+        return best
     if ins["opcode"] in ("while", "conditional", "call"):
         return (
             "layer loop bookkeeping"
