@@ -47,15 +47,18 @@ import tempfile
 import time
 import warnings
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# On a GPU both runtimes share the device: JAX must not reserve 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jmem
-from jmem import lora as jlora
-from jmem import qlora
-from jmem.models import llama
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jmem  # noqa: E402
+from jmem import lora as jlora  # noqa: E402
+from jmem import qlora  # noqa: E402
+from jmem.models import llama  # noqa: E402
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGETS = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
