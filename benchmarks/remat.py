@@ -8,6 +8,16 @@ load on the machine hits them alike). Prints a table and writes
 
     python benchmarks/remat.py                 # memory at 8x1024, seq 1024, batch 4; time at a CPU-sized shape
     python benchmarks/remat.py --time-shape memory   # time at the memory shape too (GPU)
+    python benchmarks/remat.py --user-code-only      # only the user-code table below
+
+A second table (``user_code_table``, ``benchmarks/results/remat_user_code.json``) takes
+small transformers written as users write them (``tests/user_models.py``: Flax NNX with
+``nnx.scan``, Flax linen with ``nn.scan``, plain JAX with ``lax.scan``; hidden 256, 4
+layers, batch 4, seq 256 by default) and compares the temp bytes of a whole train step
+(``value_and_grad`` + AdamW update) with no remat, ``jmem.remat`` around the loss inside
+the step, and ``jmem.remat`` around the whole step. For the same layers run by a Python
+loop it also compares no remat, ``jax.checkpoint`` on each layer, and ``jmem.remat`` on the
+step (which warns). Memory only: compile-only, no timings.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -45,6 +56,51 @@ def grad_step(cfg, policy):
     return jax.jit(jax.value_and_grad(f))
 
 
+def user_code_table(layers, hidden, seq, batch, policy, out):
+    """Temp MiB of user-style train steps: none / remat(loss) / remat(step), per style."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import user_models
+
+    shape = dict(layers=layers, hidden=hidden, seq=seq, batch_size=batch, vocab=1024)
+    cases = [(style, where) for style in user_models.STYLES for where in ("none", "loss", "step")]
+    cases += [("jax_unrolled", "none"), ("jax_unrolled", "per-layer"), ("jax_unrolled", "step")]
+    temp = {}
+    for style, where in cases:
+        kw = {"layer_transform": jax.checkpoint} if where == "per-layer" else {}
+        m = user_models.make(style, **shape, **kw)
+        f = m.step(policy, "none" if where == "per-layer" else where)
+        temp[(style, where)] = jmem.measure(f, m.state, m.batch).temp_bytes
+    print(
+        f"\nuser code: train step (value_and_grad + AdamW), {layers} layers, hidden {hidden}, "
+        f"seq {seq}, batch {batch}, float32, policy {policy!r}, backend {jax.default_backend()}\n"
+    )
+    print("| model | no remat | remat(loss) | remat(step) | remat(step) / no remat |")
+    print("|---|---:|---:|---:|---:|")
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    for style in user_models.STYLES:
+        n, lo, st = (temp[(style, w)] for w in ("none", "loss", "step"))
+        print(f"| {style} | {mib(n)} | {mib(lo)} | {mib(st)} | {st / n:.2f} |")
+    n, pl, st = (temp[("jax_unrolled", w)] for w in ("none", "per-layer", "step"))
+    print("\n| Python-loop layers | no remat | jax.checkpoint per layer | remat(step) (warns) |")
+    print("|---|---:|---:|---:|")
+    print(f"| jax_unrolled | {mib(n)} | {mib(pl)} | {mib(st)} |")
+    rows = [{"style": s, "where": w, "temp_bytes": b} for (s, w), b in temp.items()]
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "shape": shape,
+                "policy": policy,
+                "dtype": "float32",
+                "backend": jax.default_backend(),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
+    print(f"\nwrote {out}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -62,7 +118,15 @@ def main(argv=None):
     ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "remat.json")
     )
+    ap.add_argument("--user-code-only", action="store_true", help="only the user-code table")
+    ap.add_argument("--user-code-policy", default="selective")
     args = ap.parse_args(argv)
+    results = os.path.join(os.path.dirname(__file__), "results")
+    user_code_table(
+        4, 256, 256, 4, args.user_code_policy, os.path.join(results, "remat_user_code.json")
+    )
+    if args.user_code_only:
+        return
     dtype = jnp.dtype(args.dtype)
     policies = list(jmem.REMAT_POLICIES)
 

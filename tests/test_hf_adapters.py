@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_hf
 
 from jmem import lora
 from jmem import qlora
@@ -291,17 +292,170 @@ def test_hf_config_refuses_fields_it_does_not_write(tmp_path):
     assert c["model_type"] == "llama" and c["num_key_value_heads"] == 2
 
     @dataclasses.dataclass(frozen=True)
-    class Later(llama.LlamaConfig):  # a field a later family adds
-        attention_sinks: int | None = None
+    class Capped(llama.LlamaConfig):  # a field a later family adds
+        attn_logit_softcapping: float | None = None
 
-    assert export.hf_config(Later(**dataclasses.asdict(cfg)))["hidden_size"] == 64
-    with pytest.raises(ValueError, match="attention_sinks"):
-        export.hf_config(Later(**dataclasses.asdict(cfg), attention_sinks=16))
-    if "sliding_window" in {f.name for f in dataclasses.fields(llama.LlamaConfig)}:
-        with pytest.raises(ValueError, match="sliding_window"):  # not written yet: refused
-            export.hf_config(dataclasses.replace(cfg, sliding_window=16))
+    assert export.hf_config(Capped(**dataclasses.asdict(cfg)))["hidden_size"] == 64
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        export.hf_config(Capped(**dataclasses.asdict(cfg), attn_logit_softcapping=30.0))
     params = llama.init(jax.random.key(0), cfg)
     with pytest.raises(ValueError, match="layout"):
         hf.save_params(str(tmp_path), {**params, "extra": {"w": jnp.ones(3)}}, cfg)
     with pytest.raises(ValueError, match="name no leaf"):
         hf.save_params(str(tmp_path), params, cfg, adapters={"nope": None})
+
+
+# ------------------------------------------------------- every family the loader accepts
+
+# examples/qlora_7b.py's default --lora-targets: a substring regex that also matches biases
+PROJ_ANY = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
+LONG = np.random.default_rng(4).integers(0, 97, size=(2, 40))  # > window 16, > rope's 16
+
+
+def _logits(model, tokens=LONG):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _qwen2_config(**overrides):
+    return helpers.small_config(vocab_size=97, biases=("q_proj", "k_proj", "v_proj"), **overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(test_hf.FAMILIES))
+def test_family_export_loads_in_transformers(tmp_path, family):
+    """transformers checkpoint -> jmem -> save_params -> AutoModelForCausalLM: the same
+    family class, logits within 1e-4 of the original; jmem reads back the same config.
+    From an NF4 base with adapters on every projection (PROJ_ANY: biases matched, not
+    adapted), the export computes jmem's QLoRA logits."""
+    arch = test_hf.FAMILIES[family][0]
+    model = test_hf._save_family(tmp_path / "src", family)
+    params, cfg = hf.load_params(str(tmp_path / "src"), dtype=jnp.float32)
+    hf.save_params(str(tmp_path / "dense"), params, cfg)
+    assert hf.load_config(str(tmp_path / "dense")) == cfg
+    back = _base(tmp_path / "dense")
+    assert type(back).__name__ == f"{arch}ForCausalLM"
+    want = _logits(model)
+    assert _max_diff(_logits(back), want) <= 1e-4, _max_diff(_logits(back), want)
+
+    q, _ = hf.load_params(str(tmp_path / "src"), dtype=jnp.float32, quantize="nf4")
+    ad = _perturb(lora.init(jax.random.key(1), q, rank=4, targets=PROJ_ANY))
+    assert sorted(ad) == [f"layers/{n}/kernel" for n in sorted(llama.LINEAR_NAMES)]
+    hf.save_params(str(tmp_path / "qlora"), q, cfg, adapters=ad, dtype=jnp.float32)
+    assert hf.load_config(str(tmp_path / "qlora")) == cfg
+    fwd = lora.apply(lambda p, t: llama.forward(p, t, cfg))
+    want = np.asarray(fwd(q, ad, jnp.asarray(LONG, jnp.int32)))
+    got = _logits(_base(tmp_path / "qlora"))
+    assert _max_diff(got, want) <= 1e-4, _max_diff(got, want)
+    assert _max_diff(got, _logits(model)) > 1e-2  # the adapters act
+
+
+def test_hf_config_round_trips_through_the_loader():
+    """config_from_dict(hf_config(c)) == c for every field; transformers reads the same
+    RoPE (its rope_parameters) and family; configs no family computes are refused."""
+    rope = llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
+    configs = {
+        "llama": helpers.small_config(rope_scaling=rope, hidden_act="gelu_pytorch_tanh"),
+        "mistral": helpers.small_config(sliding_window=16, rope_theta=1e6),
+        "qwen2": _qwen2_config(sliding_window=8, tie_embeddings=True),
+    }
+    for model_type, cfg in configs.items():
+        c = export.hf_config(cfg)
+        assert c["model_type"] == model_type and hf.config_from_dict(c) == cfg
+        t = transformers.AutoConfig.for_model(**c)
+        assert t.architectures == [export.ARCHITECTURES[model_type]]
+    t = transformers.AutoConfig.for_model(**export.hf_config(configs["llama"]))
+    assert t.rope_parameters["rope_type"] == "llama3" and t.rope_parameters["factor"] == 8.0
+    assert t.hidden_act == "gelu_pytorch_tanh"
+    c = export.hf_config(helpers.small_config(biases=("gate_proj", "up_proj", "down_proj")))
+    assert c["model_type"] == "llama" and c["mlp_bias"] and not c["attention_bias"]
+    with pytest.raises(ValueError, match="match no transformers family"):
+        export.hf_config(helpers.small_config(biases=("q_proj",)))
+    with pytest.raises(ValueError, match="Mistral has no biases"):
+        export.hf_config(helpers.small_config(biases=llama.LINEAR_NAMES, sliding_window=4))
+
+
+def test_save_params_refuses_undeclared_biases(tmp_path):
+    cfg = _qwen2_config()
+    params = llama.init(jax.random.key(0), cfg)
+    plain = dataclasses.replace(cfg, biases=())
+    with pytest.raises(ValueError, match=r"unexpected leaves \['layers/k_proj/bias'"):
+        hf.save_params(str(tmp_path), params, plain)
+    layers = {**params["layers"], "q_proj": {"kernel": params["layers"]["q_proj"]["kernel"]}}
+    with pytest.raises(ValueError, match=r"missing \['layers/q_proj/bias'\]"):
+        hf.save_params(str(tmp_path), {**params, "layers": layers}, cfg)
+
+
+# ------------------------------------------------------------ LoRA targets skip biases
+
+
+@pytest.mark.slow
+def test_lora_targets_never_adapt_biases_and_qwen2_qlora_trains():
+    """On a Qwen2 tree (stacked q/k/v biases [L, out], rank 2 like a matrix) a regex
+    matching biases and norm scales adapts kernels only, and QLoRA training lowers the loss."""
+    optax = pytest.importorskip("optax")
+    cfg = _qwen2_config()
+    q = qlora.quantize_params(llama.init(jax.random.key(0), cfg))
+    assert q["layers"]["q_proj"]["bias"].shape == (cfg.num_layers, cfg.num_heads * cfg.head_dim)
+    kernels = [f"layers/{n}/kernel" for n in llama.LINEAR_NAMES]
+    for targets in (PROJ_ANY, r".*", lora.DEFAULT_TARGETS):
+        ad = lora.init(jax.random.key(1), q, targets=targets)
+        assert set(ad) <= set(kernels) | {"lm_head/kernel", "embed/embedding"}, sorted(ad)
+        assert not any(p.endswith(("/bias", "/scale")) for p in ad), sorted(ad)
+    with pytest.raises(ValueError, match="biases and norm scales excluded"):
+        lora.init(jax.random.key(1), q, targets=r"layers/q_proj/bias")
+    ad = lora.init(jax.random.key(1), q, rank=8, targets=PROJ_ANY)
+    assert sorted(ad) == sorted(kernels)
+    loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
+    opt = optax.adam(3e-3)
+    state = opt.init(ad)
+    batch = helpers.token_batch(cfg, batch_size=4, seq_len=16)
+
+    @jax.jit
+    def step(ad, state):
+        value, g = jax.value_and_grad(lambda a: loss(q, a, batch))(ad)
+        updates, state = opt.update(g, state, ad)
+        return optax.apply_updates(ad, updates), state, value
+
+    losses = []
+    for _ in range(15):
+        ad, state, value = step(ad, state)
+        losses.append(float(value))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.05, losses
+
+
+# ------------------------------------------------------------ PEFT adapters, all families
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "mistral_sliding"])
+def test_peft_adapters_on_other_families(tmp_path, family):
+    """jmem adapters -> save_adapters -> PeftModel on the transformers base: jmem's logits
+    (<= 1e-4); PEFT's own adapter -> load_adapters -> jmem: PEFT's logits (<= 1e-4)."""
+    test_hf._save_family(tmp_path / "base", family)
+    params, cfg = hf.load_params(str(tmp_path / "base"), dtype=jnp.float32)
+    ad = _perturb(lora.init(jax.random.key(1), params, rank=4, alpha=8.0, targets=PROJ_ANY))
+    hf.save_adapters(str(tmp_path / "ad"), ad, cfg)
+    c = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert c["target_modules"] == sorted(llama.LINEAR_NAMES) and c["bias"] == "none"
+    model = peft.PeftModel.from_pretrained(_base(tmp_path / "base"), str(tmp_path / "ad"))
+    want = _logits(model.eval())
+    fwd = lora.apply(lambda p, t: llama.forward(p, t, cfg))
+    got = np.asarray(fwd(params, ad, jnp.asarray(LONG, jnp.int32)))
+    assert _max_diff(got, want) <= 1e-4, _max_diff(got, want)
+    assert _max_diff(want, _logits(_base(tmp_path / "base"))) > 1e-2
+
+    theirs = peft.get_peft_model(
+        _base(tmp_path / "base"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "down_proj"]),
+    )
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    want = _logits(theirs.eval())
+    back = hf.load_adapters(str(tmp_path / "theirs"), params, cfg)
+    assert sorted(back) == ["layers/down_proj/kernel", "layers/k_proj/kernel"]
+    got = np.asarray(fwd(params, back, jnp.asarray(LONG, jnp.int32)))
+    assert _max_diff(got, want) <= 1e-4, _max_diff(got, want)

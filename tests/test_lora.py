@@ -113,6 +113,27 @@ def test_grads_match_merged_and_only_adapters():
     walk(jaxpr)
 
 
+def test_token_axes_grads_and_name_scopes():
+    """x with two token axes ([B, S, in], flattened inside the LoRA path): values and factor
+    gradients equal the merged weight's; the model's named scopes reach the compiled ops."""
+    p = _params()
+    x = jax.random.normal(jax.random.key(2), (2, 3, IN))
+    ad = _nonzero(lora.init(jax.random.key(1), p, rank=R, targets=r"up/kernel"))
+
+    def f(params, x):
+        with jax.named_scope("my_block"):
+            return jnp.tanh(x @ params["up"]["kernel"])
+
+    loss = lambda ad: jnp.sum(lora.apply(f)(p, ad, x) ** 2)
+    chex.assert_trees_all_close(
+        lora.apply(f)(p, ad, x), f(lora.merge(p, ad), x), atol=1e-5, rtol=1e-5
+    )
+    g_ref = jax.grad(lambda ad: jnp.sum(f(lora.merge(p, ad), x) ** 2))(ad)
+    chex.assert_trees_all_close(jax.jit(jax.grad(loss))(ad), g_ref, atol=1e-4, rtol=1e-4)
+    hlo = jax.jit(jax.grad(loss)).lower(ad).compile().as_text()
+    assert "my_block)/lora/dot_general" in hlo  # as jvp(my_block)/lora/... in op names
+
+
 def test_lossy_cast_chain_is_kept():
     """``w.astype(bf16).astype(f32)`` rounds w to bf16 before the matmul, as in fn."""
     p = _params()

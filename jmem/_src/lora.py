@@ -27,6 +27,16 @@ __all__ = ["LoraWeight", "init", "apply", "merge", "num_trainable", "DEFAULT_TAR
 #: Default targets, as PEFT's default for Llama: the query and value projections.
 DEFAULT_TARGETS = _targets.LORA_DEFAULT_TARGETS
 
+#: Last path keys never adapted, whatever ``targets`` says: biases (Qwen2's q/k/v biases are
+#: ``[L, out]`` when stacked, rank 2 like a matrix) and norm scales. PEFT adapts only the
+#: weight of a targeted module, never its bias or a norm.
+_NEVER_ADAPTED = ("bias", "scale")
+
+
+def _adaptable(path: str, leaf) -> bool:
+    """A weight LoRA may adapt: rank >= 2 and not a bias or norm scale (last key)."""
+    return len(getattr(leaf, "shape", ())) >= 2 and path.rsplit("/", 1)[-1] not in _NEVER_ADAPTED
+
 
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
@@ -156,8 +166,11 @@ def init(
       rank: r, the adapter rank (>= 1).
       alpha: LoRA alpha; the scale is ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA).
       targets: regex matched (``re.fullmatch``) against each leaf's '/'-joined path, or a
-        predicate ``(path, leaf) -> bool``. Only leaves of rank >= 2 are adapted (a matched
-        bias is skipped); rank-3+ leaves are stacks ``[*L, in, out]``.
+        predicate ``(path, leaf) -> bool``. Only weights are adapted, as in PEFT (which
+        adapts a module's weight, never its bias): leaves of rank >= 2 whose last path key
+        is not ``bias`` or ``scale`` (so ``.*q_proj.*`` takes ``layers/q_proj/kernel``, not
+        Qwen2's stacked ``layers/q_proj/bias [L, out]`` nor a stacked norm scale); rank-3+
+        leaves are stacks ``[*L, in, out]``.
       init_lora_weights: as PEFT (``LoraLayer.reset_lora_parameters``): ``True`` (or
         ``"default"``): ``a ~ U(-1/sqrt(in), 1/sqrt(in))`` (kaiming-uniform, ``a=sqrt(5)``),
         ``b = 0``; ``"gaussian"``: ``a ~ N(0, (1/r)^2)``, ``b = 0``; ``False``: ``a`` as
@@ -187,11 +200,11 @@ def init(
     scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     pred = _tree.path_predicate(targets)
     flat, _ = _implicit.flatten_params(params)
-    chosen = [(p, x) for p, x in flat if len(getattr(x, "shape", ())) >= 2 and pred(p, x)]
+    chosen = [(p, x) for p, x in flat if _adaptable(p, x) and pred(p, x)]
     if not chosen:
         raise ValueError(
-            f"No weight of rank >= 2 matches targets={targets!r}; paths are "
-            f"{[p for p, _ in flat][:20]}."
+            f"No weight of rank >= 2 (biases and norm scales excluded) matches "
+            f"targets={targets!r}; paths are {[p for p, _ in flat][:20]}."
         )
     keys = jax.random.split(key, len(chosen))
     out: dict[str, LoraWeight] = {}

@@ -10,6 +10,8 @@ al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and 
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 from typing import Callable
 from typing import Sequence
 
@@ -17,6 +19,7 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem._src import scan_intercept as _si
 from jmem._src import tree as _tree
 from jmem._src.interpret import bind_eqn
 from jmem._src.interpret import eval_jaxpr
@@ -72,20 +75,10 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
     )
 
 
-def _has_scan(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            return True
-        if eqn.primitive.name.startswith(("custom_vjp", "custom_jvp")):
-            continue  # their custom rules decide what is saved; left as they are
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            if _has_scan(sub):
-                return True
-    return False
-
-
-class _Interpreter:
-    """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint``."""
+class RematInterpreter:
+    """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint`` and keeping
+    every equation's name stack (used for a ``jax.jit`` whose trace was cached before
+    ``jmem.remat`` ran)."""
 
     def __init__(self, policy: Callable | None, prevent_cse: bool, every: int | str | None = None):
         self.policy = policy
@@ -99,24 +92,26 @@ class _Interpreter:
         return self.eval(closed.jaxpr, closed.consts, args)
 
     def eval_eqn(self, eqn, invals):
+        with _si.name_context(eqn):
+            return self._eval_eqn(eqn, invals)
+
+    def _eval_eqn(self, eqn, invals):
         name = eqn.primitive.name
-        subs = list(jcore.jaxprs_in_params(eqn.params))
         if name == "scan":
-            return self.scan(eqn, invals)
-        if not name.startswith(("custom_vjp", "custom_jvp")) and any(_has_scan(s) for s in subs):
+            return checkpointed_scan(eqn.params, invals, self.policy, self.prevent_cse, self.every)
+        subs = list(jcore.jaxprs_in_params(eqn.params))
+        if not _si._is_custom_rule(eqn) and any(_si.has_scan(s) for s in subs):
             if name in ("pjit", "jit", "closed_call", "core_call"):
-                return (
-                    self.eval_closed(eqn.params["jaxpr"], invals)
-                    if hasattr(eqn.params["jaxpr"], "jaxpr")
-                    else self.eval(eqn.params["jaxpr"], (), invals)
-                )
+                inner = eqn.params["jaxpr"]
+                if hasattr(inner, "jaxpr"):
+                    return self.eval_closed(inner, invals)
+                return self.eval(inner, (), invals)
             if name == "cond":
                 index, *ops = invals
                 branches = [functools.partial(self._call_closed, b) for b in eqn.params["branches"]]
                 return lax.switch(index, branches, *ops)
             if name in ("remat", "checkpoint"):
-                inner = eqn.params["jaxpr"]
-                fn = functools.partial(self._call_open, inner)
+                fn = functools.partial(self._call_open, eqn.params["jaxpr"])
                 return jax.checkpoint(
                     fn,
                     policy=eqn.params.get("policy"),
@@ -130,26 +125,29 @@ class _Interpreter:
     def _call_open(self, jaxpr, *args):
         return self.eval(jaxpr, (), args)
 
-    def scan(self, eqn, invals):
-        p = eqn.params
-        nc, ncarry = p["num_consts"], p["num_carry"]
-        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-        step = functools.partial(_scan_step, p["jaxpr"], ncarry)
-        if self.policy is not None:
-            step = jax.checkpoint(step, policy=self.policy, prevent_cse=self.prevent_cse)
-        length = p["length"]
-        k = group_size(length, self.every)
-        if k == 1:
-            carry, ys = lax.scan(
-                lambda c, x: step(consts, c, x),
-                list(init),
-                list(xs),
-                length=length,
-                reverse=p["reverse"],
-                unroll=p["unroll"],
-            )
-            return [*carry, *ys]
-        return _grouped_scan(step, consts, init, xs, length, k, p["reverse"], self.prevent_cse)
+
+def checkpointed_scan(params, invals, policy, prevent_cse, every):
+    """The outputs of the scan ``params`` on ``invals``, re-bound with its body checkpointed
+    (``policy``) and, with ``every``, its iterations grouped (``_grouped_scan``)."""
+    p = params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    step = functools.partial(_scan_step, p["jaxpr"], ncarry)
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
+    length = p["length"]
+    k = group_size(length, every)
+    if k == 1:
+        carry, ys = lax.scan(
+            lambda c, x: step(consts, c, x),
+            list(init),
+            list(xs),
+            length=length,
+            reverse=p["reverse"],
+            unroll=p["unroll"],
+        )
+        return [*carry, *ys]
+    return _grouped_scan(step, consts, init, xs, length, k, p["reverse"], prevent_cse)
 
 
 def _scan_step(body, ncarry, consts, carry, x):
@@ -214,11 +212,23 @@ def remat(
 ) -> Callable:
     """Rematerializes ``fn``'s activations per layer under a named policy.
 
-    Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``)
-    and on a whole loss: every ``lax.scan`` traced inside ``fn`` gets its body checkpointed,
-    so ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer. Values and
-    gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA may
-    fuse a recomputed region differently elsewhere, changing the last bits).
+    Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``),
+    on a whole loss and on a whole train step: every ``lax.scan`` that ``fn`` runs
+    (``nnx.scan``, ``flax.linen.scan``, ``fori_loop`` included) gets its body checkpointed
+    when it is bound, before any ``jax.grad``/``nnx.grad`` inside ``fn`` differentiates it.
+    So ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer, and
+    ``jmem.remat(step, policy)`` around a step that calls ``jax.value_and_grad`` and an
+    optax update (or ``nnx.value_and_grad`` and ``optimizer.update(model, grads)``) saves
+    the same. ``fn`` itself runs once, as written: in-place NNX updates (optimizer state,
+    batch statistics, RNG counters) and name stacks are as without remat. Values and
+    gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA
+    may fuse a recomputed region differently elsewhere, changing the last bits).
+    Mechanism and the JAX internals it relies on: ``docs/remat.md``.
+
+    A function without a scan is checkpointed whole (a layer called in a Python loop);
+    when that saves nothing (a whole loss, or a step that differentiates inside or mutates
+    NNX state, which then runs as written) it warns (``UserWarning``) with how to scan the
+    layers.
 
     Args:
       fn: the function; may be omitted to use ``remat`` as a decorator factory.
@@ -243,8 +253,11 @@ def remat(
 
     Raises:
       ValueError: an unknown policy name (names: ``jmem.REMAT_POLICIES``), ``every`` not a positive
-        int or ``"sqrt"``, or (on call) ``static_argnums`` out of range.
+        int or ``"sqrt"``; on call: ``static_argnums`` out of range, or a names policy naming
+        a ``checkpoint_name`` that ``fn`` does not carry (the message lists those it does).
       TypeError: a policy that is not a name, a sequence of names or a callable.
+      RuntimeError: on call, ``fn`` holds a scan but none was bound while it ran (traced
+        before, by a cache jmem cannot see), so nothing would be checkpointed.
     """
     if fn is None:
         return functools.partial(
@@ -261,7 +274,8 @@ def remat(
         return fn
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
-    return _RematWrapper(fn, pol, prevent_cse, tuple(static_argnums), every)
+    names = tuple(policy) if isinstance(policy, (list, tuple)) else None
+    return _RematWrapper(fn, pol, prevent_cse, tuple(static_argnums), every, names)
 
 
 def _split_args(args, kwargs, static_argnums):
@@ -288,12 +302,33 @@ def _python_scalars_back(out, traced_out):
     )
 
 
+def _is_graph_node(x) -> bool:
+    """True for a Flax NNX object (module, optimizer, RNG stream): state mutated in place."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
+    kinds = tuple(getattr(nnx, n, None) for n in ("Pytree", "Object", "Variable"))
+    return isinstance(x, tuple(k for k in kinds if isinstance(k, type)))
+
+
+def _has_graph_nodes(args, kwargs) -> bool:
+    leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_graph_node)
+    return any(_is_graph_node(x) for x in leaves)
+
+
+_UNROLLED_ADVICE = (
+    "Put the repeated layers under a scan so each layer is checkpointed: nnx.scan over "
+    "layers created with nnx.vmap, flax.linen.scan, or jax.lax.scan over stacked layer "
+    "params (README, 'Remat policies')."
+)
+
+
 class _RematWrapper:
     """``fn`` with its scan bodies (or, without scans, all of it) checkpointed; see ``remat``."""
 
-    def __init__(self, fn, policy, prevent_cse, static_argnums, every):
+    def __init__(self, fn, policy, prevent_cse, static_argnums, every, names=None):
         self.fn, self.policy, self.prevent_cse = fn, policy, prevent_cse
-        self.static_argnums, self.every = static_argnums, every
+        self.static_argnums, self.every, self.names = static_argnums, every, names
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -313,17 +348,78 @@ class _RematWrapper:
             traced_out.setdefault("out", out)
             return out
 
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-        out = self._run(flat_fn, closed, out_shape, dyn)
-        return _python_scalars_back(out, traced_out["out"])
+        # A trace on copies of the arguments (NNX objects included: they are pytrees, so
+        # in-place writes land on copies) tells whether fn holds a scan and which
+        # checkpoint names it carries; fn itself then runs once, as written.
+        closed = jax.make_jaxpr(flat_fn)(*dyn)
+        self._check_names(closed.jaxpr)
+        if _si.has_scan(closed.jaxpr):
+            return self._run_intercepted(args, kwargs)
+        return self._run_without_scan(flat_fn, dyn, closed, traced_out, args, kwargs)
 
-    def _run(self, flat_fn, closed, out_shape, dyn):
-        """Evaluates ``fn``: its scan bodies checkpointed, or all of it when it has none."""
-        if not _has_scan(closed.jaxpr):
-            if self.policy is None:
-                return flat_fn(*dyn)
-            cse = True if self.prevent_cse is None else self.prevent_cse
-            return jax.checkpoint(flat_fn, policy=self.policy, prevent_cse=cse)(*dyn)
+    def _check_names(self, jaxpr):
+        if self.names is None:
+            return
+        carried = _si.checkpoint_names(jaxpr)
+        missing = [n for n in self.names if n not in carried]
+        if missing:
+            raise ValueError(
+                f"remat policy names {missing} are not checkpoint names of "
+                f"{getattr(self.fn, '__name__', self.fn)!r}; it carries {sorted(carried)}. "
+                "Tag values with jax.ad_checkpoint.checkpoint_name(x, name) or use a named "
+                f"policy ({list(REMAT_POLICIES)})."
+            )
+
+    def _run_intercepted(self, args, kwargs):
+        """Runs ``fn`` as written while every ``lax.scan`` it binds gets a checkpointed body."""
         cse = False if self.prevent_cse is None else self.prevent_cse
-        outs = _Interpreter(self.policy, cse, self.every).eval_closed(closed, dyn)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        interp = RematInterpreter(self.policy, cse, self.every)
+        icp = _si.Interception(
+            lambda params, invals: checkpointed_scan(params, invals, self.policy, cse, self.every),
+            interp.eval_closed,
+            key=("jmem.remat", self.policy, cse, self.every),
+            entry=sys._getframe(),
+        )
+        with _si.intercepting(icp):
+            out = self.fn(*args, **kwargs)
+        if icp.scans + icp.jits == 0 and any(
+            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)
+        ):
+            raise RuntimeError(
+                f"jmem.remat: {getattr(self.fn, '__name__', self.fn)!r} holds a lax.scan, but "
+                "no scan was bound while it ran (it was traced before jmem.remat ran, e.g. in "
+                "a cached function transform), so nothing would be checkpointed. Wrap the loss "
+                "that holds the scan instead: jax.grad(jmem.remat(loss, policy))."
+            )
+        return out
+
+    def _run_without_scan(self, flat_fn, dyn, closed, traced_out, args, kwargs):
+        """No scan: checkpoint ``fn`` whole (a layer called in a Python loop), or, for a step
+        that differentiates inside or mutates NNX objects, run it as written; warn when
+        that saves nothing."""
+        name = getattr(self.fn, "__name__", repr(self.fn))
+        stateful = _has_graph_nodes(args, kwargs)
+        if stateful or _si.differentiates(closed.jaxpr):
+            warnings.warn(
+                f"jmem.remat: {name!r} has no lax.scan; it differentiates inside or takes NNX "
+                "objects (whose in-place updates a whole-function jax.checkpoint would drop), "
+                "so it ran as written and nothing was checkpointed (no memory saved; for one "
+                f"NNX layer use nnx.remat). {_UNROLLED_ADVICE}",
+                UserWarning,
+                stacklevel=3,
+            )
+            return self.fn(*args, **kwargs)
+        if self.policy is None:
+            return flat_fn(*dyn)
+        if any(getattr(v.aval, "shape", None) == () for v in closed.jaxpr.outvars[:1]):
+            warnings.warn(
+                f"jmem.remat: {name!r} has no lax.scan (outside custom_vjp/custom_jvp rules), "
+                "so it was checkpointed whole, which "
+                "saves no memory for a whole loss (the backward pass recomputes every layer at "
+                f"once and holds them all). {_UNROLLED_ADVICE}",
+                UserWarning,
+                stacklevel=3,
+            )
+        cse = True if self.prevent_cse is None else self.prevent_cse
+        out = jax.checkpoint(flat_fn, policy=self.policy, prevent_cse=cse)(*dyn)
+        return _python_scalars_back(out, traced_out["out"])

@@ -3,8 +3,10 @@ Hugging Face checkpoint: ``config.json`` + sharded ``*.safetensors`` +
 ``model.safetensors.index.json``, written tensor by tensor.
 
 The inverse of ``jmem.models.hf.load_params``: stacked ``[L, in, out]`` kernels become
-per-layer ``[out, in]`` ``model.layers.{i}....weight`` tensors, the layout of
-``transformers.LlamaForCausalLM``. See ``docs/lora.md`` (PEFT interop).
+per-layer ``[out, in]`` ``model.layers.{i}....weight`` tensors and stacked ``[L, out]``
+biases ``....bias`` tensors, the layout of transformers' ``LlamaForCausalLM``,
+``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (``hf_config`` picks the family).
+See ``docs/lora.md`` (PEFT interop).
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from jmem._src.implicit.weight import flatten_params
 from jmem.models.llama import LINEAR_NAMES
 from jmem.models.llama import LlamaConfig
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "hf_config", "save_params"]
+__all__ = ["ARCHITECTURES", "DEFAULT_MAX_SHARD_BYTES", "hf_config", "save_params"]
 
 #: Default shard size, as transformers' ``save_pretrained(max_shard_size="5GB")``.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 # LlamaConfig fields hf_config writes; a config with another field set (a newer family's
 # option) is refused rather than exported without it.
-_LLAMA_FIELDS = {
+_WRITTEN_FIELDS = {
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -44,6 +46,21 @@ _LLAMA_FIELDS = {
     "rms_norm_eps",
     "tie_embeddings",
     "max_seq_len",
+    "rope_scaling",
+    "sliding_window",
+    "biases",
+    "hidden_act",
+}
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+#: ``model_type`` -> transformers architecture class.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
 }
 
 
@@ -55,11 +72,80 @@ def _default(field: dataclasses.Field):
     return dataclasses.MISSING
 
 
-def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a ``LlamaConfig`` (``model_type`` ``"llama"``).
+def _model_type(config: LlamaConfig) -> str:
+    """The one transformers family computing ``config``, or a ValueError saying why none does.
 
-    The one place that maps jmem config fields to transformers' names; a family added to
-    ``LlamaConfig`` (Mistral, Qwen2, RoPE scaling) extends it here.
+    Llama has biases only on all attention projections (``attention_bias``) and/or all MLP
+    projections (``mlp_bias``) and no sliding window; Mistral has a window and no biases;
+    Qwen2 has exactly q/k/v biases (and an optional window)."""
+    biases = set(config.biases)
+    if biases == set(_QKV):
+        return "qwen2"
+    llama_sets = (set(), set(_ATTN), set(_MLP), set(_ATTN) | set(_MLP))
+    if biases not in llama_sets:
+        raise ValueError(
+            f"biases={config.biases} match no transformers family (Qwen2: q/k/v; Llama: all "
+            "attention projections and/or all MLP projections); the export cannot be loaded."
+        )
+    if config.sliding_window is not None:
+        if biases:
+            raise ValueError(
+                f"sliding_window={config.sliding_window} with biases={config.biases}: Mistral "
+                "has no biases and Llama no sliding window; no transformers family computes it."
+            )
+        return "mistral"
+    return "llama"
+
+
+def _rope_fields(config: LlamaConfig) -> dict[str, Any]:
+    """RoPE as transformers >= 5 writes it (``rope_parameters``, holding ``rope_theta``),
+    with ``rope_theta``/``rope_scaling`` for transformers 4 (``hf.load_config`` reads both)."""
+    rs = config.rope_scaling
+    if rs is None:
+        scaling = None
+    elif rs.rope_type == "linear":
+        scaling = {"rope_type": "linear", "factor": rs.factor}
+    else:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    params = {**(scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
+    return {"rope_theta": config.rope_theta, "rope_parameters": params, "rope_scaling": scaling}
+
+
+def _family_fields(config: LlamaConfig, model_type: str) -> dict[str, Any]:
+    """Biases and sliding window, spelled as ``model_type``'s transformers config."""
+    c = config
+    if model_type == "llama":
+        return {
+            "attention_bias": "q_proj" in c.biases,
+            "mlp_bias": "gate_proj" in c.biases,
+        }
+    if model_type == "mistral":
+        return {"sliding_window": c.sliding_window}
+    kind = "full_attention" if c.sliding_window is None else "sliding_attention"
+    return {  # qwen2: the window in every layer (max_window_layers=0) or in none
+        "sliding_window": c.sliding_window,
+        "use_sliding_window": c.sliding_window is not None,
+        "max_window_layers": 0 if c.sliding_window is not None else c.num_layers,
+        "layer_types": [kind] * c.num_layers,
+    }
+
+
+def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of a ``LlamaConfig``: ``model_type`` ``"llama"``,
+    ``"mistral"`` (a sliding window) or ``"qwen2"`` (q/k/v biases).
+
+    The one place that maps jmem config fields to transformers' names, the inverse of
+    ``jmem.models.hf.config_from_dict``: ``hf.config_from_dict(hf_config(c)) == c``. RoPE is
+    written as transformers >= 5 does (``rope_parameters``, with ``rope_theta`` inside) and as
+    transformers 4 did (``rope_theta``, ``rope_scaling``); Llama biases as
+    ``attention_bias``/``mlp_bias``; a Qwen2 window as ``use_sliding_window`` in every layer
+    (``max_window_layers=0``, ``layer_types``).
 
     Args:
       config: the model's config.
@@ -70,13 +156,15 @@ def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
       A JSON-ready dict readable by ``transformers.AutoConfig`` and ``hf.load_config``.
 
     Raises:
-      ValueError: a config field set away from its default that this function does not
-        write (so the export would silently lose it).
+      ValueError: a config no transformers family among llama, mistral, qwen2 computes
+        (biases on another set of projections; a window with Llama biases), or a config
+        field set away from its default that this function does not write (so the export
+        would silently lose it).
     """
     unknown = [
         f.name
         for f in dataclasses.fields(config)
-        if f.name not in _LLAMA_FIELDS and getattr(config, f.name) != _default(f)
+        if f.name not in _WRITTEN_FIELDS and getattr(config, f.name) != _default(f)
     ]
     if unknown:
         raise ValueError(
@@ -84,10 +172,11 @@ def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
             "jmem.models.export.hf_config for them before exporting."
         )
     c = config
+    model_type = _model_type(c)
     name = jnp.dtype(dtype).name
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -95,16 +184,13 @@ def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": c.hidden_act,
         "max_position_embeddings": c.max_seq_len,
         "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "rope_scaling": None,
+        **_rope_fields(c),
         "tie_word_embeddings": c.tie_embeddings,
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
+        **_family_fields(c, model_type),
         "dtype": name,
         "torch_dtype": name,
     }
@@ -136,17 +222,24 @@ def _hf_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
         "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", False),
     }
     for n in LINEAR_NAMES:
-        group = "self_attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        group = "self_attn" if n in _ATTN else "mlp"
         names[f"layers/{n}/kernel"] = (f"model.layers.{{i}}.{group}.{n}.weight", True)
+        if n in config.biases:
+            names[f"layers/{n}/bias"] = (f"model.layers.{{i}}.{group}.{n}.bias", False)
     if not config.tie_embeddings:
         names["lm_head/kernel"] = ("lm_head.weight", True)
     return names
 
 
-def _layer_order() -> list[str]:
-    """jmem paths in the order of HF's Llama state dict (per layer: norms and projections)."""
-    attn = [f"layers/{n}/kernel" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    mlp = [f"layers/{n}/kernel" for n in ("gate_proj", "up_proj", "down_proj")]
+def _layer_order(config: LlamaConfig) -> list[str]:
+    """jmem paths in the order of HF's Llama state dict (per layer: norms and projections,
+    each weight followed by its bias)."""
+
+    def linear(n):
+        return [f"layers/{n}/kernel"] + ([f"layers/{n}/bias"] if n in config.biases else [])
+
+    attn = [p for n in _ATTN for p in linear(n)]
+    mlp = [p for n in _MLP for p in linear(n)]
     return ["layers/attn_norm/scale", *attn, "layers/mlp_norm/scale", *mlp]
 
 
@@ -171,7 +264,7 @@ def _plan(leaves: dict, config: LlamaConfig, dtype) -> list[_Tensor]:
 
     plan = [tensor("embed/embedding", None)]
     for i in range(config.num_layers):
-        plan.extend(tensor(path, i) for path in _layer_order())
+        plan.extend(tensor(path, i) for path in _layer_order(config))
     plan.append(tensor("final_norm/scale", None))
     if not config.tie_embeddings:
         plan.append(tensor("lm_head/kernel", None))
@@ -224,7 +317,8 @@ def save_params(
     adapters: dict[str, _lora.LoraWeight] | None = None,
     dtype=None,
 ) -> None:
-    """Writes ``params`` as a Hugging Face Llama checkpoint, LoRA merged in, tensor by tensor.
+    """Writes ``params`` as a Hugging Face Llama, Mistral or Qwen2 checkpoint (``hf_config``
+    picks the family), LoRA merged in, tensor by tensor.
 
     ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` then computes what
     ``jmem.lora.apply(llama.forward)(params, adapters, ...)`` computes (up to the rounding
@@ -249,8 +343,9 @@ def save_params(
         original) dtype. ``config.json``'s ``dtype`` is the embedding's.
 
     Raises:
-      ValueError: params not in the ``jmem.models.llama`` layout of ``config``, an adapter
-        naming no leaf, a config field ``hf_config`` does not write, or
+      ValueError: params not in the ``jmem.models.llama`` layout of ``config`` (e.g. bias
+        leaves ``config.biases`` does not declare, or missing ones), an adapter naming no
+        leaf, a config ``hf_config`` cannot write (see there), or
         ``max_shard_bytes < 1``.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415

@@ -370,6 +370,7 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
+@jax.named_scope("rms_norm")
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019), computed in float32, returned in ``x.dtype``."""
     xf = x.astype(jnp.float32)
@@ -417,6 +418,7 @@ def rope_tables(positions, head_dim: int, theta: float, scaling: RopeScaling | N
     return jnp.cos(angles), jnp.sin(angles)
 
 
+@jax.named_scope("rope")
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates ``x [B, S, heads, D]`` by position, half-split layout as in HF Llama.
     ``cos``/``sin``: ``[S, D // 2]`` or ``[B, S, D // 2]`` from ``rope_tables``."""
@@ -481,6 +483,7 @@ def attention_mask(
     return mask
 
 
+@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
 def attention(q, k, v, mask):
     """Grouped-query softmax attention (scale ``1/sqrt(D)``, softmax in float32).
 
@@ -495,12 +498,20 @@ def attention(q, k, v, mask):
     """
     b, s, nh, d = q.shape
     nkv = k.shape[2]
-    q = q.reshape(b, s, nkv, nh // nkv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(d)
+    # Heads-major layouts ([B, nKV, G, S, D], [B, nKV, T, D]) make both einsums plain batched
+    # matmuls whose results need no transpose: the [.., S, T] scores and their gradients
+    # (the big arrays) are written once, in place; only q/k/v/out (D wide) are transposed.
+    # The G query heads of a KV head are merged with the queries ([B, nKV, G*S, D]) so that
+    # every gradient contracts one axis (two contracted axes made XLA:CPU transpose again).
+    g, t = nh // nkv, k.shape[1]
+    q = q.reshape(b, s, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) / math.sqrt(d)
+    scores = scores.reshape(b, nkv, g, s, t)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, s, nh, d)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, s, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh, d)
 
 
 def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Array:
@@ -645,6 +656,7 @@ def forward(
     return _head(params, x, c)
 
 
+@jax.named_scope("cross_entropy")
 def cross_entropy(
     logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
 ) -> jax.Array:

@@ -1,4 +1,5 @@
-"""LoRA adapters in Hugging Face PEFT's format, for ``jmem.models.llama`` params.
+"""LoRA adapters in Hugging Face PEFT's format, for ``jmem.models.llama`` params of any
+family ``jmem.models.hf`` loads (Llama, Mistral, Qwen2: the same module names and keys).
 
 A PEFT LoRA adapter directory holds ``adapter_config.json`` (``peft.LoraConfig``) and
 ``adapter_model.safetensors`` with, per adapted linear layer,
@@ -154,7 +155,8 @@ def save_adapters(
         when given only the adapter directory).
 
     Raises:
-      ValueError: an adapter on a weight PEFT's Llama has no module for, shapes that do not
+      ValueError: an adapter on a weight PEFT has no module for (a bias, a norm, the
+        embedding; only the seven projections' kernels), shapes that do not
         fit ``config``, or adapters that differ in rank/alpha/dropout/rsLoRA/init.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415

@@ -205,6 +205,7 @@ def lora_dropout(x, w: Weight, site: int):
     return jnp.where(keep, x / jnp.asarray(1.0 - w.dropout, x.dtype), jnp.zeros((), x.dtype))
 
 
+@jax.named_scope("lora")  # op names in profiles (benchmarks/qlora_profile.py)
 def lora_term(
     x,
     w: Weight,
@@ -235,6 +236,9 @@ def lora_term(
         x = x.astype(first.dtype)
     if w.dropout_active:
         x = lora_dropout(x, w, site)
+    x, unflatten = _flatten_free(x, xb, xc)
+    if unflatten is not None:
+        xc = (x.ndim - 1,)
     t = lax.dot_general(
         x,
         first,
@@ -251,6 +255,22 @@ def lora_term(
         precision=precision,
         preferred_element_type=pet,
     )
+    if unflatten is not None:
+        u = u.reshape(*unflatten, u.shape[-1])
     if wi == 0:  # dot_general(W, x) puts W's free axis before x's free axes.
         u = jnp.moveaxis(u, -1, nb)
     return u * jnp.asarray(w.scale, u.dtype)
+
+
+def _flatten_free(x, xb, xc):
+    """``x [*batch, *free, in]`` -> ``[*batch, prod(free), in]`` and the shape to restore.
+
+    With one free axis the LoRA factors' gradients (``tᵀ·g``, contracting the tokens) are
+    plain 2-D matmuls; with several, XLA:CPU copies the ``[*free, out]`` cotangent into a
+    transposed layout first, which cost more than the matmuls themselves (issue #21). Only
+    when the batch axes lead and the contracted axis is last (the usual ``x @ W``); else
+    ``(x, None)``."""
+    nb = len(xb)
+    if tuple(xb) != tuple(range(nb)) or tuple(xc) != (x.ndim - 1,) or x.ndim - nb <= 2:
+        return x, None
+    return x.reshape(*x.shape[:nb], -1, x.shape[-1]), x.shape[:-1]
