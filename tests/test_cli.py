@@ -64,9 +64,6 @@ def _files(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     (tmp_path / "notext.jsonl").write_text('{"title": "no text field"}\n')
     _config_json(tmp_path / "no_tokenizer")
-    mistral = json.loads(open(_config_json(tmp_path / "mistral", 256) + "/config.json").read())
-    mistral.update(model_type="mistral", sliding_window=16)
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps(mistral))
     return tmp_path
 
 
@@ -100,12 +97,6 @@ BAD_EXAMPLE_INPUTS = {
     "resume and overwrite": (["--resume", "--overwrite"], ["--overwrite", "--resume"]),
     "resume without checkpoint": (["--resume"], ["--resume", "no checkpoint"]),
     "export into a non-empty dir": (["--export-merged", "{t}"], ["--export-merged", "not empty"]),
-    # jmem.models.export.hf_config does not write sliding_window yet; once it does, pick a
-    # field it still refuses.
-    "export of a model the exporter cannot write": (
-        ["--checkpoint", "{t}/mistral", "--tokenizer", "byte", "--export-merged", "{t}/new"],
-        ["--export-merged", "sliding_window"],
-    ),
     "empty sample prompt": (["--sample-prompt", ""], ["--sample-prompt", "no tokens"]),
     "sample tokens 0": (["--sample-tokens", "0"], ["--sample-tokens", "positive integer"]),
     "sizes larger than the data": (["--data", "{t}/small.txt"], ["--data", "--batch-size"]),
@@ -149,6 +140,17 @@ def test_out_holding_another_run_is_refused(example, tmp_path, capsys):
         example.main(["--steps", "300", "--lora-rank", "4", "--resume", "--out", str(out)])
     _one_line_error(capsys, e, "--resume", "--lora-rank 4 (was 8)")
     assert os.path.isdir(out / "checkpoints" / "200")
+
+
+def test_export_of_a_model_the_exporter_cannot_write_is_refused_before_training(example, tmp_path):
+    """--export-merged runs after training: what it would refuse is refused up front."""
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg = llama.get_config("tiny", biases=("q_proj",))  # no transformers family has it
+    args = example.parse_args(["--export-merged", str(tmp_path / "merged")])
+    with pytest.raises(example.CliError, match="--export-merged .*biases"):
+        example.check_outputs(args, cfg, data.ByteTokenizer())
+    example.check_outputs(example.parse_args([]), cfg, data.ByteTokenizer())  # no export: ok
 
 
 def test_debug_keeps_the_traceback(example, tmp_path):
