@@ -147,6 +147,7 @@ def _greedy_by_forward(forward, prompt, n):
     return out
 
 
+@pytest.mark.slow
 def test_generate_with_kv_cache_equals_greedy_full_forward():
     cfg = llama.get_config(
         "tiny", num_layers=2, sliding_window=5, biases=("q_proj", "v_proj"), hidden_act="gelu"
@@ -167,6 +168,7 @@ def test_generate_with_kv_cache_equals_greedy_full_forward():
         llama.generate(p, prompt, cfg, max_new_tokens=2, temperature=1.0)
 
 
+@pytest.mark.slow
 def test_generate_on_nf4_base_with_adapters():
     cfg = llama.get_config("tiny", num_layers=2)
     dense = llama.init(jax.random.key(0), cfg)

@@ -111,6 +111,7 @@ def test_nnx_step_with_python_loop_layers_warns_and_keeps_state():
     chex.assert_trees_all_close(got[:2], ref[:2], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_step_around_a_remat_loss():
     """Both forms at once (e.g. jmem.remat around a step built with train_step(remat=...)):
     the inner wrapper checkpoints the scans, the outer one accepts that."""
