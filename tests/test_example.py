@@ -109,10 +109,22 @@ def test_a_second_run_into_the_same_out_replaces_or_resumes_never_mixes(example,
     assert again["losses"] == second["losses"]
 
 
-def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_path):
-    """--checkpoint DIR: weights quantized to NF4 on load, the checkpoint's own tokenizer."""
+def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_path, capsys):
+    """--checkpoint DIR of a Llama 3.1-style model (llama3 RoPE scaling, GQA, tied
+    embeddings): weights quantized to NF4 on load, the checkpoint's own tokenizer, samples
+    before and after training, and an adapter directory that PEFT loads onto the
+    transformers model with jmem's logits (dense base + the same adapters, 1e-4)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jmem import lora  # noqa: PLC0415
+    from jmem.models import hf  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
     transformers = pytest.importorskip("transformers", reason="writes the tiny HF checkpoint")
     tokenizers = pytest.importorskip("tokenizers", reason="the checkpoint's tokenizer.json")
+    peft = pytest.importorskip("peft", reason="loads the adapters the run wrote")
+    torch = pytest.importorskip("torch")
     words = sorted(set(data.load_text()[:20000].split()))[:90]
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
@@ -125,30 +137,43 @@ def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_p
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
     )
+    torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(ckpt, safe_serialization=True)
     tok.save(str(ckpt / "tokenizer.json"))
     assert data.HFTokenizer(str(ckpt)).vocab_size == len(vocab)
-    out = example.main(
-        [
-            "--checkpoint",
-            str(ckpt),
-            "--steps",
-            "3",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-            "--lora-rank",
-            "2",
-            "--no-progress",
-            "--out",
-            str(tmp_path / "run"),
-        ]
-    )
+    argv = ["--checkpoint", str(ckpt), "--steps", "3", "--batch-size", "2", "--seq-len", "16"]
+    argv += ["--lora-rank", "2", "--lr", "1e-2", "--no-progress", "--out", str(tmp_path / "run")]
+    out = example.main(argv + ["--sample-prompt", " ".join(words[:4]), "--sample-tokens", "3"])
     assert len(out["losses"]) == 3 and all(np.isfinite(out["losses"]))
     assert out["checkpoint"] == str(ckpt) and out["tokenizer"] == str(ckpt)
     assert out["config"] is None and out["model"]["vocab_size"] == 128
+    assert set(out["samples"]) == {"before (step 0)", "after (step 3)"}
+    assert "sample before (step 0)" in capsys.readouterr().out
+
+    adapter_dir = str(tmp_path / "run" / "adapter")
+    jcfg = hf.load_config(str(ckpt))
+    assert jcfg.rope_scaling is not None and jcfg.tie_embeddings
+    params, _ = hf.load_params(str(ckpt), jcfg, dtype=jnp.float32)
+    adapters = hf.load_adapters(adapter_dir, params, jcfg)
+    assert any(float(jnp.abs(w.b).max()) > 0 for w in adapters.values())  # trained
+    adapters = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
+    tokens = np.arange(1, 13, dtype=np.int32)[None]
+    ours = lora.apply(lambda p, t: llama.forward(p, t, jcfg))(params, adapters, tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
 
 
 def _sft_jsonl(path, n=60):

@@ -174,8 +174,9 @@ def test_rope_scaling_spelled_before_transformers_5(tmp_path):
     assert hf.load_config(str(tmp_path)) == new
 
 
-def test_nf4_on_load_equals_quantizing_dense_params(tmp_path):
-    _save_family(tmp_path, "qwen2")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_nf4_on_load_equals_quantizing_dense_params(tmp_path, family):
+    _save_family(tmp_path, family)
     dense, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
     q, _ = hf.load_params(str(tmp_path), dtype=jnp.float32, quantize="nf4")
     ref = qlora.quantize_params(dense)
