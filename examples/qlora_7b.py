@@ -431,10 +431,16 @@ def _example_datasets(args, tok):
         )
     held = None
     if n_eval:
-        with user_input(f"--eval-split {args.eval_split} (held-out examples of {args.data})"):
+        what = f"--eval-split {args.eval_split} (held-out examples of {args.data})"
+        try:
             held = jdata.PackedDataset.from_examples(
                 examples[cut:], tok, args.seq_len, args.batch_size, seed=args.seed
             )
+        except ValueError as e:
+            raise CliError(
+                f"{what}: {_one_line(e)} Or raise --eval-split, or pass --eval-split 0 "
+                "for no evaluation."
+            ) from e
     return train, held
 
 

@@ -86,7 +86,8 @@ def _model(name: str) -> Any:
     try:
         planner.resolve_shape(name)
     except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
+        names = ", ".join(sorted(llama.CONFIGS))
+        raise argparse.ArgumentTypeError(f"{str(e).rstrip('.')}; config names: {names}") from None
     return name
 
 
@@ -165,7 +166,7 @@ def _add_estimate(sub) -> None:
         "--model",
         required=True,
         type=_model,
-        help="config name (tiny, llama_1b, llama2_7b, llama3_8b) or parameter count (7e9, 7B)",
+        help=f"config name ({', '.join(sorted(llama.CONFIGS))}) or parameter count (7e9, 7B)",
     )
     p.add_argument("--memory", type=_memory(False), help="device memory: 24GB, 24GiB, 80G or bytes")
     p.add_argument(

@@ -3,6 +3,7 @@
 import functools
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import pytest
@@ -183,3 +184,13 @@ def test_generate_on_nf4_base_with_adapters():
     # the adapters change the output: a generate that ignored them would fail above
     base = llama.generate(qlora.dequantize_params(q), prompt, cfg, max_new_tokens=5)
     assert not jnp.array_equal(base, ref)
+
+
+def test_generate_refuses_token_ids_outside_the_vocabulary():
+    """A prompt id >= vocab_size (or < 0) would be clamped or wrapped by the embedding
+    lookup and decode garbage; ``generate`` names the ids instead."""
+    config = helpers.small_config()
+    params = llama.abstract_params(config)
+    prompt = jnp.asarray([[1, config.vocab_size + 3], [-5, 2]], jnp.int32)
+    with pytest.raises(ValueError, match=r"outside \[0, .*-5, .*tokenizer"):
+        llama.generate(params, prompt, config, max_new_tokens=2)

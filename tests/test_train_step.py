@@ -431,6 +431,21 @@ class MaskedAccumulationTest(chex.TestCase):
         )
         assert float(unweighted(jnp.float32(1.0), batch)[1]) == 1.5
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_a_microbatch_without_unmasked_tokens_adds_nothing(self):
+        """Its weight is 0 and its own ``sum(nll * mask) / sum(mask)`` is 0/0 = NaN: the
+        result is the other microbatches' token mean, never NaN (all masked: zeros)."""
+        loss = lambda w, b: jnp.sum(b["mask"] * w * b["x"]) / jnp.sum(b["mask"])
+        grad_fn = jax.value_and_grad(loss)
+        grad_aux = lambda w, b: grad_fn(w, b)[::-1]
+        acc = self.variant(lambda w, b: accumulation.accumulate_gradients(grad_aux, w, b, 2))
+        batch = _three_and_nine_tokens()
+        batch["mask"] = batch["mask"].at[0].set(0.0)
+        g, value = acc(jnp.float32(1.0), batch)
+        assert float(g) == 2.0 and float(value) == 2.0
+        g, value = acc(jnp.float32(1.0), dict(batch, mask=jnp.zeros_like(batch["mask"])))
+        assert float(g) == 0.0 and float(value) == 0.0
+
     def test_train_step_loss_is_the_token_mean_of_the_step(self):
         step = train_step(_masked_mean_loss, optax.sgd(1.0), microbatches=2, donate=False)
         state, metrics = step(step.init(jnp.float32(1.0)), _three_and_nine_tokens())

@@ -257,7 +257,9 @@ def remat(
         a ``checkpoint_name`` that ``fn`` does not carry (the message lists those it does).
       TypeError: a policy that is not a name, a sequence of names or a callable.
       RuntimeError: on call, ``fn`` holds a scan but none was bound while it ran (traced
-        before, by a cache jmem cannot see), so nothing would be checkpointed.
+        before, by a cache jmem cannot see), so nothing would be checkpointed. Called
+        eagerly (concrete outputs) this is a ``UserWarning`` instead: its scans ran in a
+        ``jax.jit`` executable compiled earlier; call it under ``jax.jit``.
     """
     if fn is None:
         return functools.partial(
@@ -382,16 +384,24 @@ class _RematWrapper:
         )
         with _si.intercepting(icp):
             out = self.fn(*args, **kwargs)
-        if icp.scans + icp.jits == 0 and any(
-            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)
-        ):
-            raise RuntimeError(
-                f"jmem.remat: {getattr(self.fn, '__name__', self.fn)!r} holds a lax.scan, but "
-                "no scan was bound while it ran (it was traced before jmem.remat ran, e.g. in "
-                "a cached function transform), so nothing would be checkpointed. Wrap the loss "
-                "that holds the scan instead: jax.grad(jmem.remat(loss, policy))."
+        if icp.scans + icp.jits > 0:
+            return out
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+            warnings.warn(
+                f"jmem.remat: {getattr(self.fn, '__name__', self.fn)!r} ran eagerly and no "
+                "scan was bound (its scans ran inside a jax.jit executable compiled earlier), "
+                "so this call checkpointed nothing. Call it under jit: "
+                "jax.jit(jmem.remat(step, policy)).",
+                UserWarning,
+                stacklevel=3,
             )
-        return out
+            return out
+        raise RuntimeError(
+            f"jmem.remat: {getattr(self.fn, '__name__', self.fn)!r} holds a lax.scan, but "
+            "no scan was bound while it ran (it was traced before jmem.remat ran, e.g. in "
+            "a cached function transform), so nothing would be checkpointed. Wrap the loss "
+            "that holds the scan instead: jax.grad(jmem.remat(loss, policy))."
+        )
 
     def _run_without_scan(self, flat_fn, dyn, closed, traced_out, args, kwargs):
         """No scan: checkpoint ``fn`` whole (a layer called in a Python loop), or, for a step

@@ -32,6 +32,7 @@ from typing import Any
 from typing import Callable
 
 from jax._src import config as _jax_config
+from jax._src import core as _core
 from jax._src import source_info_util as _siu
 from jax._src.lax.control_flow import loops as _loops
 from jax.extend import core as jcore
@@ -139,12 +140,23 @@ def _scan_bind(*args, **params):
     if icp is None or icp.busy:
         return _ORIG_SCAN_BIND(*args, **params)
     caller = sys._getframe(1)
-    if caller.f_code is not _SCAN_CODE or _inside_user_scan(caller.f_back, icp.entry):
+    if caller.f_code is not _SCAN_CODE:
+        return _ORIG_SCAN_BIND(*args, **params)
+    if _inside_user_scan(caller.f_back, icp.entry) and not _differentiating():
         return _ORIG_SCAN_BIND(*args, **params)
     for outer in _LOCAL.stack:  # an inner jmem.remat's rewrite serves the outer ones too
         outer.scans += 1
     with busy(icp):
         return icp.rewrite_scan(params, list(args))
+
+
+def _differentiating() -> bool:
+    """True when the current trace is an autodiff trace (``JVPTrace``/``LinearizeTrace``):
+    a scan bound under it inside another scan's body is differentiated *there* (e.g. a
+    ``value_and_grad`` per microbatch inside a ``lax.scan`` over microbatches), so the
+    outer scan's checkpoint cannot cover it and it is rewritten itself."""
+    trace = getattr(getattr(_core, "trace_ctx", None), "trace", None)
+    return type(trace).__name__ in ("JVPTrace", "LinearizeTrace")
 
 
 def _jit_bind(*args, **params):

@@ -28,6 +28,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src import fp8 as fp8_lib
@@ -754,6 +755,20 @@ def _generate(params, adapters, prompt, key, *, config, max_new_tokens, temperat
     return out
 
 
+def _check_token_ids(tokens, vocab_size: int) -> None:
+    """Raises for ids outside ``[0, vocab_size)`` in a concrete ``tokens`` (a tracer is
+    not checked): ``jnp.take`` would clamp or wrap them silently."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(
+            f"prompt_tokens hold ids outside [0, {vocab_size}) (the model's vocab_size): "
+            f"{sorted(set(bad.tolist()))[:8]}; is the tokenizer the checkpoint's?"
+        )
+
+
 def generate(
     params: Params,
     prompt_tokens: jax.Array,
@@ -797,7 +812,7 @@ def generate(
     Raises:
       ValueError: a prompt that is not int ``[B, P]``, ``max_new_tokens < 1``, a negative
         temperature, ``top_p`` outside (0, 1], sampling without ``key``, or ``adapters``
-        without ``apply``.
+        without ``apply``, or (for a concrete prompt) token ids outside ``[0, vocab_size)``.
     """
     if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
         raise ValueError(
@@ -815,6 +830,7 @@ def generate(
         raise ValueError("sampling (temperature > 0) needs a PRNG key: pass key=.")
     if adapters is not None and apply is None:
         raise ValueError("adapters need apply= (e.g. jmem.qlora.apply) to be used.")
+    _check_token_ids(prompt_tokens, config.vocab_size)
     return _generate(
         params,
         adapters,

@@ -99,7 +99,13 @@ def render_chat(
     Raises:
       ValueError: if the template fails to compile or raises (``raise_exception``).
     """
-    import jinja2  # noqa: PLC0415
+    try:
+        import jinja2  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError(
+            "chat and instruction examples are rendered with jinja2 (as transformers does); "
+            'install it with `pip install jinja2` or `pip install "jmem[examples]"`.'
+        ) from e
 
     special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
     try:

@@ -83,7 +83,7 @@ class PackedDataset:
         n = len(self.rows["inputs"])
         if n < batch_size:
             raise ValueError(
-                f"Packing gave {n} rows of {self.seq_len} tokens: fewer than one batch of "
+                f"Packing gave {n} row(s) of {self.seq_len} tokens: fewer than one batch of "
                 f"{batch_size}. Use more examples, a smaller batch or a shorter seq_len."
             )
         self.examples = None

@@ -129,8 +129,11 @@ def accumulate_gradients(
             )
         return zeros(s)
 
-    def add(a, x, w):
-        return a + x.astype(a.dtype) * w.astype(a.dtype) if is_float_array(a) else x
+    def add(a, x, w):  # a microbatch of weight 0 (no unmasked token) adds exactly 0, even
+        # where its own loss is 0/0 = NaN (a ``sum(nll * mask) / sum(mask)`` loss)
+        if not is_float_array(a):
+            return x
+        return a + jnp.where(w > 0, x.astype(a.dtype) * w.astype(a.dtype), 0)
 
     def body(acc, xs):
         (g_acc, aux_acc), (mb, w) = acc, xs
