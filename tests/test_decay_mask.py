@@ -161,3 +161,23 @@ def test_unknown_names_are_a_clear_error_unless_a_default_is_given():
         jmem.decay_mask(params)
     assert jmem.decay_mask(params, default=False) == {"block": {"proj": False, "kernel": True}}
     assert jmem.decay_mask({"step": jnp.zeros((), jnp.int32)}) == {"step": False}
+
+
+def test_gpt_neox_output_head_and_ln_prefixed_matrices_are_decayed():
+    """``embed_out`` (GPT-NeoX's output head) and ``lnproj`` (not a norm) are matrices;
+    ``ln_f``/``ln1`` are norms."""
+    tree = {
+        "embed_out": {"weight": jnp.ones((4, 3))},
+        "embed_in": {"weight": jnp.ones((4, 3))},
+        "lnproj": {"kernel": jnp.ones((3, 3))},
+        "ln_f": {"weight": jnp.ones((3,))},
+        "ln1": {"weight": jnp.ones((3,))},
+    }
+    mask = jmem.decay_mask(tree)
+    assert mask == {
+        "embed_out": {"weight": True},
+        "embed_in": {"weight": False},
+        "lnproj": {"kernel": True},
+        "ln_f": {"weight": False},
+        "ln1": {"weight": False},
+    }

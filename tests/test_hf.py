@@ -214,6 +214,11 @@ def _edit_config(tmp_path, **changes):
             },
             "partial_rotary_factor=0.5",
         ),
+        ({"rope_scaling": {"type": "linear"}}, r"rope_type='linear' lacks \['factor'\]"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            r"lacks \['high_freq_factor', 'low_freq_factor'",
+        ),
         ({"model_type": "gemma"}, "model_type='gemma'.*qwen2"),
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quant_method='gptq'"),
@@ -243,6 +248,32 @@ def test_unread_tensors_are_an_error(tmp_path):
     assert cfg.biases == ("gate_proj", "up_proj", "down_proj")
     assert "bias" not in params["layers"]["q_proj"]
     del model
+
+
+def test_legacy_rope_scaling_wins_over_a_default_rope_parameters(tmp_path):
+    """transformers 5 writes ``rope_parameters: {rope_type: default}``; an older tool's
+    ``rope_scaling`` next to it decides the type (its factor is not an unknown key)."""
+    _save_family(tmp_path, "qwen2")
+    _edit_config(tmp_path, rope_scaling={"type": "linear", "factor": 4.0})
+    assert hf.load_config(str(tmp_path)).rope_scaling == llama.RopeScaling("linear", 4.0)
+
+
+def test_a_tensor_missing_from_the_index_is_still_reported(tmp_path):
+    """A tensor stored in a shard but absent from model.safetensors.index.json is part of
+    the checkpoint: unread, it is an error as without an index."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    _save_family(tmp_path, "qwen2")
+    shard = sorted(tmp_path.glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    tensors["model.layers.9.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: shard.name for k in tensors}}
+    del index["weight_map"]["model.layers.9.mlp.up_proj.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"1 tensors.*layers\.9\.mlp\.up_proj"):
+        hf.load_params(str(tmp_path), dtype=jnp.float32)
 
 
 def test_unknown_config_field_warns(tmp_path):

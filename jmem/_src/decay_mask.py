@@ -29,9 +29,11 @@ KERNEL_NAMES = frozenset({"kernel", "weight", "w", "lora_a", "lora_b"})
 #: Leaf names that are never decayed: biases, norm scales and offsets.
 NO_DECAY_NAMES = frozenset({"bias", "b", "scale", "offset", "gamma", "beta"})
 #: A path component naming an embedding table (``embed``, ``embed_tokens``, ``wte``...).
-_EMBEDDING = re.compile(r"(?!un)\w*embed\w*|wte|wpe|word_embeddings|position_embeddings")
+_EMBEDDING = re.compile(
+    r"(?!un|embed_out$)\w*embed\w*|wte|wpe|word_embeddings|position_embeddings"
+)  # GPT-NeoX's ``embed_out`` is the output head (a matrix, decayed)
 #: A path component naming a normalization layer (``attn_norm``, ``LayerNorm_0``, ``ln_f``).
-_NORM = re.compile(r"\w*norm\w*|ln(_?\w+)?|\w*_ln(_\w+)?")
+_NORM = re.compile(r"\w*norm\w*|ln(_\w+|\d+)?|\w*_ln(_\w+)?")  # not ``lnproj``
 
 
 def _components(path) -> list[str]:

@@ -118,11 +118,21 @@ def _rope(c: dict) -> tuple[float, RopeScaling | None]:
     ``rope_parameters`` (>= 5, which also holds ``rope_theta``)."""
     # both may be present (a file edited by hand or by an older tool): rope_scaling wins
     field = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    winner = c.get(field) or {}
+    kind = winner.get("rope_type", winner.get("type"))
     rope = {**(c.get("rope_parameters") or {}), **(c.get("rope_scaling") or {})}
-    kind = rope.get("rope_type", rope.get("type"))
+    rope.pop("type", None)
+    rope["rope_type"] = kind  # the winning spelling's type, not the other's
     supported = "rope_type default, linear, llama3"
     if kind not in _ROPE_KEYS:
         _refuse(f"{field}.rope_type", kind, supported)
+    required = _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
+    missing = sorted(k for k in required if rope.get(k) is None)
+    if missing:
+        raise ValueError(
+            f"config.json: {field} with rope_type={kind!r} lacks {missing}; RoPE "
+            f"{kind} scaling needs {sorted(required)}."
+        )
     extra = {k: v for k, v in rope.items() if k not in _ROPE_KEYS[kind] and v is not None}
     partial = extra.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -275,19 +285,31 @@ def _weight_files(directory: str) -> dict[str, str]:
             raise FileNotFoundError(
                 f"Checkpoint shards listed in {index} are missing: {sorted(missing)}."
             )
-        return {k: os.path.join(directory, v) for k, v in weight_map.items()}
+        out = {k: os.path.join(directory, v) for k, v in weight_map.items()}
+        # a tensor stored in a shard but absent from the index is still the checkpoint's:
+        # listed, so that an unread one is reported, not silently skipped
+        for fn, keys in _shard_keys(directory, sorted(set(weight_map.values()))).items():
+            for k in keys:
+                out.setdefault(k, fn)
+        return out
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(
             f"No *.safetensors files in {directory!r} (PyTorch .bin checkpoints "
             "are not supported; convert them with safetensors)."
         )
+    return {k: fn for fn, keys in _shard_keys(directory, files).items() for k in keys}
+
+
+def _shard_keys(directory: str, files: list[str]) -> dict[str, list[str]]:
+    """``{path: tensor names}`` of each safetensors file (reads the headers only)."""
     from safetensors import safe_open  # noqa: PLC0415
 
     out = {}
     for fn in files:
-        with safe_open(os.path.join(directory, fn), framework="numpy") as f:
-            out.update({k: os.path.join(directory, fn) for k in f.keys()})
+        path = os.path.join(directory, fn)
+        with safe_open(path, framework="numpy") as f:
+            out[path] = list(f.keys())
     return out
 
 
