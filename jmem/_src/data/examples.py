@@ -23,12 +23,12 @@ with ``PLAIN_CHAT_TEMPLATE``.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from jmem._src.data.chat_template import PLAIN_CHAT_TEMPLATE
 from jmem._src.data.chat_template import assistant_spans
+from jmem._src.data.text import read_jsonl
 
 #: What a line / an example may be, for error messages.
 FORMATS = (
@@ -106,18 +106,9 @@ def load_examples(path: str) -> list[dict]:
             f"{path}: unsupported extension; expected a .jsonl file (one JSON object per "
             "line). For plain text use load_text (.txt)."
         )
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{i + 1}: not valid JSON ({e.msg}); expected {FORMATS}."
-                ) from None
-            examples.append(normalize_example(obj, f"{path}:{i + 1}"))
+    examples = [
+        normalize_example(obj, where) for where, obj in read_jsonl(path, f"; expected {FORMATS}")
+    ]
     if not examples:
         raise ValueError(
             f"{path}: the file has no examples; expected one line per example, {FORMATS}."

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
+from typing import Iterator
 
 
 def load_text(path: str | None = None) -> str:
@@ -34,21 +36,29 @@ def load_text(path: str | None = None) -> str:
             return f.read()
     if path.endswith(".jsonl"):
         docs = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}).") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise ValueError(
-                        f"{path}:{i + 1}: each line must be a JSON object with a "
-                        "string 'text' field."
-                    )
-                docs.append(obj["text"])
+        for where, obj in read_jsonl(path):
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ValueError(
+                    f"{where}: each line must be a JSON object with a string 'text' field."
+                )
+            docs.append(obj["text"])
         return "\n\n".join(docs)
     raise ValueError(
         f"Unsupported data file {path!r}: use .txt or .jsonl (a 'text' field per line)."
     )
+
+
+def read_jsonl(path: str, expected: str = "") -> Iterator[tuple[str, Any]]:
+    """Yields ``("path:line", object)`` for each non-blank line of a JSON-lines file.
+
+    Raises:
+      ValueError: ``path:line: not valid JSON (...)`` (followed by ``expected``).
+    """
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{i + 1}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}){expected}.") from None
