@@ -1,5 +1,7 @@
 """Shared test helpers: small models, batches and tree checks used by several test files."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,3 +42,13 @@ def assert_bitwise_equal(a, b) -> None:
     assert ta == tb, (ta, tb)
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def sft_jsonl(path, n=60):
+    """A tiny instruction dataset: prompt/completion pairs (sums), one per line."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for a, b in rng.integers(0, 50, size=(n, 2)):
+            f.write(json.dumps({"prompt": f"Q: {a}+{b}=?\nA:", "completion": f" {a + b}\n"}))
+            f.write("\n")
+    return str(path)

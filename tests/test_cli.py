@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-import numpy as np
+import helpers
 import pytest
 
 from jmem import data
@@ -188,19 +188,9 @@ def test_example_entry_point_prints_no_traceback(tmp_path):
     assert r.stderr.startswith("error: --data") and "Traceback" not in r.stderr
 
 
-def _sft_jsonl(path, n=60):
-    """A tiny instruction dataset: prompt/completion pairs (sums), one per line."""
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for a, b in rng.integers(0, 50, size=(n, 2)):
-            f.write(json.dumps({"prompt": f"Q: {a}+{b}=?\nA:", "completion": f" {a + b}\n"}))
-            f.write("\n")
-    return str(path)
-
-
 def test_instruction_data_trains_on_responses_only(example, tmp_path):
     """--data sft.jsonl: packed examples whose mask is 1 exactly on the completions."""
-    sft = _sft_jsonl(tmp_path / "sft.jsonl")
+    sft = helpers.sft_jsonl(tmp_path / "sft.jsonl")
     args = example.parse_args(
         ["--data", sft, "--seq-len", "32", "--batch-size", "4", "--eval-split", "0.2"]
     )
@@ -219,7 +209,7 @@ def test_instruction_data_trains_on_responses_only(example, tmp_path):
 
 
 def test_eval_split_that_holds_out_no_example(example, tmp_path, capsys):
-    sft = _sft_jsonl(tmp_path / "sft.jsonl", n=5)
+    sft = helpers.sft_jsonl(tmp_path / "sft.jsonl", n=5)
     with pytest.raises(SystemExit) as e:
         example.main(["--data", sft, "--eval-split", "0.1", "--out", str(tmp_path / "o")])
     _one_line_error(capsys, e, "--eval-split 0.1", "none of the 5 examples", "--eval-split 0")

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import helpers
 import numpy as np
 import pytest
 
@@ -176,16 +177,6 @@ def test_trains_from_a_hugging_face_checkpoint_with_its_tokenizer(example, tmp_p
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
 
 
-def _sft_jsonl(path, n=60):
-    """A tiny instruction dataset: prompt/completion pairs (sums), one per line."""
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for a, b in rng.integers(0, 50, size=(n, 2)):
-            f.write(json.dumps({"prompt": f"Q: {a}+{b}=?\nA:", "completion": f" {a + b}\n"}))
-            f.write("\n")
-    return str(path)
-
-
 def test_instruction_run_writes_adapters_and_a_merged_checkpoint(example, tmp_path):
     """The main job on a tiny SFT set: response-only loss, eval loss, PEFT adapters in
     --out/adapter, and a merged Hugging Face checkpoint that computes the eval loss the
@@ -195,7 +186,7 @@ def test_instruction_run_writes_adapters_and_a_merged_checkpoint(example, tmp_pa
     from jmem.models import hf  # noqa: PLC0415
     from jmem.models import llama  # noqa: PLC0415
 
-    sft = _sft_jsonl(tmp_path / "sft.jsonl")
+    sft = helpers.sft_jsonl(tmp_path / "sft.jsonl")
     out, merged = tmp_path / "run", tmp_path / "merged"
     argv = SMALL + ["--data", sft, "--steps", "3", "--eval-every", "3", "--eval-split", "0.2"]
     extra = ["--export-merged", str(merged), "--sample-prompt", "Q: 1+2=?\nA:"]

@@ -28,30 +28,6 @@ NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 TOKENS = np.random.default_rng(0).integers(0, 97, size=(2, 12))
 
 
-def _save_tiny(path, tie=False):
-    """A float32 3-layer GQA Llama written by save_pretrained; returns the torch model."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
 def _base(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -91,7 +67,7 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("use_rslora,targets", [(False, ALL), (True, r".*(q|v)_proj.*")])
 def test_jmem_adapters_run_in_peft(tmp_path, use_rslora, targets):
     """jmem adapters saved by save_adapters give, in PeftModel, jmem's logits (<= 1e-4)."""
-    _save_tiny(tmp_path / "base")
+    test_hf._save_tiny(tmp_path / "base", shard=False)
     params, cfg = hf.load_params(str(tmp_path / "base"), dtype=jnp.float32)
     ad = lora.init(
         jax.random.key(1),
@@ -122,7 +98,7 @@ def test_jmem_adapters_run_in_peft(tmp_path, use_rslora, targets):
 def test_peft_adapter_runs_in_jmem(tmp_path):
     """A PEFT-made adapter (nonzero B, rsLoRA, every linear layer) read by load_adapters
     gives PEFT's logits in jmem (<= 1e-4), with its config fields on the LoraWeights."""
-    base = _save_tiny(tmp_path / "base")
+    base = test_hf._save_tiny(tmp_path / "base", shard=False)
     conf = peft.LoraConfig(
         r=4,
         lora_alpha=8,
