@@ -131,6 +131,7 @@ class Checkpointer:
         ``[codes, absmax]``, is recognized from its metadata and restored into today's
         named fields.
         """
+        self._mgr.wait_until_finished()  # a save still in flight is listed, not yet readable
         steps = self.all_steps()
         if step is None:
             step = self.latest_step()
