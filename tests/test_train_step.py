@@ -570,6 +570,7 @@ def test_dropout_key_is_new_per_step_and_microbatch_and_checkpointed(microbatche
     helpers.assert_bitwise_equal(step(restored, batch)[1]["loss"], step(state, batch)[1]["loss"])
 
 
+@pytest.mark.slow
 def test_lora_dropout_in_train_step_trains_with_the_key_or_raises_without():
     """Issue 29 item 3: LoRA adapters with dropout > 0 in train_step. A loss_fn that drops
     the key raises naming lora_dropout_key (it trained as dropout 0 before); forwarding
@@ -591,3 +592,19 @@ def test_lora_dropout_in_train_step_trains_with_the_key_or_raises_without():
     _, with_dropout = keyed(keyed.init(mk(0.3), frozen=frozen, dropout_key=k), batch)
     _, without = keyed(keyed.init(mk(0.0), frozen=frozen, dropout_key=k), batch)
     assert float(with_dropout["loss"]) != float(without["loss"])
+
+
+@pytest.mark.slow
+def test_dropout_key_on_a_mesh_is_replicated_and_draws_the_same_keys():
+    """With mesh=, the key data is replicated (init and abstract_state) and every step
+    draws the keys of the single-device step."""
+    w, batch, k = jnp.ones((3,)), {"x": jnp.arange(24.0).reshape(8, 3)}, jax.random.key(5)
+    mesh = jmem.sharding.make_mesh(data=1, fsdp=jax.device_count())
+    sharded = train_step(_keyed_loss, optax.sgd(0.1), mesh=mesh)
+    single = train_step(_keyed_loss, optax.sgd(0.1))
+    sa, sb = sharded.init(w, dropout_key=k), single.init(w, dropout_key=k)
+    assert sa.dropout_key.sharding.spec == jax.sharding.PartitionSpec()
+    assert sharded.abstract_state(w, dropout_key=k).dropout_key.sharding == sa.dropout_key.sharding
+    for _ in range(2):
+        (sa, ma), (sb, mb) = sharded(sa, batch), single(sb, batch)
+        np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
