@@ -203,8 +203,9 @@ def _sum_loss(p, batch):
         lambda m: jmem.adamw_8bit(1e-3, mask=m),
         lambda m: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, mask=m)),
         lambda m: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, mask=m),
+        lambda m: optax.MultiSteps(optax.adamw(1e-3, mask=m), 2).gradient_transformation(),
     ],
-    ids=["adamw", "adamw_8bit", "chain", "inject_hyperparams"],
+    ids=["adamw", "adamw_8bit", "chain", "inject_hyperparams", "MultiSteps(cond)"],
 )
 def test_train_step_warns_once_when_decay_reaches_norms_or_biases(make, monkeypatch):
     """Issue 29 item 5: weight decay > 0 without a mask on norm scales / biases warns once

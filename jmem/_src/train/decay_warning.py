@@ -30,8 +30,9 @@ _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "dot_general"}
 )
 
-#: Call-like primitives whose sub-jaxpr is followed exactly (others: every output depends
-#: on every input, a conservative over-approximation).
+#: Call-like primitives whose sub-jaxpr is followed exactly (``cond``, ``scan`` and
+#: ``while`` are followed too; any other: every output depends on every input, a
+#: conservative over-approximation).
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call")
 
 
@@ -49,6 +50,42 @@ def _sub_jaxpr(eqn: Any):
     return (sub.jaxpr, sub.consts) if hasattr(sub, "jaxpr") else (sub, ())
 
 
+def _union(*sets) -> frozenset:
+    return frozenset().union(*sets)
+
+
+def _cond(eqn: Any, ins: list[frozenset]) -> list[frozenset]:
+    """``lax.cond``/``switch``: each output depends on the index and on what it depends on
+    in any branch (``optax.MultiSteps``)."""
+    per_branch = [_dependencies(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+    return [_union(ins[0], *outs) for outs in zip(*per_branch)]
+
+
+def _loop(body: Any, consts: list, carry: list, xs: list, extra=frozenset()) -> list:
+    """Outputs of a ``scan``/``while`` body iterated to a fixed point of the carry's deps."""
+    while True:
+        outs = _dependencies(body, [*consts, *carry, *xs])
+        new = [_union(c, o, extra) for c, o in zip(carry, outs)]
+        if new == carry:
+            return [*new, *(_union(o, extra) for o in outs[len(carry) :])]
+        carry = new
+
+
+def _scan_or_while(eqn: Any, ins: list[frozenset]) -> list[frozenset] | None:
+    """``scan``/``while`` followed through their bodies; None for other primitives."""
+    p = eqn.params
+    if eqn.primitive.name == "scan":
+        nc, ncarry = p["num_consts"], p["num_carry"]
+        return _loop(p["jaxpr"].jaxpr, ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :])
+    if eqn.primitive.name == "while":
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        control = _union(*ins[:nc])  # the loop's condition reads its consts and the carry
+        carry = ins[nc + nb :]
+        outs = _loop(p["body_jaxpr"].jaxpr, ins[nc : nc + nb], carry, [], control)
+        return [_union(o, *outs) for o in outs]
+    return None
+
+
 def _dependencies(jaxpr: Any, in_deps: list[frozenset]) -> list[frozenset]:
     """For each output of ``jaxpr``, the set of input labels it depends on."""
     env: dict = dict(zip(jaxpr.invars, in_deps))
@@ -61,8 +98,10 @@ def _dependencies(jaxpr: Any, in_deps: list[frozenset]) -> list[frozenset]:
             outs = [frozenset()] * len(eqn.outvars)
         elif sub is not None and len(sub[0].invars) == len(ins):
             outs = _dependencies(sub[0], ins)
+        elif eqn.primitive.name == "cond":
+            outs = _cond(eqn, ins)
         else:
-            outs = [frozenset().union(*ins)] * len(eqn.outvars)
+            outs = _scan_or_while(eqn, ins) or [_union(*ins)] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
