@@ -26,6 +26,8 @@ from jmem._src.master_weights import mixed_precision
 from jmem._src.master_weights import params_from_masters
 from jmem._src.measure import MemoryReport
 from jmem._src.measure import measure
+from jmem._src.offload.memory_kinds import abstract_like
+from jmem._src.offload.memory_kinds import memory_kinds
 from jmem._src.offload.memory_kinds import to_device
 from jmem._src.offload.memory_kinds import to_host
 from jmem._src.offload.transform import offload
@@ -65,6 +67,7 @@ __all__ = (
     "StaticLossScale",
     "TrainState",
     "TrainStep",
+    "abstract_like",
     "accumulate_gradients",
     "adam_4bit",
     "adam_8bit",
@@ -81,6 +84,7 @@ __all__ = (
     "linear_map",
     "lora",
     "measure",
+    "memory_kinds",
     "mixed_precision",
     "nf4",
     "offload",

@@ -1,5 +1,7 @@
 """jmem.decay_mask: decay projection matrices, never norms, biases or embeddings (by name)."""
 
+import warnings
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -181,3 +183,65 @@ def test_gpt_neox_output_head_and_ln_prefixed_matrices_are_decayed():
         "ln_f": {"weight": False},
         "ln1": {"weight": False},
     }
+
+
+_STACKED = {
+    "embed": {"embedding": jnp.ones((16, 8))},
+    "layers": {"attn_norm": {"scale": jnp.ones((2, 8))}, "q": {"kernel": jnp.ones((2, 8, 8))}},
+    "head": {"kernel": jnp.ones((8, 16)), "bias": jnp.zeros(16)},
+}
+
+
+def _sum_loss(p, batch):
+    return sum(jnp.sum(x) for x in jax.tree.leaves(p)) * batch["x"].mean()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: optax.adamw(1e-3, mask=m),
+        lambda m: jmem.adamw_8bit(1e-3, mask=m),
+        lambda m: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, mask=m)),
+        lambda m: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, mask=m),
+        lambda m: optax.MultiSteps(optax.adamw(1e-3, mask=m), 2).gradient_transformation(),
+    ],
+    ids=["adamw", "adamw_8bit", "chain", "inject_hyperparams", "MultiSteps(cond)"],
+)
+def test_train_step_warns_once_when_decay_reaches_norms_or_biases(make, monkeypatch):
+    """Issue 29 item 5: weight decay > 0 without a mask on norm scales / biases warns once
+    per process, naming them and mask=jmem.decay_mask; with the mask it is silent."""
+    from jmem._src.train import decay_warning
+
+    monkeypatch.setattr(decay_warning, "_warned", False)
+    batch = {"x": jnp.ones((2,))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jmem.train_step(_sum_loss, make(jmem.decay_mask)).init(_STACKED)
+    step = jmem.train_step(_sum_loss, make(None))
+    with pytest.warns(UserWarning, match=r"attn_norm.*bias.*mask=jmem\.decay_mask") as record:
+        state = step.init(_STACKED)
+    assert "embed" not in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.init(_STACKED)  # once per process
+    step(state, batch)
+
+
+def test_no_decay_warning_for_adam_zero_decay_lamb_or_lora(monkeypatch):
+    """No param-proportional update on norms: plain Adam, weight_decay=0, LAMB's trust ratio
+    (a norm of the params), and LoRA adapters (never norms) stay silent."""
+    from jmem._src.train import decay_warning
+
+    monkeypatch.setattr(decay_warning, "_warned", False)
+    ad = jmem.lora.init(jax.random.key(0), _STACKED, targets=r"layers/q/kernel")
+    cases = [
+        (optax.adam(1e-3), _STACKED),
+        (optax.adamw(1e-3, weight_decay=0.0), _STACKED),
+        (jmem.adamw_8bit(1e-3, weight_decay=0.0), _STACKED),
+        (optax.lamb(1e-3), _STACKED),
+        (jmem.adamw_8bit(1e-3), ad),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for opt, p in cases:
+            jmem.train_step(_sum_loss, opt).init(p)

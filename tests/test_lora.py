@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import jmem
 from jmem import fp8
 from jmem import lora
 from jmem import qlora
@@ -452,6 +453,45 @@ def test_dropout_masks_differ_per_layer_and_per_use():
     for i in range(len(masks)):
         for j in range(i):
             assert (masks[i] != masks[j]).any(), (i, j)
+
+
+_DIFFERENTIATIONS = {
+    "grad": lambda f: jax.grad(f),
+    "jit(grad)": lambda f: jax.jit(jax.grad(f)),
+    "grad(jit)": lambda f: jax.grad(jax.jit(f)),
+    "grad(checkpoint)": lambda f: jax.grad(jax.checkpoint(f)),
+    "grad(jmem.remat)": lambda f: jax.grad(jmem.remat(f, "full")),
+    "vjp": lambda f: lambda ad: jax.vjp(f, ad)[1](1.0),
+}
+
+
+@pytest.mark.parametrize("how", list(_DIFFERENTIATIONS))
+def test_training_dropout_adapters_without_a_key_raises_naming_the_argument(how):
+    """Adapters with dropout > 0 differentiated without lora_dropout_key would train as
+    dropout 0 (issue 29 item 3): a ValueError naming lora_dropout_key, however the grad is
+    nested with jit, checkpoint, remat or a scan."""
+    x, w, _, ad = _dropout_case()
+    f = lora.apply(lambda p, x: jax.lax.scan(lambda c, _: (c, x @ p["w"]), 0.0, None, length=2)[1])
+    loss = lambda ad: jnp.sum(f({"w": w}, {"w": ad}, x) ** 2)
+    with pytest.raises(ValueError, match=r"dropout=0\.3.*lora_dropout_key="):
+        _DIFFERENTIATIONS[how](loss)(ad)
+
+
+def test_dropout_key_none_or_evaluation_is_bitwise_no_dropout():
+    """lora_dropout_key=None trains without dropout (bitwise the dropout-0 gradient); an
+    undifferentiated call without the argument (evaluation, generate) needs none; with
+    dropout 0 nothing is added to the program."""
+    x, w, _, ad = _dropout_case()
+    no_drop = lora.LoraWeight(ad.a, ad.b, scale=ad.scale)
+    f = lora.apply(lambda p, x: x @ p["w"])
+    loss = lambda ad, **kw: jnp.sum(f({"w": w}, {"w": ad}, x, **kw) ** 2)
+    helpers.assert_bitwise_equal(
+        jax.grad(loss)(ad, lora_dropout_key=None).a, jax.grad(loss)(no_drop).a
+    )
+    helpers.assert_bitwise_equal(jax.jit(f)({"w": w}, {"w": ad}, x), f({"w": w}, {"w": no_drop}, x))
+    plain = str(jax.make_jaxpr(jax.grad(loss))(no_drop))
+    assert plain == str(jax.make_jaxpr(jax.grad(lambda a: loss(a, lora_dropout_key=None)))(no_drop))
+    assert "custom_jvp" not in plain
 
 
 @pytest.mark.slow

@@ -536,3 +536,75 @@ class BuiltStepTest(chex.TestCase):
         chex.assert_trees_all_close(got.params, want.params, rtol=1e-6, atol=1e-7)
         chex.assert_trees_all_equal(got.step, want.step)
         chex.assert_trees_all_close(metrics["loss"], want_metrics["loss"], rtol=1e-6)
+
+
+def _keyed_loss(w, batch, *, dropout_key):
+    """A loss whose value shows the key it got: mean(x·w) + U(dropout_key)."""
+    return jnp.mean(batch["x"] @ w) + jax.random.uniform(dropout_key)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_dropout_key_is_new_per_step_and_microbatch_and_checkpointed(microbatches, tmp_path):
+    """step.init(..., dropout_key=k) gives loss_fn dropout_key = fold_in(fold_in(k, step), i)
+    for microbatch i; the key data is in the state and survives a checkpoint round trip."""
+    w = jnp.ones((3,))
+    batch = {"x": jnp.arange(12.0).reshape(4, 3)}
+    k = jax.random.key(5)
+    step = train_step(_keyed_loss, optax.sgd(0.0), microbatches=microbatches)
+    state = step.init(w, dropout_key=k)
+    base = float(jnp.mean(batch["x"] @ w))
+    losses = []
+    for s in range(2):
+        state, m = step(state, batch)
+        keys = [jax.random.fold_in(jax.random.fold_in(k, s), i) for i in range(microbatches)]
+        want = base + np.mean([float(jax.random.uniform(q)) for q in keys])
+        np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-6)
+        losses.append(float(m["loss"]))
+    assert losses[0] != losses[1]
+    ck = jmem.Checkpointer(str(tmp_path), save_every=1)
+    ck.save(2, state)
+    ck.wait()
+    restored, _ = ck.restore(step.abstract_state(w, dropout_key=k))
+    helpers.assert_bitwise_equal(restored.dropout_key, jax.random.key_data(k))
+    ck.close()
+    helpers.assert_bitwise_equal(step(restored, batch)[1]["loss"], step(state, batch)[1]["loss"])
+
+
+@pytest.mark.slow
+def test_lora_dropout_in_train_step_trains_with_the_key_or_raises_without():
+    """Issue 29 item 3: LoRA adapters with dropout > 0 in train_step. A loss_fn that drops
+    the key raises naming lora_dropout_key (it trained as dropout 0 before); forwarding
+    dropout_key applies dropout (the step differs from dropout 0)."""
+    cfg = llama.get_config("tiny", num_layers=1, hidden_size=32, intermediate_size=64)
+    frozen = llama.init(jax.random.key(0), cfg)
+    mk = lambda d: jmem.lora.init(jax.random.key(1), frozen, dropout=d, init_lora_weights=False)
+    f = jmem.lora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
+    toks = jax.random.randint(jax.random.key(2), (4, 9), 0, cfg.vocab_size)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    silent = train_step(lambda a, b, *, frozen: f(frozen, a, b), optax.adam(1e-3))
+    with pytest.raises(ValueError, match="lora_dropout_key"):
+        silent(silent.init(mk(0.3), frozen=frozen), batch)
+    keyed = train_step(
+        lambda a, b, *, frozen, dropout_key=None: f(frozen, a, b, lora_dropout_key=dropout_key),
+        optax.adam(1e-3),
+    )
+    k = jax.random.key(3)
+    _, with_dropout = keyed(keyed.init(mk(0.3), frozen=frozen, dropout_key=k), batch)
+    _, without = keyed(keyed.init(mk(0.0), frozen=frozen, dropout_key=k), batch)
+    assert float(with_dropout["loss"]) != float(without["loss"])
+
+
+@pytest.mark.slow
+def test_dropout_key_on_a_mesh_is_replicated_and_draws_the_same_keys():
+    """With mesh=, the key data is replicated (init and abstract_state) and every step
+    draws the keys of the single-device step."""
+    w, batch, k = jnp.ones((3,)), {"x": jnp.arange(24.0).reshape(8, 3)}, jax.random.key(5)
+    mesh = jmem.sharding.make_mesh(data=1, fsdp=jax.device_count())
+    sharded = train_step(_keyed_loss, optax.sgd(0.1), mesh=mesh)
+    single = train_step(_keyed_loss, optax.sgd(0.1))
+    sa, sb = sharded.init(w, dropout_key=k), single.init(w, dropout_key=k)
+    assert sa.dropout_key.sharding.spec == jax.sharding.PartitionSpec()
+    assert sharded.abstract_state(w, dropout_key=k).dropout_key.sharding == sa.dropout_key.sharding
+    for _ in range(2):
+        (sa, ma), (sb, mb) = sharded(sa, batch), single(sb, batch)
+        np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)

@@ -131,6 +131,7 @@ class Checkpointer:
         ``[codes, absmax]``, is recognized from its metadata and restored into today's
         named fields.
         """
+        self._mgr.wait_until_finished()  # a save still in flight is listed, not yet readable
         steps = self.all_steps()
         if step is None:
             step = self.latest_step()
@@ -180,13 +181,17 @@ class Checkpointer:
         return {_path_name(p): (tuple(m.shape), _dtype_name(m.dtype)) for p, m in leaves}
 
     def _restore(self, step: int, abstract: Any) -> tuple[Any, dict]:
+        target, absent = _without_absent_fields(abstract, self._mgr.item_metadata(step)["state"])
         out = self._mgr.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
             ),
         )
-        return out["state"], dict(out["meta"] or {})
+        state = out["state"]
+        if absent:  # the fields the checkpoint predates stay None
+            state = dataclasses.replace(abstract, **state)
+        return state, dict(out["meta"] or {})
 
     def wait(self):
         """Blocks until asynchronous saves are on disk (committed)."""
@@ -196,6 +201,19 @@ class Checkpointer:
         """Waits for pending saves, then releases orbax's resources."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+
+def _without_absent_fields(abstract: Any, saved: Any) -> tuple[Any, list[str]]:
+    """``(restore target, absent)``: a state dataclass whose None fields are not in the
+    saved tree (a field added after the checkpoint was written, e.g. ``dropout_key``,
+    absent from jmem 0.1.0's checkpoints) is restored as a dict of its other fields."""
+    if not dataclasses.is_dataclass(abstract) or not hasattr(saved, "keys"):
+        return abstract, []
+    names = [f.name for f in dataclasses.fields(abstract)]
+    absent = [n for n in names if n not in saved.keys() and getattr(abstract, n) is None]
+    if not absent:
+        return abstract, []
+    return {n: getattr(abstract, n) for n in names if n not in absent}, absent
 
 
 def _abstract_leaf(x: Any) -> Any:

@@ -22,6 +22,7 @@ import jax
 
 from jmem._src.lora import LoraWeight
 from jmem._src.tree import is_float_array
+from jmem._src.tree import path_str
 
 #: Leaf names of matmul weights (Flax/jmem ``kernel``, PyTorch/HF ``weight``, Haiku ``w``,
 #: PEFT's ``lora_A``/``lora_B``).
@@ -127,3 +128,23 @@ def decay_mask(params: Any, *, default: bool | None = None) -> Any:
             "build the mask with jax.tree_util.tree_map_with_path."
         )
     return mask
+
+
+def norm_or_bias_paths(params: Any) -> list[str]:
+    """For each leaf of ``params`` (``jax.tree.leaves`` order), its '/'-joined path when it is a
+    floating norm parameter or bias (``decay_mask``'s names: no embeddings), else ``""``.
+    The factors of a ``LoraWeight`` are never norms or biases."""
+    out = []
+
+    def visit(path, leaf):
+        if isinstance(leaf, LoraWeight):
+            out.extend("" for _ in jax.tree.leaves(leaf))
+            return
+        names = _components(path)
+        norm = any(_NORM.fullmatch(n) for n in names)
+        bias_or_scale = bool(names) and names[-1] in NO_DECAY_NAMES
+        hit = is_float_array(leaf) and (norm or bias_or_scale)
+        out.append(path_str(path) if hit else "")
+
+    jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, LoraWeight))
+    return out

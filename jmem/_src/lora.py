@@ -47,7 +47,8 @@ class LoraWeight:
       b: ``[*L, r, out]`` (PEFT's ``lora_B.weight`` transposed), zeros at init.
       scale: static float, ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA).
       dropout: static dropout probability on the adapter's input (PEFT's ``lora_dropout``);
-        applied only when the applied function gets a ``lora_dropout_key``.
+        applied when the applied function gets a ``lora_dropout_key`` (training without
+        one raises: ``apply``).
       alpha: static LoRA alpha (PEFT's ``lora_alpha``); ``None``: derived from ``scale``.
       use_rslora: static, whether ``scale`` is ``alpha / sqrt(r)`` (PEFT's ``use_rslora``).
       init_lora_weights: static, how ``a``/``b`` were initialized (PEFT's name and values:
@@ -178,9 +179,11 @@ def init(
         adapter is not a no-op at init).
       use_rslora: rank-stabilized scaling ``alpha / sqrt(rank)`` (Kalajdzievski 2023).
       dropout: probability in ``[0, 1)`` of dropping an element of the adapter's input
-        (PEFT's ``lora_dropout``: ``y = x·W + s·(dropout(x)·a)·b``). Applied only when the
-        ``lora.apply``'d function is called with ``lora_dropout_key=``; without a key the
-        output is bitwise that of ``dropout=0``.
+        (PEFT's ``lora_dropout``: ``y = x·W + s·(dropout(x)·a)·b``). Applied when the
+        ``lora.apply``'d function is called with ``lora_dropout_key=key``; with
+        ``lora_dropout_key=None`` (or, for an evaluation that is not differentiated, none)
+        the output is bitwise that of ``dropout=0``; differentiating without the argument
+        raises (``apply``).
       dtype: dtype of ``a`` and ``b`` (float32 by default, as PEFT keeps adapters).
       init: older name of ``init_lora_weights``: ``"kaiming"`` (= ``True``) or ``"gaussian"``.
       rslora: older name of ``use_rslora``.
@@ -222,6 +225,44 @@ def init(
     return out
 
 
+#: ``lora_dropout_key`` not passed (``None`` passed says "no dropout" explicitly).
+_NO_KEY = object()
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _no_dropout_key(message: str, a, b):
+    """Identity on an adapter's factors whose derivative raises ``ValueError(message)``:
+    a differentiated call of ``fn_lora`` without ``lora_dropout_key`` (under ``jit``,
+    ``checkpoint``, ``scan`` or any nesting, since the rule runs wherever JAX
+    differentiates it); an evaluation, which is not differentiated, is untouched."""
+    return a, b
+
+
+@_no_dropout_key.defjvp
+def _no_dropout_key_jvp(message, primals, tangents):
+    raise ValueError(message)
+
+
+def _refuse_training_without_key(lora):
+    """``lora`` with the factors of each adapter of ``dropout > 0`` passed through
+    ``_no_dropout_key``; adapters without dropout (and ``None``) are returned as they are."""
+    if not lora or not any(getattr(w, "dropout", 0.0) > 0 for w in lora.values()):
+        return lora
+    out = dict(lora)
+    for path, w in lora.items():
+        if getattr(w, "dropout", 0.0) > 0:
+            message = (
+                f"LoRA adapter {path!r} has dropout={w.dropout}, but the lora.apply'd function "
+                "is differentiated without lora_dropout_key=, so it would train with no "
+                "dropout. Pass lora_dropout_key=<a new PRNG key each step> (in "
+                "jmem.train_step: step.init(..., dropout_key=key) and forward the loss_fn's "
+                "dropout_key= argument), or lora_dropout_key=None to train without dropout."
+            )
+            a, b = _no_dropout_key(message, w.a, w.b)
+            out[path] = dataclasses.replace(w, a=a, b=b)
+    return out
+
+
 def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     """Wraps ``fn(params, *args, **kwargs)`` as ``fn_lora(params, lora, *args, **kwargs)``.
 
@@ -235,9 +276,13 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     ``dropout`` and the rest scaled by ``1 / (1 - dropout)`` (inverted dropout, as
     ``torch.nn.Dropout`` in training); the base matmul ``x·W`` sees ``x`` unchanged. Every
     adapted weight, every layer of a stacked weight and every matmul using it draws its own
-    mask from ``key``. Without ``lora_dropout_key`` (or with ``None``, for evaluation) the
-    call is bitwise the same as with ``dropout = 0``. ``lora_dropout_key`` is consumed here
-    and not passed to ``fn``.
+    mask from ``key``. With ``lora_dropout_key=None`` the call is bitwise the same as with
+    ``dropout = 0``. Without the argument it is too, for evaluation (``fn_lora`` called
+    plainly, e.g. by ``jmem.models.llama.generate``), but differentiating such a call with
+    respect to adapters of ``dropout > 0`` raises ``ValueError`` naming
+    ``lora_dropout_key``: training would silently use no dropout (as ``flax.linen.Dropout``
+    refuses to guess ``deterministic``). ``lora_dropout_key`` is consumed here and not
+    passed to ``fn``.
 
     Args:
       fn: any JAX function whose first argument is a params pytree: a pure model function,
@@ -246,17 +291,22 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
         materialize its merged, dequantized value for that operation instead of raising.
 
     Returns:
-      ``fn_lora(params, lora, *args, lora_dropout_key=None, **kwargs)``.
+      ``fn_lora(params, lora, *args, lora_dropout_key=..., **kwargs)``.
 
     Raises (when called):
-      ValueError: an adapter path missing from ``params`` or of the wrong shape.
+      ValueError: an adapter path missing from ``params`` or of the wrong shape; when
+        differentiated (``jax.grad``, ``jax.vjp``, ...) with respect to an adapter of
+        ``dropout > 0`` and called without ``lora_dropout_key`` (pass a key to train with
+        dropout, ``None`` to train without).
       jmem.lora.ImplicitWeightError: a targeted weight used other than in a matmul (also
         with ``allow_materialize`` when dropout is active: a merged weight cannot drop its
         adapter's input).
     """
 
     @functools.wraps(fn)
-    def fn_lora(params, lora, *args, lora_dropout_key=None, **kwargs):
+    def fn_lora(params, lora, *args, lora_dropout_key=_NO_KEY, **kwargs):
+        if lora_dropout_key is _NO_KEY:
+            lora, lora_dropout_key = _refuse_training_without_key(lora), None
         return _implicit.call(
             fn,
             params,

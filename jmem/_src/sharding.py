@@ -350,6 +350,7 @@ def state_shardings(
         loss_scale=replicated(s.loss_scale, mesh),
         frozen=param_shardings(s.frozen, mesh, strategy, min_size=min_size),
         fp8=replicated(s.fp8, mesh),
+        **({"dropout_key": replicated(s.dropout_key, mesh)} if hasattr(s, "dropout_key") else {}),
     )
 
 

@@ -70,6 +70,7 @@ def accumulate_gradients(
     accum_dtype=jnp.float32,
     maximum: Any = None,
     weight_fn: Callable | None = mask_count,
+    key: jax.Array | None = None,
 ):
     """Gradient of the whole batch's loss, accumulated over ``microbatches`` slices of it.
 
@@ -92,6 +93,9 @@ def accumulate_gradients(
         ``mask_count``, counts ``batch["mask"]`` (the ``mask`` of ``jmem.models.llama.loss_fn``
         and ``jmem.data``); None (from ``weight_fn`` or as ``weight_fn``) weights every
         microbatch ``1 / microbatches``.
+      key: optional PRNG key: ``grad_fn`` is then called as ``grad_fn(params, microbatch,
+        jax.random.fold_in(key, i))`` for microbatch ``i`` (``i = 0`` when
+        ``microbatches == 1``), e.g. for dropout.
 
     Returns:
       ``(grads, aux)``: grads combined with those weights (in ``accum_dtype`` when
@@ -101,6 +105,10 @@ def accumulate_gradients(
     Raises:
       ValueError: if the batch cannot be split (see ``split_microbatches``).
     """
+    if key is not None:
+        return _accumulate_with_keys(
+            grad_fn, params, batch, microbatches, key, accum_dtype, maximum, weight_fn
+        )
     if microbatches == 1:
         return grad_fn(params, batch)
     mbs = split_microbatches(batch, microbatches)
@@ -164,3 +172,38 @@ def _weights(weight_fn: Callable | None, mbs: Any, microbatches: int):
     counts = jax.vmap(lambda mb: jnp.asarray(weight_fn(mb), jnp.float32))(mbs)
     total = jnp.sum(counts)
     return jnp.where(total > 0, counts / jnp.where(total > 0, total, 1.0), 0.0), 1.0
+
+
+def _accumulate_with_keys(
+    grad_fn, params, batch, microbatches, key, accum_dtype, maximum, weight_fn
+):
+    """``accumulate_gradients`` with microbatch ``i`` given ``fold_in(key, i)``: the
+    microbatch index travels with the batch (a leading axis the split keeps) and the
+    weights see the batch alone."""
+    index = jnp.arange(microbatches, dtype=jnp.uint32)
+    index = jnp.repeat(index, _leading_size(batch) // microbatches)  # [B]: row -> microbatch
+
+    def keyed(p, mb_and_index):
+        mb, i = mb_and_index
+        return grad_fn(p, mb, jax.random.fold_in(key, i[0]))
+
+    def weight(mb_and_index):
+        return None if weight_fn is None else weight_fn(mb_and_index[0])
+
+    return accumulate_gradients(
+        keyed,
+        params,
+        (batch, index),
+        microbatches,
+        accum_dtype=accum_dtype,
+        maximum=maximum,
+        weight_fn=weight,
+    )
+
+
+def _leading_size(batch: Any) -> int:
+    """The leading (batch) size of ``batch``'s leaves (split_microbatches checks them)."""
+    leaves = jax.tree.leaves(batch)
+    if not leaves or jnp.ndim(leaves[0]) == 0:
+        raise ValueError("The batch needs at least one leaf with a leading batch axis.")
+    return int(jnp.shape(leaves[0])[0])

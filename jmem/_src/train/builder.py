@@ -26,6 +26,7 @@ from jmem._src.remat import resolve_policy
 from jmem._src.sharding import check_strategy
 from jmem._src.sharding import constrain_gradients
 from jmem._src.train.accumulation import accumulate_gradients
+from jmem._src.train.decay_warning import warn_if_norms_decayed
 from jmem._src.train.sharded import ShardedInit
 from jmem._src.train.sharded import ShardedStep
 from jmem._src.train.sharded import sharded_init
@@ -59,6 +60,7 @@ class TrainStep:
     precision: Policy | None
     _init: Callable
     offload_optimizer: bool = False
+    _user_optimizer: Any = None
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated.
@@ -75,7 +77,13 @@ class TrainStep:
         return self.jitted(state, batch)
 
     def init(
-        self, params: Any, *, frozen: Any = None, fp8: Any = None, loss_scale: Any = None
+        self,
+        params: Any,
+        *,
+        frozen: Any = None,
+        fp8: Any = None,
+        loss_scale: Any = None,
+        dropout_key: Any = None,
     ) -> TrainState:
         """Builds the initial ``TrainState``.
 
@@ -85,8 +93,13 @@ class TrainStep:
           frozen: frozen params (see ``TrainState``).
           fp8: FP8 metadata (see ``jmem.fp8``).
           loss_scale: overrides the builder's loss scale for this state.
+          dropout_key: a PRNG key (typed or raw ``uint32[2]``): the step then passes
+            ``loss_fn`` a ``dropout_key=`` of its own for each step and microbatch
+            (``train_step``). Stored as key data in ``TrainState.dropout_key``, so it is
+            checkpointed with the state.
         """
-        return self._init(params, frozen, fp8, loss_scale)
+        warn_if_norms_decayed(self._user_optimizer, params)
+        return self._init(params, frozen, fp8, loss_scale, _key_data(dropout_key))
 
     def measure(self, state: TrainState, batch: Any) -> MemoryReport:
         """Compiles the step for ``state``/``batch`` (arrays or ShapeDtypeStructs) and
@@ -109,7 +122,7 @@ class TrainStep:
 
         Args:
           params: trainable params (arrays or ``ShapeDtypeStruct``s), as for ``init``.
-          **kwargs: ``frozen=``, ``fp8=``, ``loss_scale=``, as for ``init``.
+          **kwargs: ``frozen=``, ``fp8=``, ``loss_scale=``, ``dropout_key=``, as for ``init``.
 
         Returns:
           A ``TrainState`` of ``jax.ShapeDtypeStruct`` with ``sharding`` set on every leaf.
@@ -118,6 +131,8 @@ class TrainStep:
         with them, build the restore target from those shardings yourself.
         """
         args = (params, kwargs.get("frozen"), kwargs.get("fp8"), kwargs.get("loss_scale"))
+        args = (*args, _key_data(kwargs.get("dropout_key")))
+        warn_if_norms_decayed(self._user_optimizer, params)
         if isinstance(self._init, ShardedInit):
             return self._init.abstract(*args)
         abstract = jax.eval_shape(self._init, *args)
@@ -160,9 +175,14 @@ def train_step(
         ``has_aux``), a float scalar mean over the batch: over the tokens where
         ``batch["mask"]`` is nonzero when the batch has a ``"mask"`` (as
         ``jmem.models.llama.loss_fn``), so that microbatches are weighted by their token
-        counts (see ``microbatches``); ``extras`` holds ``frozen=`` and/or
-        ``fp8=`` when the state has them (FP8 metadata is differentiated with the "overwrite
-        with gradient" rule: its new value comes out as its gradient).
+        counts (see ``microbatches``); ``extras`` holds ``frozen=``, ``fp8=`` and/or
+        ``dropout_key=`` when the state has them (FP8 metadata is differentiated with the
+        "overwrite with gradient" rule: its new value comes out as its gradient). The
+        ``dropout_key`` (a state built by ``init(..., dropout_key=key)``) is
+        ``fold_in(fold_in(key, state.step), i)`` for microbatch ``i``: new each step and
+        microbatch, the same after a restore; pass it to ``lora.apply``'d functions as
+        ``lora_dropout_key=``. A skipped (non-finite) step does not advance ``step``, so the
+        retry of that step number draws the same masks.
       optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
       precision: a ``jmem.Policy`` or its string form (``"p=f32,c=bf16,o=f32"``): params are
         stored in ``param_dtype`` and cast to ``compute_dtype`` inside the loss.
@@ -193,6 +213,13 @@ def train_step(
         ``jmem.sharding``'s rules and ``init`` returns a state placed with them.
       strategy: ``"zero1"``, ``"zero2"``, ``"zero3"`` or ``"fsdp"``; used only with ``mesh``.
 
+    Warns:
+      UserWarning, once per process, from ``init``/``abstract_state`` when ``optimizer``
+      applies weight decay to norm scales or biases of ``params`` (no ``mask=``; see
+      ``jmem.decay_mask``). Read from the data dependencies of the traced update, so it
+      covers optax chains and wrappers; an optimizer that cannot be traced on abstract
+      shapes is not checked.
+
     Returns:
       A ``TrainStep``: call it, ``.init(params)`` it, ``.measure(state, batch)`` it. Metrics:
       ``loss`` (unscaled mean), ``grad_norm`` (global L2 of unscaled grads), ``loss_scale``,
@@ -211,6 +238,7 @@ def train_step(
     """
     kw = {k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer", "unknown")}
     o = _parse_options(unknown, **kw)
+    user_optimizer = optimizer
     optimizer, stepper = _optimizers(optimizer, o)
     step = functools.partial(_step, _differentiable_loss(loss_fn, o), stepper, o)
     init = functools.partial(_init_state, optimizer, o)
@@ -221,6 +249,7 @@ def train_step(
         precision=o.precision,
         _init=init,
         offload_optimizer=o.offload,
+        _user_optimizer=user_optimizer,
     )
 
 
@@ -319,19 +348,29 @@ def _differentiable_loss(loss_fn: Callable, o: _Options) -> Callable:
     return _remat(loss, o.remat) if resolve_policy(o.remat) is not None else loss
 
 
-def _scaled_loss(loss_fn, o: _Options, diff, batch, frozen, scale):
+def _scaled_loss(loss_fn, o: _Options, diff, batch, frozen, scale, dropout_key=None):
     """``(scale * loss, (loss, aux))`` of ``loss_fn`` on ``diff = (params, fp8)``."""
     params, fp8 = diff
     if o.precision is not None:
         params = o.precision.cast_to_compute(params)
-    extras = {k: v for k, v in (("frozen", frozen), ("fp8", fp8)) if v is not None}
+    pairs = (("frozen", frozen), ("fp8", fp8), ("dropout_key", dropout_key))
+    extras = {k: v for k, v in pairs if v is not None}
     out = loss_fn(params, batch, **extras)
     loss, aux = out if o.has_aux else (out, None)
     loss = jnp.asarray(loss, jnp.float32)
     return scale.scale(loss), (loss, aux)
 
 
-def _init_state(optimizer, o: _Options, params, frozen, fp8, loss_scale) -> TrainState:
+def _key_data(key: Any) -> Any:
+    """The uint32 data of a PRNG key (typed keys unwrapped; raw keys and None as given)."""
+    if key is not None and jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def _init_state(
+    optimizer, o: _Options, params, frozen, fp8, loss_scale, dropout_key=None
+) -> TrainState:
     """The initial state: optimizer state from ``params``, then params in the param dtype."""
     callers = {id(x) for x in jax.tree.leaves((params, frozen, fp8))}
     opt_state = optimizer.init(params)
@@ -346,6 +385,7 @@ def _init_state(optimizer, o: _Options, params, frozen, fp8, loss_scale) -> Trai
         loss_scale=o.loss_scale if loss_scale is None else loss_scale,
         frozen=frozen,
         fp8=fp8,
+        dropout_key=dropout_key,
     )
 
 
@@ -382,11 +422,14 @@ def _step(loss: Callable, stepper, o: _Options, state: TrainState, batch: Any):
 def _gradients(loss: Callable, state: TrainState, batch: Any, microbatches: int):
     """``((grads, new fp8 metadata), (loss, aux))``, accumulated over microbatches."""
 
-    def grad_fn(diff, mb):
-        return jax.grad(loss, has_aux=True)(diff, mb, state.frozen, state.loss_scale)
+    def grad_fn(diff, mb, key=None):
+        return jax.grad(loss, has_aux=True)(diff, mb, state.frozen, state.loss_scale, key)
 
     diff = (state.params, state.fp8)
-    return accumulate_gradients(grad_fn, diff, batch, microbatches, maximum=(False, True))
+    key = None
+    if state.dropout_key is not None:  # this step's key; microbatch i folds in i
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.dropout_key), state.step)
+    return accumulate_gradients(grad_fn, diff, batch, microbatches, maximum=(False, True), key=key)
 
 
 def _unscale(grads: Any, state: TrainState, o: _Options):

@@ -29,7 +29,7 @@ def sharded_init(
     opt_state_memory_kind: str | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
 ) -> ShardedInit:
-    """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale)`` so its result
+    """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale, dropout_key)`` so its result
     is born sharded: inputs are placed by the param rule, then ``init`` runs under
     ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
     materialized whole on one device, and size thresholds see global shapes.
@@ -40,7 +40,8 @@ def sharded_init(
 
 
 class ShardedInit:
-    """``init(params, frozen, fp8, loss_scale)`` placed by the rules (``sharded_init``)."""
+    """``init(params, frozen, fp8, loss_scale, dropout_key)`` placed by the rules
+    (``sharded_init``)."""
 
     def __init__(self, init: Callable, mesh: Mesh, strategy: str, kind: str | None, min_size: int):
         self.init, self.mesh, self.strategy = init, mesh, strategy
@@ -52,24 +53,28 @@ class ShardedInit:
             abstract, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
         )
 
-    def abstract(self, params, frozen=None, fp8=None, loss_scale=None):
+    def abstract(self, params, frozen=None, fp8=None, loss_scale=None, dropout_key=None):
         """``ShapeDtypeStruct``s of the state with the shardings (and memory kinds) that
         ``__call__`` gives it; nothing is computed or allocated."""
-        abstract = jax.eval_shape(self.init, params, frozen, fp8, loss_scale)
+        abstract = jax.eval_shape(self.init, params, frozen, fp8, loss_scale, dropout_key)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
             abstract,
             self.shardings(abstract),
         )
 
-    def __call__(self, params, frozen=None, fp8=None, loss_scale=None):
-        shardings = self.shardings(jax.eval_shape(self.init, params, frozen, fp8, loss_scale))
+    def __call__(self, params, frozen=None, fp8=None, loss_scale=None, dropout_key=None):
+        args = (params, frozen, fp8, loss_scale, dropout_key)
+        shardings = self.shardings(jax.eval_shape(self.init, *args))
         mesh, strategy, min_size = self.mesh, self.strategy, self._min
         params = shard_state(params, param_shardings(params, mesh, strategy, min_size=min_size))
         frozen = shard_state(frozen, param_shardings(frozen, mesh, strategy, min_size=min_size))
         fp8 = shard_state(fp8, replicated(fp8, mesh))
         loss_scale = shard_state(loss_scale, replicated(loss_scale, mesh))
-        return jax.jit(self.init, out_shardings=shardings)(params, frozen, fp8, loss_scale)
+        dropout_key = shard_state(dropout_key, replicated(dropout_key, mesh))
+        return jax.jit(self.init, out_shardings=shardings)(
+            params, frozen, fp8, loss_scale, dropout_key
+        )
 
 
 class ShardedStep:

@@ -19,6 +19,8 @@ class TrainState:
       loss_scale: a ``NoOpLossScale``/``StaticLossScale``/``DynamicLossScale``.
       frozen: params that are read but never trained (LoRA/QLoRA base, NF4 leaves), or None.
       fp8: FP8 delayed-scaling metadata (``jmem.fp8``), or None.
+      dropout_key: uint32 key data (``jax.random.key_data``) from which the step derives
+        each step's and microbatch's dropout key (``train_step``), or None.
     """
 
     step: Any
@@ -27,6 +29,7 @@ class TrainState:
     loss_scale: Any
     frozen: Any = None
     fp8: Any = None
+    dropout_key: Any = None
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with the given fields replaced (``dataclasses.replace``)."""
@@ -35,6 +38,6 @@ class TrainState:
 
 jax.tree_util.register_dataclass(
     TrainState,
-    data_fields=["step", "params", "opt_state", "loss_scale", "frozen", "fp8"],
+    data_fields=["step", "params", "opt_state", "loss_scale", "frozen", "fp8", "dropout_key"],
     meta_fields=[],
 )
