@@ -2,7 +2,6 @@
 flag or file, before anything is compiled or written (examples/qlora_7b.py and
 ``python -m jmem estimate``); defaults are filled with ``is None``, sized for the device."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import helpers
 import pytest
 
 from jmem import data
+from jmem import finetune
 from jmem import planner
 from jmem.__main__ import main as jmem_main
 
@@ -22,10 +22,8 @@ _EXAMPLE = os.path.join(_ROOT, "examples", "qlora_7b.py")
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("qlora_7b_cli", _EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The job's package (``jmem finetune``; examples/qlora_7b.py only calls it)."""
+    return finetune
 
 
 def _config_json(directory, vocab_size=128, max_position_embeddings=512):
