@@ -24,7 +24,28 @@ from jmem.models import llama
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 
 
-def build(config, cfg, *, compute_dtype=None):
+#: Batch key of ``--lora-dropout`` runs: int32 ``[B]``, the step and microbatch a row is
+#: trained in (``loop.step_batch``), folded into the dropout key.
+DROPOUT_STEP = "lora_dropout_step"
+
+
+def _loss(cfg, seed: int):
+    """``loss_fn(adapters, batch, *, frozen)``: the QLoRA loss; a batch with
+    ``DROPOUT_STEP`` gets a LoRA dropout key (``fold_in(key(seed), batch[DROPOUT_STEP][0])``),
+    one without (evaluation) none."""
+
+    def loss_fn(adapters, batch, *, frozen):
+        key = None
+        if DROPOUT_STEP in batch:
+            batch = dict(batch)
+            key = jax.random.fold_in(jax.random.key(seed), batch.pop(DROPOUT_STEP)[0])
+        fn = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
+        return fn(frozen, adapters, batch, lora_dropout_key=key)
+
+    return loss_fn
+
+
+def build(config, cfg, *, compute_dtype=None, mesh=None):
     """The train step, the loss, the compute dtype and the learning-rate schedule; shared by
     training, the dry run and ``benchmarks/peer_qlora.py``.
 
@@ -32,6 +53,7 @@ def build(config, cfg, *, compute_dtype=None):
       config: a resolved ``FinetuneConfig`` (``lr`` and ``steps`` set).
       cfg: the model's ``LlamaConfig``.
       compute_dtype: overrides ``config.precision`` (e.g. float32 for a benchmark).
+      mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
 
     Returns:
       ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
@@ -40,10 +62,7 @@ def build(config, cfg, *, compute_dtype=None):
     """
     dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
-
-    def loss_fn(adapters, batch, *, frozen):
-        return qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))(frozen, adapters, batch)
-
+    loss_fn = _loss(cfg, config.seed + 2)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.lr,
@@ -64,6 +83,7 @@ def build(config, cfg, *, compute_dtype=None):
         remat=config.remat,
         microbatches=config.grad_accum,
         offload_optimizer=config.offload,
+        mesh=mesh,
     )
     return step, loss_fn, dtype, schedule
 

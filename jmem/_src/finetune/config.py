@@ -11,6 +11,7 @@ import os
 import tomllib
 
 from jmem._src import cli
+from jmem._src.finetune.mesh import mesh_spec
 from jmem._src.remat import REMAT_POLICIES
 from jmem.models import llama
 
@@ -61,6 +62,11 @@ class FinetuneConfig:
     dry_run: bool = False
     no_progress: bool = False
     debug: bool = False
+    # devices and hosts
+    mesh: str | None = None
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 def _add_model_and_data_flags(p):
@@ -173,6 +179,23 @@ def _add_run_flags(p):
     p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
 
 
+def _add_device_flags(p):
+    p.add_argument(
+        "--mesh",
+        type=mesh_spec,
+        help="devices as data=N,fsdp=M (jmem.sharding: params, adapters, optimizer state and "
+        "batch sharded over fsdp, replicated over data); unset: FSDP over every device",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="multi-process run: process 0's address for jax.distributed.initialize "
+        "(unset: auto-detected under SLURM/Open MPI, or a single process)",
+    )
+    p.add_argument("--num-processes", type=cli.positive_int, help="processes of the run")
+    p.add_argument("--process-id", type=cli.nonnegative_int, help="this process's index")
+
+
 def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds every ``FinetuneConfig`` option as a flag (defaults from the dataclass) and
     ``--config-file``; returns ``p``."""
@@ -185,6 +208,7 @@ def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_model_and_data_flags(p)
     _add_training_flags(p)
     _add_run_flags(p)
+    _add_device_flags(p)
     p.set_defaults(**dataclasses.asdict(FinetuneConfig()))
     return p
 

@@ -18,18 +18,27 @@ from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
 from jmem.models import llama
 
 format_bytes = MemoryReport.format_bytes
 
 
-def dry_run(config, cfg):
-    step, _, dtype, _ = build(config, cfg)
+def dry_run(config, cfg, mesh=None):
+    """``--dry-run``: compiles the train step from abstract shapes (nothing allocated), prints
+    its memory (per device on a mesh) next to the planner's estimate and writes
+    ``dry_run.json``. Returns that record."""
+    step, _, dtype, _ = build(config, cfg, mesh=mesh)
     frozen = quantized_base(config, cfg, dtype, abstract=True)
     adapters = jax.eval_shape(
         lambda k: jlora.init(
-            k, frozen, rank=config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets
+            k,
+            frozen,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            targets=config.lora_targets,
+            dropout=config.lora_dropout,
         ),
         jax.random.key(0),
     )
@@ -42,16 +51,8 @@ def dry_run(config, cfg):
     report = step.measure(state, batch)
     q_bytes, q_count, frozen_bytes = base_bytes(frozen)
     targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
-    est = planner.estimate(
-        cfg,
-        param_dtype=jnp.dtype(dtype).name,
-        optimizer=config.optimizer,
-        lora={"rank": config.lora_rank, "targets": targets},
-        quantization="nf4",
-        remat=config.remat,
-        batch_size=config.batch_size,
-        seq_len=config.seq_len,
-    )
+    devices = 1 if mesh is None else int(mesh.size)
+    est = _estimate(config, cfg, dtype, targets, devices)
     n_adapter = jlora.num_trainable(adapters)
     print(
         f"\n{model_name(config)}: {llama.num_params(cfg) / 1e9:.2f}B params, "
@@ -62,9 +63,8 @@ def dry_run(config, cfg):
         f"NF4 base: {format_bytes(q_bytes)} for {q_count / 1e9:.2f}B weights = "
         f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}\n"
     )
-    state_bytes = report.argument_bytes - sum(
-        x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)
-    )
+    batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // devices
+    state_bytes = report.argument_bytes - batch_bytes
     rows = [
         (
             "params + state (arguments)",
@@ -74,6 +74,9 @@ def dry_run(config, cfg):
         ("temporaries / grads+activations", report.temp_bytes, est.grads + est.activations),
         ("peak", report.peak_bytes, est.total),
     ]
+    if mesh is not None:
+        axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+        print(f"per device of the mesh {axes} ({devices} devices; FSDP, ZeRO-3 ledger):")
     print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
@@ -92,8 +95,27 @@ def dry_run(config, cfg):
         "nf4_bytes_per_param": q_bytes / q_count,
         "trainable_params": n_adapter,
         "args": flags(config),
+        "per_device": True,
+        **mesh_record(mesh),
     }
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+def _estimate(config, cfg, dtype, targets, devices: int):
+    """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
+    over ``devices``."""
+    shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
+    return planner.estimate(
+        cfg,
+        param_dtype=jnp.dtype(dtype).name,
+        optimizer=config.optimizer,
+        lora={"rank": config.lora_rank, "targets": targets},
+        quantization="nf4",
+        remat=config.remat,
+        batch_size=max(1, config.batch_size // devices),
+        seq_len=config.seq_len,
+        **shards,
+    )

@@ -3,11 +3,14 @@ trains; ``main(argv)`` is the command line (``jmem finetune``, ``examples/qlora_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jmem._src.cli import CliError
 from jmem._src.finetune.config import FinetuneConfig
@@ -16,7 +19,11 @@ from jmem._src.finetune.config import validate
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.dry_run import dry_run
 from jmem._src.finetune.loop import train
+from jmem._src.finetune.mesh import initialize_distributed
+from jmem._src.finetune.mesh import job_mesh
+from jmem._src.finetune.mesh import sync
 from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
 from jmem._src.finetune.setup import check_lora_targets
 from jmem._src.finetune.setup import check_outputs
@@ -49,18 +56,21 @@ def run(config: FinetuneConfig) -> dict | None:
     Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
     """
     config = validate(config)
+    initialize_distributed(config)
     cfg = model_config(config)
     notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
     check_lora_targets(config, cfg)
+    mesh, mesh_notes = job_mesh(config)
     if not config.dry_run:
         tok = make_tokenizer(config, cfg)
         ds, held = load_datasets(config, tok)
         check_outputs(config, cfg, tok)
-        resume_step = prepare_out(config)
-    for line in notes:
+        resume_step = prepare_out(config) if is_writer() else None
+        resume_step = _agree(resume_step)
+    for line in notes + mesh_notes:
         print(line, flush=True)
     if config.dry_run:
-        return dry_run(config, cfg)
+        return dry_run(config, cfg, mesh)
     if resume_step is not None and resume_step >= config.steps:
         print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {config.steps}.")
         path = os.path.join(config.out, "summary.json")
@@ -69,9 +79,21 @@ def run(config: FinetuneConfig) -> dict | None:
                 return json.load(f)
         return None
     os.makedirs(config.out, exist_ok=True)
-    with open(os.path.join(config.out, "run.json"), "w") as f:
-        json.dump(flags(config), f, indent=2)
-    return train(config, cfg, tok, ds, held, resume_step)
+    if is_writer():
+        with open(os.path.join(config.out, "run.json"), "w") as f:
+            json.dump(flags(config), f, indent=2)
+    return train(config, cfg, tok, ds, held, resume_step, mesh)
+
+
+def _agree(resume_step):
+    """Process 0's reading of ``--out`` (the step to resume from), for every process, once
+    it has prepared the directory."""
+    sync("prepare_out")
+    if jax.process_count() == 1:
+        return resume_step
+    value = np.asarray(-1 if resume_step is None else resume_step, np.int64)
+    value = int(multihost_utils.broadcast_one_to_all(value))
+    return None if value < 0 else value
 
 
 def main(argv=None, prog: str = "jmem finetune") -> dict | None:
@@ -80,9 +102,18 @@ def main(argv=None, prog: str = "jmem finetune") -> dict | None:
     traceback instead)."""
     config = parse_args(argv, prog=prog, description=DESCRIPTION)
     try:
-        return run(config)
+        return _run_quietly_off_process_0(config)
     except CliError as e:
         if config.debug:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _run_quietly_off_process_0(config):
+    """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
+    initialize_distributed(config)
+    if jax.process_index() == 0:
+        return run(config)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        return run(config)

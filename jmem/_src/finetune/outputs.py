@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jmem import qlora
 from jmem._src.cli import one_line
 from jmem._src.cli import user_input
+from jmem._src.finetune.rundir import is_writer
 from jmem.models import hf
 from jmem.models import llama
 
@@ -45,14 +48,27 @@ class Sampler:
 def save_adapters(config, cfg, state) -> None:
     """The adapters in PEFT format in --out/adapter; with --export-merged, the merged model
     as a Hugging Face checkpoint (written tensor by tensor, jmem.models.hf.save_params)."""
+    params, frozen = _host_values(state.params), state.frozen
+    if config.export_merged:
+        frozen = _host_values(frozen)
+    if not is_writer():
+        return
     base = os.path.abspath(config.checkpoint) if config.checkpoint else None
     path = os.path.join(config.out, "adapter")
     try:
-        hf.save_adapters(path, state.params, cfg, base_model_name_or_path=base)
+        hf.save_adapters(path, params, cfg, base_model_name_or_path=base)
         print(f"adapters (PEFT format): {path}", flush=True)
     except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
         print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
     if config.export_merged:
         with user_input(f"--export-merged {config.export_merged}"):
-            hf.save_params(config.export_merged, state.frozen, cfg, adapters=state.params)
+            hf.save_params(config.export_merged, frozen, cfg, adapters=params)
         print(f"merged checkpoint (Hugging Face format): {config.export_merged}", flush=True)
+
+
+def _host_values(tree):
+    """``tree`` with every array readable on this process: across processes the shards are
+    gathered (a collective: every process calls it); on one process, as it is."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.process_allgather(tree, tiled=True)

@@ -13,6 +13,7 @@ import numpy as np
 from jmem import MemoryReport
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.rundir import is_writer
 from jmem.models import llama
 
 format_bytes = MemoryReport.format_bytes
@@ -33,17 +34,18 @@ def train_flops_per_token(cfg, seq_len: int, n_adapter: int) -> float:
 
 
 def peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
+    kind = jax.local_devices()[0].device_kind
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
 def device_memory() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
-def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak):
-    """summary.json, the plot and the closing line."""
+def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None):
+    """summary.json (with ``extra`` added: the data report, devices and mesh, samples), the
+    plot and the closing line; only process 0 writes. Returns the summary."""
     summary = {
         "config": config.config,
         "checkpoint": os.path.abspath(config.checkpoint) if config.checkpoint else None,
@@ -63,15 +65,17 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         "losses": losses,
         "learning_rates": lrs,
         "device": jax.devices()[0].device_kind,
+        **(extra or {}),
     }
     peak = peak_flops()
     if summary["tokens_per_s"] and peak:
         fpt = train_flops_per_token(cfg, config.seq_len, summary["trainable_params"])
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
-    with open(os.path.join(config.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     plot = os.path.join(config.out, "loss.png")
-    plot_losses(losses, evals, lrs, plot, f"QLoRA {model_name(config)}")
+    if is_writer():
+        with open(os.path.join(config.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_losses(losses, evals, lrs, plot, f"QLoRA {model_name(config)}")
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
     print(
         f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "

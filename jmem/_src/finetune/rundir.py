@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 
+import jax
+
 from jmem._src.cli import CliError
 
 #: Flags that must match the run in --out for --resume (they shape the state or the data).
@@ -27,6 +29,12 @@ RESUME_FLAGS = (
     "eval_split",
     "seed",
 )
+
+
+def is_writer() -> bool:
+    """Whether this process writes logs, plots and adapters (process 0 of a multi-process
+    run; checkpoints are written by every process together)."""
+    return jax.process_index() == 0
 
 
 def flags(config) -> dict:
