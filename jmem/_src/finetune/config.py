@@ -11,13 +11,13 @@ import os
 import tomllib
 
 from jmem._src import cli
+from jmem._src.finetune.build import OPTIMIZERS
 from jmem._src.finetune.mesh import mesh_spec
 from jmem._src.remat import REMAT_POLICIES
 from jmem.models import llama
 
 #: Default ``--lora-targets``: the seven projections of every layer (the QLoRA paper's).
 ALL_PROJECTIONS = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
-OPTIMIZER_NAMES = ("adamw", "adamw_4bit", "adamw_8bit")
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ def _add_training_flags(p):
     )
     p.add_argument("--grad-accum", type=cli.positive_int, help="microbatches per step")
     p.add_argument("--remat", choices=list(REMAT_POLICIES), help="remat policy")
-    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, help="optimizer")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="optimizer")
     p.add_argument(
         "--lr",
         type=cli.positive_float,
@@ -183,14 +183,14 @@ def _add_device_flags(p):
     p.add_argument(
         "--mesh",
         type=mesh_spec,
-        help="devices as data=N,fsdp=M (jmem.sharding: params, adapters, optimizer state and "
-        "batch sharded over fsdp, replicated over data); unset: FSDP over every device",
+        help="devices as data=N,fsdp=M (jmem.sharding: the NF4 base, optimizer state and batch "
+        "split over fsdp, adapters replicated; data: replicas); unset: FSDP over every device",
     )
     p.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         help="multi-process run: process 0's address for jax.distributed.initialize "
-        "(unset: auto-detected under SLURM/Open MPI, or a single process)",
+        "(unset: auto-detected under SLURM, or a single process)",
     )
     p.add_argument("--num-processes", type=cli.positive_int, help="processes of the run")
     p.add_argument("--process-id", type=cli.nonnegative_int, help="this process's index")
