@@ -237,6 +237,20 @@ def test_lora_dropout_key_per_step_and_microbatch_and_none_at_evaluation():
     assert float(loss(a, b3)) != float(loss(a, base))
 
 
+@pytest.mark.slow
+def test_lora_dropout_run_resumes_bitwise(tmp_path):
+    """--lora-dropout 0.1: the masks come from --seed and the step, so an interrupted and
+    resumed run gives the uninterrupted run's losses bit for bit (and not dropout 0's)."""
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "4", "--save-every", "2", "--eval-split", "0", "--mesh", "fsdp=1"]
+    full = finetune.main(argv + ["--lora-dropout", "0.1", "--out", out])
+    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
+    resumed = finetune.main(argv + ["--lora-dropout", "0.1", "--out", out, "--resume"])
+    assert resumed["losses"] == full["losses"]
+    plain = finetune.main(argv + ["--out", str(tmp_path / "plain")])
+    assert plain["losses"][1:] != full["losses"][1:]
+
+
 # --------------------------------------------------------------------- mesh (8 CPU devices)
 
 
