@@ -116,4 +116,5 @@ def base_bytes(frozen) -> tuple[int, int, int]:
 
 
 def model_name(config) -> str:
+    """``--config``'s name, or the ``--checkpoint`` directory's."""
     return config.config or os.path.basename(os.path.normpath(config.checkpoint))

@@ -34,11 +34,13 @@ def train_flops_per_token(cfg, seq_len: int, n_adapter: int) -> float:
 
 
 def peak_flops() -> float | None:
+    """Dense bf16 peak FLOP/s of this process's first device (``PEAK_FLOPS``), or None."""
     kind = jax.local_devices()[0].device_kind
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
 def device_memory() -> int | None:
+    """Peak bytes in use on this process's first device, where the backend reports it."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
