@@ -65,8 +65,7 @@ def run(config: FinetuneConfig) -> dict | None:
         tok = make_tokenizer(config, cfg)
         ds, held = load_datasets(config, tok)
         check_outputs(config, cfg, tok)
-        resume_step = prepare_out(config) if is_writer() else None
-        resume_step = _agree(resume_step)
+        resume_step = _agree(prepare_out(config))  # a refusal stops every process
     for line in notes + mesh_notes:
         print(line, flush=True)
     if config.dry_run:
@@ -87,7 +86,8 @@ def run(config: FinetuneConfig) -> dict | None:
 
 def _agree(resume_step):
     """Process 0's reading of ``--out`` (the step to resume from), for every process, once
-    it has prepared the directory."""
+    process 0 has prepared the directory (every process checked it first, so a refused
+    ``--out`` stops them all instead of leaving some waiting here)."""
     sync("prepare_out")
     if jax.process_count() == 1:
         return resume_step

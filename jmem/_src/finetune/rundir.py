@@ -75,7 +75,7 @@ def prepare_out(config) -> int | None:
             f"--out {out} already holds a run{at}; pass --resume to continue it, "
             "--overwrite to replace it, or another --out"
         )
-    if previous:
+    if previous and is_writer():  # every process checks; process 0 alone deletes
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         shutil.rmtree(os.path.join(out, "adapter"), ignore_errors=True)
         for name in ("run.json", "summary.json", "loss.png"):
