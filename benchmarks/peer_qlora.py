@@ -4,10 +4,11 @@ The same training step on both sides, with the same shapes (default: the ``tiny`
 hidden 256, intermediate 688, 4 layers, 8 heads / 4 KV heads, vocab 256; batch 16 x seq
 128):
 
-* jmem: the step ``examples/qlora_7b.py`` builds (``build``, replicated here so that
-  float32 compute can be chosen too): NF4 base with double quantization
+* jmem: the step of the fine-tuning job (``jmem.finetune.build``, with the compute dtype
+  chosen here so that float32 can be timed too; ``examples/qlora_7b.py`` runs it): NF4 base with double quantization
   (``qlora.quantize_params``), LoRA r=8 alpha=16 on all seven projections
-  (``jmem.lora.init``), ``clip_by_global_norm(1.0)`` + ``jmem.adamw_8bit``, remat of every
+  (``jmem.lora.init``), ``clip_by_global_norm(1.0)`` + ``jmem.adamw_8bit`` (the job's
+  warmup-cosine schedule to ``lr``), remat of every
   layer (``remat="full"``), compute dtype ``--dtypes``, through ``jmem.train_step``;
   timed as the example's loop does: ``compiled(state, batch)`` then ``float(loss)``.
 * peer: ``transformers.LlamaForCausalLM`` with the same config (SDPA attention), every
@@ -53,11 +54,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-import jmem  # noqa: E402
-from jmem import lora as jlora  # noqa: E402
-from jmem import qlora  # noqa: E402
+from jmem import finetune  # noqa: E402
 from jmem.models import llama  # noqa: E402
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -71,25 +69,22 @@ def _batch(cfg, batch: int, seq: int, seed: int = 0) -> np.ndarray:
 
 
 class JmemStep:
-    """The QLoRA train step of ``examples/qlora_7b.py`` (``build``), compiled once."""
+    """The QLoRA train step of the fine-tuning job (``jmem.finetune.build``), compiled once."""
 
     name = "jmem"
 
     def __init__(self, cfg, dtype: str, tokens: np.ndarray, *, rank=8, lr=1e-3, remat="full"):
         dt = DTYPES[dtype]
-
-        def loss_fn(adapters, batch, *, frozen):
-            return qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))(frozen, adapters, batch)
-
-        opt = optax.chain(optax.clip_by_global_norm(1.0), jmem.adamw_8bit(lr, weight_decay=0.0))
-        step = jmem.train_step(
-            loss_fn, opt, precision=f"p=f32,c={jnp.dtype(dt).name},o=f32", remat=remat
+        config = finetune.FinetuneConfig(
+            steps=100,
+            lr=lr,
+            lora_rank=rank,
+            lora_alpha=2.0 * rank,
+            lora_targets=TARGETS,
+            remat=remat,
         )
-        frozen = jax.jit(lambda k: qlora.quantize_params(llama.init(k, cfg, dt)))(jax.random.key(0))
-        adapters = jlora.init(
-            jax.random.key(1), frozen, rank=rank, alpha=2.0 * rank, targets=TARGETS
-        )
-        self.state = step.init(adapters, frozen=frozen)
+        step, *_ = finetune.build(config, cfg, compute_dtype=dt)
+        self.state = finetune.init_state(config, cfg, step, dt, None, None)[0]
         self.batch = {
             "inputs": jnp.asarray(tokens[:, :-1]),
             "targets": jnp.asarray(tokens[:, 1:]),

@@ -1,4 +1,5 @@
-"""Command line: ``python -m jmem estimate ...`` (``jmem`` when installed), the memory planner.
+"""Command line: ``python -m jmem estimate ...`` (the memory planner) and ``python -m jmem
+finetune ...`` (the fine-tuning job, ``jmem.finetune``); ``jmem`` when installed.
 
 ``--optimizer`` and ``--remat`` take comma-separated lists; one table is printed per
 combination. A bad input exits with status 2 and one line ``error: ...`` naming the flag
@@ -13,79 +14,30 @@ import itertools
 import re
 import sys
 from typing import Any
-from typing import Callable
 from typing import Sequence
 
 from jmem import planner
+from jmem._src import cli
+from jmem._src.finetune.job import main as finetune_main
 from jmem.models import llama
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line, ``error: ...``, status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    """An argparse type: an int >= ``minimum`` (``what`` names the set in errors)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        return value
-
-    return parse
-
-
-#: argparse type: an int >= 1.
-positive_int = _int_at_least(1, "a positive integer")
-_nonnegative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _memory(allow_zero: bool) -> Callable[[str], int]:
-    """argparse type: bytes from ``24GB``, ``24GiB``, ``80G`` (``planner.parse_memory``)."""
-
-    def parse(text: str) -> int:
-        if allow_zero and re.fullmatch(r"\s*0+(\.0*)?\s*[A-Za-z]*\s*", text):
-            return 0
-        try:
-            return planner.parse_memory(text)
-        except (TypeError, ValueError) as e:
-            raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
-
-    return parse
-
-
-def _choices_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    """argparse type: a non-empty comma list of names from ``allowed``."""
-
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"{', '.join(bad) or repr(text)} is not one of {', '.join(allowed)} (a comma list)"
-            )
-        return names
-
-    return parse
 
 
 def _model(name: str) -> Any:
     """argparse type: a config from ``jmem.models.llama.CONFIGS``, else a parameter count
-    (``7e9``, ``7B``) that the planner resolves."""
+    (``7e9``, ``7B``) that the planner resolves. An unknown name gets one list of names and
+    the closest one."""
     if name in llama.CONFIGS:
         return llama.get_config(name)
     try:
         planner.resolve_shape(name)
-    except (TypeError, ValueError) as e:
-        names = ", ".join(sorted(llama.CONFIGS))
-        raise argparse.ArgumentTypeError(f"{str(e).rstrip('.')}; config names: {names}") from None
+    except ValueError:
+        names = sorted(llama.CONFIGS)
+        raise argparse.ArgumentTypeError(
+            f"unknown model {name!r}{cli.did_you_mean(name, names)}; pass a config name "
+            f"({', '.join(names)}) or a parameter count (7e9, 7B)"
+        ) from None
+    except TypeError as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
     return name
 
 
@@ -93,7 +45,7 @@ def _lora_targets(text: str) -> tuple[str, ...] | str:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
         return "all"
-    return tuple(_choices_list(llama.LINEAR_NAMES)(text))
+    return tuple(cli.choices_list(llama.LINEAR_NAMES)(text))
 
 
 def _lora(args: argparse.Namespace) -> tuple[int, Any] | None:
@@ -166,16 +118,18 @@ def _add_estimate(sub) -> None:
         type=_model,
         help=f"config name ({', '.join(sorted(llama.CONFIGS))}) or parameter count (7e9, 7B)",
     )
-    p.add_argument("--memory", type=_memory(False), help="device memory: 24GB, 24GiB, 80G or bytes")
     p.add_argument(
-        "--reserve", type=_memory(True), default="2GB", help="memory kept free (default 2GB)"
+        "--memory", type=cli.memory(False), help="device memory: 24GB, 24GiB, 80G or bytes"
+    )
+    p.add_argument(
+        "--reserve", type=cli.memory(True), default="2GB", help="memory kept free (default 2GB)"
     )
     p.add_argument(
         "--param-dtype", default="bf16", help="dtype the params are stored in (default bf16)"
     )
     p.add_argument(
         "--optimizer",
-        type=_choices_list(sorted(planner.OPTIMIZERS)),
+        type=cli.choices_list(sorted(planner.OPTIMIZERS)),
         default="adamw",
         help="comma list, e.g. adamw,adamw_8bit (default adamw)",
     )
@@ -192,7 +146,7 @@ def _add_estimate(sub) -> None:
     )
     p.add_argument(
         "--lora-rank",
-        type=_nonnegative_int,
+        type=cli.nonnegative_int,
         default=0,
         help="LoRA rank r (default 0: full fine-tuning)",
     )
@@ -212,18 +166,21 @@ def _add_shape_flags(p) -> None:
     """``estimate``'s flags for the activations and the layout: remat, sizes, shards."""
     p.add_argument(
         "--remat",
-        type=_choices_list(planner.REMAT_MODES),
+        type=cli.choices_list(planner.REMAT_MODES),
         default="none",
         help="comma list of none,dots,selective,full,offload (default none)",
     )
     p.add_argument(
-        "--seq-len", type=positive_int, default=2048, help="tokens per sequence (default 2048)"
+        "--seq-len", type=cli.positive_int, default=2048, help="tokens per sequence (default 2048)"
     )
     p.add_argument(
-        "--batch-size", type=positive_int, default=1, help="sequences per step (default 1)"
+        "--batch-size", type=cli.positive_int, default=1, help="sequences per step (default 1)"
     )
     p.add_argument(
-        "--shards", type=positive_int, default=1, help="devices the state is split over (default 1)"
+        "--shards",
+        type=cli.positive_int,
+        default=1,
+        help="devices the state is split over (default 1)",
     )
     p.add_argument(
         "--zero-stage", type=int, choices=[1, 2, 3], default=None, help="ZeRO stage with --shards"
@@ -237,19 +194,28 @@ def _add_shape_flags(p) -> None:
     )
     p.add_argument(
         "--activation-budget",
-        type=_memory(True),
+        type=cli.memory(True),
         default=None,
         help="fix activations to this many bytes (e.g. 6GB) instead of computing them",
     )
     p.add_argument(
-        "--hidden-size", type=positive_int, default=None, help="shape for a parameter count"
+        "--hidden-size", type=cli.positive_int, default=None, help="shape for a parameter count"
     )
     p.add_argument(
-        "--num-layers", type=positive_int, default=None, help="shape for a parameter count"
+        "--num-layers", type=cli.positive_int, default=None, help="shape for a parameter count"
     )
 
 
-_COMMANDS = (_add_estimate,)
+def _add_finetune(sub) -> None:
+    """``finetune``: listed here; its flags are parsed by ``jmem.finetune.main``."""
+    sub.add_parser(
+        "finetune",
+        help="the QLoRA fine-tuning job (jmem.finetune); jmem finetune --help for its flags",
+        add_help=False,
+    )
+
+
+_COMMANDS = (_add_estimate, _add_finetune)
 
 #: Keyword names in the planner's messages -> the flags that set them.
 _FLAGS = {
@@ -261,14 +227,18 @@ _FLAGS = {
 
 def _one_line(e: BaseException) -> str:
     """The message of ``e`` on one line, with the planner's keywords spelled as flags."""
-    text = " ".join(str(e).split())
+    text = cli.one_line(e)
     return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m[1]], text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command. A bad input exits with status 2 and one line ``error: ...``."""
-    parser = _Parser(prog="jmem", description="jmem command line tools")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["finetune"]:
+        finetune_main(argv[1:], prog="jmem finetune")
+        return 0
+    parser = cli.Parser(prog="jmem", description="jmem command line tools")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
     for add in _COMMANDS:
         add(sub)
     args = parser.parse_args(argv)

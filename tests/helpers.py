@@ -1,6 +1,10 @@
 """Shared test helpers: small models, batches and tree checks used by several test files."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -52,3 +56,52 @@ def sft_jsonl(path, n=60):
             f.write(json.dumps({"prompt": f"Q: {a}+{b}=?\nA:", "completion": f" {a + b}\n"}))
             f.write("\n")
     return str(path)
+
+
+def one_line_error(capsys, excinfo, *words) -> str:
+    """The error is one line ``error: ...`` on stderr, status 2, naming ``words``."""
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(argvs, timeout: float = 150) -> list[str]:
+    """Runs one Python process per argv (``[script, *args]``, the repository on
+    PYTHONPATH, without this session's XLA_FLAGS) and returns their outputs; asserts that
+    every one exits 0 (the tail of its log otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for argv in argvs
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, log in zip(procs, logs):
+        tail = "\n".join(l for l in log.splitlines() if "spmd_partitioner" not in l)[-3000:]
+        assert p.returncode == 0, tail
+    return logs

@@ -2,7 +2,6 @@
 flag or file, before anything is compiled or written (examples/qlora_7b.py and
 ``python -m jmem estimate``); defaults are filled with ``is None``, sized for the device."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import helpers
 import pytest
 
 from jmem import data
+from jmem import finetune
 from jmem import planner
 from jmem.__main__ import main as jmem_main
 
@@ -22,10 +22,8 @@ _EXAMPLE = os.path.join(_ROOT, "examples", "qlora_7b.py")
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("qlora_7b_cli", _EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The job's package (``jmem finetune``; examples/qlora_7b.py only calls it)."""
+    return finetune
 
 
 def _config_json(directory, vocab_size=128, max_position_embeddings=512):
@@ -46,15 +44,7 @@ def _config_json(directory, vocab_size=128, max_position_embeddings=512):
     return str(directory)
 
 
-def _one_line_error(capsys, excinfo, *words):
-    """The error is one line ``error: ...`` on stderr, status 2, naming ``words``."""
-    assert excinfo.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for w in words:
-        assert w in err, (w, err)
-    return err
+_one_line_error = helpers.one_line_error
 
 
 def _files(tmp_path):
@@ -91,7 +81,6 @@ BAD_EXAMPLE_INPUTS = {
     "negative steps": (["--steps", "-3"], ["--steps", "positive integer"]),
     "steps not a number": (["--steps", "ten"], ["--steps", "'ten'"]),
     "eval split 1": (["--eval-split", "1"], ["--eval-split", "[0, 1)"]),
-    "eval split below a batch": (["--eval-split", "0.0001"], ["--eval-split", "--eval-split 0"]),
     "zero learning rate": (["--lr", "0"], ["--lr", "positive"]),
     "config and checkpoint": (["--config", "tiny", "--checkpoint", "{t}"], ["--checkpoint"]),
     "resume and overwrite": (["--resume", "--overwrite"], ["--overwrite", "--resume"]),
@@ -208,13 +197,6 @@ def test_instruction_data_trains_on_responses_only(example, tmp_path):
     assert held is not None and held.batches_per_epoch >= 1
 
 
-def test_eval_split_that_holds_out_no_example(example, tmp_path, capsys):
-    sft = helpers.sft_jsonl(tmp_path / "sft.jsonl", n=5)
-    with pytest.raises(SystemExit) as e:
-        example.main(["--data", sft, "--eval-split", "0.1", "--out", str(tmp_path / "o")])
-    _one_line_error(capsys, e, "--eval-split 0.1", "none of the 5 examples", "--eval-split 0")
-
-
 # ------------------------------------------------------------------- python -m jmem estimate
 
 BAD_ESTIMATE_INPUTS = {
@@ -245,6 +227,14 @@ def test_estimate_bad_input_is_one_line_and_status_2(capsys, case):
     with pytest.raises(SystemExit) as e:
         jmem_main(["estimate", *argv])
     _one_line_error(capsys, e, *words)
+
+
+def test_estimate_unknown_model_lists_names_once_with_a_suggestion(capsys):
+    """A typo (``llama2-7b``): one list of the model names, and the closest one."""
+    with pytest.raises(SystemExit) as e:
+        jmem_main(["estimate", "--model", "llama2-7b"])
+    err = _one_line_error(capsys, e, "--model", "'llama2-7b'", "did you mean 'llama2_7b'?")
+    assert err.count("tiny") == 1 and err.count("llama3_8b") == 1, err
 
 
 def test_estimate_debug_keeps_the_traceback():

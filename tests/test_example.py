@@ -1,6 +1,6 @@
-"""examples/qlora_7b.py end to end on CPU: trains, checkpoints, resumes exactly, plans 7B."""
+"""The fine-tuning job (``jmem.finetune``, which examples/qlora_7b.py calls) end to end on
+CPU: trains, checkpoints, resumes exactly, plans 7B."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -10,18 +10,15 @@ import numpy as np
 import pytest
 
 from jmem import data
+from jmem import finetune
 
 pytestmark = pytest.mark.slow  # writes checkpoints and trains: seconds per test
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "qlora_7b.py")
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("qlora_7b", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The job's package: the example script only calls ``finetune.main``."""
+    return finetune
 
 
 SMALL = [

@@ -330,6 +330,22 @@ def test_truncation_and_untrained_examples_warn_and_errors_are_clear():
         data.pack_examples([{"text": "ab"}], object(), seq_len=4)
 
 
+def test_pack_examples_counts_what_it_cut_and_what_trains_nothing():
+    """return_counts: the job refuses data where every example is untrained and reports a
+    fraction; warn=False leaves the telling to the caller."""
+    tok = data.ByteTokenizer()
+    examples = [
+        {"prompt": "abcdefgh", "completion": "x"},  # cut at 5 tokens: response lost
+        {"prompt": "a", "completion": "bc"},  # fits
+        {"prompt": "ab", "completion": ""},  # no response at all (eos only? byte: none)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows, counts = data.pack_examples(examples, tok, seq_len=4, warn=False, return_counts=True)
+    assert counts == {"examples": 3, "truncated": 1, "untrained": 2, "max_tokens": 9}
+    assert rows["mask"].sum() == 2  # "b", "c"
+
+
 # --- dataset ------------------------------------------------------------------------------
 
 

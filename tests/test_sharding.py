@@ -10,11 +10,9 @@ below one update (lr = 1e-2).
 import json
 import math
 import os
-import socket
-import subprocess
-import sys
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -393,12 +391,6 @@ def test_orbax_checkpoint_reshards_8_to_4_and_1(tmp_path):
 # ----------------------------------------------------------------------------------------
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_process_sharded_step(tmp_path):
     if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
@@ -407,33 +399,9 @@ def test_two_process_sharded_step(tmp_path):
             "cross-process CPU collectives (gloo) are unavailable"
         )
     worker = os.path.join(os.path.dirname(__file__), "_multihost_worker.py")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    port = helpers.free_port()
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(port), str(i), str(outs[i])],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, log in zip(procs, logs):
-        tail = "\n".join(l for l in log.splitlines() if "spmd_partitioner" not in l)[-2000:]
-        assert p.returncode == 0, tail
+    helpers.run_processes([[worker, str(port), str(i), str(outs[i])] for i in range(2)])
     results = [json.loads(o.read_text()) for o in outs]
     for i, r in enumerate(results):
         assert r["process_id"] == i and r["process_count"] == 2

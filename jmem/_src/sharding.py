@@ -210,10 +210,18 @@ def _kind_fn(memory_kind: str | None) -> Callable[[Any], str | None]:
 
 
 def _tree_shardings(
-    tree: Any, mesh: Mesh, *, split: bool, min_size: int, memory_kind: str | None = None
+    tree: Any,
+    mesh: Mesh,
+    *,
+    split: bool,
+    min_size: int,
+    memory_kind: str | None = None,
+    split_lora: bool = False,
 ) -> Any:
     """Shardings for a params-like (or optimizer-state-like) tree; ``split=False`` replicates
-    every dense array and NF4 leaf. QuantizedArrays are split by blocks when ``split``."""
+    every dense array and NF4 leaf. QuantizedArrays are split by blocks when ``split``.
+    ``LoraWeight`` nodes are replicated, unless ``split_lora`` (an optimizer state, whose
+    moments of ``a`` and ``b`` follow the rules of their own leaves)."""
     n = _fsdp_size(mesh)
     kind = _kind_fn(memory_kind)
 
@@ -227,6 +235,10 @@ def _tree_shardings(
         if isinstance(x, _nf4.NF4Array):
             return _nf4_shardings(x, mesh, split, kind)
         if isinstance(x, _lora.LoraWeight):
+            if split_lora:
+                inner = lambda y: y is not x and (y is None or _is_special(y))
+                leaves, treedef = jax.tree.flatten(x, is_leaf=inner)
+                return jax.tree.unflatten(treedef, [one(c) for c in leaves])
             return jax.tree.map(lambda l: _sharding(mesh, P(), kind(l)), x)
         shape = shape_of(x)
         if shape is None:  # Python scalars and other non-array leaves: replicated.
@@ -279,7 +291,8 @@ def opt_state_shardings(
 ) -> Any:
     """Shardings of an optimizer state: split under every strategy (ZeRO-1 and up).
 
-    Dense leaves (fp32 moments, fp32 masters) use the dense rule on their global shape,
+    Dense leaves (fp32 moments, fp32 masters) use the dense rule on their global shape (the
+    moments of LoRA adapters too: unlike the adapters, they are split),
     ``QuantizedArray`` moments split by whole blocks, scalars (counts, injected
     hyperparameters) are replicated.
 
@@ -294,7 +307,9 @@ def opt_state_shardings(
       A pytree like ``opt_state`` of ``NamedSharding``.
     """
     check_mesh(mesh)
-    return _tree_shardings(opt_state, mesh, split=True, min_size=min_size, memory_kind=memory_kind)
+    return _tree_shardings(
+        opt_state, mesh, split=True, min_size=min_size, memory_kind=memory_kind, split_lora=True
+    )
 
 
 def replicated(tree: Any, mesh: Mesh) -> Any:

@@ -75,7 +75,9 @@ def _place(rows: dict, row: int, offset: int, segment: int, ids, response) -> No
     rows["positions"][row, cols] = np.arange(n)
 
 
-def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarray]:
+def pack_examples(
+    examples, tokenizer: Any, seq_len: int, *, warn: bool = True, return_counts: bool = False
+):
     """Tokenizes examples and packs them into rows of ``seq_len`` slots, without cross-talk.
 
     Args:
@@ -83,12 +85,17 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
         ``[{"prompt": "2+2=", "completion": "4"}]``).
       tokenizer: as ``tokenize_example``.
       seq_len: slots per row (the model's sequence length), >= 1.
+      warn: warn about truncated and untrained examples (below).
+      return_counts: also return ``{"examples", "truncated", "untrained", "max_tokens"}``:
+        how many examples there were, were cut at ``seq_len + 1`` tokens, have no trained-on
+        target left (an empty response, or one cut off), and the longest one's tokens.
 
     Returns:
       ``{"inputs", "targets", "segment_ids", "positions"}`` int32 and ``"mask"`` float32, each
       ``[n_rows, seq_len]`` (see the module docstring). ``mask`` is 1 exactly on the slots
       whose target is a response token: a prompt of 5 tokens and a response of 3 give
-      ``mask`` 1 at slots 4, 5 and 6. Padding slots are 0 everywhere (token id 0).
+      ``mask`` 1 at slots 4, 5 and 6. Padding slots are 0 everywhere (token id 0). With
+      ``return_counts``, ``(rows, counts)``.
 
     Warns:
       UserWarning: with the count of examples longer than ``seq_len + 1`` tokens (truncated,
@@ -100,7 +107,7 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}.")
-    tokenized, truncated, untrained, total = [], 0, 0, 0
+    tokenized, truncated, untrained, total, longest = [], 0, 0, 0, 0
     for i, example in enumerate(examples):
         total += 1
         example = normalize_example(example, f"example {i}")
@@ -108,6 +115,7 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
             ids, response = tokenize_example(example, tokenizer)
         except ValueError as e:  # a chat template that fails on this conversation
             raise ValueError(f"example {i}: {e}") from None
+        longest = max(longest, len(ids))
         if len(ids) > seq_len + 1:
             truncated += 1
             ids, response = ids[: seq_len + 1], response[: seq_len + 1]
@@ -117,7 +125,8 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
             tokenized.append((ids, response))
     if not tokenized:
         raise ValueError("No example has 2 tokens (one input and one target) to pack.")
-    _warn(truncated, untrained, total, seq_len)
+    if warn:
+        _warn(truncated, untrained, total, seq_len)
     placement, row, offset, segment = [], 0, 0, 0
     for ids, _ in tokenized:
         if offset + len(ids) - 1 > seq_len:
@@ -128,6 +137,9 @@ def pack_examples(examples, tokenizer: Any, seq_len: int) -> dict[str, np.ndarra
     rows = {k: np.zeros((row + 1, seq_len), dt) for k, dt in PACKED_FIELDS.items()}
     for (ids, response), (r, o, s) in zip(tokenized, placement):
         _place(rows, r, o, s, ids, response)
+    if return_counts:
+        counts = dict(examples=total, truncated=truncated, untrained=untrained, max_tokens=longest)
+        return rows, counts
     return rows
 
 

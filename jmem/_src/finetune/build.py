@@ -1,0 +1,120 @@
+"""The QLoRA train step: NF4 base, LoRA adapters, remat, bf16/fp16 compute, a warmup-cosine
+schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jmem
+from jmem import DynamicLossScale
+from jmem import NoOpLossScale
+from jmem import adamw_4bit
+from jmem import adamw_8bit
+from jmem import nf4
+from jmem import qlora
+from jmem._src.cli import user_input
+from jmem.models import hf
+from jmem.models import llama
+
+OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
+
+
+#: Batch key of ``--lora-dropout`` runs: int32 ``[B]``, the step and microbatch a row is
+#: trained in (``loop.step_batch``), folded into the dropout key.
+DROPOUT_STEP = "lora_dropout_step"
+
+
+def _loss(cfg, seed: int):
+    """``loss_fn(adapters, batch, *, frozen)``: the QLoRA loss; a batch with
+    ``DROPOUT_STEP`` gets a LoRA dropout key (``fold_in(key(seed), batch[DROPOUT_STEP][0])``),
+    one without (evaluation) none."""
+
+    def loss_fn(adapters, batch, *, frozen):
+        key = None
+        if DROPOUT_STEP in batch:
+            batch = dict(batch)
+            key = jax.random.fold_in(jax.random.key(seed), batch.pop(DROPOUT_STEP)[0])
+        fn = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
+        return fn(frozen, adapters, batch, lora_dropout_key=key)
+
+    return loss_fn
+
+
+def build(config, cfg, *, compute_dtype=None, mesh=None):
+    """The train step, the loss, the compute dtype and the learning-rate schedule; shared by
+    training, the dry run and ``benchmarks/peer_qlora.py``.
+
+    Args:
+      config: a resolved ``FinetuneConfig`` (``lr`` and ``steps`` set).
+      cfg: the model's ``LlamaConfig``.
+      compute_dtype: overrides ``config.precision`` (e.g. float32 for a benchmark).
+      mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
+
+    Returns:
+      ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
+      batch, *, frozen)``, the compute dtype and the optax learning-rate schedule
+      (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
+    """
+    dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
+    dtype = dtype if compute_dtype is None else compute_dtype
+    loss_fn = _loss(cfg, config.seed + 2)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.lr,
+        warmup_steps=max(1, config.steps // 20),
+        decay_steps=max(2, config.steps),
+        end_value=config.lr / 10,
+    )
+    opt = OPTIMIZERS[config.optimizer](
+        schedule, weight_decay=config.weight_decay, mask=jmem.decay_mask
+    )
+    opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
+    scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
+    step = jmem.train_step(
+        loss_fn,
+        opt,
+        precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
+        loss_scale=scale,
+        remat=config.remat,
+        microbatches=config.grad_accum,
+        offload_optimizer=config.offload,
+        mesh=mesh,
+    )
+    return step, loss_fn, dtype, schedule
+
+
+def quantized_base(config, cfg, dtype, abstract: bool):
+    """NF4 base params: from a checkpoint, or random (quantized on the device, in one jit)."""
+    if config.checkpoint:
+        if abstract:
+            return jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, dtype)))
+        with user_input(f"--checkpoint {config.checkpoint}"):
+            params, _ = hf.load_params(config.checkpoint, cfg, dtype=dtype, quantize="nf4")
+        return params
+    make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))
+    if abstract:
+        return jax.eval_shape(make, jax.random.key(config.seed))
+    return jax.jit(make)(jax.random.key(config.seed))
+
+
+def base_bytes(frozen) -> tuple[int, int, int]:
+    """(bytes of NF4 leaves, their parameter count, bytes of all frozen leaves)."""
+    q = [
+        x
+        for x in jax.tree.leaves(frozen, is_leaf=lambda x: isinstance(x, nf4.NF4Array))
+        if isinstance(x, nf4.NF4Array)
+    ]
+    nbytes = sum(jmem.tree.nbytes(x) for x in q)
+    count = sum(math.prod(x.shape) for x in q)
+    total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(frozen))
+    return nbytes, count, total
+
+
+def model_name(config) -> str:
+    """``--config``'s name, or the ``--checkpoint`` directory's."""
+    return config.config or os.path.basename(os.path.normpath(config.checkpoint))

@@ -1,0 +1,156 @@
+"""The job's data: text packed into rows, or instruction/chat examples packed with response
+masks (``jmem.data``), with ``--eval-split`` held out.
+
+A held-out part smaller than a batch is evaluated as it is (fewer rows); when the data
+cannot spare even one row (text) or one example (examples) beside a training batch,
+evaluation is skipped with a notice, never an error. Examples that keep no response token
+within ``--seq-len`` are counted: all of them is an error before training (a run that
+would learn nothing), some of them a notice and a count in ``summary.json``."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jmem import data as jdata
+from jmem._src.cli import CliError
+from jmem._src.cli import user_input
+
+
+def load_datasets(config, tok):
+    """``(train, eval or None)`` from ``--data``: a .jsonl file of examples (text,
+    prompt/completion, Alpaca or chat messages; loss on the responses only), else text (a
+    .txt file or the default corpus) as one token stream. ``--eval-split`` is held out.
+
+    ``train.report`` holds what ``summary.json`` records of the data: ``eval_skipped`` (why,
+    when evaluation was asked for and is skipped) and, for examples, ``examples`` (counts of
+    examples, truncated ones and ones with no trained-on token, train and held out).
+
+    Raises:
+      CliError: for a missing, empty or unreadable file, data smaller than one training
+        batch, or examples none of which keeps a response token within ``--seq-len``.
+    """
+    if config.data is not None and not os.path.isfile(config.data):
+        raise CliError(f"--data {config.data}: no such file; pass a .txt or .jsonl file")
+    if config.data is not None and config.data.endswith(".jsonl"):
+        train, held, report = _example_datasets(config, tok)
+    else:
+        train, held, report = _text_datasets(config, tok)
+    if report.get("eval_skipped"):
+        print(f"note: evaluation skipped: {report['eval_skipped']}", flush=True)
+    train.report = report
+    return train, held
+
+
+def _text_datasets(config, tok):
+    flag = f"--data {config.data}" if config.data else "the default corpus"
+    with user_input(flag):
+        text = jdata.load_text(config.data)
+    if not text.strip():
+        raise CliError(f"{flag}: the file holds no text; pass a non-empty .txt or .jsonl file")
+    tokens = tok.encode(text)
+    row, need = config.seq_len + 1, config.batch_size * (config.seq_len + 1)
+    n_eval, report = int(len(tokens) * config.eval_split), {}
+    if config.eval_split and n_eval < row:  # hold out one row when the data can spare it
+        n_eval = row if len(tokens) - row >= need else 0
+        if not n_eval:
+            report["eval_skipped"] = (
+                f"{flag} has {len(tokens):,} tokens: one training batch ({need:,}) leaves no "
+                f"row of {row} tokens to hold out; pass more text for evaluation"
+            )
+    if len(tokens) - n_eval < need:
+        raise CliError(
+            f"{flag}: {len(tokens) - n_eval:,} training tokens, fewer than one batch of "
+            f"--batch-size {config.batch_size} x (--seq-len {config.seq_len} + 1) = {need:,}; "
+            "pass more text or smaller --batch-size/--seq-len"
+        )
+    cut = len(tokens) - n_eval  # the tail is held out: no window straddles the two
+    train = jdata.PackedDataset(tokens[:cut], config.seq_len, config.batch_size, seed=config.seed)
+    held = None
+    if n_eval:
+        rows = min(config.batch_size, n_eval // row)
+        held = jdata.PackedDataset(tokens[cut:], config.seq_len, rows, seed=config.seed)
+    return train, held, report
+
+
+def _split_examples(config, examples):
+    """A seeded shuffle of the examples, then the last ``--eval-split`` of them held out (at
+    least one when there are two or more)."""
+    order = np.random.default_rng([config.seed, len(examples)]).permutation(len(examples))
+    examples = [examples[i] for i in order]
+    n_eval = int(len(examples) * config.eval_split)
+    if config.eval_split and n_eval == 0 and len(examples) > 1:
+        n_eval = 1
+    cut = len(examples) - n_eval
+    return examples[:cut], examples[cut:]
+
+
+def _example_datasets(config, tok):
+    """Examples packed into rows (``jmem.data.pack_examples``), the response-token check,
+    and the held-out examples (evaluated in rows fewer than a batch if need be)."""
+    flag = f"--data {config.data}"
+    with user_input(flag):
+        examples = jdata.load_examples(config.data)
+    train_ex, held_ex = _split_examples(config, examples)
+    with user_input(flag):
+        rows, counts = jdata.pack_examples(
+            train_ex, tok, config.seq_len, warn=False, return_counts=True
+        )
+    check_response_tokens(counts, flag, config.seq_len)
+    with user_input(flag):
+        train = jdata.PackedDataset.from_rows(rows, config.batch_size, seed=config.seed)
+    report = {"examples": {"train": counts}}
+    held, why = None, None
+    if not config.eval_split:
+        return train, None, report
+    if held_ex:
+        try:
+            rows, held_counts = jdata.pack_examples(
+                held_ex, tok, config.seq_len, warn=False, return_counts=True
+            )
+        except ValueError as e:
+            rows, why = None, f"the held-out examples cannot be packed ({e})"
+        if rows is not None:
+            report["examples"]["held_out"] = held_counts
+            if held_counts["untrained"] == held_counts["examples"]:
+                why = "no held-out example keeps a response token within --seq-len"
+            else:
+                n = min(config.batch_size, len(rows["inputs"]))
+                held = jdata.PackedDataset.from_rows(rows, n, seed=config.seed)
+    else:
+        why = f"{flag} has {len(examples)} example(s): none to hold out"
+    if why:
+        report["eval_skipped"] = why
+    return train, held, report
+
+
+def check_response_tokens(counts: dict, flag: str, seq_len: int) -> None:
+    """Refuses training data with no trained-on token; prints a notice when some examples
+    lose their response (cut off at ``--seq-len``, or empty).
+
+    Raises:
+      CliError: when every example is without a response token within ``--seq-len``.
+    """
+    n, untrained, cut = counts["examples"], counts["untrained"], counts["truncated"]
+    longest = counts["max_tokens"]
+    if untrained == n:
+        raise CliError(
+            f"{flag}: none of the {n} training examples keeps a response token within "
+            f"--seq-len {seq_len} ({cut} cut at the end, longest {longest} tokens): the run "
+            f"would train on nothing; pass a longer --seq-len (up to {longest - 1}), or "
+            "shorten the prompts (a long system prompt pushes the response past the cut)"
+        )
+    if untrained:
+        print(
+            f"note: {untrained} of {n} training examples keep no response token within "
+            f"--seq-len {seq_len} ({cut} cut at the end): they add no loss; a longer "
+            "--seq-len keeps them.",
+            flush=True,
+        )
+    elif cut:
+        print(
+            f"note: {cut} of {n} training examples are longer than --seq-len {seq_len} + 1 "
+            "tokens: their end is cut and not trained on.",
+            flush=True,
+        )

@@ -1,0 +1,121 @@
+"""``--dry-run``: the step compiled from abstract shapes (nothing allocated), its memory
+next to the planner's estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jmem import MemoryReport
+from jmem import lora as jlora
+from jmem import planner
+from jmem._src.finetune.build import base_bytes
+from jmem._src.finetune.build import build
+from jmem._src.finetune.build import model_name
+from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.mesh import mesh_record
+from jmem._src.finetune.rundir import flags
+from jmem.models import llama
+
+format_bytes = MemoryReport.format_bytes
+
+
+def dry_run(config, cfg, mesh=None):
+    """``--dry-run``: compiles the train step from abstract shapes (nothing allocated), prints
+    its memory (per device on a mesh) next to the planner's estimate and writes
+    ``dry_run.json``. Returns that record."""
+    step, _, dtype, _ = build(config, cfg, mesh=mesh)
+    frozen = quantized_base(config, cfg, dtype, abstract=True)
+    adapters = jax.eval_shape(
+        lambda k: jlora.init(
+            k,
+            frozen,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            targets=config.lora_targets,
+            dropout=config.lora_dropout,
+        ),
+        jax.random.key(0),
+    )
+    state = step.abstract_state(adapters, frozen=frozen)
+    batch = {
+        k: jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+        for k in ("inputs", "targets")
+    }
+    t0 = time.time()
+    report = step.measure(state, batch)
+    q_bytes, q_count, frozen_bytes = base_bytes(frozen)
+    targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
+    devices = 1 if mesh is None else int(mesh.size)
+    est = _estimate(config, cfg, dtype, targets, devices)
+    n_adapter = jlora.num_trainable(adapters)
+    print(
+        f"\n{model_name(config)}: {llama.num_params(cfg) / 1e9:.2f}B params, "
+        f"LoRA r={config.lora_rank} on {targets}: {n_adapter / 1e6:.1f}M trainable; "
+        f"compiled in {time.time() - t0:.0f}s (abstract shapes, nothing allocated)"
+    )
+    print(
+        f"NF4 base: {format_bytes(q_bytes)} for {q_count / 1e9:.2f}B weights = "
+        f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}\n"
+    )
+    batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // devices
+    state_bytes = report.argument_bytes - batch_bytes
+    rows = [
+        (
+            "params + state (arguments)",
+            state_bytes,
+            est.params + est.optimizer_state + est.master_weights,
+        ),
+        ("temporaries / grads+activations", report.temp_bytes, est.grads + est.activations),
+        ("peak", report.peak_bytes, est.total),
+    ]
+    if mesh is not None:
+        axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+        print(f"per device of the mesh {axes} ({devices} devices; FSDP, ZeRO-3 ledger):")
+    print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
+    for name, a, b in rows:
+        print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
+    print(
+        f"\nverdict: peak {format_bytes(report.peak_bytes)} "
+        f"{'fits' if report.peak_bytes <= 24e9 else 'does not fit'} on a 24 GB card."
+    )
+    out = {
+        "config": config.config,
+        "checkpoint": config.checkpoint,
+        "model": dataclasses.asdict(cfg),
+        "seq_len": config.seq_len,
+        "batch_size": config.batch_size,
+        "compiled": dataclasses.asdict(report),
+        "estimate": est.as_dict(),
+        "nf4_bytes_per_param": q_bytes / q_count,
+        "trainable_params": n_adapter,
+        "args": flags(config),
+        "per_device": True,
+        **mesh_record(mesh),
+    }
+    os.makedirs(config.out, exist_ok=True)
+    with open(os.path.join(config.out, "dry_run.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    return out
+
+
+def _estimate(config, cfg, dtype, targets, devices: int):
+    """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
+    over ``devices``."""
+    shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
+    return planner.estimate(
+        cfg,
+        param_dtype=jnp.dtype(dtype).name,
+        optimizer=config.optimizer,
+        lora={"rank": config.lora_rank, "targets": targets},
+        quantization="nf4",
+        remat=config.remat,
+        batch_size=max(1, config.batch_size // devices),
+        seq_len=config.seq_len,
+        **shards,
+    )

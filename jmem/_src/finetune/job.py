@@ -1,0 +1,119 @@
+"""The job end to end: ``run(config)`` checks every input, then plans (``dry_run``) or
+trains; ``main(argv)`` is the command line (``jmem finetune``, ``examples/qlora_7b.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jmem._src.cli import CliError
+from jmem._src.finetune.config import FinetuneConfig
+from jmem._src.finetune.config import parse_args
+from jmem._src.finetune.config import validate
+from jmem._src.finetune.datasets import load_datasets
+from jmem._src.finetune.dry_run import dry_run
+from jmem._src.finetune.loop import train
+from jmem._src.finetune.mesh import initialize_distributed
+from jmem._src.finetune.mesh import job_mesh
+from jmem._src.finetune.mesh import sync
+from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.rundir import is_writer
+from jmem._src.finetune.rundir import prepare_out
+from jmem._src.finetune.setup import check_lora_targets
+from jmem._src.finetune.setup import check_outputs
+from jmem._src.finetune.setup import make_tokenizer
+from jmem._src.finetune.setup import model_config
+from jmem._src.finetune.setup import resolve_defaults
+
+#: The job's one-paragraph description (``--help``).
+DESCRIPTION = (
+    "QLoRA fine-tuning with every jmem memory lever on: NF4 base, LoRA adapters, remat, "
+    "bf16 compute, 8-bit AdamW, gradient accumulation, optional optimizer offload."
+)
+
+
+def run(config: FinetuneConfig) -> dict | None:
+    """Runs the fine-tuning job: checks every input (before any weight is read or step
+    compiled), then plans (``dry_run``) or trains, writing under ``config.out``.
+
+    Args:
+      config: a ``FinetuneConfig`` (validated here; unset sizes are filled for the model
+        and the device).
+
+    Returns:
+      The summary (as written to ``summary.json``; ``dry_run.json``'s content for a dry
+      run; the previous summary, or None, when a resumed run has nothing left to do).
+
+    Raises:
+      CliError: (a ``ValueError``) for a bad option or input, naming it, before training.
+
+    Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
+    """
+    config = validate(config)
+    initialize_distributed(config)
+    cfg = model_config(config)
+    notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
+    check_lora_targets(config, cfg)
+    mesh, mesh_notes = job_mesh(config)
+    if not config.dry_run:
+        tok = make_tokenizer(config, cfg)
+        ds, held = load_datasets(config, tok)
+        check_outputs(config, cfg, tok)
+        resume_step = _agree(prepare_out(config))  # a refusal stops every process
+    for line in notes + mesh_notes:
+        print(line, flush=True)
+    if config.dry_run:
+        return dry_run(config, cfg, mesh)
+    if resume_step is not None and resume_step >= config.steps:
+        print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {config.steps}.")
+        path = os.path.join(config.out, "summary.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        return None
+    os.makedirs(config.out, exist_ok=True)
+    if is_writer():
+        with open(os.path.join(config.out, "run.json"), "w") as f:
+            json.dump(flags(config), f, indent=2)
+    return train(config, cfg, tok, ds, held, resume_step, mesh)
+
+
+def _agree(resume_step):
+    """Process 0's reading of ``--out`` (the step to resume from), for every process, once
+    process 0 has prepared the directory (every process checked it first, so a refused
+    ``--out`` stops them all instead of leaving some waiting here)."""
+    sync("prepare_out")
+    if jax.process_count() == 1:
+        return resume_step
+    value = np.asarray(-1 if resume_step is None else resume_step, np.int64)
+    value = int(multihost_utils.broadcast_one_to_all(value))
+    return None if value < 0 else value
+
+
+def main(argv=None, prog: str = "jmem finetune") -> dict | None:
+    """The command line: flags (and ``--config-file``) -> ``run``. A bad input exits with
+    status 2 and one line ``error: ...`` naming the flag or file (``--debug``: the
+    traceback instead)."""
+    config = parse_args(argv, prog=prog, description=DESCRIPTION)
+    try:
+        return _run_quietly_off_process_0(config)
+    except CliError as e:
+        if config.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _run_quietly_off_process_0(config):
+    """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
+    initialize_distributed(config)
+    if jax.process_index() == 0:
+        return run(config)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        return run(config)

@@ -1,0 +1,122 @@
+"""The devices a run uses: ``--mesh data=N,fsdp=M`` over ``jax.devices()`` (every process's
+devices after ``jax.distributed.initialize``), default FSDP over all of them; the frozen
+base (NF4 included), adapters, optimizer state and batch are placed by ``jmem.sharding``'s
+rules (``jmem.train_step(mesh=...)``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import jax
+from jax.experimental import multihost_utils
+
+from jmem import sharding
+from jmem._src.cli import CliError
+
+
+def mesh_spec(text: str) -> str:
+    """argparse type: ``data=N,fsdp=M`` (either may be left out; sizes >= 1)."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    sizes = {}
+    for part in parts:
+        m = re.fullmatch(r"(data|fsdp)=([0-9]+)", part)
+        if not m or int(m[2]) < 1 or m[1] in sizes:
+            raise argparse.ArgumentTypeError(
+                f"expected data=N,fsdp=M (positive sizes, each axis once), got {text!r}"
+            )
+        sizes[m[1]] = int(m[2])
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M, got {text!r}")
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _sizes(spec: str, n_devices: int) -> tuple[int, int]:
+    sizes = dict((k, int(v)) for k, v in (p.split("=") for p in spec.split(",")))
+    data = sizes.get("data", 1)
+    fsdp = sizes.get("fsdp", n_devices // data if "data" in sizes else 1)
+    return data, max(fsdp, 1)
+
+
+def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
+    """``(mesh or None, notes)`` for the run: ``--mesh`` as given (the first ``data * fsdp``
+    devices), else FSDP over every device, or over the most devices that divide
+    ``--batch-size`` (with a note). One device and no ``--mesh``: no mesh (a plain jit).
+
+    Raises:
+      CliError: for a ``--mesh`` larger than the devices, or a batch it does not divide.
+    """
+    devices = jax.devices()
+    n = len(devices)
+    if config.mesh is None:
+        if n == 1:
+            return None, []
+        d = max(k for k in range(1, n + 1) if config.batch_size % k == 0 and k <= n)
+        notes = []
+        if d < n:
+            notes.append(
+                f"note: --batch-size {config.batch_size} is split over {d} of the {n} devices "
+                f"(FSDP); pass a --batch-size that is a multiple of {n} to use them all"
+            )
+        return sharding.make_mesh(1, d, devices=devices[:d]), notes
+    data, fsdp = _sizes(config.mesh, n)
+    if data * fsdp > n:
+        raise CliError(
+            f"--mesh {config.mesh}: needs {data * fsdp} devices, {n} are visible; pass sizes "
+            f"whose product is at most {n}"
+        )
+    if config.batch_size % (data * fsdp):
+        raise CliError(
+            f"--mesh {config.mesh}: --batch-size {config.batch_size} is not a multiple of "
+            f"data * fsdp = {data * fsdp}; pass a --batch-size that is"
+        )
+    return sharding.make_mesh(data, fsdp, devices=devices[: data * fsdp]), []
+
+
+def mesh_record(mesh) -> dict:
+    """What ``summary.json`` records of the devices: kind, count, processes, mesh axes."""
+    return {
+        "device": jax.devices()[0].device_kind,
+        "devices": 1 if mesh is None else int(mesh.size),
+        "processes": jax.process_count(),
+        "mesh": None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+    }
+
+
+def auto_distributed() -> bool:
+    """Whether the environment launched several processes that ``jax.distributed`` can
+    join without flags (SLURM with more than one task, or ``JAX_COORDINATOR_ADDRESS``)."""
+    slurm = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    return slurm or "JAX_COORDINATOR_ADDRESS" in os.environ
+
+
+def initialize_distributed(config) -> None:
+    """``jax.distributed.initialize`` for a multi-process run: with ``--coordinator``,
+    ``--num-processes`` and ``--process-id``, or auto-detected (``auto_distributed``: SLURM,
+    ``JAX_COORDINATOR_ADDRESS``). A single process, or one already initialized, does
+    nothing. CPU processes use the gloo collectives.
+
+    Raises:
+      CliError: for some but not all of the three flags.
+    """
+    given = [config.coordinator, config.num_processes, config.process_id]
+    if any(v is not None for v in given) and not all(v is not None for v in given):
+        raise CliError(
+            "--coordinator, --num-processes and --process-id go together; pass all three, "
+            "or none (auto-detected under SLURM)"
+        )
+    if jax.distributed.is_initialized() or not (given[0] is not None or auto_distributed()):
+        return
+    if hasattr(jax.config, "jax_cpu_collectives_implementation"):  # CPU processes: gloo
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if given[0] is not None:
+        jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
+    else:
+        jax.distributed.initialize()
+
+
+def sync(name: str) -> None:
+    """A barrier across processes (nothing on one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

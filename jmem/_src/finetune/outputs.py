@@ -1,0 +1,74 @@
+"""What a run writes besides its checkpoints: greedy samples, the adapters in PEFT format
+and (``--export-merged``) the merged model as a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jmem import qlora
+from jmem._src.cli import one_line
+from jmem._src.cli import user_input
+from jmem._src.finetune.rundir import is_writer
+from jmem.models import hf
+from jmem.models import llama
+
+
+class Sampler:
+    """``--sample-prompt``: the greedy continuation under the current adapters (NF4 base and
+    adapters through ``jmem.qlora.apply``, as in training; ``jmem.models.llama.generate``)."""
+
+    def __init__(self, config, cfg, tok, step):
+        self.config, self.cfg, self.tok, self.step = config, cfg, tok, step
+        self.prompt = jnp.asarray(tok.encode(config.sample_prompt), jnp.int32)[None]
+        self.texts = {}
+
+    def __call__(self, state, when: str) -> str:
+        adapters = state.params
+        if self.step.precision is not None:
+            adapters = self.step.precision.cast_to_compute(adapters)
+        out = llama.generate(
+            state.frozen,
+            self.prompt,
+            self.cfg,
+            max_new_tokens=self.config.sample_tokens,
+            adapters=adapters,
+            apply=qlora.apply,
+        )
+        text = self.tok.decode(np.asarray(out[0, self.prompt.shape[1] :]))
+        self.texts[when] = text
+        print(f"sample {when}: {self.config.sample_prompt!r} -> {text!r}", flush=True)
+        return text
+
+
+def save_adapters(config, cfg, state) -> None:
+    """The adapters in PEFT format in --out/adapter; with --export-merged, the merged model
+    as a Hugging Face checkpoint (written tensor by tensor, jmem.models.hf.save_params)."""
+    params, frozen = _host_values(state.params), state.frozen
+    if config.export_merged:
+        frozen = _host_values(frozen)
+    if not is_writer():
+        return
+    base = os.path.abspath(config.checkpoint) if config.checkpoint else None
+    path = os.path.join(config.out, "adapter")
+    try:
+        hf.save_adapters(path, params, cfg, base_model_name_or_path=base)
+        print(f"adapters (PEFT format): {path}", flush=True)
+    except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
+        print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
+    if config.export_merged:
+        with user_input(f"--export-merged {config.export_merged}"):
+            hf.save_params(config.export_merged, frozen, cfg, adapters=params)
+        print(f"merged checkpoint (Hugging Face format): {config.export_merged}", flush=True)
+
+
+def _host_values(tree):
+    """``tree`` with every array readable on this process: across processes the shards are
+    gathered (a collective: every process calls it); on one process, as it is."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.process_allgather(tree, tiled=True)

@@ -1,0 +1,118 @@
+"""The report of a run: ``summary.json``, the loss/eval/learning-rate plot and the closing
+line; model FLOPs utilization where the device's peak is known."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+
+from jmem import MemoryReport
+from jmem._src.finetune.build import model_name
+from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.rundir import is_writer
+from jmem.models import llama
+
+format_bytes = MemoryReport.format_bytes
+
+#: Dense bf16 peak FLOP/s by device kind (vendor specs), for model FLOPs utilization.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def train_flops_per_token(cfg, seq_len: int, n_adapter: int) -> float:
+    """Model FLOPs per trained token, excluding remat recomputation (the MFU convention of
+    Chowdhery et al. 2022), for a frozen base: forward 2N plus input-gradient 2N over the
+    base matmuls, 6 per adapter parameter, and attention 12 * L * H * S (scores and context,
+    forward and backward; causal masking not discounted)."""
+    n_matmul = llama.num_params(cfg) - (
+        0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
+    )
+    return 4.0 * n_matmul + 6.0 * n_adapter + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def peak_flops() -> float | None:
+    """Dense bf16 peak FLOP/s of this process's first device (``PEAK_FLOPS``), or None."""
+    kind = jax.local_devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def device_memory() -> int | None:
+    """Peak bytes in use on this process's first device, where the backend reports it."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None):
+    """summary.json (with ``extra`` added: the data report, devices and mesh, samples), the
+    plot and the closing line; only process 0 writes. Returns the summary."""
+    summary = {
+        "config": config.config,
+        "checkpoint": os.path.abspath(config.checkpoint) if config.checkpoint else None,
+        "model": dataclasses.asdict(cfg),
+        "data": os.path.abspath(config.data) if config.data else "pydoc_data.topics",
+        "tokenizer": config.tokenizer,
+        "args": flags(config),
+        "steps": config.steps,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "eval_losses": evals,
+        "last_eval_loss": evals[-1][1] if evals else None,
+        "tokens_per_s": tokens_per_s,
+        "peak_bytes": device_memory() or compiled_peak,
+        "peak_source": "device memory_stats" if device_memory() else "compiled (jmem.measure)",
+        "trainable_params": n_adapter,
+        "losses": losses,
+        "learning_rates": lrs,
+        "device": jax.devices()[0].device_kind,
+        **(extra or {}),
+    }
+    peak = peak_flops()
+    if summary["tokens_per_s"] and peak:
+        fpt = train_flops_per_token(cfg, config.seq_len, summary["trainable_params"])
+        summary["mfu"] = summary["tokens_per_s"] * fpt / peak
+    plot = os.path.join(config.out, "loss.png")
+    if is_writer():
+        with open(os.path.join(config.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_losses(losses, evals, lrs, plot, f"QLoRA {model_name(config)}")
+    ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
+    print(
+        f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "
+        f"steps{ev}; {tokens_per_s or 0:,.0f} tokens/s; peak "
+        f"{format_bytes(summary['peak_bytes'])} ({summary['peak_source']}); curve: {plot}"
+        + (f"; MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
+    )
+    return summary
+
+
+def plot_losses(losses, evals, lrs, path, title):
+    """Training loss per step, held-out loss at its steps, learning rate on a second axis;
+    integer step ticks."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    steps = np.arange(1, len(losses) + 1)
+    lines = ax.plot(steps, losses, label="train loss")
+    if evals:
+        e = np.asarray(evals, np.float64)
+        lines += ax.plot(e[:, 0], e[:, 1], "o-", label="eval loss (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    lr_ax = ax.twinx()
+    lines += lr_ax.plot(steps, lrs[: len(losses)], "--", color="gray", label="learning rate")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

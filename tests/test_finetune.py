@@ -1,0 +1,348 @@
+"""jmem.finetune as a library and a command: the config dataclass and config files (flags
+override them; bad keys and values are one-line errors naming the key), a run on nothing to
+learn is refused, small files train and evaluate, LoRA dropout keys, and the mesh (8
+simulated CPU devices: same losses as one device, ~1/8 of the state per device, a run
+saved on 8 devices resumes on 4)."""
+
+import json
+import os
+import shutil
+
+import helpers
+import jax
+import numpy as np
+import pytest
+
+from jmem import finetune
+from jmem.__main__ import main as jmem_main
+
+SMALL = ["--config", "tiny", "--batch-size", "8", "--seq-len", "32", "--lora-rank", "4"]
+SMALL += ["--no-progress", "--lr", "3e-3", "--eval-every", "2", "--eval-batches", "2"]
+
+
+_one_line_error = helpers.one_line_error
+
+
+# ------------------------------------------------------------------ config and config files
+
+
+def test_flags_override_the_config_file_yaml_and_toml(tmp_path):
+    (tmp_path / "f.yaml").write_text("lora-rank: 16\nsteps: 7\nlr: 1e-4\ndata: a.txt\n")
+    (tmp_path / "f.toml").write_text('lora_rank = 16\nsteps = 7\nlr = 1e-4\ndata = "a.txt"\n')
+    for name in ("f.yaml", "f.toml"):
+        c = finetune.parse_args(["--config-file", str(tmp_path / name), "--steps", "5"])
+        assert (c.lora_rank, c.steps, c.lr, c.data) == (16, 5, 1e-4, "a.txt")
+        assert c.seq_len is None and c.eval_split == 0.05  # untouched defaults
+    # A value on the command line equal to the default still overrides the file.
+    c = finetune.parse_args(["--config-file", str(tmp_path / "f.yaml"), "--lora-rank", "8"])
+    assert c.lora_rank == 8
+    # --checkpoint on the command line replaces the file's --config.
+    (tmp_path / "m.yaml").write_text("config: tiny\n")
+    c = finetune.parse_args(["--config-file", str(tmp_path / "m.yaml"), "--checkpoint", "x"])
+    assert (c.config, c.checkpoint) == (None, "x")
+
+
+BAD_FILES = {
+    "unknown key": ("lora_rnk: 4\n", ["f.yaml", "'lora_rnk'", "did you mean 'lora_rank'"]),
+    "bad value": ("lora_rank: 0\n", ["f.yaml", "lora_rank", "positive integer"]),
+    "bad float": ("eval_split: 1.5\n", ["eval_split", "[0, 1)"]),
+    "bad choice": ("optimizer: adamw8bit\n", ["optimizer", "did you mean 'adamw_8bit'"]),
+    "bool flag": ("offload: 3\n", ["offload", "true or false"]),
+    "list value": ("steps: [1, 2]\n", ["steps", "single value"]),
+    "not a mapping": ("- a\n- b\n", ["f.yaml", "mapping"]),
+    "both models": ("config: tiny\ncheckpoint: x\n", ["config", "checkpoint"]),
+    "broken yaml": ("a: [\n", ["f.yaml", "YAML"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, case):
+    text, words = BAD_FILES[case]
+    (tmp_path / "f.yaml").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        jmem_main(["finetune", "--config-file", str(tmp_path / "f.yaml")])
+    _one_line_error(capsys, e, "--config-file", *words)
+
+
+def test_config_file_missing_or_of_another_kind(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--config-file", str(tmp_path / "nowhere.yaml")])
+    _one_line_error(capsys, e, "--config-file", "no such file")
+    (tmp_path / "f.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--config-file", str(tmp_path / "f.json")])
+    _one_line_error(capsys, e, "--config-file", ".toml")
+
+
+def test_python_api_checks_values_as_the_flags_do(tmp_path):
+    with pytest.raises(finetune.CliError, match="lora_rank: must be a positive integer"):
+        finetune.run(finetune.FinetuneConfig(lora_rank=0, out=str(tmp_path)))
+    with pytest.raises(ValueError, match="remat: 'everything' is not one of"):
+        finetune.run(finetune.FinetuneConfig(remat="everything", out=str(tmp_path)))
+    with pytest.raises(ValueError, match="batch_size 3 must be divisible by grad_accum 2"):
+        finetune.validate(finetune.FinetuneConfig(batch_size=3, grad_accum=2))
+    with pytest.raises(TypeError, match="FinetuneConfig"):
+        finetune.run({"steps": 1})
+    assert not os.listdir(tmp_path)
+
+
+def test_mesh_flag_is_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--mesh", "data=2,tp=4"])
+    _one_line_error(capsys, e, "--mesh", "data=N,fsdp=M")
+    with pytest.raises(SystemExit) as e:
+        finetune.main(SMALL + ["--mesh", "fsdp=16", "--out", str(tmp_path / "o")])
+    _one_line_error(capsys, e, "--mesh fsdp=16", f"{jax.device_count()} are visible")
+    with pytest.raises(SystemExit) as e:
+        finetune.main(SMALL + ["--mesh", "data=1,fsdp=3", "--out", str(tmp_path / "o")])
+    _one_line_error(capsys, e, "--batch-size 8", "data * fsdp = 3")
+
+
+@pytest.mark.slow
+def test_config_file_run_with_a_flag_override(tmp_path):
+    """``python -m jmem finetune --config-file f.yaml --steps 2``: the file's options, the
+    flag's steps; summary.json records the devices and the mesh."""
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text("config: tiny\nbatch_size: 8\nseq_len: 32\nlora_rank: 4\nsteps: 50\n")
+    out = tmp_path / "run"
+    argv = ["finetune", "--config-file", str(cfg), "--steps", "2", "--no-progress"]
+    assert jmem_main(argv + ["--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["losses"]) == 2
+    assert summary["args"]["lora_rank"] == 4 and summary["args"]["seq_len"] == 32
+    assert summary["devices"] == jax.device_count() == summary["mesh"]["fsdp"]
+    assert summary["processes"] == 1
+
+
+# -------------------------------------------------- issue 29: nothing to learn, small files
+
+
+def _chat(path, n=40):
+    """``n`` chat examples of ~58 byte tokens whose response starts after token 40."""
+    system = "You are a helpful assistant."
+    with open(path, "w") as f:
+        for i in range(n):
+            msgs = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": f"a{i}"},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return str(path)
+
+
+def test_examples_with_no_response_token_in_reach_are_refused(tmp_path, capsys):
+    """The issue's smallest input: every response lies past --seq-len 16, so the run would
+    train on nothing: one line, status 2, before anything is compiled or written."""
+    data = _chat(tmp_path / "chat.jsonl")
+    argv = ["--config", "tiny", "--data", data, "--seq-len", "16", "--batch-size", "2"]
+    argv += ["--steps", "2", "--eval-split", "0", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv)
+    err = _one_line_error(capsys, e, "none of the 40 training examples", "--seq-len")
+    assert "longer --seq-len" in err and not (tmp_path / "o").exists()
+
+
+def test_a_fraction_of_untrained_examples_is_counted(tmp_path, capsys):
+    """Some examples lose their response: a notice and the counts (train.report, which
+    summary.json records)."""
+    long = {"prompt": "x" * 60, "completion": "y"}
+    rows = [long] * 4 + [{"prompt": "q", "completion": "a"}] * 12
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = finetune.FinetuneConfig(config="tiny", data=str(path), seq_len=32, batch_size=2)
+    c.eval_split, c.steps, c.lr, c.lora_alpha, c.eval_every = 0.0, 1, 1e-3, 16.0, 1
+    train, held = finetune.load_datasets(c, __import__("jmem").data.ByteTokenizer())
+    counts = train.report["examples"]["train"]
+    assert (counts["examples"], counts["untrained"], counts["truncated"]) == (16, 4, 4)
+    assert held is None and "eval_skipped" not in train.report
+    assert "note: 4 of 16 training examples keep no response token" in capsys.readouterr().out
+
+
+def test_small_text_and_example_files_hold_out_what_they_can(tmp_path, capsys):
+    """Default --eval-split 0.05 on small files: at least one row (text) or example is held
+    out and evaluated in a batch smaller than --batch-size; when the data cannot spare one,
+    evaluation is skipped with a notice (and the reason goes to summary.json)."""
+    tok = __import__("jmem").data.ByteTokenizer()
+    text = tmp_path / "t.txt"
+    text.write_text(
+        "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
+    )
+    c = finetune.FinetuneConfig(data=str(text), seq_len=128, batch_size=16)
+    train, held = finetune.load_datasets(c, tok)
+    assert held is not None and held.batch_size < 16 and held.batches_per_epoch == 1
+    assert train.batches_per_epoch >= 1 and "eval_skipped" not in train.report
+    tight = tmp_path / "tight.txt"
+    tight.write_text("x" * (16 * 129 + 50))
+    train, held = finetune.load_datasets(
+        finetune.FinetuneConfig(data=str(tight), seq_len=128, batch_size=16), tok
+    )
+    assert held is None and "no row of 129 tokens" in train.report["eval_skipped"]
+    assert "note: evaluation skipped" in capsys.readouterr().out
+    sft = helpers.sft_jsonl(tmp_path / "sft.jsonl", n=5)
+    c = finetune.FinetuneConfig(data=sft, seq_len=32, batch_size=2, eval_split=0.1)
+    train, held = finetune.load_datasets(c, tok)
+    assert held is not None and train.report["examples"]["held_out"]["examples"] == 1
+
+
+@pytest.mark.slow
+def test_first_run_on_a_60_line_text_file_trains_and_evaluates(tmp_path):
+    """A new user's first run: their own 60-line file and the default flags (two steps)."""
+    text = tmp_path / "notes.txt"
+    lines = [
+        f"Note {i}: remember to water the plants and call the office about the report.\n"
+        for i in range(60)
+    ]
+    text.write_text("".join(lines))
+    out = tmp_path / "run"
+    summary = finetune.main(
+        ["--data", str(text), "--steps", "2", "--no-progress", "--out", str(out)]
+    )
+    assert len(summary["losses"]) == 2 and np.isfinite(summary["last_eval_loss"])
+    assert [s for s, _ in summary["eval_losses"]] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------- LoRA dropout
+
+
+def test_lora_dropout_key_per_step_and_microbatch_and_none_at_evaluation():
+    """--lora-dropout: the train batch carries the step and microbatch; the loss draws its
+    dropout mask from them (same step: same loss; another step: another), and a batch
+    without them (evaluation) applies no dropout (the loss of dropout 0)."""
+    from jmem import lora
+    from jmem.models import llama
+
+    c = finetune.FinetuneConfig(config="tiny", steps=4, lr=1e-3, batch_size=4, grad_accum=2)
+    c.lora_dropout, c.lora_alpha = 0.5, 16.0
+    cfg = llama.get_config("tiny")
+    _, loss_fn, dtype, _ = finetune.build(c, cfg)
+    frozen = finetune.quantized_base(c, cfg, dtype, abstract=False)
+    a = lora.init(
+        jax.random.key(1), frozen, rank=4, alpha=16.0, targets=c.lora_targets, dropout=0.5
+    )
+    a = jax.tree.map(lambda x: x + 0.05, a)  # non-zero B: dropout shows
+    a0 = lora.init(jax.random.key(1), frozen, rank=4, alpha=16.0, targets=c.lora_targets)
+    a0 = jax.tree.map(lambda x: x + 0.05, a0)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (4, 17)).astype(np.int32)
+    base = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    from jmem._src.finetune.loop import step_batch
+
+    b3, b4 = step_batch(c, base, 3), step_batch(c, base, 4)
+    np.testing.assert_array_equal(b3["lora_dropout_step"], [6, 6, 7, 7])
+    loss = jax.jit(lambda a, b: loss_fn(a, b, frozen=frozen))
+    assert float(loss(a, b3)) == float(loss(a, b3))
+    assert float(loss(a, b3)) != float(loss(a, b4))
+    assert float(loss(a, base)) == float(loss(a0, base))  # evaluation: no dropout
+    assert float(loss(a, b3)) != float(loss(a, base))
+
+
+@pytest.mark.slow
+def test_lora_dropout_run_resumes_bitwise(tmp_path):
+    """--lora-dropout 0.1: the masks come from --seed and the step, so an interrupted and
+    resumed run gives the uninterrupted run's losses bit for bit (and not dropout 0's)."""
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "4", "--save-every", "2", "--eval-split", "0", "--mesh", "fsdp=1"]
+    full = finetune.main(argv + ["--lora-dropout", "0.1", "--out", out])
+    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
+    resumed = finetune.main(argv + ["--lora-dropout", "0.1", "--out", out, "--resume"])
+    assert resumed["losses"] == full["losses"]
+    plain = finetune.main(argv + ["--out", str(tmp_path / "plain")])
+    assert plain["losses"][1:] != full["losses"][1:]
+
+
+# --------------------------------------------------------------------- mesh (8 CPU devices)
+
+
+def _fraction_per_device(tree):
+    """Bytes on device 0 over the bytes of the whole (global) tree."""
+    leaves = jax.tree.leaves(tree)
+    return sum(x.addressable_shards[0].data.nbytes for x in leaves) / sum(x.nbytes for x in leaves)
+
+
+@pytest.mark.slow
+def test_eight_devices_train_as_one_and_hold_an_eighth_of_the_state(tmp_path):
+    """FSDP over 8 simulated devices gives the 1-device losses within 2e-3 nats (bf16
+    compute; the reductions run in another order). Each device holds 1/8 of the frozen NF4
+    base (plus the replicated norm scales) and of the optimizer state's moments wherever
+    their 8-bit blocks divide by 8 (the `tiny` model's 688-wide matrices have 43 blocks, so
+    those stay whole; Llama-2-7B's all divide); the LoRA adapters themselves are replicated
+    (jmem.sharding: small, and every device needs all of them)."""
+    assert jax.device_count() == 8
+    argv = SMALL + ["--steps", "3", "--eval-split", "0"]
+    one = finetune.main(argv + ["--mesh", "fsdp=1", "--out", str(tmp_path / "one")])
+    eight = finetune.main(argv + ["--mesh", "data=1,fsdp=8", "--out", str(tmp_path / "eight")])
+    np.testing.assert_allclose(eight["losses"], one["losses"], atol=2e-3)
+    assert (one["devices"], eight["devices"]) == (1, 8)
+    assert eight["mesh"] == {"data": 1, "fsdp": 8}
+    from jmem import sharding
+    from jmem.models import llama
+
+    c = finetune.validate(
+        finetune.FinetuneConfig(config="tiny", steps=1, lr=1e-3, lora_alpha=8.0, lora_rank=4)
+    )
+    cfg = llama.get_config("tiny")
+    step, _, dtype, _ = finetune.build(c, cfg, mesh=sharding.make_mesh(1, 8))
+    state = finetune.init_state(c, cfg, step, dtype, None, None)[0]
+    assert _fraction_per_device(state.frozen) < 0.13
+    assert _fraction_per_device(state.opt_state) < 0.65
+    assert _fraction_per_device(state.params) == 1.0
+
+
+@pytest.mark.slow
+def test_a_run_saved_on_eight_devices_resumes_on_four(tmp_path):
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "4", "--save-every", "2", "--eval-split", "0", "--out", out]
+    full = finetune.main(argv + ["--mesh", "fsdp=8"])
+    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
+    resumed = finetune.main(argv + ["--mesh", "fsdp=4", "--resume"])
+    np.testing.assert_array_equal(resumed["losses"][:2], full["losses"][:2])  # restored
+    np.testing.assert_allclose(resumed["losses"], full["losses"], atol=2e-3)
+    assert resumed["mesh"] == {"data": 1, "fsdp": 4}
+
+
+@pytest.mark.slow
+def test_dry_run_reports_per_device_memory_for_the_mesh(tmp_path):
+    """The dry run compiles for the mesh given and reports one device's bytes: on 8 devices
+    the arguments are under 40% of one device's (the `tiny` model's replicated adapters and
+    norm scales are the rest; at 7B the NF4 base dominates and it is split 8 ways)."""
+    argv = ["--config", "tiny", "--dry-run", "--seq-len", "64", "--batch-size", "8"]
+    one = finetune.main(argv + ["--mesh", "fsdp=1", "--out", str(tmp_path / "a")])
+    eight = finetune.main(argv + ["--mesh", "fsdp=8", "--out", str(tmp_path / "b")])
+    assert eight["mesh"] == {"data": 1, "fsdp": 8} and eight["per_device"]
+    args1, args8 = one["compiled"]["argument_bytes"], eight["compiled"]["argument_bytes"]
+    assert args8 < 0.4 * args1, (args8, args1)
+
+
+# ------------------------------------------------------------------- two processes (gloo)
+
+
+def _two_processes(argv, timeout=300):
+    """``jmem finetune argv`` in 2 processes of 2 CPU devices each, joined by
+    ``--coordinator``; returns their outputs (asserting both exit 0)."""
+    worker = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
+    common = ["--coordinator", f"127.0.0.1:{helpers.free_port()}", "--num-processes", "2"]
+    argvs = [[worker, *argv, *common, "--process-id", str(i)] for i in range(2)]
+    return helpers.run_processes(argvs, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_two_processes_train_checkpoint_and_resume(tmp_path):
+    """2 processes x 2 CPU devices: one FSDP mesh of 4, process 0 alone prints and writes
+    the summary and adapters, checkpoints are written and restored by both; a resumed run
+    continues from step 2 with the losses it had."""
+    if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
+        pytest.skip("this JAX has no gloo CPU collectives")
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--save-every", "2", "--eval-split", "0.05", "--out", out]
+    logs = _two_processes(argv + ["--steps", "2"])
+    assert "first loss" in logs[0] and "first loss" not in logs[1]
+    first = json.loads(open(os.path.join(out, "summary.json")).read())
+    assert first["processes"] == 2 and first["devices"] == 4
+    assert first["mesh"] == {"data": 1, "fsdp": 4} and len(first["losses"]) == 2
+    assert os.path.exists(os.path.join(out, "adapter", "adapter_config.json"))
+    logs = _two_processes(argv + ["--steps", "4", "--resume"])
+    assert "Resumed at step 2" in logs[0]
+    second = json.loads(open(os.path.join(out, "summary.json")).read())
+    assert second["losses"][:2] == first["losses"] and len(second["losses"]) == 4
+    assert all(np.isfinite(second["losses"])) and np.isfinite(second["last_eval_loss"])
