@@ -4,6 +4,7 @@ learn is refused, small files train and evaluate, LoRA dropout keys, and the mes
 simulated CPU devices: same losses as one device, ~1/8 of the state per device, a run
 saved on 8 devices resumes on 4)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -205,10 +206,10 @@ def test_first_run_on_a_60_line_text_file_trains_and_evaluates(tmp_path):
 # ---------------------------------------------------------------------------- LoRA dropout
 
 
-def test_lora_dropout_key_per_step_and_microbatch_and_none_at_evaluation():
-    """--lora-dropout: the train batch carries the step and microbatch; the loss draws its
-    dropout mask from them (same step: same loss; another step: another), and a batch
-    without them (evaluation) applies no dropout (the loss of dropout 0)."""
+def test_lora_dropout_key_per_step_and_none_at_evaluation():
+    """--lora-dropout: the state carries the run's dropout key (from --seed), the train step
+    gives the loss a key per step (same step: same loss; another step: another), and the
+    loss without a key (evaluation) applies no dropout (the loss of dropout 0)."""
     from jmem import lora
     from jmem.models import llama
 
@@ -225,16 +226,17 @@ def test_lora_dropout_key_per_step_and_microbatch_and_none_at_evaluation():
     a0 = jax.tree.map(lambda x: x + 0.05, a0)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (4, 17)).astype(np.int32)
-    base = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    from jmem._src.finetune.loop import step_batch
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    from jmem._src.finetune.build import dropout_key
 
-    b3, b4 = step_batch(c, base, 3), step_batch(c, base, 4)
-    np.testing.assert_array_equal(b3["lora_dropout_step"], [6, 6, 7, 7])
-    loss = jax.jit(lambda a, b: loss_fn(a, b, frozen=frozen))
-    assert float(loss(a, b3)) == float(loss(a, b3))
-    assert float(loss(a, b3)) != float(loss(a, b4))
-    assert float(loss(a, base)) == float(loss(a0, base))  # evaluation: no dropout
-    assert float(loss(a, b3)) != float(loss(a, base))
+    assert dropout_key(dataclasses.replace(c, lora_dropout=0.0)) is None
+    k3, k4 = (jax.random.fold_in(dropout_key(c), s) for s in (3, 4))
+    loss = jax.jit(lambda a, b, k: loss_fn(a, b, frozen=frozen, dropout_key=k))
+    evaluate = jax.jit(lambda a, b: loss_fn(a, b, frozen=frozen))
+    assert float(loss(a, batch, k3)) == float(loss(a, batch, k3))
+    assert float(loss(a, batch, k3)) != float(loss(a, batch, k4))
+    assert float(evaluate(a, batch)) == float(evaluate(a0, batch))  # evaluation: no dropout
+    assert float(loss(a, batch, k3)) != float(evaluate(a, batch))
 
 
 @pytest.mark.slow

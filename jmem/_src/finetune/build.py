@@ -24,25 +24,23 @@ from jmem.models import llama
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 
 
-#: Batch key of ``--lora-dropout`` runs: int32 ``[B]``, the step and microbatch a row is
-#: trained in (``loop.step_batch``), folded into the dropout key.
-DROPOUT_STEP = "lora_dropout_step"
+def _loss(cfg):
+    """``loss_fn(adapters, batch, *, frozen, dropout_key=None)``: the QLoRA loss. With
+    ``--lora-dropout`` the train step passes each step and microbatch its own
+    ``dropout_key`` (from the key in ``TrainState.dropout_key``, see ``train_step``);
+    evaluation passes none and applies no dropout."""
 
-
-def _loss(cfg, seed: int):
-    """``loss_fn(adapters, batch, *, frozen)``: the QLoRA loss; a batch with
-    ``DROPOUT_STEP`` gets a LoRA dropout key (``fold_in(key(seed), batch[DROPOUT_STEP][0])``),
-    one without (evaluation) none."""
-
-    def loss_fn(adapters, batch, *, frozen):
-        key = None
-        if DROPOUT_STEP in batch:
-            batch = dict(batch)
-            key = jax.random.fold_in(jax.random.key(seed), batch.pop(DROPOUT_STEP)[0])
+    def loss_fn(adapters, batch, *, frozen, dropout_key=None):
         fn = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
-        return fn(frozen, adapters, batch, lora_dropout_key=key)
+        return fn(frozen, adapters, batch, lora_dropout_key=dropout_key)
 
     return loss_fn
+
+
+def dropout_key(config):
+    """The LoRA dropout key of a ``--lora-dropout`` run (from ``--seed``; the train step folds
+    in the step and microbatch, and checkpoints it), or None without dropout."""
+    return jax.random.key(config.seed + 2) if config.lora_dropout else None
 
 
 def build(config, cfg, *, compute_dtype=None, mesh=None):
@@ -62,7 +60,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
     """
     dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
-    loss_fn = _loss(cfg, config.seed + 2)
+    loss_fn = _loss(cfg)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.lr,

@@ -16,6 +16,7 @@ from jmem import lora as jlora
 from jmem import planner
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
+from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
@@ -42,7 +43,7 @@ def dry_run(config, cfg, mesh=None):
         ),
         jax.random.key(0),
     )
-    state = step.abstract_state(adapters, frozen=frozen)
+    state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
     batch = {
         k: jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
         for k in ("inputs", "targets")

@@ -17,8 +17,8 @@ from jmem import MemoryReport
 from jmem import data as jdata
 from jmem import lora as jlora
 from jmem import sharding
-from jmem._src.finetune.build import DROPOUT_STEP
 from jmem._src.finetune.build import build
+from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.outputs import Sampler
@@ -86,7 +86,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         targets=config.lora_targets,
         dropout=config.lora_dropout,
     )
-    state = step.init(adapters, frozen=frozen)
+    state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
     if resume_step is not None:
         state, meta = ckpt.restore(state)
@@ -97,15 +97,9 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
     return state, pos, losses, evals, jlora.num_trainable(adapters)
 
 
-def step_batch(config, batch: dict, step: int, mesh=None) -> dict:
-    """The batch of optimizer step ``step`` as the train step takes it: with
-    ``--lora-dropout``, ``batch[DROPOUT_STEP]`` (int32 ``[B]``: ``step * grad_accum +
-    microbatch``, from which the loss derives its dropout key, so a resumed run draws the
-    same masks); on a mesh, placed with ``jmem.sharding.shard_batch``."""
-    if config.lora_dropout:
-        rows = config.batch_size // config.grad_accum
-        micro = np.arange(config.batch_size, dtype=np.int32) // rows
-        batch = {**batch, DROPOUT_STEP: np.int32(step * config.grad_accum) + micro}
+def step_batch(batch: dict, mesh=None) -> dict:
+    """The batch as the train step takes it: on a mesh, placed with
+    ``jmem.sharding.shard_batch``."""
     return batch if mesh is None else sharding.shard_batch(batch, mesh)
 
 
@@ -179,9 +173,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
         evaluate = Evaluator(step, loss_fn, held, config.eval_batches, mesh)
     start = int(state.step)
     # Compile once; the same executable gives the memory report and runs every step.
-    compiled, compiled_peak = _compile(
-        step, state, step_batch(config, ds.batch_at(pos)[0], start, mesh)
-    )
+    compiled, compiled_peak = _compile(step, state, step_batch(ds.batch_at(pos)[0], mesh))
     lrs = np.asarray(schedule(jnp.arange(config.steps)), np.float64).tolist()
     if evaluate is not None and start == 0:
         evals.append([0, evaluate(state)])
@@ -193,7 +185,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     times, it = [], ds.iterate(pos)
     for s in range(start, config.steps):
         batch, pos = next(it)
-        batch = step_batch(config, batch, s, mesh)
+        batch = step_batch(batch, mesh)
         t0 = time.perf_counter()
         state, metrics = compiled(state, batch)
         loss = float(metrics["loss"])  # blocks until the step is done
