@@ -19,10 +19,9 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem._src import jaxpr as _jaxpr
 from jmem._src import scan_intercept as _si
 from jmem._src import tree as _tree
-from jmem._src.interpret import bind_eqn
-from jmem._src.interpret import eval_jaxpr
 
 _cp = jax.checkpoint_policies
 
@@ -76,9 +75,9 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
 
 
 class RematInterpreter:
-    """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint`` and keeping
-    every equation's name stack (used for a ``jax.jit`` whose trace was cached before
-    ``jmem.remat`` ran)."""
+    """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint`` (once: a
+    body the user checkpointed is kept as it is), keeping user jits, checkpoints and every
+    equation's name stack (``jmem._src.jaxpr`` does the re-binding)."""
 
     def __init__(self, policy: Callable | None, prevent_cse: bool, every: int | str | None = None):
         self.policy = policy
@@ -86,67 +85,44 @@ class RematInterpreter:
         self.every = every
 
     def eval(self, jaxpr, consts, args):
-        return eval_jaxpr(jaxpr, consts, args, self.eval_eqn)
+        return _jaxpr.eval_jaxpr(jaxpr, consts, args, self.eval_eqn)
 
     def eval_closed(self, closed, args):
         return self.eval(closed.jaxpr, closed.consts, args)
 
+    def rewrite_jit(self, params, args):
+        """A ``jax.jit`` call (its equation's ``params``) with its scans rewritten, kept a jit."""
+        return _jaxpr.rebind_jit(params, args, self.eval)
+
     def eval_eqn(self, eqn, invals):
-        with _si.name_context(eqn):
-            return self._eval_eqn(eqn, invals)
-
-    def _eval_eqn(self, eqn, invals):
-        name = eqn.primitive.name
-        if name == "scan":
+        kind = _jaxpr.kind(eqn)
+        if kind == _jaxpr.SCAN:
             return checkpointed_scan(eqn.params, invals, self.policy, self.prevent_cse, self.every)
-        subs = list(jcore.jaxprs_in_params(eqn.params))
-        if not _si._is_custom_rule(eqn) and any(_si.has_scan(s) for s in subs):
-            if name in ("pjit", "jit", "closed_call", "core_call"):
-                inner = eqn.params["jaxpr"]
-                if hasattr(inner, "jaxpr"):
-                    return self.eval_closed(inner, invals)
-                return self.eval(inner, (), invals)
-            if name == "cond":
-                index, *ops = invals
-                branches = [functools.partial(self._call_closed, b) for b in eqn.params["branches"]]
-                return lax.switch(index, branches, *ops)
-            if name in ("remat", "checkpoint"):
-                fn = functools.partial(self._call_open, eqn.params["jaxpr"])
-                return jax.checkpoint(
-                    fn,
-                    policy=eqn.params.get("policy"),
-                    prevent_cse=eqn.params.get("prevent_cse", True),
-                )(*invals)
-        return bind_eqn(eqn, invals)
-
-    def _call_closed(self, closed, *args):
-        return self.eval_closed(closed, args)
-
-    def _call_open(self, jaxpr, *args):
-        return self.eval(jaxpr, (), args)
+        subs = jcore.jaxprs_in_params(eqn.params)
+        if _jaxpr.is_custom(eqn) or not any(_jaxpr.has_scan(s) for s in subs):
+            return _jaxpr.bind_eqn(eqn, invals)
+        if kind == _jaxpr.CALL:
+            return _jaxpr.rebind_call(eqn, invals, self.eval)
+        if kind == _jaxpr.COND:
+            return _jaxpr.rebind_cond(eqn, invals, self.eval)
+        if kind == _jaxpr.CHECKPOINT:
+            return _jaxpr.rebind_checkpoint(eqn, invals, self.eval)
+        return _jaxpr.bind_eqn(eqn, invals)  # while: its scans run as they are
 
 
 def checkpointed_scan(params, invals, policy, prevent_cse, every):
     """The outputs of the scan ``params`` on ``invals``, re-bound with its body checkpointed
-    (``policy``) and, with ``every``, its iterations grouped (``_grouped_scan``)."""
+    (``policy``; a body already checkpointed is kept) and, with ``every``, its iterations
+    grouped (``_grouped_scan``)."""
     p = params
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-    step = functools.partial(_scan_step, p["jaxpr"], ncarry)
-    if policy is not None:
+    consts, init, xs = _jaxpr.scan_operands(p, invals)
+    step = functools.partial(_scan_step, p["jaxpr"], p["num_carry"])
+    if policy is not None and not _jaxpr.scan_body_checkpointed(p):
         step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
     length = p["length"]
     k = group_size(length, every)
     if k == 1:
-        carry, ys = lax.scan(
-            lambda c, x: step(consts, c, x),
-            list(init),
-            list(xs),
-            length=length,
-            reverse=p["reverse"],
-            unroll=p["unroll"],
-        )
-        return [*carry, *ys]
+        return _jaxpr.rebind_scan(p, init, xs, lambda c, x: step(consts, c, x))
     return _grouped_scan(step, consts, init, xs, length, k, p["reverse"], prevent_cse)
 
 
@@ -353,16 +329,27 @@ class _RematWrapper:
         # A trace on copies of the arguments (NNX objects included: they are pytrees, so
         # in-place writes land on copies) tells whether fn holds a scan and which
         # checkpoint names it carries; fn itself then runs once, as written.
-        closed = jax.make_jaxpr(flat_fn)(*dyn)
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
         self._check_names(closed.jaxpr)
-        if _si.has_scan(closed.jaxpr):
+        if not _jaxpr.has_scan(closed.jaxpr):
+            return self._run_without_scan(flat_fn, dyn, closed, traced_out, args, kwargs)
+        if _has_graph_nodes(args, kwargs) or _jaxpr.differentiates(closed.jaxpr):
             return self._run_intercepted(args, kwargs)
-        return self._run_without_scan(flat_fn, dyn, closed, traced_out, args, kwargs)
+        # A function that neither differentiates inside nor mutates NNX state (a loss): its
+        # jaxpr is rewritten, each outermost scan body checkpointed, and evaluated.
+        with _si.passthrough():
+            outs = self._interpreter().eval_closed(closed, dyn)
+        out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return _python_scalars_back(out, traced_out["out"])
+
+    def _interpreter(self) -> RematInterpreter:
+        cse = False if self.prevent_cse is None else self.prevent_cse
+        return RematInterpreter(self.policy, cse, self.every)
 
     def _check_names(self, jaxpr):
         if self.names is None:
             return
-        carried = _si.checkpoint_names(jaxpr)
+        carried = _jaxpr.checkpoint_names(jaxpr)
         missing = [n for n in self.names if n not in carried]
         if missing:
             raise ValueError(
@@ -374,12 +361,13 @@ class _RematWrapper:
 
     def _run_intercepted(self, args, kwargs):
         """Runs ``fn`` as written while every ``lax.scan`` it binds gets a checkpointed body."""
-        cse = False if self.prevent_cse is None else self.prevent_cse
-        interp = RematInterpreter(self.policy, cse, self.every)
+        interp = self._interpreter()
         icp = _si.Interception(
-            lambda params, invals: checkpointed_scan(params, invals, self.policy, cse, self.every),
-            interp.eval_closed,
-            key=("jmem.remat", self.policy, cse, self.every),
+            lambda params, invals: checkpointed_scan(
+                params, invals, interp.policy, interp.prevent_cse, interp.every
+            ),
+            interp.rewrite_jit,
+            key=("jmem.remat", self.policy, interp.prevent_cse, self.every),
             entry=sys._getframe(),
         )
         with _si.intercepting(icp):
@@ -409,7 +397,7 @@ class _RematWrapper:
         that saves nothing."""
         name = getattr(self.fn, "__name__", repr(self.fn))
         stateful = _has_graph_nodes(args, kwargs)
-        if stateful or _si.differentiates(closed.jaxpr):
+        if stateful or _jaxpr.differentiates(closed.jaxpr):
             warnings.warn(
                 f"jmem.remat: {name!r} has no lax.scan; it differentiates inside or takes NNX "
                 "objects (whose in-place updates a whole-function jax.checkpoint would drop), "
