@@ -4,7 +4,7 @@ each equation's name stack, as ``jax.core.eval_jaxpr``), and generic rules that 
 higher-order primitive (call, checkpoint, cond, while) around an interpreted body.
 
 A JAX rename of a primitive is fixed here, in one line of ``_KINDS``. Source: JAX's
-``jax/_src/core.py`` (``eval_jaxpr``) and ``jax/_src/interpreters/partial_eval.py``.
+``jax.core.eval_jaxpr`` and ``jax.checkpoint``'s own re-binding (JAX, ``ad_checkpoint``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ a stacked model) under a named policy. Policies, mechanism and limits: ``docs/re
 
 Source: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), Korthikanti et
 al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and JAX's
-``jax.checkpoint`` policies (``jax/_src/ad_checkpoint.py``).
+``jax.checkpoint`` policies (``jax.checkpoint_policies``, JAX's ``ad_checkpoint`` module).
 """
 
 from __future__ import annotations
