@@ -18,18 +18,19 @@ from jax.extend.core import primitives as _prims
 
 #: JAX versions whose internals jmem was checked against: ``[low, high)``. Equal to the
 #: ``jax`` range in ``pyproject.toml`` and run by ``.ci/run`` at both ends.
-CHECKED_RANGE = ((0, 5, 0), (0, 11, 0))
+CHECKED_RANGE = ((0, 10, 0), (0, 11, 0))
 
 _IMPORT_ERROR: Exception | None = None
 try:
-    # (0) the scan, jit and checkpoint primitives: public in jax.extend.core.primitives from
-    #     JAX 0.7 (jit_p, remat_p); before that only scan_p is, the others are internal.
+    # (0) the scan, jit and checkpoint primitives: public in jax.extend.core.primitives in
+    #     JAX 0.10 (jit_p, remat_p; not in 0.8, where only scan_p is); else internal
+    #     (jit_p was pjit_p before JAX 0.7).
     SCAN_P = _prims.scan_p
-    if hasattr(_prims, "jit_p") and hasattr(_prims, "remat_p"):
-        JIT_P, REMAT_P = _prims.jit_p, _prims.remat_p
-    else:  # pragma: no cover - JAX < 0.7
-        from jax._src.ad_checkpoint import remat_p as REMAT_P
-        from jax._src.pjit import pjit_p as JIT_P
+    from jax._src import ad_checkpoint as _ad_checkpoint
+    from jax._src import pjit as _pjit
+
+    JIT_P = getattr(_prims, "jit_p", None) or getattr(_pjit, "jit_p", None) or _pjit.pjit_p
+    REMAT_P = getattr(_prims, "remat_p", None) or _ad_checkpoint.remat_p
 
     # (1) source_info_util: name stacks of a re-evaluated equation (jax.named_scope, Flax
     #     module paths), as jax.core.eval_jaxpr keeps them; no public API binds under a
@@ -42,7 +43,6 @@ try:
     # (5) pjit: jax.jit's Python call path (its code objects identify a jit call's bind).
     from jax._src import config as _config
     from jax._src import core as _core
-    from jax._src import pjit as _pjit
     from jax._src import source_info_util as _siu
     from jax._src.interpreters import ad as _ad
     from jax._src.lax.control_flow import loops as _loops
