@@ -195,3 +195,10 @@ def test_remat2_is_a_checkpoint_in_the_one_primitive_table():
     eqn = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).jaxpr.eqns[0]
     assert core.is_checkpoint(eqn), eqn.primitive.name
     assert {"checkpoint", "remat", "remat2"} <= core.names_of(core.CHECKPOINT)
+
+
+def test_remat_loss_nested_in_a_remat_step_checkpoints_each_layer_once():
+    """The inner loss rewrite runs with the outer step's hook paused: no double checkpoint."""
+    p, x = _stacked()
+    inner = lambda p, x: jax.value_and_grad(jmem.remat(_scan_loss, "full"))(p, x)
+    assert_structure(jmem.remat(inner, "full"), jax.value_and_grad(_scan_loss), p, x, forward=False)
