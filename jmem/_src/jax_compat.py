@@ -59,6 +59,9 @@ def _version() -> tuple:
     return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 
+_VERSION = _version()  # parsed once: check() runs for every re-evaluated equation
+
+
 def _fmt(v: tuple) -> str:
     return ".".join(str(p) for p in v)
 
@@ -72,7 +75,7 @@ def check() -> None:
     """
     low, high = CHECKED_RANGE
     installed = jax.__version__
-    if _IMPORT_ERROR is not None or not low <= _version() < high:
+    if _IMPORT_ERROR is not None or not low <= _VERSION < high:
         why = f": {_IMPORT_ERROR}" if _IMPORT_ERROR is not None else ""
         raise JaxInternalsError(
             f"jmem's remat and jaxpr rewriting use JAX internals checked on JAX "
