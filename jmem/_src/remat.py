@@ -189,14 +189,16 @@ def remat(
     """Rematerializes ``fn``'s activations per layer under a named policy.
 
     Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``),
-    on a whole loss and on a whole train step: every ``lax.scan`` that ``fn`` runs
-    (``nnx.scan``, ``flax.linen.scan``, ``fori_loop`` included) gets its body checkpointed
-    when it is bound, before any ``jax.grad``/``nnx.grad`` inside ``fn`` differentiates it.
-    So ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer, and
-    ``jmem.remat(step, policy)`` around a step that calls ``jax.value_and_grad`` and an
-    optax update (or ``nnx.value_and_grad`` and ``optimizer.update(model, grads)``) saves
-    the same. ``fn`` itself runs once, as written: in-place NNX updates (optimizer state,
-    batch statistics, RNG counters) and name stacks are as without remat. Values and
+    on a whole loss and on a whole train step: the body of every outermost ``lax.scan`` that
+    ``fn`` runs (``nnx.scan``, ``flax.linen.scan``, ``fori_loop`` included) is checkpointed
+    exactly once (a body the user checkpointed is kept). A loss is traced and its jaxpr
+    rewritten (user jits and name stacks kept), so ``jax.grad(jmem.remat(loss_fn, "full"))``
+    saves one layer input per layer. A step that differentiates inside or takes NNX objects
+    runs as written while each scan it binds gets its body checkpointed before any
+    ``jax.grad``/``nnx.grad`` inside differentiates it, so ``jmem.remat(step, policy)``
+    around ``jax.value_and_grad`` and an optax update (or ``nnx.value_and_grad`` and
+    ``optimizer.update(model, grads)``) saves the same, and in-place NNX updates
+    (optimizer state, batch statistics, RNG counters) are as without remat. Values and
     gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA
     may fuse a recomputed region differently elsewhere, changing the last bits).
     Mechanism and the JAX internals it relies on: ``docs/remat.md``.
@@ -232,10 +234,12 @@ def remat(
         int or ``"sqrt"``; on call: ``static_argnums`` out of range, or a names policy naming
         a ``checkpoint_name`` that ``fn`` does not carry (the message lists those it does).
       TypeError: a policy that is not a name, a sequence of names or a callable.
-      RuntimeError: on call, ``fn`` holds a scan but none was bound while it ran (traced
-        before, by a cache jmem cannot see), so nothing would be checkpointed. Called
+      RuntimeError: on call, a step ``fn`` holds a scan but none was bound while it ran
+        (traced before, by a cache jmem cannot see), so nothing would be checkpointed; or
+        another library replaced ``scan_p.bind``/``jit_p.bind`` (not chained). Called
         eagerly (concrete outputs) this is a ``UserWarning`` instead: its scans ran in a
         ``jax.jit`` executable compiled earlier; call it under ``jax.jit``.
+      JaxInternalsError: on call, on a JAX outside ``jax_compat.CHECKED_RANGE``.
     """
     if fn is None:
         return functools.partial(
