@@ -12,6 +12,7 @@ import pytest
 import user_models
 
 import jmem
+from jmem._src import jax_compat
 from jmem._src import scan_intercept
 
 nnx = pytest.importorskip("flax.nnx")
@@ -180,16 +181,18 @@ def test_jit_traced_before_remat_is_rematerialized_and_not_polluted():
 
 @pytest.mark.slow
 def test_cached_jit_is_rewritten_without_trace_cache_separation(monkeypatch):
-    """Where JAX cannot separate trace caches (older versions), the cached jit holding an
-    unrewritten scan is inlined and its scan checkpointed (the pjit safety net)."""
-    monkeypatch.setattr(scan_intercept, "_CONTEXT_STATE", None)
+    """Where JAX cannot separate trace caches (older versions), a whole step's cached jit
+    holding an unrewritten scan is re-bound with its scan checkpointed (the jit safety
+    net), and stays a jit."""
+    monkeypatch.setattr(scan_intercept, "_CONTEXT", {"state": None})
     m, apply, loss = _inner_jit_loss()
     params = m.state[0]
-    ref = jax.grad(loss)(params, m.batch)
-    plain = jmem.measure(jax.grad(loss), params, m.batch).temp_bytes
-    remat = jmem.measure(jax.grad(jmem.remat(loss, "selective")), params, m.batch).temp_bytes
+    step = jax.grad(loss)
+    ref = step(params, m.batch)
+    plain = jmem.measure(step, params, m.batch).temp_bytes
+    remat = jmem.measure(jmem.remat(step, "selective"), params, m.batch).temp_bytes
     assert remat <= 0.6 * plain, (plain, remat)
-    got = jax.grad(jmem.remat(loss, "selective"))(params, m.batch)
+    got = jmem.remat(step, "selective")(params, m.batch)
     chex.assert_trees_all_close(got, ref, atol=1e-6)
 
 
@@ -204,10 +207,10 @@ def test_every_groups_layers_of_a_whole_step():
 def test_scan_that_is_not_intercepted_raises_instead_of_saving_nothing(monkeypatch):
     """If no scan can be intercepted (simulated: a JAX whose lax.scan binds elsewhere),
     jmem.remat raises rather than return a function that silently saves nothing."""
-    monkeypatch.setattr(scan_intercept, "_SCAN_CODE", (lambda: None).__code__)
+    monkeypatch.setattr(jax_compat, "scan_code", lambda: (lambda: None).__code__)
     m = user_models.make("jax", layers=2, hidden=16, seq=8, batch_size=1, vocab=16)
     with pytest.raises(RuntimeError, match="nothing would be checkpointed"):
-        jax.grad(jmem.remat(m.loss, "full"))(m.state[0], m.batch)
+        jax.jit(jmem.remat(jax.grad(m.loss), "full"))(m.state[0], m.batch)
 
 
 def _mlp_scan_loss(p, x):
@@ -231,17 +234,7 @@ def test_gradient_accumulation_scan_in_the_step_is_rematerialized():
     xs = jax.random.normal(k3, (3, 256, 128))
     opt = optax.adamw(1e-3)
 
-    def make_step(loss):
-        def step(p, s, xs):
-            def microbatch(acc, x):
-                value, g = jax.value_and_grad(loss)(p, x)
-                return jax.tree.map(jnp.add, acc, g), value
-
-            g, values = jax.lax.scan(microbatch, jax.tree.map(jnp.zeros_like, p), xs)
-            updates, s = opt.update(g, s, p)
-            return optax.apply_updates(p, updates), s, values.mean()
-
-        return step
+    make_step = lambda loss: user_models.grad_accumulation_step(loss, opt)
 
     s = opt.init(p)
     plain = make_step(_mlp_scan_loss)

@@ -285,3 +285,20 @@ def make(
     if style == "nnx":
         return _nnx_model(layers, hidden, vocab, batch, seed)
     raise ValueError(f"unknown style {style!r}; one of {STYLES + ('jax_unrolled',)}")
+
+
+def grad_accumulation_step(loss, opt):
+    """A step that scans over microbatches (``xs [M, ...]``) and takes ``value_and_grad``
+    of ``loss(p, x)`` inside that scan's body, then applies ``opt``: ``step(p, s, xs) ->
+    (p, s, mean loss)``."""
+
+    def step(p, s, xs):
+        def microbatch(acc, x):
+            value, g = jax.value_and_grad(loss)(p, x)
+            return jax.tree.map(jnp.add, acc, g), value
+
+        g, values = jax.lax.scan(microbatch, jax.tree.map(jnp.zeros_like, p), xs)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, values.mean()
+
+    return step

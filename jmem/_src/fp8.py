@@ -22,6 +22,7 @@ import numpy as np
 from flax.linen import fp8_ops
 from jax import lax
 
+from jmem._src import jax_compat as _compat
 from jmem._src import tree as _tree
 
 #: FP8 format of the forward operands (``x`` and ``kernel``): 4 exponent, 3 mantissa bits.
@@ -417,8 +418,7 @@ def dot_config_of(custom_vjp_params: dict) -> Fp8DotConfig | None:
             operands are ``(x, kernel, *meta_leaves)`` (after ``num_consts`` consts) and
             ``cfg.unflatten_meta(meta_leaves)`` rebuilds the ``Fp8Meta``.
     """
-    bwd = custom_vjp_params.get("bwd")
-    fn = getattr(bwd, "f", bwd)  # lu.WrappedFun in JAX 0.10: .f is the user's bwd
+    fn = _compat.custom_vjp_bwd(custom_vjp_params.get("bwd"))
     cfg = getattr(fn, _CONFIG_ATTR, None)
     return cfg if isinstance(cfg, Fp8DotConfig) else None
 
@@ -527,3 +527,7 @@ __all__ = [
     "fp8_dot_backward",
     "dot_config_of",
 ]
+
+# FP8 brings its own implicit-weight rules (an FP8 matmul of a NF4/LoRA weight); the
+# interpreter's core never imports this module.
+from jmem._src.implicit import fp8_rules as _fp8_rules  # noqa: E402, F401

@@ -4,7 +4,7 @@ a stacked model) under a named policy. Policies, mechanism and limits: ``docs/re
 
 Source: Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), Korthikanti et
 al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), and JAX's
-``jax.checkpoint`` policies (``jax/_src/ad_checkpoint.py``).
+``jax.checkpoint`` policies (``jax.checkpoint_policies``, JAX's ``ad_checkpoint`` module).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem._src import jaxpr as _jaxpr
 from jmem._src import scan_intercept as _si
 from jmem._src import tree as _tree
-from jmem._src.interpret import bind_eqn
-from jmem._src.interpret import eval_jaxpr
 
 _cp = jax.checkpoint_policies
 
@@ -76,9 +75,9 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
 
 
 class RematInterpreter:
-    """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint`` and keeping
-    every equation's name stack (used for a ``jax.jit`` whose trace was cached before
-    ``jmem.remat`` ran)."""
+    """Re-evaluates a jaxpr, wrapping each outermost scan body in ``jax.checkpoint`` (once: a
+    body the user checkpointed is kept as it is), keeping user jits, checkpoints and every
+    equation's name stack (``jmem._src.jaxpr`` does the re-binding)."""
 
     def __init__(self, policy: Callable | None, prevent_cse: bool, every: int | str | None = None):
         self.policy = policy
@@ -86,67 +85,44 @@ class RematInterpreter:
         self.every = every
 
     def eval(self, jaxpr, consts, args):
-        return eval_jaxpr(jaxpr, consts, args, self.eval_eqn)
+        return _jaxpr.eval_jaxpr(jaxpr, consts, args, self.eval_eqn)
 
     def eval_closed(self, closed, args):
         return self.eval(closed.jaxpr, closed.consts, args)
 
+    def rewrite_jit(self, params, args):
+        """A ``jax.jit`` call (its equation's ``params``) with its scans rewritten, kept a jit."""
+        return _jaxpr.rebind_jit(params, args, self.eval)
+
     def eval_eqn(self, eqn, invals):
-        with _si.name_context(eqn):
-            return self._eval_eqn(eqn, invals)
-
-    def _eval_eqn(self, eqn, invals):
-        name = eqn.primitive.name
-        if name == "scan":
+        kind = _jaxpr.kind(eqn)
+        if kind == _jaxpr.SCAN:
             return checkpointed_scan(eqn.params, invals, self.policy, self.prevent_cse, self.every)
-        subs = list(jcore.jaxprs_in_params(eqn.params))
-        if not _si._is_custom_rule(eqn) and any(_si.has_scan(s) for s in subs):
-            if name in ("pjit", "jit", "closed_call", "core_call"):
-                inner = eqn.params["jaxpr"]
-                if hasattr(inner, "jaxpr"):
-                    return self.eval_closed(inner, invals)
-                return self.eval(inner, (), invals)
-            if name == "cond":
-                index, *ops = invals
-                branches = [functools.partial(self._call_closed, b) for b in eqn.params["branches"]]
-                return lax.switch(index, branches, *ops)
-            if name in ("remat", "checkpoint"):
-                fn = functools.partial(self._call_open, eqn.params["jaxpr"])
-                return jax.checkpoint(
-                    fn,
-                    policy=eqn.params.get("policy"),
-                    prevent_cse=eqn.params.get("prevent_cse", True),
-                )(*invals)
-        return bind_eqn(eqn, invals)
-
-    def _call_closed(self, closed, *args):
-        return self.eval_closed(closed, args)
-
-    def _call_open(self, jaxpr, *args):
-        return self.eval(jaxpr, (), args)
+        subs = jcore.jaxprs_in_params(eqn.params)
+        if _jaxpr.is_custom(eqn) or not any(_jaxpr.has_scan(s) for s in subs):
+            return _jaxpr.bind_eqn(eqn, invals)
+        if kind == _jaxpr.CALL:
+            return _jaxpr.rebind_call(eqn, invals, self.eval)
+        if kind == _jaxpr.COND:
+            return _jaxpr.rebind_cond(eqn, invals, self.eval)
+        if kind == _jaxpr.CHECKPOINT:
+            return _jaxpr.rebind_checkpoint(eqn, invals, self.eval)
+        return _jaxpr.bind_eqn(eqn, invals)  # while: its scans run as they are
 
 
 def checkpointed_scan(params, invals, policy, prevent_cse, every):
     """The outputs of the scan ``params`` on ``invals``, re-bound with its body checkpointed
-    (``policy``) and, with ``every``, its iterations grouped (``_grouped_scan``)."""
+    (``policy``; a body already checkpointed is kept) and, with ``every``, its iterations
+    grouped (``_grouped_scan``)."""
     p = params
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-    step = functools.partial(_scan_step, p["jaxpr"], ncarry)
-    if policy is not None:
+    consts, init, xs = _jaxpr.scan_operands(p, invals)
+    step = functools.partial(_scan_step, p["jaxpr"], p["num_carry"])
+    if policy is not None and not _jaxpr.scan_body_checkpointed(p):
         step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
     length = p["length"]
     k = group_size(length, every)
     if k == 1:
-        carry, ys = lax.scan(
-            lambda c, x: step(consts, c, x),
-            list(init),
-            list(xs),
-            length=length,
-            reverse=p["reverse"],
-            unroll=p["unroll"],
-        )
-        return [*carry, *ys]
+        return _jaxpr.rebind_scan(p, init, xs, lambda c, x: step(consts, c, x))
     return _grouped_scan(step, consts, init, xs, length, k, p["reverse"], prevent_cse)
 
 
@@ -213,14 +189,16 @@ def remat(
     """Rematerializes ``fn``'s activations per layer under a named policy.
 
     Works on a layer or scan-step function (``lax.scan(jmem.remat(step, "selective"), ...)``),
-    on a whole loss and on a whole train step: every ``lax.scan`` that ``fn`` runs
-    (``nnx.scan``, ``flax.linen.scan``, ``fori_loop`` included) gets its body checkpointed
-    when it is bound, before any ``jax.grad``/``nnx.grad`` inside ``fn`` differentiates it.
-    So ``jax.grad(jmem.remat(loss_fn, "full"))`` saves one layer input per layer, and
-    ``jmem.remat(step, policy)`` around a step that calls ``jax.value_and_grad`` and an
-    optax update (or ``nnx.value_and_grad`` and ``optimizer.update(model, grads)``) saves
-    the same. ``fn`` itself runs once, as written: in-place NNX updates (optimizer state,
-    batch statistics, RNG counters) and name stacks are as without remat. Values and
+    on a whole loss and on a whole train step: the body of every outermost ``lax.scan`` that
+    ``fn`` runs (``nnx.scan``, ``flax.linen.scan``, ``fori_loop`` included) is checkpointed
+    exactly once (a body the user checkpointed is kept). A loss is traced and its jaxpr
+    rewritten (user jits and name stacks kept), so ``jax.grad(jmem.remat(loss_fn, "full"))``
+    saves one layer input per layer. A step that differentiates inside or takes NNX objects
+    runs as written while each scan it binds gets its body checkpointed before any
+    ``jax.grad``/``nnx.grad`` inside differentiates it, so ``jmem.remat(step, policy)``
+    around ``jax.value_and_grad`` and an optax update (or ``nnx.value_and_grad`` and
+    ``optimizer.update(model, grads)``) saves the same, and in-place NNX updates
+    (optimizer state, batch statistics, RNG counters) are as without remat. Values and
     gradients are unchanged (bitwise on CPU for the reference Llama in jmem's tests; XLA
     may fuse a recomputed region differently elsewhere, changing the last bits).
     Mechanism and the JAX internals it relies on: ``docs/remat.md``.
@@ -256,10 +234,12 @@ def remat(
         int or ``"sqrt"``; on call: ``static_argnums`` out of range, or a names policy naming
         a ``checkpoint_name`` that ``fn`` does not carry (the message lists those it does).
       TypeError: a policy that is not a name, a sequence of names or a callable.
-      RuntimeError: on call, ``fn`` holds a scan but none was bound while it ran (traced
-        before, by a cache jmem cannot see), so nothing would be checkpointed. Called
+      RuntimeError: on call, a step ``fn`` holds a scan but none was bound while it ran
+        (traced before, by a cache jmem cannot see), so nothing would be checkpointed; or
+        another library replaced ``scan_p.bind``/``jit_p.bind`` (not chained). Called
         eagerly (concrete outputs) this is a ``UserWarning`` instead: its scans ran in a
         ``jax.jit`` executable compiled earlier; call it under ``jax.jit``.
+      JaxInternalsError: on call, on a JAX outside ``jax_compat.CHECKED_RANGE``.
     """
     if fn is None:
         return functools.partial(
@@ -353,16 +333,27 @@ class _RematWrapper:
         # A trace on copies of the arguments (NNX objects included: they are pytrees, so
         # in-place writes land on copies) tells whether fn holds a scan and which
         # checkpoint names it carries; fn itself then runs once, as written.
-        closed = jax.make_jaxpr(flat_fn)(*dyn)
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
         self._check_names(closed.jaxpr)
-        if _si.has_scan(closed.jaxpr):
+        if not _jaxpr.has_scan(closed.jaxpr):
+            return self._run_without_scan(flat_fn, dyn, closed, traced_out, args, kwargs)
+        if _has_graph_nodes(args, kwargs) or _jaxpr.differentiates(closed.jaxpr):
             return self._run_intercepted(args, kwargs)
-        return self._run_without_scan(flat_fn, dyn, closed, traced_out, args, kwargs)
+        # A function that neither differentiates inside nor mutates NNX state (a loss): its
+        # jaxpr is rewritten, each outermost scan body checkpointed, and evaluated.
+        with _si.passthrough():
+            outs = self._interpreter().eval_closed(closed, dyn)
+        out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return _python_scalars_back(out, traced_out["out"])
+
+    def _interpreter(self) -> RematInterpreter:
+        cse = False if self.prevent_cse is None else self.prevent_cse
+        return RematInterpreter(self.policy, cse, self.every)
 
     def _check_names(self, jaxpr):
         if self.names is None:
             return
-        carried = _si.checkpoint_names(jaxpr)
+        carried = _jaxpr.checkpoint_names(jaxpr)
         missing = [n for n in self.names if n not in carried]
         if missing:
             raise ValueError(
@@ -374,12 +365,13 @@ class _RematWrapper:
 
     def _run_intercepted(self, args, kwargs):
         """Runs ``fn`` as written while every ``lax.scan`` it binds gets a checkpointed body."""
-        cse = False if self.prevent_cse is None else self.prevent_cse
-        interp = RematInterpreter(self.policy, cse, self.every)
+        interp = self._interpreter()
         icp = _si.Interception(
-            lambda params, invals: checkpointed_scan(params, invals, self.policy, cse, self.every),
-            interp.eval_closed,
-            key=("jmem.remat", self.policy, cse, self.every),
+            lambda params, invals: checkpointed_scan(
+                params, invals, interp.policy, interp.prevent_cse, interp.every
+            ),
+            interp.rewrite_jit,
+            key=("jmem.remat", self.policy, interp.prevent_cse, self.every),
             entry=sys._getframe(),
         )
         with _si.intercepting(icp):
@@ -409,7 +401,7 @@ class _RematWrapper:
         that saves nothing."""
         name = getattr(self.fn, "__name__", repr(self.fn))
         stateful = _has_graph_nodes(args, kwargs)
-        if stateful or _si.differentiates(closed.jaxpr):
+        if stateful or _jaxpr.differentiates(closed.jaxpr):
             warnings.warn(
                 f"jmem.remat: {name!r} has no lax.scan; it differentiates inside or takes NNX "
                 "objects (whose in-place updates a whole-function jax.checkpoint would drop), "

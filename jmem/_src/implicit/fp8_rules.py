@@ -10,13 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from jmem._src import fp8 as _fp8
+from jmem._src import jaxpr as _jaxpr
+from jmem._src.implicit import registry as _registry
 from jmem._src.implicit.matmul_rules import lora_term
 from jmem._src.implicit.matmul_rules import lowrank_ok
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import is_nf4
 from jmem._src.implicit.weight import is_weight
 
-__all__ = ["fp8_dot"]
+__all__ = ["fp8_dot", "fp8_custom_vjp"]
 
 
 def _fp8_base_dot(x, src, meta, *, w: Weight, cfg):
@@ -82,3 +84,17 @@ def fp8_dot(interp, eqn, invals, cfg):
     site = interp.next_dropout_site() if w.dropout_active else 0
     u = lora_term(x, w, wi=1, dimension_numbers=cfg.dimension_numbers, site=site)
     return [y + u.astype(y.dtype)]
+
+
+def fp8_custom_vjp(interp, eqn, invals):
+    """The rule for a ``custom_vjp_call`` receiving a weight: ``fp8_dot`` for a traced
+    ``fp8_dot_general``, ``NotImplemented`` (the next rule: inlining) for anything else."""
+    cfg = _fp8.dot_config_of(eqn.params)
+    if cfg is None:
+        return NotImplemented
+    outs = fp8_dot(interp, eqn, invals, cfg)
+    return NotImplemented if outs is None else outs
+
+
+for _name in sorted(_jaxpr.names_of(_jaxpr.CUSTOM_VJP)):
+    _registry.register(_name, fp8_custom_vjp)

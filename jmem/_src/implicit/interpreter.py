@@ -14,8 +14,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jmem._src import jaxpr as _jaxpr
 from jmem._src import tree as _tree
 from jmem._src.implicit import matmul_rules as _matmul
+from jmem._src.implicit import registry as _registry
 from jmem._src.implicit import structural_rules as _structural
 from jmem._src.implicit import targets as _targets
 from jmem._src.implicit.weight import ImplicitWeightError
@@ -24,42 +26,51 @@ from jmem._src.implicit.weight import error
 from jmem._src.implicit.weight import flatten_params
 from jmem._src.implicit.weight import is_nf4
 from jmem._src.implicit.weight import is_weight
-from jmem._src.interpret import bind_eqn
-from jmem._src.interpret import eval_jaxpr
+from jmem._src.jaxpr import bind_eqn
+from jmem._src.jaxpr import eval_jaxpr
 
-__all__ = ["ImplicitWeightError", "Weight", "call", "flatten_params"]
+__all__ = ["ImplicitWeightError", "Weight", "call", "flatten_params", "register"]
 
-#: Rule per primitive name, applied to equations that receive a ``Weight``.
-_RULES: dict[str, Callable] = {
-    "dot_general": _matmul.dot_general,
-    "convert_element_type": _structural.convert,
-    "transpose": _structural.transpose,
-    "copy": _structural.identity,
-    "copy_p": _structural.identity,
-    "sharding_constraint": _structural.identity,
-    "name": _structural.identity,
-    "slice": _structural.slice_,
-    "dynamic_slice": _structural.dynamic_slice,
-    "squeeze": _structural.squeeze,
-    "reshape": _structural.reshape,
-    "jit": _structural.inline_closed("jaxpr"),
-    "pjit": _structural.inline_closed("jaxpr"),
-    "closed_call": _structural.inline_closed("call_jaxpr"),
-    "core_call": _structural.inline_closed("call_jaxpr"),
-    "checkpoint": _structural.checkpoint,
-    "remat": _structural.checkpoint,
-    "remat2": _structural.checkpoint,
-    "scan": _structural.scan,
-    "cond": _structural.cond,
-    "while": _structural.while_,
-    "custom_jvp_call": _structural.inline_custom,
-    "custom_vjp_call": _structural.custom_vjp,
-    "custom_vjp_call_jaxpr": _structural.custom_vjp,
-}
+register = _registry.register
+
+
+def _register_defaults() -> None:
+    """The interpreter's own rules: matmuls, views, and every higher-order primitive of the
+    jaxpr core's table (under each name JAX has used for it)."""
+    own = {
+        "dot_general": _matmul.dot_general,
+        "convert_element_type": _structural.convert,
+        "transpose": _structural.transpose,
+        "copy": _structural.identity,
+        "copy_p": _structural.identity,
+        "sharding_constraint": _structural.identity,
+        "name": _structural.identity,
+        "slice": _structural.slice_,
+        "dynamic_slice": _structural.dynamic_slice,
+        "squeeze": _structural.squeeze,
+        "reshape": _structural.reshape,
+    }
+    by_kind = {
+        _jaxpr.CALL: _structural.inline_call,
+        _jaxpr.CHECKPOINT: _structural.checkpoint,
+        _jaxpr.SCAN: _structural.scan,
+        _jaxpr.COND: _structural.cond,
+        _jaxpr.WHILE: _structural.while_,
+        _jaxpr.CUSTOM_JVP: _structural.inline_custom,
+        _jaxpr.CUSTOM_VJP: _structural.inline_custom,
+    }
+    for k, rule in by_kind.items():
+        own.update(dict.fromkeys(_jaxpr.names_of(k), rule))
+    for name, rule in own.items():
+        _registry.register(name, rule, last=True)
+
+
+_register_defaults()
 
 
 class _Interpreter:
-    """Re-evaluates a jaxpr, routing equations that receive a ``Weight`` to ``_RULES``."""
+    """Re-evaluates a jaxpr, routing equations that receive a ``Weight`` to the rules of
+    ``jmem._src.implicit.registry``."""
 
     def __init__(self, allow_materialize: bool):
         self.allow_materialize = allow_materialize
@@ -85,11 +96,12 @@ class _Interpreter:
     def eval_eqn(self, eqn, invals):
         """One equation: its rule if an input is a ``Weight``, else the primitive itself."""
         if any(is_weight(v) for v in invals):
-            rule = _RULES.get(eqn.primitive.name)
-            if rule is None:
-                w = next(v for v in invals if is_weight(v))
-                return self.fallback(eqn, invals, w)
-            return rule(self, eqn, invals)
+            for rule in _registry.rules_for(eqn.primitive.name):
+                outs = rule(self, eqn, invals)
+                if outs is not NotImplemented:
+                    return outs
+            w = next(v for v in invals if is_weight(v))
+            return self.fallback(eqn, invals, w)
         return bind_eqn(eqn, invals)
 
 

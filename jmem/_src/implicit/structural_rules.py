@@ -7,14 +7,10 @@ around the interpreted body. See ``docs/lora.md``.
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jmem._src import fp8 as _fp8
-from jmem._src.implicit.fp8_rules import fp8_dot
+from jmem._src import jaxpr as _jaxpr
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import error
 from jmem._src.implicit.weight import is_weight
@@ -145,52 +141,34 @@ def reshape(interp, eqn, invals):
 # Higher-order primitives.
 
 
-def inline_closed(key):
-    """The rule inlining a call primitive (``jit``, ``closed_call``) whose body is ``params[key]``."""
-
-    def rule(interp, eqn, invals):
-        sub = eqn.params[key]
-        if hasattr(sub, "jaxpr"):
-            return interp.eval(sub.jaxpr, sub.consts, invals)
-        return interp.eval(sub, (), invals)
-
-    return rule
-
-
-def custom_vjp(interp, eqn, invals):
-    """``custom_vjp_call``: the FP8 rule for ``fp8_dot_general``, else inlined."""
-    cfg = _fp8.dot_config_of(eqn.params)
-    if cfg is not None:
-        outs = fp8_dot(interp, eqn, invals, cfg)
-        if outs is not None:
-            return outs
-    return inline_custom(interp, eqn, invals)
+def inline_call(interp, eqn, invals):
+    """A call primitive (``jit``, ``closed_call``) receiving a weight: its body inlined."""
+    return _jaxpr.inline_call(eqn, invals, interp.eval)
 
 
 def inline_custom(interp, eqn, invals):
     """A custom-derivative call receiving a weight: its primal body is interpreted
-    (JAX differentiates it; that call's own derivative rule is dropped)."""
-    sub = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
-    if sub is None:
+    (JAX differentiates it; that call's own derivative rule is dropped). Rules for
+    particular custom calls (``jmem.fp8.fp8_dot_general``) are registered before it."""
+    if _jaxpr.body_of(eqn) is None:
         raise error(next(v for v in invals if is_weight(v)), eqn.primitive.name)
-    if hasattr(sub, "jaxpr"):
-        return interp.eval(sub.jaxpr, sub.consts, invals)
-    return interp.eval(sub, (), invals)
+    return _jaxpr.inline_call(eqn, invals, interp.eval)
 
 
 def checkpoint(interp, eqn, invals):
     """``checkpoint``/``remat``: the interpreted body re-wrapped in ``jax.checkpoint``
     with the same ``policy`` and ``prevent_cse``."""
-    inner = eqn.params["jaxpr"]
+    return _jaxpr.rebind_checkpoint(eqn, invals, interp.eval)
 
-    def f(*vals):
-        if hasattr(inner, "jaxpr"):
-            return interp.eval(inner.jaxpr, inner.consts, vals)
-        return interp.eval(inner, (), vals)
 
-    return jax.checkpoint(
-        f, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )(*invals)
+def _no_weight_out(where: str, what: str):
+    def check(outs):
+        for o in outs:
+            if is_weight(o):
+                raise error(o, where, what)
+        return outs
+
+    return check
 
 
 def scan(interp, eqn, invals):
@@ -198,8 +176,7 @@ def scan(interp, eqn, invals):
     among the consts is closed over; one in the carry raises."""
     p = eqn.params
     body = p["jaxpr"]
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    consts, init, xs = _jaxpr.scan_operands(p, invals)
     for v in init:
         if is_weight(v):
             raise error(v, "scan", "a targeted weight in the scan carry")
@@ -210,54 +187,28 @@ def scan(interp, eqn, invals):
                 return interp.fallback(eqn, invals, v, "scanned over a non-stacked axis")
             v = v.scan_carrier()
         xs_in.append(v)
+    check = _no_weight_out("scan", "a targeted weight returned from the scan body")
+    ncarry = p["num_carry"]
 
     def step(carry, x):
-        outs = interp.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
-        for o in outs:
-            if is_weight(o):
-                raise error(o, "scan", "a targeted weight returned from the scan body")
+        outs = check(interp.eval(body.jaxpr, body.consts, [*consts, *carry, *x]))
         return list(outs[:ncarry]), list(outs[ncarry:])
 
-    kw = {}
-    if "_split_transpose" in p:
-        kw["_split_transpose"] = p["_split_transpose"]
-    carry, ys = lax.scan(
-        step, list(init), xs_in, length=p["length"], reverse=p["reverse"], unroll=p["unroll"], **kw
-    )
-    return [*carry, *ys]
+    return _jaxpr.rebind_scan(p, init, xs_in, step)
 
 
 def cond(interp, eqn, invals):
     """``cond`` as ``lax.switch`` over the interpreted branches (weights among operands only)."""
-    index, *ops = invals
-    if is_weight(index):
-        raise error(index, "cond", "a weight used as a branch index")
-
-    def branch(closed, *args):
-        outs = interp.eval(closed.jaxpr, closed.consts, args)
-        for o in outs:
-            if is_weight(o):
-                raise error(o, "cond", "a targeted weight returned from a branch")
-        return outs
-
-    return lax.switch(index, [functools.partial(branch, b) for b in eqn.params["branches"]], *ops)
+    if is_weight(invals[0]):
+        raise error(invals[0], "cond", "a weight used as a branch index")
+    check = _no_weight_out("cond", "a targeted weight returned from a branch")
+    return _jaxpr.rebind_cond(eqn, invals, interp.eval, check)
 
 
 def while_(interp, eqn, invals):
     """``while``: weights among the consts only (one in the carry raises)."""
     p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
-    for v in init:
+    for v in invals[p["cond_nconsts"] + p["body_nconsts"] :]:
         if is_weight(v):
             raise error(v, "while", "a targeted weight in the loop carry")
-    cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-
-    def cond_fn(carry):
-        return interp.eval(cj.jaxpr, cj.consts, [*cconsts, *carry])[0]
-
-    def body_fn(carry):
-        outs = interp.eval(bj.jaxpr, bj.consts, [*bconsts, *carry])
-        return list(outs)
-
-    return lax.while_loop(cond_fn, body_fn, list(init))
+    return _jaxpr.rebind_while(eqn, invals, interp.eval)

@@ -15,7 +15,17 @@ import jax.numpy as jnp
 from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 
-__all__ = ["ImplicitWeightError", "Weight", "flatten_params", "is_nf4", "is_weight", "error"]
+__all__ = [
+    "Adapter",
+    "ImplicitWeightError",
+    "Storage",
+    "View",
+    "Weight",
+    "flatten_params",
+    "is_nf4",
+    "is_weight",
+    "error",
+]
 
 
 class ImplicitWeightError(ValueError):
@@ -48,35 +58,102 @@ def flatten_params(params):
     return [(_tree.path_str(p), x) for p, x in leaves], treedef
 
 
+def _static(default=None):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
 @dataclasses.dataclass(frozen=True)
-class Weight:
-    """A frozen weight (array or ``NF4Array``) + optional LoRA factors, with a lazy view.
+class Storage:
+    """How the frozen weight is stored.
 
     Attributes:
-      base: the frozen weight ``[*L, in, out]``, an array or an ``NF4Array``.
-      a, b: LoRA factors ``[*L, in, r]`` and ``[*L, r, out]``, or None.
-      scale: static LoRA scale ``s`` (the update is ``s * a @ b``).
-      name: static '/'-joined path of the weight in params (for error messages).
-      dtype: static view dtype (what the model cast the weight to).
-      perm: static view permutation: ``perm[d]`` is the original axis shown at view axis ``d``.
+      base: the frozen weight ``[*L, in, out]``, an array or an ``NF4Array`` (codes, absmax).
       base_shape: static shape of ``base`` (``[*L, in, out]``).
-      via: static lossy intermediate casts before ``dtype`` (``f32 -> bf16 -> f32`` rounds
-        to bf16).
-      key: PRNG key array ``[*L]`` (one key per stacked matrix) for LoRA dropout, or None.
-      dropout: static LoRA dropout probability on the adapter's input (used with ``key``).
+      name: static '/'-joined path of the weight in params (for error messages).
     """
 
     base: Any
+    base_shape: tuple = _static(())
+    name: str = _static("")
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter of a weight (PEFT semantics: ``W + scale * a @ b``).
+
+    Attributes:
+      a, b: LoRA factors ``[*L, in, r]`` and ``[*L, r, out]``, or None (no adapter).
+      key: PRNG key array ``[*L]`` (one key per stacked matrix) for LoRA dropout, or None.
+      scale: static LoRA scale ``s``.
+      dropout: static LoRA dropout probability on the adapter's input (used with ``key``).
+    """
+
     a: Any = None
     b: Any = None
-    scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
-    name: str = dataclasses.field(default="", metadata=dict(static=True))
-    dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
-    perm: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    base_shape: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    via: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     key: Any = None
-    dropout: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+    scale: float = _static(1.0)
+    dropout: float = _static(0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """How the model sees the weight (static): the lazy cast and transpose.
+
+    Attributes:
+      dtype: view dtype (what the model cast the weight to).
+      perm: view permutation: ``perm[d]`` is the original axis shown at view axis ``d``.
+      via: lossy intermediate casts before ``dtype`` (``f32 -> bf16 -> f32`` rounds to bf16).
+    """
+
+    dtype: Any = _static(None)
+    perm: tuple = _static(())
+    via: tuple = _static(())
+
+
+_UNSET = object()
+_PARTS = {
+    "storage": tuple(f.name for f in dataclasses.fields(Storage)),
+    "adapter": tuple(f.name for f in dataclasses.fields(Adapter)),
+    "view": tuple(f.name for f in dataclasses.fields(View)),
+}
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Weight:
+    """A frozen weight in three parts: ``storage`` (the array or ``NF4Array``), ``adapter``
+    (LoRA factors, scale, dropout) and ``view`` (lazy cast and transpose).
+
+    Constructed with the flat fields (``Weight(base, a=..., b=..., scale=..., name=...,
+    dtype=..., perm=..., base_shape=..., via=..., key=..., dropout=...)``), which also read
+    as attributes (``w.base``, ``w.a``, ``w.dtype``, ...); ``replace`` takes them too.
+    """
+
+    storage: Storage
+    adapter: Adapter
+    view: View
+
+    def __init__(self, base=_UNSET, *, storage=None, adapter=None, view=None, **fields):
+        unknown = set(fields) - {n for names in _PARTS.values() for n in names}
+        if unknown:
+            raise TypeError(f"Weight has no field(s) {sorted(unknown)}.")
+        parts = {"storage": storage, "adapter": adapter, "view": view}
+        if base is not _UNSET:
+            fields["base"] = base
+        elif storage is None:
+            raise TypeError("Weight needs base= (or storage=).")
+        for part, cls in (("storage", Storage), ("adapter", Adapter), ("view", View)):
+            kw = {n: fields[n] for n in _PARTS[part] if n in fields}
+            if parts[part] is None:
+                parts[part] = cls(**kw)
+            elif kw:
+                parts[part] = dataclasses.replace(parts[part], **kw)
+            object.__setattr__(self, part, parts[part])
+
+    def __getattr__(self, name):
+        for part, names in _PARTS.items():
+            if name in names:
+                return getattr(object.__getattribute__(self, part), name)
+        raise AttributeError(f"'Weight' object has no attribute {name!r}")
 
     @property
     def n_lead(self) -> int:
@@ -89,8 +166,8 @@ class Weight:
         return tuple(self.base_shape[p] for p in self.perm)
 
     def replace(self, **kw) -> "Weight":
-        """A copy with the given fields replaced."""
-        return dataclasses.replace(self, **kw)
+        """A copy with the given (flat) fields replaced."""
+        return Weight(storage=self.storage, adapter=self.adapter, view=self.view, **kw)
 
     def cast(self, w) -> jax.Array:
         """Casts the (dequantized) base value ``w`` through ``via`` to ``dtype``."""
@@ -173,10 +250,15 @@ class Weight:
         return self.replace(base=base, perm=perm, base_shape=self.base_shape[1:])
 
 
+jax.tree_util.register_dataclass(Storage, data_fields=["base"], meta_fields=["base_shape", "name"])
 jax.tree_util.register_dataclass(
+    Adapter, data_fields=["a", "b", "key"], meta_fields=["scale", "dropout"]
+)
+jax.tree_util.register_dataclass(View, data_fields=[], meta_fields=["dtype", "perm", "via"])
+jax.tree_util.register_pytree_node(
     Weight,
-    data_fields=["base", "a", "b", "key"],
-    meta_fields=["scale", "name", "dtype", "perm", "base_shape", "via", "dropout"],
+    lambda w: ((w.storage, w.adapter, w.view), None),
+    lambda _, parts: Weight(storage=parts[0], adapter=parts[1], view=parts[2]),
 )
 
 

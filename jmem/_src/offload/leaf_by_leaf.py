@@ -21,9 +21,10 @@ import numpy as np
 import optax
 from jax.extend import core as jcore
 
-from jmem._src.interpret import bind_eqn
-from jmem._src.interpret import eqn_context
-from jmem._src.interpret import name_stack_of
+from jmem._src import jaxpr as _jaxpr
+from jmem._src.jaxpr import bind_eqn
+from jmem._src.jaxpr import eqn_context
+from jmem._src.jaxpr import name_stack_of
 from jmem._src.offload.memory_kinds import DEVICE
 from jmem._src.offload.memory_kinds import is_array
 from jmem._src.offload.memory_kinds import is_tracer
@@ -33,20 +34,7 @@ from jmem._src.ordering import ZERO_AFTER_NAME
 # Call-like primitives: one sub-jaxpr, called once on exactly the equation's inputs. One
 # that mixes several parameter leaves (a jitted helper applied to the whole tree) is
 # inlined, so that its per-leaf parts can be scheduled with their leaf.
-_CALL_PRIMITIVES = frozenset(
-    {
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "checkpoint",
-        "remat",
-        "remat2",
-    }
-)
+_CALL_KINDS = (_jaxpr.CALL, _jaxpr.CUSTOM_JVP, _jaxpr.CUSTOM_VJP, _jaxpr.CHECKPOINT)
 
 
 # ------------------------------------------------------------------------------ errors
@@ -328,15 +316,15 @@ class _Labels:
 
 def _call_body(eqn: Any):
     """``(jaxpr, consts)`` of a call-like equation's body, or None for other equations."""
-    if eqn.primitive.name not in _CALL_PRIMITIVES:
+    if _jaxpr.kind(eqn) not in _CALL_KINDS:
         return None
     subs = [p for p in eqn.params.values() if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
     if len(subs) != 1:
         return None
-    sub = subs[0]
-    jaxpr, consts = (
-        (sub.jaxpr, list(sub.consts)) if isinstance(sub, jcore.ClosedJaxpr) else (sub, [])
-    )
+    body = _jaxpr.body_of(eqn)
+    if body is None:
+        return None
+    jaxpr, consts = body
     if (
         len(jaxpr.invars) != len(eqn.invars)
         or len(jaxpr.outvars) != len(eqn.outvars)
@@ -347,7 +335,7 @@ def _call_body(eqn: Any):
 
 
 def _is_zero_after(eqn: Any) -> bool:
-    return eqn.params.get("name") == ZERO_AFTER_NAME and eqn.primitive.name in ("pjit", "jit")
+    return eqn.params.get("name") == ZERO_AFTER_NAME and _jaxpr.kind(eqn) == _jaxpr.CALL
 
 
 def _inline(eqn: Any, body: tuple, ins: list, ref_of: dict, labels: _Labels, prefix=None) -> None:
