@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jax.extend import core as jcore
 
+from jmem._src import jaxpr as jaxpr_core
 from jmem._src.decay_mask import norm_or_bias_paths
 
 #: Set once the warning has been given (once per process).
@@ -30,24 +31,17 @@ _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "dot_general"}
 )
 
-#: Call-like primitives whose sub-jaxpr is followed exactly (``cond``, ``scan`` and
-#: ``while`` are followed too; any other: every output depends on every input, a
-#: conservative over-approximation).
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call")
-
 
 def _is_zero_literal(x: Any) -> bool:
     return isinstance(x, jcore.Literal) and np.all(np.asarray(x.val) == 0)
 
 
 def _sub_jaxpr(eqn: Any):
-    """``(jaxpr, consts)`` of a call-like equation, or None."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if sub is None:
-        return None
-    return (sub.jaxpr, sub.consts) if hasattr(sub, "jaxpr") else (sub, ())
+    """``(jaxpr, consts)`` of a call-like, checkpoint or custom-derivative equation (from the
+    shared primitive table, ``jmem._src.jaxpr``), or None. ``cond``, ``scan`` and ``while``
+    are followed separately; any other primitive: every output depends on every input (a
+    conservative over-approximation)."""
+    return jaxpr_core.body_of(eqn)
 
 
 def _union(*sets) -> frozenset:
@@ -74,10 +68,10 @@ def _loop(body: Any, consts: list, carry: list, xs: list, extra=frozenset()) -> 
 def _scan_or_while(eqn: Any, ins: list[frozenset]) -> list[frozenset] | None:
     """``scan``/``while`` followed through their bodies; None for other primitives."""
     p = eqn.params
-    if eqn.primitive.name == "scan":
+    if jaxpr_core.kind(eqn) == jaxpr_core.SCAN:
         nc, ncarry = p["num_consts"], p["num_carry"]
         return _loop(p["jaxpr"].jaxpr, ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :])
-    if eqn.primitive.name == "while":
+    if jaxpr_core.kind(eqn) == jaxpr_core.WHILE:
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         control = _union(*ins[:nc])  # the loop's condition reads its consts and the carry
         carry = ins[nc + nb :]
@@ -98,7 +92,7 @@ def _dependencies(jaxpr: Any, in_deps: list[frozenset]) -> list[frozenset]:
             outs = [frozenset()] * len(eqn.outvars)
         elif sub is not None and len(sub[0].invars) == len(ins):
             outs = _dependencies(sub[0], ins)
-        elif eqn.primitive.name == "cond":
+        elif jaxpr_core.kind(eqn) == jaxpr_core.COND:
             outs = _cond(eqn, ins)
         else:
             outs = _scan_or_while(eqn, ins) or [_union(*ins)] * len(eqn.outvars)
