@@ -159,6 +159,9 @@ class LlamaConfig:
       loss_chunk: tokens per chunk of ``loss_fn``'s cross-entropy (``[loss_chunk, V]``
         float32 logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes
         all ``[B, S, V]`` logits at once.
+      mlp_chunk: tokens per chunk of the MLP (the "tiled MLP": its ``[chunk, F]``
+        intermediates are recomputed chunk by chunk in the backward pass); 0, or fewer
+        tokens than this, runs it whole.
     """
 
     vocab_size: int = 32000
@@ -178,6 +181,7 @@ class LlamaConfig:
     hidden_act: str = "silu"
     attention: str = "auto"
     loss_chunk: int = 2048
+    mlp_chunk: int = 4096
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
@@ -186,14 +190,10 @@ class LlamaConfig:
                 f"attention={self.attention!r} is unknown; choose from "
                 f"{attention_lib.IMPLEMENTATIONS}."
             )
-        if (
-            isinstance(self.loss_chunk, bool)
-            or not isinstance(self.loss_chunk, int)
-            or (self.loss_chunk < 0)
-        ):
-            raise ValueError(
-                f"loss_chunk must be an int >= 0 (0 = unchunked); got {self.loss_chunk!r}."
-            )
+        for name in ("loss_chunk", "mlp_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
         unknown = sorted(set(self.biases) - set(LINEAR_NAMES))
         if unknown:
             raise ValueError(f"biases {unknown} are not projections; choose from {LINEAR_NAMES}.")
@@ -511,10 +511,31 @@ def _layer(x, layer, config, cos, sin, attn, fp8=None, cache=None, index=None):
     ctx = checkpoint_name(_attend(q, k, v, c, attn).reshape(b, s, -1), "attn_context")
     x = x + checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
     h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
+    return x + _tiled_mlp(h, layer, c, fp8), cache
+
+
+def _mlp(h, layer, config, fp8):
+    """The gated MLP of normalized ``h [..., H]``: ``down(act(gate(h)) * up(h))``."""
     gate = checkpoint_name(_proj(h, layer, "gate_proj", fp8), "mlp_gate")
     up = checkpoint_name(_proj(h, layer, "up_proj", fp8), "mlp_up")
-    hidden = checkpoint_name(ACTIVATIONS[c.hidden_act](gate) * up, "mlp_hidden")
-    return x + checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down"), cache
+    hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
+    return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
+
+
+def _tiled_mlp(h, layer, config, fp8):
+    """``_mlp`` over chunks of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
+    ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
+    layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
+    (whose scaling state is a per-call gradient)."""
+    b, s, width = h.shape
+    n, chunk = b * s, config.mlp_chunk
+    if not chunk or n <= chunk or fp8 is not None:
+        return _mlp(h, layer, config, fp8)
+    pad = -n % chunk
+    hs = jnp.pad(h.reshape(n, width), ((0, pad), (0, 0))).reshape(-1, 1, chunk, width)
+    body = jax.checkpoint(lambda carry, hc: (carry, _mlp(hc, layer, config, None)))
+    _, ys = jax.lax.scan(body, None, hs)
+    return ys.reshape(n + pad, width)[:n].reshape(b, s, width)
 
 
 def decoder_layer(
