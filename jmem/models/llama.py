@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 CHECKPOINT_NAMES = (
+    "layer_input",
     "attn_norm",
     "query_proj",
     "key_proj",
@@ -606,6 +607,8 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
 
     def body(x, layer):
         layer, layer_fp8 = layer if fp8 is not None else (layer, None)
+        # Named so that remat's "offload" policy saves the layer input in host memory.
+        x = checkpoint_name(x, "layer_input")
         return decoder_layer(x, layer, c, cos, sin, attn, layer_fp8), None
 
     if layer_transform is not None:
