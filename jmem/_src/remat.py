@@ -36,7 +36,10 @@ class RematPolicies(dict):
     2022). ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
     ``offload``: as ``selective`` with the residuals in ``pinned_host`` memory, and the
     value named ``"layer_input"`` (each layer's input in ``jmem.models.llama``) offloaded
-    too, so the residual stream leaves the device.
+    too, so the residual stream leaves the device. ``offload_inputs``: as ``full`` with
+    each layer's input in ``pinned_host`` memory (nothing else saved: the least device
+    memory, and host memory of one hidden-sized activation per layer, as unsloth's
+    offloaded gradient checkpointing).
     ``docs/remat.md`` has the measured table.
     """
 
@@ -65,6 +68,7 @@ REMAT_POLICIES = RematPolicies(
     selective=_cp.dots_with_no_batch_dims_saveable,
     full=_cp.nothing_saveable,
     offload=_offload_policy,
+    offload_inputs=_offload_inputs,
 )
 
 
