@@ -554,3 +554,13 @@ def test_long_context_estimate_matches_compiled_peak(seq):
     want = estimate(cfg, remat="full", seq_len=seq, **_QLORA_8B).total
     print(f"\n{seq} tokens: compiled {got / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB")
     assert abs(want / got - 1) < 0.10
+
+
+def test_cli_max_seq():
+    argv = "estimate --model llama3_1_8b --quant nf4 --lora-rank 32 --lora-targets all "
+    argv += "--optimizer adamw_8bit --memory 24GB --max-seq"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv.split()) == 0
+    numbers = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) tokens", out.getvalue())]
+    assert len(numbers) == 2 and numbers[0] < 80_000 <= numbers[1]
