@@ -511,12 +511,13 @@ def _layer(x, layer, config, cos, sin, attn, fp8=None, cache=None, index=None):
         k, v = cache
     ctx = checkpoint_name(_attend(q, k, v, c, attn).reshape(b, s, -1), "attn_context")
     x = x + checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
-    h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
-    return x + _tiled_mlp(h, layer, c, fp8), cache
+    return x + _tiled_mlp(x, layer, c, fp8), cache
 
 
-def _mlp(h, layer, config, fp8):
-    """The gated MLP of normalized ``h [..., H]``: ``down(act(gate(h)) * up(h))``."""
+def _mlp(x, layer, config, fp8):
+    """The gated MLP of ``rms_norm(x)``: ``down(act(gate(h)) * up(h))``, ``x [..., H]``."""
+    h = rms_norm(x, layer["mlp_norm"]["scale"], config.rms_norm_eps)
+    h = checkpoint_name(h, "mlp_norm")
     gate = checkpoint_name(_proj(h, layer, "gate_proj", fp8), "mlp_gate")
     up = checkpoint_name(_proj(h, layer, "up_proj", fp8), "mlp_up")
     hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
@@ -524,7 +525,8 @@ def _mlp(h, layer, config, fp8):
 
 
 def _tiled_mlp(h, layer, config, fp8):
-    """``_mlp`` over chunks of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
+    """``_mlp`` (norm included, so no ``[B * S, H]`` normalized copy is held) over chunks
+    of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
     ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
     layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
     (whose scaling state is a per-call gradient)."""
