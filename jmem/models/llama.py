@@ -31,7 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src import attention as attention_lib
 from jmem._src import fp8 as fp8_lib
+from jmem._src.attention import attention
+from jmem._src.attention import attention_mask
+from jmem._src.linear_cross_entropy import linear_cross_entropy
+from jmem._src.linear_cross_entropy import token_nll
 
 Params = dict[str, Any]
 
@@ -62,6 +67,7 @@ __all__ = [
 ]
 
 CHECKPOINT_NAMES = (
+    "layer_input",
     "attn_norm",
     "query_proj",
     "key_proj",
@@ -148,6 +154,15 @@ class LlamaConfig:
       biases: names (from ``LINEAR_NAMES``) of the projections with an additive bias
         ``layers[name]["bias"] [L, out]``: Qwen2 has ``("q_proj", "k_proj", "v_proj")``.
       hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``).
+      attention: the attention implementation, one of ``jmem.ops.IMPLEMENTATIONS``
+        (``"auto"``: cuDNN on GPU where it can run, else dense up to 1024 keys and
+        blockwise beyond; see ``jmem.ops.attention``).
+      loss_chunk: tokens per chunk of ``loss_fn``'s cross-entropy (``[loss_chunk, V]``
+        float32 logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes
+        all ``[B, S, V]`` logits at once.
+      mlp_chunk: tokens per chunk of the MLP (the "tiled MLP": its ``[chunk, F]``
+        intermediates are recomputed chunk by chunk in the backward pass); 0, or fewer
+        tokens than this, runs it whole.
     """
 
     vocab_size: int = 32000
@@ -165,9 +180,21 @@ class LlamaConfig:
     sliding_window: int | None = None
     biases: tuple[str, ...] = ()
     hidden_act: str = "silu"
+    attention: str = "auto"
+    loss_chunk: int = 2048
+    mlp_chunk: int = 4096
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention={self.attention!r} is unknown; choose from "
+                f"{attention_lib.IMPLEMENTATIONS}."
+            )
+        for name in ("loss_chunk", "mlp_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
         unknown = sorted(set(self.biases) - set(LINEAR_NAMES))
         if unknown:
             raise ValueError(f"biases {unknown} are not projections; choose from {LINEAR_NAMES}.")
@@ -444,77 +471,6 @@ def _meta(fp8: Params | None, name: str):
     return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
-def attention_mask(
-    q_index: jax.Array,
-    kv_index: jax.Array | None = None,
-    *,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    sliding_window: int | None = None,
-) -> jax.Array:
-    """Boolean attention mask, True where query ``i`` may attend key ``j``.
-
-    Query ``i`` attends key ``j`` iff ``kv_index[j] <= q_index[i]`` (causal), both carry the
-    same segment id (packed examples never see each other), and, with ``sliding_window=W``,
-    ``q_index[i] - kv_index[j] < W`` (the query and the ``W - 1`` tokens before it, as
-    Mistral and Hugging Face's ``sliding_window_overlay``).
-
-    Args:
-      q_index: int ``[S]`` or ``[B, S]``: each query's index in its row (not its RoPE
-        position: positions restart in packed rows, indices do not).
-      kv_index: int ``[T]`` or ``[B, T]``: each key's index (a KV cache's slot); default
-        ``q_index`` (self-attention over the same tokens).
-      segment_ids: int ``[B, S]`` of the queries, or None (one segment).
-      kv_segment_ids: int ``[B, T]`` of the keys; default ``segment_ids``.
-      sliding_window: None (full causal attention) or the window W >= 1, in tokens.
-
-    Returns:
-      bool ``[B, S, T]`` (``B`` is 1 when nothing has a batch axis).
-    """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}.")
-    kv_index = q_index if kv_index is None else kv_index
-    qi, ki = jnp.atleast_2d(q_index)[:, :, None], jnp.atleast_2d(kv_index)[:, None, :]
-    mask = ki <= qi
-    if sliding_window is not None:
-        mask = mask & (qi - ki < sliding_window)
-    if segment_ids is not None:
-        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
-        mask = mask & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-    return mask
-
-
-@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
-def attention(q, k, v, mask):
-    """Grouped-query softmax attention (scale ``1/sqrt(D)``, softmax in float32).
-
-    Args:
-      q: ``[B, S, nH, D]`` queries.
-      k, v: ``[B, T, nKV, D]`` keys and values; ``nH`` a multiple of ``nKV``.
-      mask: bool ``[B, S, T]`` (or broadcastable, e.g. ``[1, S, T]``), True = attend; from
-        ``attention_mask``. Every query must attend at least one key.
-
-    Returns:
-      ``[B, S, nH, D]`` in ``v``'s dtype.
-    """
-    b, s, nh, d = q.shape
-    nkv = k.shape[2]
-    # Heads-major layouts ([B, nKV, G, S, D], [B, nKV, T, D]) make both einsums plain batched
-    # matmuls whose results need no transpose: the [.., S, T] scores and their gradients
-    # (the big arrays) are written once, in place; only q/k/v/out (D wide) are transposed.
-    # The G query heads of a KV head are merged with the queries ([B, nKV, G*S, D]) so that
-    # every gradient contracts one axis (two contracted axes made XLA:CPU transpose again).
-    g, t = nh // nkv, k.shape[1]
-    q = q.reshape(b, s, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) / math.sqrt(d)
-    scores = scores.reshape(b, nkv, g, s, t)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, s, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh, d)
-
-
 def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Array:
     """Projection ``name`` of ``h``: ``h @ kernel`` (+ ``bias`` when the params have one)."""
     y = _dense(h, layer[name]["kernel"], _meta(fp8, name))
@@ -522,7 +478,20 @@ def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Arr
     return y if bias is None else y + bias.astype(y.dtype)
 
 
-def _layer(x, layer, config, cos, sin, mask, fp8=None, cache=None, index=None):
+def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
+    """``attention`` with the config's window and implementation; ``attn`` holds the
+    index arguments (``q_index``, optional ``kv_index``, ``segment_ids``)."""
+    return attention(
+        q,
+        k,
+        v,
+        **attn,
+        sliding_window=config.sliding_window,
+        implementation=config.attention,
+    )
+
+
+def _layer(x, layer, config, cos, sin, attn, fp8=None, cache=None, index=None):
     """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
     ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache."""
     c = config
@@ -540,13 +509,36 @@ def _layer(x, layer, config, cos, sin, mask, fp8=None, cache=None, index=None):
             for full, new in zip(cache, (k, v))
         )
         k, v = cache
-    ctx = checkpoint_name(attention(q, k, v, mask).reshape(b, s, -1), "attn_context")
+    ctx = checkpoint_name(_attend(q, k, v, c, attn).reshape(b, s, -1), "attn_context")
     x = x + checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
-    h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
+    return x + _tiled_mlp(x, layer, c, fp8), cache
+
+
+def _mlp(x, layer, config, fp8):
+    """The gated MLP of ``rms_norm(x)``: ``down(act(gate(h)) * up(h))``, ``x [..., H]``."""
+    h = rms_norm(x, layer["mlp_norm"]["scale"], config.rms_norm_eps)
+    h = checkpoint_name(h, "mlp_norm")
     gate = checkpoint_name(_proj(h, layer, "gate_proj", fp8), "mlp_gate")
     up = checkpoint_name(_proj(h, layer, "up_proj", fp8), "mlp_up")
-    hidden = checkpoint_name(ACTIVATIONS[c.hidden_act](gate) * up, "mlp_hidden")
-    return x + checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down"), cache
+    hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
+    return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
+
+
+def _tiled_mlp(h, layer, config, fp8):
+    """``_mlp`` (norm included, so no ``[B * S, H]`` normalized copy is held) over chunks
+    of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
+    ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
+    layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
+    (whose scaling state is a per-call gradient)."""
+    b, s, width = h.shape
+    n, chunk = b * s, config.mlp_chunk
+    if not chunk or n <= chunk or fp8 is not None:
+        return _mlp(h, layer, config, fp8)
+    pad = -n % chunk
+    hs = jnp.pad(h.reshape(n, width), ((0, pad), (0, 0))).reshape(-1, 1, chunk, width)
+    body = jax.checkpoint(lambda carry, hc: (carry, _mlp(hc, layer, config, None)))
+    _, ys = jax.lax.scan(body, None, hs)
+    return ys.reshape(n + pad, width)[:n].reshape(b, s, width)
 
 
 def decoder_layer(
@@ -555,22 +547,27 @@ def decoder_layer(
     config: LlamaConfig,
     cos,
     sin,
-    mask,
+    attn: dict,
     fp8: Params | None = None,
 ) -> jax.Array:
     """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
 
-    ``cos``/``sin`` from ``rope_tables``, ``mask`` bool ``[B, S, S]`` from
-    ``attention_mask``; ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]``
-    (or None)."""
-    return _layer(x, layer, config, cos, sin, mask, fp8)[0]
+    ``cos``/``sin`` from ``rope_tables``; ``attn``: the index keyword arguments of
+    ``jmem.ops.attention`` (``q_index`` int ``[S]`` or ``[B, S]``, optional
+    ``kv_index`` and ``segment_ids``), from which the mask is built inside attention;
+    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
+    return _layer(x, layer, config, cos, sin, attn, fp8)[0]
+
+
+def _head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
+    """The output head ``[H, V]``: ``lm_head`` or, tied, the embedding transposed."""
+    return params["embed"]["embedding"].T if config.tie_embeddings else params["lm_head"]["kernel"]
 
 
 def _head(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
     """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``."""
     x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
-    embedding = params["embed"]["embedding"]
-    head = embedding.T if config.tie_embeddings else params["lm_head"]["kernel"]
+    head = _head_kernel(params, config)
     return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
@@ -582,6 +579,44 @@ def _check_row_arrays(tokens, **arrays) -> None:
                 f"{name} must be an integer array shaped like tokens {tokens.shape}; "
                 f"got {a.dtype}{a.shape}."
             )
+
+
+def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8):
+    """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
+        )
+    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
+    c = config
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    seq = tokens.shape[1]
+    cos, sin = rope_tables(
+        seq if positions is None else positions, c.head_dim, c.rope_theta, c.rope_scaling
+    )
+    attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
+
+    if fp8 is not None and any(
+        fp8_lib.is_meta(m)
+        for k, v in fp8.items()
+        if k != "layers"
+        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
+    ):
+        raise ValueError(
+            "fp8 metas are only used for the projections under 'layers'; "
+            "build them with fp8.init_metas(params, LINEAR_NAMES)."
+        )
+
+    def body(x, layer):
+        layer, layer_fp8 = layer if fp8 is not None else (layer, None)
+        # Named so that remat's "offload" policy saves the layer input in host memory.
+        x = checkpoint_name(x, "layer_input")
+        return decoder_layer(x, layer, c, cos, sin, attn, layer_fp8), None
+
+    if layer_transform is not None:
+        body = layer_transform(body)
+    xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
+    return jax.lax.scan(body, x, xs)[0]
 
 
 def forward(
@@ -622,39 +657,16 @@ def forward(
         are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``
         (they would go unused and be reset).
     """
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(
-            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
-        )
-    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
-    c = config
-    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
-    seq = tokens.shape[1]
-    cos, sin = rope_tables(
-        seq if positions is None else positions, c.head_dim, c.rope_theta, c.rope_scaling
+    x = _hidden(
+        params,
+        tokens,
+        config,
+        positions=positions,
+        segment_ids=segment_ids,
+        layer_transform=layer_transform,
+        fp8=fp8,
     )
-    mask = attention_mask(jnp.arange(seq), segment_ids=segment_ids, sliding_window=c.sliding_window)
-
-    if fp8 is not None and any(
-        fp8_lib.is_meta(m)
-        for k, v in fp8.items()
-        if k != "layers"
-        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
-    ):
-        raise ValueError(
-            "fp8 metas are only used for the projections under 'layers'; "
-            "build them with fp8.init_metas(params, LINEAR_NAMES)."
-        )
-
-    def body(x, layer):
-        layer, layer_fp8 = layer if fp8 is not None else (layer, None)
-        return decoder_layer(x, layer, c, cos, sin, mask, layer_fp8), None
-
-    if layer_transform is not None:
-        body = layer_transform(body)
-    xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
-    x, _ = jax.lax.scan(body, x, xs)
-    return _head(params, x, c)
+    return _head(params, x, config)
 
 
 @jax.named_scope("cross_entropy")
@@ -662,10 +674,7 @@ def cross_entropy(
     logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
 ) -> jax.Array:
     """Mean token cross-entropy (nats). logits ``[B,S,V]`` float, targets int ``[B,S]``."""
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = logz - picked
+    nll = token_nll(logits, targets)
     if mask is None:
         return jnp.mean(nll)
     mask = mask.astype(jnp.float32)
@@ -679,8 +688,10 @@ def loss_fn(
 
     Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
     ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
-    keyword arguments go to ``forward``."""
-    logits = forward(
+    keyword arguments go to ``forward``. The loss is computed ``config.loss_chunk`` tokens
+    at a time (``linear_cross_entropy``), never holding the ``[B, S, V]`` logits."""
+    kwargs = {"layer_transform": None, "fp8": None, **kwargs}
+    x = _hidden(
         params,
         batch["inputs"],
         config,
@@ -688,7 +699,14 @@ def loss_fn(
         segment_ids=batch.get("segment_ids"),
         **kwargs,
     )
-    return cross_entropy(logits, batch["targets"], batch.get("mask"))
+    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+    return linear_cross_entropy(
+        x,
+        _head_kernel(params, config),
+        batch["targets"],
+        batch.get("mask"),
+        chunk=config.loss_chunk,
+    )
 
 
 def _cached_forward(params, tokens, config, cache, index):
@@ -697,12 +715,12 @@ def _cached_forward(params, tokens, config, cache, index):
     c = config
     q_index = index + jnp.arange(tokens.shape[1])
     cos, sin = rope_tables(q_index, c.head_dim, c.rope_theta, c.rope_scaling)
-    mask = attention_mask(q_index, jnp.arange(cache[0].shape[2]), sliding_window=c.sliding_window)
+    attn = {"q_index": q_index, "kv_index": jnp.arange(cache[0].shape[2])}
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
 
     def body(x, xs):
         layer, kv = xs
-        return _layer(x, layer, c, cos, sin, mask, None, kv, index)
+        return _layer(x, layer, c, cos, sin, attn, None, kv, index)
 
     x, cache = jax.lax.scan(body, x, (params["layers"], cache))
     return _head(params, x[:, -1:], c)[:, 0], cache

@@ -37,6 +37,12 @@ class ModelShape:
     head_dim: int
     tie_embeddings: bool = False
     name: str | None = None
+    #: The long-context paths (``LlamaConfig.attention``, ``loss_chunk``, ``mlp_chunk``): how
+    #: the step computes, not the shape, so they do not take part in comparisons. A named
+    #: shape or a count uses the dense paths.
+    attention: str = dataclasses.field(default="dense", compare=False)
+    loss_chunk: int = dataclasses.field(default=0, compare=False)
+    mlp_chunk: int = dataclasses.field(default=0, compare=False)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``[in, out]`` of each linear weight of one layer."""
@@ -227,11 +233,14 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
         int(hd),
         bool(getattr(model, "tie_embeddings", False)),
         getattr(model, "name", None),
+        str(getattr(model, "attention", "dense")),
+        int(getattr(model, "loss_chunk", 0)),
+        int(getattr(model, "mlp_chunk", 0)),
     )
     if s.name is None:  # name a config that matches a known shape
         for known in MODEL_SHAPES.values():
             if dataclasses.replace(known, name=None) == s:
-                s = known
+                s = dataclasses.replace(s, name=known.name)
                 break
     return s, s.n_params
 
