@@ -11,6 +11,7 @@ import os
 import tomllib
 
 from jmem._src import cli
+from jmem._src.attention import IMPLEMENTATIONS
 from jmem._src.finetune.build import OPTIMIZERS
 from jmem._src.finetune.mesh import mesh_spec
 from jmem._src.remat import REMAT_POLICIES
@@ -49,6 +50,9 @@ class FinetuneConfig:
     lora_targets: str = ALL_PROJECTIONS
     precision: str = "bf16"
     offload: bool = False
+    attention: str = llama.LlamaConfig.attention
+    loss_chunk: int = llama.LlamaConfig.loss_chunk
+    mlp_chunk: int = llama.LlamaConfig.mlp_chunk
     seed: int = 0
     # run
     out: str = "runs/qlora_7b"
@@ -143,6 +147,22 @@ def _add_training_flags(p):
         help="compute dtype; fp16 turns on dynamic loss scaling",
     )
     p.add_argument("--offload", action="store_true", help="optimizer state in pinned_host memory")
+    p.add_argument(
+        "--attention",
+        choices=list(IMPLEMENTATIONS),
+        help="attention implementation (auto: cuDNN on GPU where it can run, else dense up to "
+        "1024 keys and blockwise beyond; jmem.ops.attention)",
+    )
+    p.add_argument(
+        "--loss-chunk",
+        type=cli.nonnegative_int,
+        help="tokens per chunk of the cross-entropy (no [B, S, V] logits); 0: unchunked",
+    )
+    p.add_argument(
+        "--mlp-chunk",
+        type=cli.nonnegative_int,
+        help="tokens per chunk of the MLP (tiled MLP); 0: whole",
+    )
     p.add_argument("--seed", type=cli.nonnegative_int)
 
 

@@ -4,6 +4,7 @@ naming its flag."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -25,8 +26,19 @@ DEFAULTS = {
 
 
 def model_config(config) -> llama.LlamaConfig:
-    """The model's shape: from ``--checkpoint``'s config.json, else ``--config`` (whose
-    default depends on the device)."""
+    """The model: its shape from ``--checkpoint``'s config.json, else ``--config`` (whose
+    default depends on the device), with ``--attention``, ``--loss-chunk`` and
+    ``--mlp-chunk`` applied."""
+    return dataclasses.replace(
+        _model_shape(config),
+        attention=config.attention,
+        loss_chunk=config.loss_chunk,
+        mlp_chunk=config.mlp_chunk,
+    )
+
+
+def _model_shape(config) -> llama.LlamaConfig:
+    """The model's shape: from ``--checkpoint``'s config.json, else ``--config``."""
     if config.checkpoint is not None:
         if not os.path.isdir(config.checkpoint):
             raise CliError(
