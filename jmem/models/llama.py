@@ -40,7 +40,10 @@ __all__ = [
     "CHECKPOINT_NAMES",
     "CONFIGS",
     "ACTIVATIONS",
+    "FUSED_LINEAR_NAMES",
+    "LAYER_TYPES",
     "LINEAR_NAMES",
+    "NORM_PLACEMENTS",
     "LlamaConfig",
     "RopeScaling",
     "abstract_params",
@@ -53,6 +56,7 @@ __all__ = [
     "generate",
     "get_config",
     "init",
+    "linear_names",
     "loss_fn",
     "num_params",
     "param_shapes",
@@ -77,6 +81,21 @@ CHECKPOINT_NAMES = (
 
 #: The weight names of one layer that are matmul kernels ``[in, out]``.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+#: The kernels of a ``fused_projections`` layer (Phi-3): q/k/v and gate/up in one each.
+FUSED_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+#: ``LlamaConfig.layer_types`` values.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: ``LlamaConfig.norm_placement`` values.
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+
+
+def linear_names(config) -> tuple[str, ...]:
+    """The kernel names of one layer of ``config``: ``LINEAR_NAMES``, or
+    ``FUSED_LINEAR_NAMES`` with ``fused_projections``."""
+    return FUSED_LINEAR_NAMES if config.fused_projections else LINEAR_NAMES
 
 
 #: ``LlamaConfig.hidden_act`` values and their functions (names as Hugging Face's ``ACT2FN``).
@@ -147,7 +166,37 @@ class LlamaConfig:
         every layer (Mistral 7B v0.1).
       biases: names (from ``LINEAR_NAMES``) of the projections with an additive bias
         ``layers[name]["bias"] [L, out]``: Qwen2 has ``("q_proj", "k_proj", "v_proj")``.
-      hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``).
+      hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``;
+        GeGLU: ``gelu_pytorch_tanh``, Gemma).
+
+    Family options (Gemma 2/3, Qwen3, Phi-3, OLMo 2 are these settings, see
+    ``docs/families.md``; the defaults are Llama):
+      layer_types: None (every layer as ``sliding_window`` says) or one of ``LAYER_TYPES``
+        per layer: ``"sliding_attention"`` layers use ``sliding_window``,
+        ``"full_attention"`` layers attend the whole prefix (Gemma 2 alternates, Gemma 3
+        has five local layers per global one).
+      local_rope_theta: RoPE base of the sliding layers, which take no ``rope_scaling``
+        (Gemma 3: 10k locally, ``rope_theta`` 1M with linear scaling globally); None:
+        every layer uses ``rope_theta``/``rope_scaling``.
+      norm_offset: RMSNorm multiplies by ``norm_offset + scale`` (Gemma: 1.0, weights
+        stored around 0).
+      norm_placement: ``"pre"`` (Llama: norm before attention and MLP), ``"sandwich"``
+        (Gemma 2/3: also a norm on each sublayer's output before the residual add:
+        ``post_attn_norm``, ``post_mlp_norm``), or ``"post"`` (OLMo 2: only the output
+        norms, no ``attn_norm``/``mlp_norm``).
+      qk_norm: None, ``"head"`` (RMSNorm over each head of q and k before RoPE, weights
+        ``q_norm``/``k_norm`` ``[L, D]``: Qwen3, Gemma 3) or ``"proj"`` (over the whole q
+        and k projections, ``[L, nH*D]``/``[L, nKV*D]``: OLMo 2).
+      attn_scale: attention scores' scale; None is ``1/sqrt(head_dim)`` (Gemma:
+        ``query_pre_attn_scalar ** -0.5``).
+      attn_logit_softcap: None or c: scores become ``c * tanh(scores / c)`` before
+        masking (Gemma 2: 50).
+      final_logit_softcap: None or c: logits become ``c * tanh(logits / c)`` (Gemma 2: 30).
+      scale_embeddings: multiply the embeddings by ``sqrt(hidden_size)`` (in the
+        activation dtype; Gemma).
+      fused_projections: q/k/v in one kernel ``qkv_proj [L, H, (nH + 2 nKV) D]`` and gate/up
+        in one ``gate_up_proj [L, H, 2F]`` (Phi-3; LoRA adapts each fused kernel as one
+        module, as PEFT does).
     """
 
     vocab_size: int = 32000
@@ -165,12 +214,24 @@ class LlamaConfig:
     sliding_window: int | None = None
     biases: tuple[str, ...] = ()
     hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    norm_offset: float = 0.0
+    norm_placement: str = "pre"
+    qk_norm: str | None = None
+    attn_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    scale_embeddings: bool = False
+    fused_projections: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
-        unknown = sorted(set(self.biases) - set(LINEAR_NAMES))
+        names = linear_names(self)
+        unknown = sorted(set(self.biases) - set(names))
         if unknown:
-            raise ValueError(f"biases {unknown} are not projections; choose from {LINEAR_NAMES}.")
+            raise ValueError(f"biases {unknown} are not projections; choose from {names}.")
+        _check_family_options(self)
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(
                 f"hidden_act={self.hidden_act!r} is not implemented; choose from "
@@ -190,6 +251,29 @@ class LlamaConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
                 f"{self.num_kv_heads} for grouped-query attention."
             )
+
+
+def _check_family_options(c: LlamaConfig) -> None:
+    """ValueError naming a family option whose value the decoder does not implement."""
+    if c.norm_placement not in NORM_PLACEMENTS:
+        raise ValueError(f"norm_placement={c.norm_placement!r}; choose from {NORM_PLACEMENTS}.")
+    if c.qk_norm not in (None, "head", "proj"):
+        raise ValueError(f"qk_norm={c.qk_norm!r}; choose None, 'head' or 'proj'.")
+    for name in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        value = getattr(c, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be None or > 0; got {value}.")
+    if c.layer_types is None:
+        return
+    object.__setattr__(c, "layer_types", tuple(c.layer_types))
+    bad = sorted(set(c.layer_types) - set(LAYER_TYPES))
+    if bad or len(c.layer_types) != c.num_layers:
+        raise ValueError(
+            f"layer_types must hold num_layers={c.num_layers} entries from {LAYER_TYPES}; "
+            f"got {len(c.layer_types)} entries{f', unknown {bad}' if bad else ''}."
+        )
+    if "sliding_attention" in c.layer_types and c.sliding_window is None:
+        raise ValueError("layer_types has sliding_attention layers: set sliding_window too.")
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -304,29 +388,57 @@ def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-def param_shapes(config: LlamaConfig) -> Params:
-    """Shapes of every parameter, as a pytree of tuples (same structure as ``init``)."""
-    c = config
-    L, H, F, D = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
-    shapes: Params = {
-        "embed": {"embedding": (c.vocab_size, H)},
-        "layers": {
-            "attn_norm": {"scale": (L, H)},
-            "q_proj": {"kernel": (L, H, c.num_heads * D)},
-            "k_proj": {"kernel": (L, H, c.num_kv_heads * D)},
-            "v_proj": {"kernel": (L, H, c.num_kv_heads * D)},
-            "o_proj": {"kernel": (L, c.num_heads * D, H)},
-            "mlp_norm": {"scale": (L, H)},
-            "gate_proj": {"kernel": (L, H, F)},
-            "up_proj": {"kernel": (L, H, F)},
-            "down_proj": {"kernel": (L, F, H)},
-        },
-        "final_norm": {"scale": (H,)},
-    }
+def _layer_shapes(c: LlamaConfig) -> Params:
+    """Shapes of one layer's weights (without the leading ``L``)."""
+    H, F, D = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_heads * D, c.num_kv_heads * D
+    if c.fused_projections:
+        shapes = {
+            "qkv_proj": {"kernel": (H, q + 2 * kv)},
+            "o_proj": {"kernel": (q, H)},
+            "gate_up_proj": {"kernel": (H, 2 * F)},
+            "down_proj": {"kernel": (F, H)},
+        }
+    else:
+        shapes = {
+            "q_proj": {"kernel": (H, q)},
+            "k_proj": {"kernel": (H, kv)},
+            "v_proj": {"kernel": (H, kv)},
+            "o_proj": {"kernel": (q, H)},
+            "gate_proj": {"kernel": (H, F)},
+            "up_proj": {"kernel": (H, F)},
+            "down_proj": {"kernel": (F, H)},
+        }
+    norms = {}
+    if c.norm_placement != "post":
+        norms.update(attn_norm=(H,), mlp_norm=(H,))
+    if c.norm_placement != "pre":
+        norms.update(post_attn_norm=(H,), post_mlp_norm=(H,))
+    if c.qk_norm == "head":
+        norms.update(q_norm=(D,), k_norm=(D,))
+    elif c.qk_norm == "proj":
+        norms.update(q_norm=(q,), k_norm=(kv,))
+    shapes.update({name: {"scale": shape} for name, shape in norms.items()})
     for name in c.biases:
-        shapes["layers"][name]["bias"] = (L, shapes["layers"][name]["kernel"][-1])
+        shapes[name]["bias"] = shapes[name]["kernel"][-1:]
+    return shapes
+
+
+def param_shapes(config: LlamaConfig) -> Params:
+    """Shapes of every parameter, as a pytree of tuples (same structure as ``init``).
+
+    Layer weights carry a leading ``num_layers`` axis; which ones exist follows the
+    config's family options (``norm_placement``, ``qk_norm``, ``fused_projections``,
+    ``biases``, ``tie_embeddings``)."""
+    c = config
+    layer = jax.tree.map(lambda s: (c.num_layers, *s), _layer_shapes(c), is_leaf=_is_shape)
+    shapes: Params = {
+        "embed": {"embedding": (c.vocab_size, c.hidden_size)},
+        "layers": layer,
+        "final_norm": {"scale": (c.hidden_size,)},
+    }
     if not c.tie_embeddings:
-        shapes["lm_head"] = {"kernel": (H, c.vocab_size)}
+        shapes["lm_head"] = {"kernel": (c.hidden_size, c.vocab_size)}
     return shapes
 
 
@@ -348,7 +460,7 @@ def abstract_params(config: LlamaConfig, dtype=jnp.float32) -> Params:
 
 def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     """Random parameters: normal(0, 0.02) weights (as HF's ``initializer_range``), unit
-    norms, zero biases.
+    norms (weights ``1 - norm_offset``), zero biases.
 
     Returns:
       The params pytree described in the module docstring, every leaf of ``dtype``.
@@ -362,8 +474,8 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     keys = jax.random.split(key, len(leaves))
     out = []
     for k, shape, path in zip(keys, leaves, paths):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
+        if "norm" in path:  # the scale that multiplies is norm_offset + weight
+            out.append(jnp.full(shape, 1.0 - config.norm_offset, dtype))
         elif "bias" in path:
             out.append(jnp.zeros(shape, dtype))
         else:
@@ -372,11 +484,12 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
 
 
 @jax.named_scope("rms_norm")
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32, returned in ``x.dtype``."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis, multiplied by ``offset + scale``
+    (Gemma's ``(1 + w)`` with ``offset=1``), computed in float32, returned in ``x.dtype``."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
@@ -485,14 +598,17 @@ def attention_mask(
 
 
 @jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
-def attention(q, k, v, mask):
-    """Grouped-query softmax attention (scale ``1/sqrt(D)``, softmax in float32).
+def attention(q, k, v, mask, *, scale=None, logit_softcap=None):
+    """Grouped-query softmax attention (softmax in float32).
 
     Args:
       q: ``[B, S, nH, D]`` queries.
       k, v: ``[B, T, nKV, D]`` keys and values; ``nH`` a multiple of ``nKV``.
       mask: bool ``[B, S, T]`` (or broadcastable, e.g. ``[1, S, T]``), True = attend; from
         ``attention_mask``. Every query must attend at least one key.
+      scale: scores' scale, default ``1/sqrt(D)``.
+      logit_softcap: None or c: scores become ``c * tanh(scores / c)`` before masking
+        (Gemma 2).
 
     Returns:
       ``[B, S, nH, D]`` in ``v``'s dtype.
@@ -507,7 +623,10 @@ def attention(q, k, v, mask):
     g, t = nh // nkv, k.shape[1]
     q = q.reshape(b, s, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) / math.sqrt(d)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) * scale
+    if logit_softcap is not None:
+        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
     scores = scores.reshape(b, nkv, g, s, t)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
@@ -522,31 +641,83 @@ def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Arr
     return y if bias is None else y + bias.astype(y.dtype)
 
 
-def _layer(x, layer, config, cos, sin, mask, fp8=None, cache=None, index=None):
+def _norm(x, layer: Params, name: str, config: LlamaConfig) -> jax.Array:
+    """RMSNorm of ``x`` with layer weight ``name``, tagged ``name`` for remat policies."""
+    y = rms_norm(x, layer[name]["scale"], config.rms_norm_eps, config.norm_offset)
+    return checkpoint_name(y, name)
+
+
+def _qkv(h, layer, config: LlamaConfig, fp8):
+    """Query, key and value projections ``[B, S, heads, D]`` before RoPE (QK-norm applied)."""
+    c = config
+    b, s, _ = h.shape
+    if c.fused_projections:  # Phi-3: [q | k | v] along the output axis
+        qkv = _proj(h, layer, "qkv_proj", fp8)
+        q_end, k_end = c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim
+        q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+    else:
+        q, k, v = (_proj(h, layer, n, fp8) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), _QKV_TAGS))
+    if c.qk_norm == "proj":  # OLMo 2: over the whole projection
+        q, k = _norm(q, layer, "q_norm", c), _norm(k, layer, "k_norm", c)
+    q = q.reshape(b, s, c.num_heads, c.head_dim)
+    k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
+    if c.qk_norm == "head":  # Qwen3, Gemma 3: over each head
+        q, k = _norm(q, layer, "q_norm", c), _norm(k, layer, "k_norm", c)
+    return q, k, v.reshape(b, s, c.num_kv_heads, c.head_dim)
+
+
+_QKV_TAGS = ("query_proj", "key_proj", "value_proj")
+
+
+def _mlp(h, layer, config: LlamaConfig, fp8) -> jax.Array:
+    """Gated MLP ``down(act(gate(h)) * up(h))``; Phi-3's fused ``gate_up_proj`` is
+    ``[gate | up]``."""
+    if config.fused_projections:
+        gate_up = _proj(h, layer, "gate_up_proj", fp8)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+    else:
+        gate, up = _proj(h, layer, "gate_proj", fp8), _proj(h, layer, "up_proj", fp8)
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
+    return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
+
+
+def _sublayer(x, layer, config: LlamaConfig, pre: str, post: str, fn):
+    """``x + post_norm(fn(pre_norm(x)))`` with the norms ``norm_placement`` asks for."""
+    h = x if config.norm_placement == "post" else _norm(x, layer, pre, config)
+    out, extra = fn(h)
+    if config.norm_placement != "pre":
+        out = _norm(out, layer, post, config)
+    return x + out, extra
+
+
+def _layer(x, layer, config, rope, mask, fp8=None, cache=None, index=None):
     """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
     ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache."""
     c = config
     b, s, _ = x.shape
-    h = checkpoint_name(rms_norm(x, layer["attn_norm"]["scale"], c.rms_norm_eps), "attn_norm")
-    q = checkpoint_name(_proj(h, layer, "q_proj", fp8), "query_proj")
-    k = checkpoint_name(_proj(h, layer, "k_proj", fp8), "key_proj")
-    v = checkpoint_name(_proj(h, layer, "v_proj", fp8), "value_proj")
-    q = apply_rope(q.reshape(b, s, c.num_heads, c.head_dim), cos, sin)
-    k = apply_rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), cos, sin)
-    v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
-    if cache is not None:
-        cache = tuple(
-            jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
-            for full, new in zip(cache, (k, v))
-        )
-        k, v = cache
-    ctx = checkpoint_name(attention(q, k, v, mask).reshape(b, s, -1), "attn_context")
-    x = x + checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
-    h = checkpoint_name(rms_norm(x, layer["mlp_norm"]["scale"], c.rms_norm_eps), "mlp_norm")
-    gate = checkpoint_name(_proj(h, layer, "gate_proj", fp8), "mlp_gate")
-    up = checkpoint_name(_proj(h, layer, "up_proj", fp8), "mlp_up")
-    hidden = checkpoint_name(ACTIVATIONS[c.hidden_act](gate) * up, "mlp_hidden")
-    return x + checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down"), cache
+    cos, sin = rope
+
+    def attn(h):
+        q, k, v = _qkv(h, layer, c, fp8)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv = cache
+        if kv is not None:
+            kv = tuple(
+                jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
+                for full, new in zip(kv, (k, v))
+            )
+            k, v = kv
+        ctx = attention(q, k, v, mask, scale=c.attn_scale, logit_softcap=c.attn_logit_softcap)
+        ctx = checkpoint_name(ctx.reshape(b, s, -1), "attn_context")
+        return checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out"), kv
+
+    x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn)
+    x, _ = _sublayer(
+        x, layer, c, "mlp_norm", "post_mlp_norm", lambda h: (_mlp(h, layer, c, fp8), None)
+    )
+    return x, cache
 
 
 def decoder_layer(
@@ -558,20 +729,77 @@ def decoder_layer(
     mask,
     fp8: Params | None = None,
 ) -> jax.Array:
-    """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
+    """One decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
 
     ``cos``/``sin`` from ``rope_tables``, ``mask`` bool ``[B, S, S]`` from
     ``attention_mask``; ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]``
     (or None)."""
-    return _layer(x, layer, config, cos, sin, mask, fp8)[0]
+    return _layer(x, layer, config, (cos, sin), mask, fp8)[0]
 
 
 def _head(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
-    """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``."""
-    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+    """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``
+    (soft-capped with ``final_logit_softcap``)."""
+    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_offset)
     embedding = params["embed"]["embedding"]
     head = embedding.T if config.tie_embeddings else params["lm_head"]["kernel"]
-    return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    cap = config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _embed(params: Params, tokens: jax.Array, config: LlamaConfig) -> jax.Array:
+    """Token embeddings ``[B, S, H]`` (times ``sqrt(H)`` in their dtype for Gemma)."""
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    if config.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), jnp.float32).astype(x.dtype)
+    return x
+
+
+def _is_local(config: LlamaConfig) -> jax.Array | None:
+    """bool ``[L]``: which layers are sliding-window layers, when layers differ (None when
+    every layer is the same: the window and RoPE are then Python constants)."""
+    c = config
+    if c.layer_types is None or (len(set(c.layer_types)) == 1 and c.local_rope_theta is None):
+        return None
+    return jnp.asarray([t == "sliding_attention" for t in c.layer_types])
+
+
+def _uniform_window(config: LlamaConfig) -> int | None:
+    """The window of every layer when layers do not differ (see ``_is_local``)."""
+    c = config
+    if c.layer_types is not None and "sliding_attention" not in c.layer_types:
+        return None
+    return c.sliding_window
+
+
+def _layer_inputs(config: LlamaConfig, positions, q_index, kv_index, segment_ids):
+    """``(rope, mask)`` of every layer, or pairs ``(global, local)`` of each when layers
+    differ (selected per layer inside the scan by ``_select``)."""
+    c = config
+    D = c.head_dim
+    rope = rope_tables(positions, D, c.rope_theta, c.rope_scaling)
+    if _is_local(c) is None:
+        mask = attention_mask(
+            q_index, kv_index, segment_ids=segment_ids, sliding_window=_uniform_window(c)
+        )
+        return rope, mask
+    local_rope = rope
+    if c.local_rope_theta is not None:
+        local_rope = rope_tables(positions, D, c.local_rope_theta, None)
+    masks = tuple(
+        attention_mask(q_index, kv_index, segment_ids=segment_ids, sliding_window=w)
+        for w in (None, c.sliding_window)
+    )
+    return (rope, local_rope), masks
+
+
+def _select(is_local, pair):
+    """This layer's entry of a ``(global, local)`` pair of trees (``is_local``: a traced
+    bool scalar, or None when layers do not differ and ``pair`` is the one value)."""
+    if is_local is None:
+        return pair
+    return jax.tree.map(lambda g, loc: jnp.where(is_local, loc, g), *pair)
 
 
 def _check_row_arrays(tokens, **arrays) -> None:
@@ -628,12 +856,12 @@ def forward(
         )
     _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
     c = config
-    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    x = _embed(params, tokens, c)
     seq = tokens.shape[1]
-    cos, sin = rope_tables(
-        seq if positions is None else positions, c.head_dim, c.rope_theta, c.rope_scaling
+    rope, mask = _layer_inputs(
+        c, seq if positions is None else positions, jnp.arange(seq), None, segment_ids
     )
-    mask = attention_mask(jnp.arange(seq), segment_ids=segment_ids, sliding_window=c.sliding_window)
+    is_local = _is_local(c)
 
     if fp8 is not None and any(
         fp8_lib.is_meta(m)
@@ -646,13 +874,21 @@ def forward(
             "build them with fp8.init_metas(params, LINEAR_NAMES)."
         )
 
-    def body(x, layer):
-        layer, layer_fp8 = layer if fp8 is not None else (layer, None)
-        return decoder_layer(x, layer, c, cos, sin, mask, layer_fp8), None
+    def body(x, xs):
+        if is_local is not None:  # layers differ: this layer's flag is scanned last
+            *xs, local = xs
+            xs = tuple(xs) if fp8 is not None else xs[0]
+        else:
+            local = None
+        layer, layer_fp8 = xs if fp8 is not None else (xs, None)
+        layer_rope, layer_mask = _select(local, rope), _select(local, mask)
+        return _layer(x, layer, c, layer_rope, layer_mask, layer_fp8)[0], None
 
     if layer_transform is not None:
         body = layer_transform(body)
     xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
+    if is_local is not None:
+        xs = (*xs, is_local) if fp8 is not None else (xs, is_local)
     x, _ = jax.lax.scan(body, x, xs)
     return _head(params, x, c)
 
@@ -696,15 +932,16 @@ def _cached_forward(params, tokens, config, cache, index):
     updated cache; ``cache``: a pair ``[L, B, T, nKV, D]`` of keys and values."""
     c = config
     q_index = index + jnp.arange(tokens.shape[1])
-    cos, sin = rope_tables(q_index, c.head_dim, c.rope_theta, c.rope_scaling)
-    mask = attention_mask(q_index, jnp.arange(cache[0].shape[2]), sliding_window=c.sliding_window)
-    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    rope, mask = _layer_inputs(c, q_index, q_index, jnp.arange(cache[0].shape[2]), None)
+    is_local = _is_local(c)
+    x = _embed(params, tokens, c)
 
     def body(x, xs):
-        layer, kv = xs
-        return _layer(x, layer, c, cos, sin, mask, None, kv, index)
+        layer, kv, local = xs
+        layer_rope, layer_mask = _select(local, rope), _select(local, mask)
+        return _layer(x, layer, c, layer_rope, layer_mask, None, kv, index)
 
-    x, cache = jax.lax.scan(body, x, (params["layers"], cache))
+    x, cache = jax.lax.scan(body, x, (params["layers"], cache, is_local))
     return _head(params, x[:, -1:], c)[:, 0], cache
 
 
