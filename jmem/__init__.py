@@ -11,6 +11,7 @@ from jmem import data as data
 from jmem import fp8 as fp8
 from jmem import lora as lora
 from jmem import nf4 as nf4
+from jmem import ops as ops
 from jmem import planner as planner
 from jmem import qlora as qlora
 from jmem import sharding as sharding
@@ -84,6 +85,7 @@ __all__ = (
     "mixed_precision",
     "nf4",
     "offload",
+    "ops",
     "params_from_masters",
     "planner",
     "qlora",

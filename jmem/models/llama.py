@@ -31,7 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src import attention as attention_lib
 from jmem._src import fp8 as fp8_lib
+from jmem._src.attention import attention
+from jmem._src.attention import attention_mask
+from jmem._src.linear_cross_entropy import linear_cross_entropy
+from jmem._src.linear_cross_entropy import token_nll
 
 Params = dict[str, Any]
 
@@ -168,6 +173,12 @@ class LlamaConfig:
         ``layers[name]["bias"] [L, out]``: Qwen2 has ``("q_proj", "k_proj", "v_proj")``.
       hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``;
         GeGLU: ``gelu_pytorch_tanh``, Gemma).
+      attention: the attention implementation, one of ``jmem.ops.IMPLEMENTATIONS``
+        (``"auto"``: cuDNN on GPU where it can run, else dense up to 1024 keys and
+        blockwise beyond; see ``jmem.ops.attention``).
+      loss_chunk: tokens per chunk of ``loss_fn``'s cross-entropy (``[loss_chunk, V]``
+        float32 logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes
+        all ``[B, S, V]`` logits at once.
 
     Family options (Gemma 2/3, Qwen3, Phi-3, OLMo 2 are these settings, see
     ``docs/families.md``; the defaults are Llama):
@@ -224,9 +235,24 @@ class LlamaConfig:
     final_logit_softcap: float | None = None
     scale_embeddings: bool = False
     fused_projections: bool = False
+    attention: str = "auto"
+    loss_chunk: int = 2048
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention={self.attention!r} is unknown; choose from "
+                f"{attention_lib.IMPLEMENTATIONS}."
+            )
+        if (
+            isinstance(self.loss_chunk, bool)
+            or not isinstance(self.loss_chunk, int)
+            or (self.loss_chunk < 0)
+        ):
+            raise ValueError(
+                f"loss_chunk must be an int >= 0 (0 = unchunked); got {self.loss_chunk!r}."
+            )
         names = linear_names(self)
         unknown = sorted(set(self.biases) - set(names))
         if unknown:
@@ -557,83 +583,6 @@ def _meta(fp8: Params | None, name: str):
     return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
 
 
-def attention_mask(
-    q_index: jax.Array,
-    kv_index: jax.Array | None = None,
-    *,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    sliding_window: int | None = None,
-) -> jax.Array:
-    """Boolean attention mask, True where query ``i`` may attend key ``j``.
-
-    Query ``i`` attends key ``j`` iff ``kv_index[j] <= q_index[i]`` (causal), both carry the
-    same segment id (packed examples never see each other), and, with ``sliding_window=W``,
-    ``q_index[i] - kv_index[j] < W`` (the query and the ``W - 1`` tokens before it, as
-    Mistral and Hugging Face's ``sliding_window_overlay``).
-
-    Args:
-      q_index: int ``[S]`` or ``[B, S]``: each query's index in its row (not its RoPE
-        position: positions restart in packed rows, indices do not).
-      kv_index: int ``[T]`` or ``[B, T]``: each key's index (a KV cache's slot); default
-        ``q_index`` (self-attention over the same tokens).
-      segment_ids: int ``[B, S]`` of the queries, or None (one segment).
-      kv_segment_ids: int ``[B, T]`` of the keys; default ``segment_ids``.
-      sliding_window: None (full causal attention) or the window W >= 1, in tokens.
-
-    Returns:
-      bool ``[B, S, T]`` (``B`` is 1 when nothing has a batch axis).
-    """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}.")
-    kv_index = q_index if kv_index is None else kv_index
-    qi, ki = jnp.atleast_2d(q_index)[:, :, None], jnp.atleast_2d(kv_index)[:, None, :]
-    mask = ki <= qi
-    if sliding_window is not None:
-        mask = mask & (qi - ki < sliding_window)
-    if segment_ids is not None:
-        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
-        mask = mask & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-    return mask
-
-
-@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
-def attention(q, k, v, mask, *, scale=None, logit_softcap=None):
-    """Grouped-query softmax attention (softmax in float32).
-
-    Args:
-      q: ``[B, S, nH, D]`` queries.
-      k, v: ``[B, T, nKV, D]`` keys and values; ``nH`` a multiple of ``nKV``.
-      mask: bool ``[B, S, T]`` (or broadcastable, e.g. ``[1, S, T]``), True = attend; from
-        ``attention_mask``. Every query must attend at least one key.
-      scale: scores' scale, default ``1/sqrt(D)``.
-      logit_softcap: None or c: scores become ``c * tanh(scores / c)`` before masking
-        (Gemma 2).
-
-    Returns:
-      ``[B, S, nH, D]`` in ``v``'s dtype.
-    """
-    b, s, nh, d = q.shape
-    nkv = k.shape[2]
-    # Heads-major layouts ([B, nKV, G, S, D], [B, nKV, T, D]) make both einsums plain batched
-    # matmuls whose results need no transpose: the [.., S, T] scores and their gradients
-    # (the big arrays) are written once, in place; only q/k/v/out (D wide) are transposed.
-    # The G query heads of a KV head are merged with the queries ([B, nKV, G*S, D]) so that
-    # every gradient contracts one axis (two contracted axes made XLA:CPU transpose again).
-    g, t = nh // nkv, k.shape[1]
-    q = q.reshape(b, s, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * s, d)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) * scale
-    if logit_softcap is not None:
-        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
-    scores = scores.reshape(b, nkv, g, s, t)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, s, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nh, d)
-
-
 def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Array:
     """Projection ``name`` of ``h``: ``h @ kernel`` (+ ``bias`` when the params have one)."""
     y = _dense(h, layer[name]["kernel"], _meta(fp8, name))
@@ -692,14 +641,30 @@ def _sublayer(x, layer, config: LlamaConfig, pre: str, post: str, fn):
     return x + out, extra
 
 
-def _layer(x, layer, config, rope, mask, fp8=None, cache=None, index=None):
+def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
+    """``attention`` with the config's scale, soft-cap and implementation; ``attn`` holds
+    the index arguments (``q_index``, optional ``kv_index``, ``segment_ids``) and this
+    layer's ``sliding_window`` (default: the config's, for every layer)."""
+    attn = {"sliding_window": _uniform_window(config), **attn}
+    return attention(
+        q,
+        k,
+        v,
+        **attn,
+        scale=config.attn_scale,
+        logit_softcap=config.attn_logit_softcap,
+        implementation=config.attention,
+    )
+
+
+def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
     """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
     ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache."""
     c = config
     b, s, _ = x.shape
     cos, sin = rope
 
-    def attn(h):
+    def attn_block(h):
         q, k, v = _qkv(h, layer, c, fp8)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv = cache
@@ -709,11 +674,11 @@ def _layer(x, layer, config, rope, mask, fp8=None, cache=None, index=None):
                 for full, new in zip(kv, (k, v))
             )
             k, v = kv
-        ctx = attention(q, k, v, mask, scale=c.attn_scale, logit_softcap=c.attn_logit_softcap)
+        ctx = _attend(q, k, v, c, attn)
         ctx = checkpoint_name(ctx.reshape(b, s, -1), "attn_context")
         return checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out"), kv
 
-    x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn)
+    x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn_block)
     x, _ = _sublayer(
         x, layer, c, "mlp_norm", "post_mlp_norm", lambda h: (_mlp(h, layer, c, fp8), None)
     )
@@ -726,23 +691,33 @@ def decoder_layer(
     config: LlamaConfig,
     cos,
     sin,
-    mask,
+    attn: dict,
     fp8: Params | None = None,
 ) -> jax.Array:
     """One decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
 
-    ``cos``/``sin`` from ``rope_tables``, ``mask`` bool ``[B, S, S]`` from
-    ``attention_mask``; ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]``
-    (or None)."""
-    return _layer(x, layer, config, (cos, sin), mask, fp8)[0]
+    ``cos``/``sin`` from ``rope_tables``; ``attn``: the index keyword arguments of
+    ``jmem.ops.attention`` (``q_index`` int ``[S]`` or ``[B, S]``, optional
+    ``kv_index`` and ``segment_ids``), from which the mask is built inside attention, and
+    optionally this layer's ``sliding_window`` (needed with mixed ``layer_types``);
+    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
+    return _layer(x, layer, config, (cos, sin), attn, fp8)[0]
+
+
+def _head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
+    """The output head ``[H, V]``: ``lm_head`` or, tied, the embedding transposed."""
+    return params["embed"]["embedding"].T if config.tie_embeddings else params["lm_head"]["kernel"]
+
+
+def _final_norm(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
+    return rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_offset)
 
 
 def _head(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
     """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``
     (soft-capped with ``final_logit_softcap``)."""
-    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_offset)
-    embedding = params["embed"]["embedding"]
-    head = embedding.T if config.tie_embeddings else params["lm_head"]["kernel"]
+    x = _final_norm(params, x, config)
+    head = _head_kernel(params, config)
     logits = jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
     cap = config.final_logit_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
@@ -773,33 +748,28 @@ def _uniform_window(config: LlamaConfig) -> int | None:
     return c.sliding_window
 
 
-def _layer_inputs(config: LlamaConfig, positions, q_index, kv_index, segment_ids):
-    """``(rope, mask)`` of every layer, or pairs ``(global, local)`` of each when layers
-    differ (selected per layer inside the scan by ``_select``)."""
+def _layer_rope(config: LlamaConfig, positions):
+    """RoPE tables of every layer, or a pair ``(global, local)`` when layers differ
+    (selected per layer inside the scan by ``_per_layer``)."""
     c = config
-    D = c.head_dim
-    rope = rope_tables(positions, D, c.rope_theta, c.rope_scaling)
+    rope = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
     if _is_local(c) is None:
-        mask = attention_mask(
-            q_index, kv_index, segment_ids=segment_ids, sliding_window=_uniform_window(c)
-        )
-        return rope, mask
-    local_rope = rope
+        return rope
+    local = rope
     if c.local_rope_theta is not None:
-        local_rope = rope_tables(positions, D, c.local_rope_theta, None)
-    masks = tuple(
-        attention_mask(q_index, kv_index, segment_ids=segment_ids, sliding_window=w)
-        for w in (None, c.sliding_window)
-    )
-    return (rope, local_rope), masks
+        local = rope_tables(positions, c.head_dim, c.local_rope_theta, None)
+    return rope, local
 
 
-def _select(is_local, pair):
-    """This layer's entry of a ``(global, local)`` pair of trees (``is_local``: a traced
-    bool scalar, or None when layers do not differ and ``pair`` is the one value)."""
-    if is_local is None:
-        return pair
-    return jax.tree.map(lambda g, loc: jnp.where(is_local, loc, g), *pair)
+def _per_layer(local, rope, attn: dict, config: LlamaConfig):
+    """This layer's ``(rope, attn)``: with mixed layers (``local``, a traced bool scalar
+    scanned with the layer params) its RoPE tables and window (a traced int32, 0 for
+    global attention); else the shared ones."""
+    if local is None:
+        return rope, attn
+    rope = jax.tree.map(lambda g, loc: jnp.where(local, loc, g), *rope)
+    window = jnp.where(local, config.sliding_window or 0, 0).astype(jnp.int32)
+    return rope, {**attn, "sliding_window": window}
 
 
 def _check_row_arrays(tokens, **arrays) -> None:
@@ -810,6 +780,53 @@ def _check_row_arrays(tokens, **arrays) -> None:
                 f"{name} must be an integer array shaped like tokens {tokens.shape}; "
                 f"got {a.dtype}{a.shape}."
             )
+
+
+def _check_fp8(fp8) -> None:
+    """ValueError for fp8 metas outside ``"layers"`` (they would go unused and be reset)."""
+    if fp8 is not None and any(
+        fp8_lib.is_meta(m)
+        for k, v in fp8.items()
+        if k != "layers"
+        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
+    ):
+        raise ValueError(
+            "fp8 metas are only used for the projections under 'layers'; "
+            "build them with fp8.init_metas(params, LINEAR_NAMES)."
+        )
+
+
+def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8):
+    """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
+        )
+    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
+    _check_fp8(fp8)
+    c = config
+    x = _embed(params, tokens, c)
+    seq = tokens.shape[1]
+    rope = _layer_rope(c, seq if positions is None else positions)
+    attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
+    is_local = _is_local(c)
+
+    def body(x, xs):
+        if is_local is not None:  # layers differ: this layer's flag is scanned last
+            *xs, local = xs
+            xs = tuple(xs) if fp8 is not None else xs[0]
+        else:
+            local = None
+        layer, layer_fp8 = xs if fp8 is not None else (xs, None)
+        layer_rope, layer_attn = _per_layer(local, rope, attn, c)
+        return _layer(x, layer, c, layer_rope, layer_attn, layer_fp8)[0], None
+
+    if layer_transform is not None:
+        body = layer_transform(body)
+    xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
+    if is_local is not None:
+        xs = (*xs, is_local) if fp8 is not None else (xs, is_local)
+    return jax.lax.scan(body, x, xs)[0]
 
 
 def forward(
@@ -850,47 +867,16 @@ def forward(
         are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``
         (they would go unused and be reset).
     """
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(
-            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
-        )
-    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
-    c = config
-    x = _embed(params, tokens, c)
-    seq = tokens.shape[1]
-    rope, mask = _layer_inputs(
-        c, seq if positions is None else positions, jnp.arange(seq), None, segment_ids
+    x = _hidden(
+        params,
+        tokens,
+        config,
+        positions=positions,
+        segment_ids=segment_ids,
+        layer_transform=layer_transform,
+        fp8=fp8,
     )
-    is_local = _is_local(c)
-
-    if fp8 is not None and any(
-        fp8_lib.is_meta(m)
-        for k, v in fp8.items()
-        if k != "layers"
-        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
-    ):
-        raise ValueError(
-            "fp8 metas are only used for the projections under 'layers'; "
-            "build them with fp8.init_metas(params, LINEAR_NAMES)."
-        )
-
-    def body(x, xs):
-        if is_local is not None:  # layers differ: this layer's flag is scanned last
-            *xs, local = xs
-            xs = tuple(xs) if fp8 is not None else xs[0]
-        else:
-            local = None
-        layer, layer_fp8 = xs if fp8 is not None else (xs, None)
-        layer_rope, layer_mask = _select(local, rope), _select(local, mask)
-        return _layer(x, layer, c, layer_rope, layer_mask, layer_fp8)[0], None
-
-    if layer_transform is not None:
-        body = layer_transform(body)
-    xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
-    if is_local is not None:
-        xs = (*xs, is_local) if fp8 is not None else (xs, is_local)
-    x, _ = jax.lax.scan(body, x, xs)
-    return _head(params, x, c)
+    return _head(params, x, config)
 
 
 @jax.named_scope("cross_entropy")
@@ -898,10 +884,7 @@ def cross_entropy(
     logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
 ) -> jax.Array:
     """Mean token cross-entropy (nats). logits ``[B,S,V]`` float, targets int ``[B,S]``."""
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = logz - picked
+    nll = token_nll(logits, targets)
     if mask is None:
         return jnp.mean(nll)
     mask = mask.astype(jnp.float32)
@@ -915,8 +898,11 @@ def loss_fn(
 
     Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
     ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
-    keyword arguments go to ``forward``."""
-    logits = forward(
+    keyword arguments go to ``forward``. The loss is computed ``config.loss_chunk`` tokens
+    at a time (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
+    ``[B, S, V]`` logits."""
+    kwargs = {"layer_transform": None, "fp8": None, **kwargs}
+    x = _hidden(
         params,
         batch["inputs"],
         config,
@@ -924,7 +910,14 @@ def loss_fn(
         segment_ids=batch.get("segment_ids"),
         **kwargs,
     )
-    return cross_entropy(logits, batch["targets"], batch.get("mask"))
+    return linear_cross_entropy(
+        _final_norm(params, x, config),
+        _head_kernel(params, config),
+        batch["targets"],
+        batch.get("mask"),
+        chunk=config.loss_chunk,
+        logit_softcap=config.final_logit_softcap,
+    )
 
 
 def _cached_forward(params, tokens, config, cache, index):
@@ -932,14 +925,15 @@ def _cached_forward(params, tokens, config, cache, index):
     updated cache; ``cache``: a pair ``[L, B, T, nKV, D]`` of keys and values."""
     c = config
     q_index = index + jnp.arange(tokens.shape[1])
-    rope, mask = _layer_inputs(c, q_index, q_index, jnp.arange(cache[0].shape[2]), None)
+    rope = _layer_rope(c, q_index)
+    attn = {"q_index": q_index, "kv_index": jnp.arange(cache[0].shape[2])}
     is_local = _is_local(c)
     x = _embed(params, tokens, c)
 
     def body(x, xs):
         layer, kv, local = xs
-        layer_rope, layer_mask = _select(local, rope), _select(local, mask)
-        return _layer(x, layer, c, layer_rope, layer_mask, None, kv, index)
+        layer_rope, layer_attn = _per_layer(local, rope, attn, c)
+        return _layer(x, layer, c, layer_rope, layer_attn, None, kv, index)
 
     x, cache = jax.lax.scan(body, x, (params["layers"], cache, is_local))
     return _head(params, x[:, -1:], c)[:, 0], cache

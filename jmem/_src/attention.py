@@ -1,0 +1,463 @@
+"""Causal grouped-query attention whose mask is built from token indices: a dense path
+(one ``[S, T]`` score matrix per head), a blockwise path that never holds it (online
+softmax over key/value blocks with a custom VJP that recomputes blocks, as FlashAttention,
+Dao et al. 2022, arXiv:2205.14135, and Rabe & Staats 2021, arXiv:2112.05682), and cuDNN's
+fused kernel through ``jax.nn.dot_product_attention`` on GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ("IMPLEMENTATIONS", "attention", "attention_mask")
+
+#: ``attention(implementation=...)`` values.
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn")
+
+#: ``"auto"`` runs the dense path up to this many keys (one block would cover them anyway,
+#: and the dense path is one pair of matmuls), blockwise beyond.
+AUTO_DENSE_MAX_KEYS = 1024
+
+#: Default query and key/value block sizes of the blockwise path (tokens).
+BLOCK_Q = 512
+BLOCK_KV = 512
+
+_NEG = -1e30  # "minus infinity" of a masked score that keeps exp() and max() finite
+
+
+def _as_rows(index, batch: int, length: int, name: str) -> jax.Array:
+    """An int ``[S]`` or ``[B, S]`` array as int32 ``[B, S]``."""
+    index = jnp.asarray(index)
+    if not jnp.issubdtype(index.dtype, jnp.integer) or index.shape not in (
+        (length,),
+        (batch, length),
+        (1, length),
+    ):
+        raise ValueError(
+            f"{name} must be an integer array [{length}] or [{batch}, {length}]; "
+            f"got {index.dtype}{index.shape}."
+        )
+    return jnp.broadcast_to(jnp.atleast_2d(index), (batch, length)).astype(jnp.int32)
+
+
+def _window(sliding_window) -> jax.Array:
+    """The window as an int32 scalar (0 = global); a Python int is checked."""
+    if sliding_window is None:
+        return jnp.zeros((), jnp.int32)
+    if isinstance(sliding_window, bool) or (
+        not isinstance(sliding_window, int) and jnp.ndim(sliding_window) != 0
+    ):
+        raise ValueError(
+            f"sliding_window must be None, an int or an int scalar array; got {sliding_window!r}."
+        )
+    return jnp.asarray(sliding_window, jnp.int32)
+
+
+def _allowed(qi, ki, qs, ks, window, kv_valid=None) -> jax.Array:
+    """bool ``[B, S, T]``: causal, same segment, within the window (``<= 0``: global)."""
+    qi, ki = qi[:, :, None], ki[:, None, :]
+    m = (ki <= qi) & ((window <= 0) | (qi - ki < window)) & (qs[:, :, None] == ks[:, None, :])
+    return m if kv_valid is None else m & kv_valid[:, None, :]
+
+
+def attention_mask(
+    q_index: jax.Array,
+    kv_index: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window=None,
+) -> jax.Array:
+    """Boolean attention mask, True where query ``i`` may attend key ``j``.
+
+    Query ``i`` attends key ``j`` iff ``kv_index[j] <= q_index[i]`` (causal), both carry the
+    same segment id (packed examples never see each other), and, with ``sliding_window=W > 0``,
+    ``q_index[i] - kv_index[j] < W`` (the query and the ``W - 1`` tokens before it, as
+    Mistral and Hugging Face's ``sliding_window_overlay``).
+
+    Args:
+      q_index: int ``[S]`` or ``[B, S]``: each query's index in its row (not its RoPE
+        position: positions restart in packed rows, indices do not).
+      kv_index: int ``[T]`` or ``[B, T]``: each key's index (a KV cache's slot); default
+        ``q_index`` (self-attention over the same tokens).
+      segment_ids: int ``[B, S]`` of the queries, or None (one segment).
+      kv_segment_ids: int ``[B, T]`` of the keys; default ``segment_ids``.
+      sliding_window: None or an int (a traced int32 scalar allowed): the window W in
+        tokens; ``W <= 0`` means global attention.
+
+    Returns:
+      bool ``[B, S, T]`` (``B`` is 1 when nothing has a batch axis).
+
+    Raises:
+      ValueError: a Python ``sliding_window < 1`` (use None for global attention).
+    """
+    if isinstance(sliding_window, int) and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}.")
+    kv_index = q_index if kv_index is None else kv_index
+    qi, ki = jnp.atleast_2d(q_index), jnp.atleast_2d(kv_index)
+    b = max(qi.shape[0], ki.shape[0], 1 if segment_ids is None else segment_ids.shape[0])
+    qs = jnp.zeros((b, qi.shape[1]), jnp.int32) if segment_ids is None else segment_ids
+    ks = qs if kv_segment_ids is None else kv_segment_ids
+    if segment_ids is None and kv_segment_ids is None:
+        ks = jnp.zeros((b, ki.shape[1]), jnp.int32)
+    qi, ki = jnp.broadcast_to(qi, (b, qi.shape[1])), jnp.broadcast_to(ki, (b, ki.shape[1]))
+    return _allowed(qi, ki, qs, ks, _window(sliding_window))
+
+
+def _softcap(scores, cap):
+    return scores if cap is None else cap * jnp.tanh(scores / cap)
+
+
+def _to_groups(q, nkv):
+    """``[B, S, nH, D]`` -> ``[B, nKV, G, S, D]`` (query head ``h = kv * G + g``)."""
+    b, s, nh, d = q.shape
+    return q.reshape(b, s, nkv, nh // nkv, d).transpose(0, 2, 3, 1, 4)
+
+
+def _from_groups(x):
+    """``[B, nKV, G, S, D]`` -> ``[B, S, nH, D]``."""
+    b, nkv, g, s, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, s, nkv * g, d)
+
+
+def _dense(q, k, v, mask, scale, cap):
+    """Softmax attention over a full score matrix; ``mask`` bool ``[B, S, T]``."""
+    b, s, nh, d = q.shape
+    nkv, t = k.shape[2], k.shape[1]
+    g = nh // nkv
+    # Heads-major layouts make both einsums plain batched matmuls whose results need no
+    # transpose: the [.., S, T] scores and their gradients (the big arrays) are written once,
+    # in place; only q/k/v/out (D wide) are transposed. The G query heads of a KV head are
+    # merged with the queries so that every gradient contracts one axis.
+    q = _to_groups(q, nkv).reshape(b, nkv, g * s, d)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) * scale
+    scores = _softcap(scores, cap).reshape(b, nkv, g, s, t)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, s, d)
+    return _from_groups(out)
+
+
+# --------------------------------------------------------------------------------------
+# Blockwise: q [B, nKV, G, Sp, D], k/v [B, nKV, Tp, D]; Sp, Tp multiples of the blocks.
+
+
+def _block(x, i, size, axis):
+    return lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+
+
+def _block_scores(qb, kb, scale, cap):
+    """Raw (pre-softcap) float32 scores ``[B, nKV, G, bq, bk]`` and softcapped ones."""
+    raw = jnp.einsum("bkgqd,bksd->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
+    return raw, _softcap(raw, cap)
+
+
+def _block_mask(idx, i, j, bq, bk):
+    """bool ``[B, 1, 1, bq, bk]`` for query block ``i`` and key block ``j``."""
+    qi, ki, qs, ks, kv_valid, window = idx
+    m = _allowed(
+        _block(qi, i, bq, 1),
+        _block(ki, j, bk, 1),
+        _block(qs, i, bq, 1),
+        _block(ks, j, bk, 1),
+        window,
+        _block(kv_valid, j, bk, 1),
+    )
+    return m[:, None, None]
+
+
+def _fwd_q_block(q, k, v, idx, needed, static, i):
+    """Output ``[B, nKV, G, bq, D]`` (float32) and log-sum-exp of query block ``i``."""
+    scale, cap, bq, bk = static
+    qb = _block(q, i, bq, 3)
+    shape = qb.shape[:-1]
+
+    def step(j, carry):
+        def compute(carry):
+            m, l, acc = carry
+            _, s = _block_scores(qb, _block(k, j, bk, 2), scale, cap)
+            mask = _block_mask(idx, i, j, bq, bk)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            vb = _block(v, j, bk, 2)
+            pv = jnp.einsum(
+                "bkgqs,bksd->bkgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+            )
+            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+        return lax.cond(needed[i, j], compute, lambda c: c, carry)
+
+    init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
+    init = init + (jnp.zeros(qb.shape, jnp.float32),)
+    m, l, acc = lax.fori_loop(0, needed.shape[1], step, init)
+    ok = l > 0  # a query with no key to attend (padding) gets a zero output
+    out = acc / jnp.where(ok, l, 1.0)[..., None]
+    return out, jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), 0.0)
+
+
+def _flash_fwd_impl(q, k, v, idx, needed, static):
+    """Blockwise forward: output like ``q`` in ``v``'s dtype and float32 lse ``[B, nKV, G, Sp]``."""
+    bq = static[2]
+    nq = q.shape[3] // bq
+    out, lse = lax.map(
+        functools.partial(_fwd_q_block, q, k, v, idx, needed, static), jnp.arange(nq)
+    )
+    # [nq, B, nKV, G, bq, ...] -> [B, nKV, G, nq * bq, ...]
+    out = jnp.moveaxis(out, 0, 3).reshape(q.shape).astype(v.dtype)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:-1])
+    return out, lse
+
+
+def _bwd_kv_block(res, static, dq, j):
+    """Gradients of key/value block ``j`` (float32); adds its share of ``dq``."""
+    q, k, v, idx, needed, lse, do, delta = res
+    scale, cap, bq, bk = static
+    kb, vb = _block(k, j, bk, 2), _block(v, j, bk, 2)
+
+    def step(i, carry):
+        def compute(carry):
+            dk, dv = carry
+            qb, dob = _block(q, i, bq, 3), _block(do, i, bq, 3)
+            raw, s = _block_scores(qb, kb, scale, cap)
+            mask = _block_mask(idx, i, j, bq, bk)
+            p = jnp.where(mask, jnp.exp(s - _block(lse, i, bq, 3)[..., None]), 0.0)
+            dv = dv + jnp.einsum(
+                "bkgqs,bkgqd->bksd", p.astype(do.dtype), dob, preferred_element_type=jnp.float32
+            )
+            dp = jnp.einsum("bkgqd,bksd->bkgqs", dob, vb, preferred_element_type=jnp.float32)
+            ds = p * (dp - _block(delta, i, bq, 3)[..., None])
+            if cap is not None:
+                ds = ds * (1.0 - jnp.square(s / cap))
+            ds = (ds * scale).astype(q.dtype)
+            dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qb, preferred_element_type=jnp.float32)
+            dqb = jnp.einsum("bkgqs,bksd->bkgqd", ds, kb, preferred_element_type=jnp.float32)
+            return (dk, dv), dqb
+
+        def skip(carry):
+            return carry, jnp.zeros(q.shape[:3] + (bq, q.shape[4]), jnp.float32)
+
+        (dk, dv), dqb = lax.cond(needed[i, j], compute, skip, carry[:2])
+        dq = lax.dynamic_update_slice_in_dim(carry[2], _block(carry[2], i, bq, 3) + dqb, i * bq, 3)
+        return dk, dv, dq
+
+    zeros = jnp.zeros(kb.shape, jnp.float32)
+    dk, dv, dq = lax.fori_loop(0, needed.shape[0], step, (zeros, zeros, dq))
+    return dq, (dk, dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, idx, needed, static):
+    return _flash_fwd_impl(q, k, v, idx, needed, static)[0]
+
+
+def _flash_fwd(q, k, v, idx, needed, static):
+    out, lse = _flash_fwd_impl(q, k, v, idx, needed, static)
+    return out, (q, k, v, idx, needed, out, lse)
+
+
+def _flash_bwd(static, res, do):
+    q, k, v, idx, needed, out, lse = res
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    nk = k.shape[2] // static[3]
+    body = functools.partial(_bwd_kv_block, (q, k, v, idx, needed, lse, do, delta), static)
+    dq, (dk, dv) = lax.scan(body, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
+    # [nk, B, nKV, bk, D] -> [B, nKV, nk * bk, D]
+    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape).astype(k.dtype)
+    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape).astype(v.dtype)
+    zero_idx = jax.tree.map(lambda _: None, idx)
+    return dq.astype(q.dtype), dk, dv, zero_idx, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad_to(x, multiple, axis, mode="edge"):
+    n = x.shape[axis]
+    extra = -n % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, mode=mode) if mode == "edge" else jnp.pad(x, widths)
+
+
+def _range(x, bsize):
+    """Per-row min and max over blocks: ``[B, n]`` each, for ``x [B, n * bsize]``."""
+    x = x.reshape(x.shape[0], -1, bsize)
+    return x.min(-1), x.max(-1)
+
+
+def _needed_blocks(qi, ki, qs, ks, window, bq, bk):
+    """bool ``[nq, nk]``: False where no query of block ``i`` may attend a key of block
+    ``j`` in any row (causal, window or segment ranges rule it out), so it is skipped."""
+    qmin, qmax = _range(qi, bq)
+    kmin, kmax = _range(ki, bk)
+    qsmin, qsmax = _range(qs, bq)
+    ksmin, ksmax = _range(ks, bk)
+    need = kmin[:, None, :] <= qmax[:, :, None]
+    need &= (window <= 0) | (kmax[:, None, :] > qmin[:, :, None] - window)
+    need &= (ksmin[:, None, :] <= qsmax[:, :, None]) & (ksmax[:, None, :] >= qsmin[:, :, None])
+    return jnp.any(need, axis=0)
+
+
+def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
+    """The blockwise path on ``[B, S, nH, D]`` / ``[B, T, nKV, D]`` inputs."""
+    b, s, nh, d = q.shape
+    t, nkv = k.shape[1], k.shape[2]
+    bq, bk = min(block_q, s), min(block_kv, t)
+    qg = _pad_to(_to_groups(q, nkv), bq, 3, "zero")
+    kt = _pad_to(k.transpose(0, 2, 1, 3), bk, 2, "zero")
+    vt = _pad_to(v.transpose(0, 2, 1, 3), bk, 2, "zero")
+    kv_valid = _pad_to(jnp.ones((b, t), bool), bk, 1, "zero")
+    qi, qs = _pad_to(qi, bq, 1), _pad_to(qs, bq, 1)
+    ki, ks = _pad_to(ki, bk, 1), _pad_to(ks, bk, 1)
+    needed = _needed_blocks(qi, ki, qs, ks, window, bq, bk)
+    idx = (qi, ki, qs, ks, kv_valid, window)
+    out = _flash(qg, kt, vt, idx, needed, (float(scale), cap, bq, bk))
+    return _from_groups(out[:, :, :, :s])
+
+
+def _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index) -> str | None:
+    """Why cuDNN's fused attention cannot run these inputs, or None when it can."""
+    if jax.default_backend() != "gpu":
+        return f"it needs a GPU (the backend is {jax.default_backend()!r})"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it needs bfloat16 or float16 inputs (got {q.dtype})"
+    if q.shape[-1] % 8 or q.shape[-1] > 128:
+        return f"it needs a head dim that is a multiple of 8 and <= 128 (got {q.shape[-1]})"
+    if segment_ids is not None:
+        return "packed segment_ids are not passed to it"
+    if cap is not None:
+        return "it has no logit softcap"
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        return "its sliding window must be a Python int (got a traced value)"
+    if kv_index is not None or q.shape[1] != k.shape[1]:
+        return "it runs self-attention only (no kv_index / KV cache)"
+    return None
+
+
+def _cudnn(q, k, v, sliding_window, scale):
+    window = None if not sliding_window or sliding_window <= 0 else (sliding_window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
+    )
+
+
+def _check_shapes(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3]:
+        raise ValueError(
+            "attention needs q [B, S, nH, D] and k, v [B, T, nKV, D] (same B and D); got "
+            f"q{q.shape}, k{k.shape}, v{v.shape}."
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})."
+        )
+
+
+def _pick(implementation, reason, t):
+    """The implementation ``"auto"`` resolves to (see ``attention``)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation {implementation!r} is unknown; choose from {IMPLEMENTATIONS}."
+        )
+    if implementation == "cudnn" and reason is not None:
+        raise ValueError(
+            f"implementation='cudnn' cannot run here: {reason}. Use 'blockwise' (any backend) "
+            "or 'auto'."
+        )
+    if implementation != "auto":
+        return implementation
+    if reason is None:
+        return "cudnn"
+    return "dense" if t <= AUTO_DENSE_MAX_KEYS else "blockwise"
+
+
+@jax.named_scope("attention")  # op names in profiles (benchmarks/qlora_profile.py)
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_index: jax.Array,
+    kv_index: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sliding_window=None,
+    scale: float | None = None,
+    logit_softcap: float | None = None,
+    implementation: str = "auto",
+    block_q: int = BLOCK_Q,
+    block_kv: int = BLOCK_KV,
+) -> jax.Array:
+    """Causal grouped-query softmax attention (softmax in float32), masked by token indices.
+
+    Query ``i`` attends key ``j`` where ``attention_mask`` allows it: ``kv_index[j] <=
+    q_index[i]``, the same segment id, and ``q_index[i] - kv_index[j] < sliding_window``
+    when the window is > 0. Scores are ``scale * q.k``, then ``c * tanh(scores / c)`` with
+    ``logit_softcap=c`` (Gemma 2), then masked.
+
+    Implementations:
+      - ``"dense"``: one float32 ``[B, nH, S, T]`` score matrix (and its gradient).
+      - ``"blockwise"``: online softmax over ``block_q x block_kv`` tiles (pure JAX, any
+        backend); the backward pass recomputes the tiles from the output and the float32
+        log-sum-exp (``[B, nH, S]``), so no ``[S, T]`` array exists. Tiles that the causal
+        mask, the window or the segment ranges rule out entirely are skipped (causal: about
+        half the FLOPs of the dense path).
+      - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``: GPU,
+        bf16/fp16, head dim a multiple of 8 up to 128, self-attention without
+        ``segment_ids``, ``kv_index`` or softcap, a Python-int window; it assumes
+        consecutive ``q_index`` (as ``llama.forward`` passes).
+      - ``"auto"``: cuDNN where it can run; else dense up to ``AUTO_DENSE_MAX_KEYS`` keys
+        (one tile would cover them) and blockwise beyond.
+
+    Args:
+      q: ``[B, S, nH, D]`` queries.
+      k, v: ``[B, T, nKV, D]`` keys and values; ``nH`` a multiple of ``nKV``.
+      q_index: int ``[S]`` or ``[B, S]``: each query's row index.
+      kv_index: int ``[T]`` or ``[B, T]``; default ``q_index``.
+      segment_ids, kv_segment_ids: int ``[B, S]`` / ``[B, T]`` packed-example ids, or None.
+      sliding_window: None, a Python int or a traced int32 scalar; ``<= 0`` is global.
+      scale: score scale; default ``1 / sqrt(D)``.
+      logit_softcap: None or the cap ``c > 0``.
+      implementation: one of ``IMPLEMENTATIONS``.
+      block_q, block_kv: tile sizes of the blockwise path (tokens).
+
+    Returns:
+      ``[B, S, nH, D]`` in ``v``'s dtype. A query with no key to attend gets zeros
+      (blockwise) or the mean of the values (dense); callers never produce one.
+
+    Raises:
+      ValueError: for mismatched shapes, non-integer or misshaped indices, an unknown
+        implementation, or ``"cudnn"`` where it cannot run (the message says why).
+    """
+    _check_shapes(q, k, v)
+    b, s, _, d = q.shape
+    t = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    cap = None if logit_softcap is None else float(logit_softcap)
+    reason = _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index)
+    impl = _pick(implementation, reason, t)
+    window = _window(sliding_window)
+    qi = _as_rows(q_index, b, s, "q_index")
+    ki = qi if kv_index is None else _as_rows(kv_index, b, t, "kv_index")
+    qs = (
+        jnp.zeros((b, s), jnp.int32)
+        if segment_ids is None
+        else _as_rows(segment_ids, b, s, "segment_ids")
+    )
+    ks = qs if kv_segment_ids is None else _as_rows(kv_segment_ids, b, t, "kv_segment_ids")
+    if segment_ids is None and kv_segment_ids is None and t != s:
+        ks = jnp.zeros((b, t), jnp.int32)
+    if impl == "cudnn":
+        return _cudnn(q, k, v, sliding_window, scale)
+    if impl == "dense":
+        return _dense(q, k, v, _allowed(qi, ki, qs, ks, window), scale, cap)
+    return _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)

@@ -1,0 +1,107 @@
+"""Cross-entropy of a linear output head computed over token chunks, so the ``[B, S, V]``
+logits never exist at once: a ``lax.scan`` over chunks whose body (head matmul,
+log-sum-exp, picked logit) is checkpointed and recomputed in the backward pass, as Apple's
+Cut Cross-Entropy (Wijmans et al. 2024, arXiv:2411.09009) and unsloth's chunked loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ("linear_cross_entropy", "token_nll")
+
+
+def token_nll(logits: jax.Array, targets: jax.Array, logit_softcap: float | None = None):
+    """Per-token negative log-likelihood (nats, float32) of int ``targets [...]`` under
+    ``logits [..., V]``, after ``c * tanh(logits / c)`` with ``logit_softcap=c``."""
+    logits = logits.astype(jnp.float32)
+    if logit_softcap is not None:
+        logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def _chunk_sum(head, logit_softcap, carry, xs):
+    """Adds one chunk's masked NLL sum to ``carry`` (float32 scalar)."""
+    x, targets, weight = xs
+    logits = jnp.einsum("nh,hv->nv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return carry + jnp.sum(token_nll(logits, targets, logit_softcap) * weight), None
+
+
+def _check(x, head, targets, mask, chunk):
+    if x.ndim != 3 or head.ndim != 2 or head.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"linear_cross_entropy needs x [B, S, H] and head [H, V]; got x{x.shape}, "
+            f"head{head.shape}."
+        )
+    if targets.shape != x.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(
+            f"targets must be an integer array [B, S] = {x.shape[:2]}; got "
+            f"{targets.dtype}{targets.shape}."
+        )
+    if mask is not None and mask.shape != x.shape[:2]:
+        raise ValueError(f"mask must be [B, S] = {x.shape[:2]}; got {mask.shape}.")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"chunk must be an int >= 0 (0 = unchunked); got {chunk!r}.")
+
+
+@jax.named_scope("cross_entropy")
+def linear_cross_entropy(
+    x: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    chunk: int,
+    logit_softcap: float | None = None,
+) -> jax.Array:
+    """Token-weighted mean cross-entropy of the logits ``x @ head``, chunk by chunk.
+
+    Equal to ``llama.cross_entropy(x @ head, targets, mask)``: ``sum(nll * mask) /
+    max(sum(mask), 1)`` (the mean over tokens without ``mask``), so microbatches combine
+    as ``jmem.accumulate_gradients`` weights them (by their unmasked-token counts). The
+    ``B * S`` tokens are cut into chunks of ``chunk``; a ``lax.scan`` computes one chunk's
+    float32 logits ``[chunk, V]``, its log-sum-exp and the picked logit, keeps only their
+    masked sum, and (checkpointed) recomputes that chunk's logits in the backward pass, so
+    the largest temporaries are ``[chunk, V]`` float32 (forward and backward) instead of
+    ``[B, S, V]``. The head is cast to ``x``'s dtype (as an untied or tied head,
+    ``embedding.T``, is in ``llama.forward``) and the matmul accumulates in float32.
+
+    Under ``jmem.qlora.apply`` an NF4 or LoRA head stays implicit: it is a constant of the
+    scan, and each chunk's matmul goes through its rule (an NF4 head is dequantized per
+    chunk, one ``[H, V]`` temporary at a time).
+
+    Args:
+      x: ``[B, S, H]`` final hidden states (after the final norm).
+      head: ``[H, V]`` output kernel.
+      targets: int ``[B, S]``.
+      mask: optional ``[B, S]`` loss weights (bool, int or float), 0 = ignored.
+      chunk: tokens per chunk; 0 (or ``>= B * S``) computes all logits at once.
+      logit_softcap: None or ``c``: logits become ``c * tanh(logits / c)`` (Gemma 2's
+        final-logit soft-capping).
+
+    Returns:
+      float32 scalar, nats per (unmasked) token.
+
+    Raises:
+      ValueError: misshaped inputs or a negative / non-int ``chunk``.
+    """
+    _check(x, head, targets, mask, chunk)
+    b, s, h = x.shape
+    n = b * s
+    weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
+    denom = jnp.maximum(jnp.sum(weight), 1.0)
+    if chunk == 0 or chunk >= n:
+        logits = jnp.einsum(
+            "bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32
+        )
+        return jnp.sum(token_nll(logits, targets, logit_softcap) * weight) / denom
+    pad = -n % chunk
+    xs = jnp.pad(x.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
+    ts = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
+    ws = jnp.pad(weight.reshape(n), (0, pad)).reshape(-1, chunk)
+    body = jax.checkpoint(lambda c, xs_: _chunk_sum(head, logit_softcap, c, xs_))
+    total, _ = lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))
+    return total / denom
