@@ -116,7 +116,10 @@ def _write_gemma(config: LlamaConfig) -> dict:
 
 
 def _phi3(c: dict) -> dict:
+    """Phi-3: no dropout; no biases (its fused projections have none)."""
     _no_dropout(c, "resid_pdrop", "embd_pdrop")
+    if c.get("attention_bias"):
+        refuse("attention_bias", True, "false (Phi-3's qkv_proj has no bias)")
     return {}
 
 
@@ -137,6 +140,8 @@ class Family:
         ...); refuses values it does not implement.
       write: the inverse, ``LlamaConfig`` -> those ``config.json`` fields.
       per_layer_rope: ``rope_parameters`` is ``{layer type: parameters}`` (Gemma 3).
+      defaults: the transformers config class's defaults of fields a ``config.json`` may
+        omit (Gemma's ``tie_word_embeddings=True``, soft-caps, ...), as pairs.
     """
 
     architecture: str
@@ -146,9 +151,17 @@ class Family:
     read: Callable[[dict], dict] = _no_fields
     write: Callable[[LlamaConfig], dict] = _no_output
     per_layer_rope: bool = False
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 _GEMMA = (("norm_offset", 1.0), ("norm_placement", "sandwich"), ("scale_embeddings", True))
+_GEMMA_DEFAULTS = (
+    ("tie_word_embeddings", True),
+    ("head_dim", 256),
+    ("query_pre_attn_scalar", 256),
+    ("sliding_window", 4096),
+    ("hidden_activation", "gelu_pytorch_tanh"),
+)
 _GEMMA_FIELDS = (
     "hidden_activation",
     "query_pre_attn_scalar",
@@ -166,7 +179,7 @@ FAMILIES: dict[str, Family] = {
         read=_llama_biases,
         write=_write_llama_biases,
     ),
-    "mistral": Family("MistralForCausalLM", windows="all"),
+    "mistral": Family("MistralForCausalLM", windows="all", defaults=(("sliding_window", 4096),)),
     "qwen2": Family("Qwen2ForCausalLM", windows="qwen", read=lambda c: {"biases": _QKV}),
     "qwen3": Family(
         "Qwen3ForCausalLM",
@@ -175,6 +188,7 @@ FAMILIES: dict[str, Family] = {
         fields=("attention_bias",),
         read=_attention_bias,
         write=_write_attention_bias,
+        defaults=(("head_dim", 128), ("sliding_window", 4096), ("max_window_layers", 28)),
     ),
     "gemma2": Family(
         "Gemma2ForCausalLM",
@@ -183,22 +197,35 @@ FAMILIES: dict[str, Family] = {
         fields=_GEMMA_FIELDS,
         read=_gemma,
         write=_write_gemma,
+        defaults=(
+            *_GEMMA_DEFAULTS,
+            ("attn_logit_softcapping", 50.0),
+            ("final_logit_softcapping", 30.0),
+        ),
     ),
     "gemma3_text": Family(
         "Gemma3ForCausalLM",
         options=(*_GEMMA, ("qk_norm", "head")),
         windows="pattern",
-        fields=(*_GEMMA_FIELDS, "rope_local_base_freq", "sliding_window_pattern"),
+        fields=(
+            *_GEMMA_FIELDS,
+            "rope_local_base_freq",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",  # transformers 5's spelling
+        ),
         read=_gemma,
         write=_write_gemma,
         per_layer_rope=True,
+        defaults=_GEMMA_DEFAULTS,
     ),
     "phi3": Family(
         "Phi3ForCausalLM",
         options=(("fused_projections", True),),
         windows="all",
-        fields=("resid_pdrop", "embd_pdrop", "original_max_position_embeddings"),
+        # original_max_position_embeddings only matters to longrope, which is refused
+        fields=("resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "attention_bias"),
         read=_phi3,
+        defaults=(("rms_norm_eps", 1e-5),),
     ),
     "olmo2": Family(
         "Olmo2ForCausalLM",
@@ -206,6 +233,7 @@ FAMILIES: dict[str, Family] = {
         fields=("attention_bias",),
         read=_attention_bias,
         write=_write_attention_bias,
+        defaults=(("rms_norm_eps", 1e-5),),
     ),
 }
 
@@ -334,7 +362,8 @@ def layer_windows(c: dict, family: Family) -> tuple[int | None, tuple[str, ...] 
         start = c.get("max_window_layers", n)
         types = ["full_attention" if i < start else "sliding_attention" for i in range(n)]
     else:
-        period = 2 if rule == "alternate" else int(c.get("sliding_window_pattern", 6))
+        pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
+        period = 2 if rule == "alternate" else int(pattern)
         types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown or len(types) != n:
@@ -373,7 +402,9 @@ IGNORED_FIELDS = frozenset(
     {
         "_name_or_path",
         "architectures",
+        "auto_map",  # remote-code class names (Phi-3); jmem runs its own decoder
         "bos_token_id",
+        "cache_implementation",  # generation's KV cache kind (Gemma's "hybrid")
         "dtype",
         "eos_token_id",
         "initializer_range",
@@ -544,6 +575,7 @@ def config_from_dict(c: dict) -> LlamaConfig:
             )
         refuse("model_type", model_type, ", ".join(FAMILIES) + hint)
     family = FAMILIES[model_type]
+    c = {**dict(family.defaults), **c}  # fields the file omits take the family's defaults
     _check_fields(c, family)
     if family.per_layer_rope:
         rope_theta, rope_scaling, local_theta = _gemma3_rope(c)

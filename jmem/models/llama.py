@@ -395,6 +395,155 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 
+def _alternating(n: int, period: int) -> tuple[str, ...]:
+    """Gemma's layer types: every ``period``-th layer global, the others sliding."""
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n))
+
+
+def _gemma(n_layers: int, period: int, **kwargs) -> LlamaConfig:
+    """A Gemma 2 (``period=2``) or Gemma 3 (``period=6``, QK-norm, local RoPE base 10k)
+    preset with the family's fixed options."""
+    gemma3 = period == 6
+    return LlamaConfig(
+        num_layers=n_layers,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=_alternating(n_layers, period),
+        norm_offset=1.0,
+        norm_placement="sandwich",
+        scale_embeddings=True,
+        attn_scale=256**-0.5,
+        qk_norm="head" if gemma3 else None,
+        rope_theta=1e6 if gemma3 else 10000.0,
+        local_rope_theta=1e4 if gemma3 else None,
+        attn_logit_softcap=None if gemma3 else 50.0,
+        final_logit_softcap=None if gemma3 else 30.0,
+        **kwargs,
+    )
+
+
+_GEMMA3_LONG = dict(max_seq_len=131072, rope_scaling=RopeScaling("linear", 8.0), vocab_size=262208)
+
+# Published families (shapes from each model's config.json on the Hugging Face Hub;
+# tests/test_families.py loads those config.json files into these presets).
+CONFIGS.update(
+    {
+        # Gemma 2 2B / 9B: alternating 4096-token sliding and global layers, soft-caps.
+        "gemma2_2b": _gemma(
+            26,
+            2,
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_heads=8,
+            num_kv_heads=4,
+            max_seq_len=8192,
+            sliding_window=4096,
+        ),
+        "gemma2_9b": _gemma(
+            42,
+            2,
+            vocab_size=256000,
+            hidden_size=3584,
+            intermediate_size=14336,
+            num_heads=16,
+            num_kv_heads=8,
+            max_seq_len=8192,
+            sliding_window=4096,
+        ),
+        # Gemma 3 1B (text only), 4B and 12B (their language models): 5 local layers per
+        # global one, QK-norm; 4B/12B scale the global RoPE linearly by 8.
+        "gemma3_1b": _gemma(
+            26,
+            6,
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_heads=4,
+            num_kv_heads=1,
+            max_seq_len=32768,
+            sliding_window=512,
+        ),
+        "gemma3_4b": _gemma(
+            34,
+            6,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_heads=8,
+            num_kv_heads=4,
+            sliding_window=1024,
+            **_GEMMA3_LONG,
+        ),
+        "gemma3_12b": _gemma(
+            48,
+            6,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_heads=16,
+            num_kv_heads=8,
+            sliding_window=1024,
+            **_GEMMA3_LONG,
+        ),
+        # Qwen3 0.6B / 8B: QK-norm per head, head_dim 128 != hidden / heads on 0.6B.
+        "qwen3_0_6b": LlamaConfig(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_embeddings=True,
+            max_seq_len=40960,
+            qk_norm="head",
+        ),
+        "qwen3_8b": LlamaConfig(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            max_seq_len=40960,
+            qk_norm="head",
+        ),
+        # Phi-3 mini 4K: fused qkv_proj / gate_up_proj, a 2047-token window in every layer.
+        "phi3_mini": LlamaConfig(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            max_seq_len=4096,
+            sliding_window=2047,
+            fused_projections=True,
+        ),
+        # OLMo 2 7B (1124): norms after each sublayer only, QK-norm over the projections.
+        "olmo2_7b": LlamaConfig(
+            vocab_size=100352,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-6,
+            max_seq_len=4096,
+            qk_norm="proj",
+            norm_placement="post",
+        ),
+    }
+)
+
+
 def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
     """Returns a named config from ``CONFIGS`` (``tiny``, ``llama2_7b``, ``llama3_2_1b``,
     ``mistral_7b``, ``qwen2_5_7b``, ...), with ``overrides`` replaced.
