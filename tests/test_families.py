@@ -3,6 +3,10 @@ loading, NF4, PEFT adapters both ways, merged export and greedy generation, each
 transformers' own classes on tiny random float32 checkpoints (the oracle)."""
 
 import json
+import os
+import subprocess
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -466,8 +470,6 @@ PUBLISHED_PARAMS = {
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_published_configs_load_as_the_presets_without_warnings(preset):
-    import warnings  # noqa: PLC0415
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = hf.config_from_dict({**_IDS, **PUBLISHED[preset]})
@@ -478,3 +480,37 @@ def test_published_configs_load_as_the_presets_without_warnings(preset):
 def test_preset_parameter_counts_equal_the_published_ones(preset):
     assert llama.num_params(llama.get_config(preset)) == PUBLISHED_PARAMS[preset]
     hash(llama.get_config(preset))  # a static jit argument
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_main_job_trains_each_family_and_peft_loads_its_adapter(tmp_path, family):
+    """``python examples/qlora_7b.py --checkpoint DIR`` (NF4 on load, byte tokenizer on a
+    260-token vocabulary) trains the family, and PeftModel on the transformers model with
+    the adapter directory it wrote computes jmem's logits (dense base + adapters, 1e-4)."""
+    peft = pytest.importorskip("peft", reason="loads the adapters the run wrote")
+    ckpt = tmp_path / "hf"
+    save_family(ckpt, family, vocab_size=260)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    argv = ["--checkpoint", str(ckpt), "--tokenizer", "byte", "--steps", "3", "--seq-len", "16"]
+    argv += ["--batch-size", "2", "--lora-rank", "2", "--lr", "1e-2", "--no-progress"]
+    argv += ["--out", str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+    run = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "qlora_7b.py"), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    adapter_dir = str(tmp_path / "run" / "adapter")
+    params, cfg = hf.load_params(str(ckpt), dtype=jnp.float32)
+    adapters = hf.load_adapters(adapter_dir, params, cfg)
+    assert sorted(adapters) == sorted(f"layers/{n}/kernel" for n in llama.linear_names(cfg))
+    assert any(float(jnp.abs(w.b).max()) > 0 for w in adapters.values())  # trained
+    adapters = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
+    tokens = np.arange(3, 23, dtype=np.int32)[None]
+    ours = lora.apply(lambda p, t: llama.forward(p, t, cfg))(params, adapters, tokens)
+    base = test_hf_adapters._base(str(ckpt))
+    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    assert _max_diff(ours, _logits(model, tokens)) <= 1e-4
