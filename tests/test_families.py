@@ -514,3 +514,119 @@ def test_main_job_trains_each_family_and_peft_loads_its_adapter(tmp_path, family
     base = test_hf_adapters._base(str(ckpt))
     model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
     assert _max_diff(ours, _logits(model, tokens)) <= 1e-4
+
+
+# Gemma's chat templates (tokenizer_config.json of google/gemma-2-2b-it, gemma-3-1b-it):
+# no system role in Gemma 2 (an error), Gemma 3 folds it into the first user turn.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
+    "not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == "
+    "'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must "
+    "alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == "
+    "'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif "
+    "%}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim -}}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+@pytest.mark.parametrize("template", [GEMMA2_TEMPLATE, GEMMA3_TEMPLATE], ids=["gemma2", "gemma3"])
+def test_gemma_chat_templates_render_as_transformers(template):
+    """jmem.data's renderer gives transformers' apply_chat_template text, assistant spans
+    that hold the answers, and transformers' error text where the template raises (Gemma 2:
+    no system role)."""
+    tokenizers = pytest.importorskip("tokenizers", reason="builds the oracle tokenizer")
+    from jmem._src.data import chat_template  # noqa: PLC0415
+
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, "<unk>")),
+        bos_token="<bos>",
+        eos_token="<eos>",
+    )
+    tok.chat_template = template
+    chat = [
+        {"role": "user", "content": "Hi "},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    system = [{"role": "system", "content": "Be brief."}, *chat]
+    for messages in (chat, system):
+        if template is GEMMA2_TEMPLATE and messages is system:
+            with pytest.raises(Exception, match="System role not supported") as theirs:
+                tok.apply_chat_template(messages, tokenize=False)
+            with pytest.raises(ValueError, match=f"conversation: {theirs.value}$"):
+                chat_template.render_chat(messages, template, bos_token="<bos>")
+            continue
+        want = tok.apply_chat_template(messages, tokenize=False)
+        assert chat_template.render_chat(messages, template, bos_token="<bos>") == want
+        text, spans = chat_template.assistant_spans(messages, template, bos_token="<bos>")
+        assert [text[a:b] for a, b in spans] == ["Hello.<end_of_turn>\n", "4<end_of_turn>\n"]
+
+
+def _family_config(checkpoints, family, **overrides):
+    return llama.get_config(hf.load_config(checkpoints[family][0]), **overrides)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_remat_saves_memory_and_keeps_gradients_on_each_family(checkpoints, family):
+    """jmem.remat(loss, "full") on each family: the gradients of the plain loss (float32
+    rounding), and at most half its temporary bytes (compiled memory_analysis)."""
+    import jmem  # noqa: PLC0415
+
+    cfg = _family_config(checkpoints, family)
+    params = llama.init(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 257), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    loss = lambda p, b: llama.loss_fn(p, b, cfg)
+    plain = jmem.measure(jax.grad(loss), params, batch).temp_bytes
+    remat = jmem.measure(jax.grad(jmem.remat(loss, "full")), params, batch).temp_bytes
+    assert remat <= 0.5 * plain, (remat, plain)
+    got = jax.jit(jax.grad(jmem.remat(loss, "full")))(params, batch)
+    want = jax.jit(jax.grad(loss))(params, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3"])
+def test_blockwise_attention_matches_dense_with_family_features(checkpoints, family):
+    """Memory-efficient attention (jmem.ops' blockwise, 3 query and key blocks of 512 at
+    1030 tokens) under soft-capping, per-layer windows, a custom scale and QK-norm: the
+    dense logits and gradients (1e-5)."""
+    dense = _family_config(checkpoints, family, attention="dense", max_seq_len=2048)
+    blockwise = llama.get_config(dense, attention="blockwise")
+    params = llama.init(jax.random.key(0), dense)
+    params = jax.tree.map(lambda x: x * 10 if x.ndim == 3 else x, params)  # caps act
+    tokens = jax.random.randint(jax.random.key(1), (1, 1031), 0, dense.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    np.testing.assert_allclose(
+        llama.forward(params, batch["inputs"], blockwise),
+        llama.forward(params, batch["inputs"], dense),
+        atol=1e-5,
+    )
+    g_block = jax.jit(jax.grad(llama.loss_fn), static_argnums=2)(params, batch, blockwise)
+    g_dense = jax.jit(jax.grad(llama.loss_fn), static_argnums=2)(params, batch, dense)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_block, g_dense)
