@@ -173,7 +173,8 @@ def _block_mask(idx, i, j, bq, bk):
 
 
 def _fwd_q_block(q, k, v, idx, needed, static, i):
-    """Output ``[B, nKV, G, bq, D]`` (float32) and log-sum-exp of query block ``i``."""
+    """Output ``[B, nKV, G, bq, D]`` (``v``'s dtype) and float32 log-sum-exp of query
+    block ``i``."""
     scale, cap, bq, bk = static
     qb = _block(q, i, bq, 3)
     shape = qb.shape[:-1]
@@ -198,7 +199,7 @@ def _fwd_q_block(q, k, v, idx, needed, static, i):
     init = init + (jnp.zeros(qb.shape, jnp.float32),)
     m, l, acc = lax.fori_loop(0, needed.shape[1], step, init)
     ok = l > 0  # a query with no key to attend (padding) gets a zero output
-    out = acc / jnp.where(ok, l, 1.0)[..., None]
+    out = (acc / jnp.where(ok, l, 1.0)[..., None]).astype(v.dtype)
     return out, jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), 0.0)
 
 
@@ -206,17 +207,22 @@ def _flash_fwd_impl(q, k, v, idx, needed, static):
     """Blockwise forward: output like ``q`` in ``v``'s dtype and float32 lse ``[B, nKV, G, Sp]``."""
     bq = static[2]
     nq = q.shape[3] // bq
+    # Ties the indices to q: without it, a scan over layers (whose indices are constants)
+    # hoists the mask tiles of every (query, key) block pair out of the loop as
+    # [nq, nk, ..., bq, bk] arrays when it is differentiated.
+    q, k, v, idx, needed = lax.optimization_barrier((q, k, v, idx, needed))
     out, lse = lax.map(
         functools.partial(_fwd_q_block, q, k, v, idx, needed, static), jnp.arange(nq)
     )
     # [nq, B, nKV, G, bq, ...] -> [B, nKV, G, nq * bq, ...]
-    out = jnp.moveaxis(out, 0, 3).reshape(q.shape).astype(v.dtype)
+    out = jnp.moveaxis(out, 0, 3).reshape(q.shape)
     lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:-1])
     return out, lse
 
 
 def _bwd_kv_block(res, static, dq, j):
-    """Gradients of key/value block ``j`` (float32); adds its share of ``dq``."""
+    """Gradients of key/value block ``j`` (in ``k``'s dtype); adds its share of the float32
+    ``dq``."""
     q, k, v, idx, needed, lse, do, delta = res
     scale, cap, bq, bk = static
     kb, vb = _block(k, j, bk, 2), _block(v, j, bk, 2)
@@ -249,7 +255,7 @@ def _bwd_kv_block(res, static, dq, j):
 
     zeros = jnp.zeros(kb.shape, jnp.float32)
     dk, dv, dq = lax.fori_loop(0, needed.shape[0], step, (zeros, zeros, dq))
-    return dq, (dk, dv)
+    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -263,14 +269,14 @@ def _flash_fwd(q, k, v, idx, needed, static):
 
 
 def _flash_bwd(static, res, do):
-    q, k, v, idx, needed, out, lse = res
+    q, k, v, idx, needed, out, lse = lax.optimization_barrier(res)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     nk = k.shape[2] // static[3]
     body = functools.partial(_bwd_kv_block, (q, k, v, idx, needed, lse, do, delta), static)
     dq, (dk, dv) = lax.scan(body, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
     # [nk, B, nKV, bk, D] -> [B, nKV, nk * bk, D]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape).astype(k.dtype)
-    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape).astype(v.dtype)
+    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
+    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
     zero_idx = jax.tree.map(lambda _: None, idx)
     return dq.astype(q.dtype), dk, dv, zero_idx, None
 
