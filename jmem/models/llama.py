@@ -3,9 +3,11 @@
 RMSNorm, rotary position embeddings (``rope_theta``, optional Llama 3.1 / linear
 scaling), grouped-query attention (optional sliding window, packed rows via
 ``segment_ids``) and a gated MLP (SwiGLU by default), with optional projection biases, as
-in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``,
-``MistralForCausalLM`` and ``Qwen2ForCausalLM``, whose checkpoints load into it
-(``jmem.models.hf``). ``generate`` decodes with a KV cache.
+in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``. Named family
+options (per-layer attention types and RoPE bases, norm form and placement, QK-norm,
+attention scale and soft-caps, embedding scale, fused projections) make it Mistral, Qwen2/3,
+Gemma 2/3, Phi-3 and OLMo 2 too, whose checkpoints load into it (``jmem.models.hf``; the
+mapping is ``jmem.models.families``). ``generate`` decodes with a KV cache.
 
 Why pure functions instead of Flax modules: every jmem transform (remat over scans,
 NF4 leaves, LoRA adapters, FP8 scaling state, sharding rules) acts on a params pytree
@@ -75,13 +77,17 @@ CHECKPOINT_NAMES = (
     "query_proj",
     "key_proj",
     "value_proj",
+    "q_norm",
+    "k_norm",
     "attn_context",
     "attn_out",
+    "post_attn_norm",
     "mlp_norm",
     "mlp_gate",
     "mlp_up",
     "mlp_hidden",
     "mlp_down",
+    "post_mlp_norm",
 )
 
 #: The weight names of one layer that are matmul kernels ``[in, out]``.
