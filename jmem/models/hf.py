@@ -277,7 +277,8 @@ def load_params(
     double_quant: bool = True,
     allow_unused: bool = False,
 ) -> tuple[dict[str, Any], LlamaConfig]:
-    """Reads a checkpoint into the ``jmem.models.llama`` params layout.
+    """Reads a checkpoint of any ``MODEL_TYPES`` family into the ``jmem.models.llama``
+    params layout (leaves and tensor names from ``jmem.models.families.tensor_names``).
 
     With ``quantize="nf4"`` the host never holds the whole model in ``dtype``: the peak is
     the NF4 model plus the embedding/head and one layer's matrix.
@@ -288,7 +289,7 @@ def load_params(
       config: overrides the config read from ``config.json``.
       dtype: dtype of the unquantized leaves (embedding, norms, head, or every leaf).
       quantize: None, or ``"nf4"`` to quantize every layer's linear weight as it is read
-        (``jmem.nf4``; embedding and head stay in ``dtype``), as in QLoRA.
+        (``jmem.nf4``; embedding, head, norms and biases stay in ``dtype``), as in QLoRA.
       block_size, double_quant: NF4 options.
       allow_unused: load even if some tensors of the checkpoint are not part of the
         model (by default that is an error: they would be silently dropped).

@@ -163,7 +163,8 @@ def save_adapters(
 
     Raises:
       ValueError: an adapter on a weight PEFT has no module for (a bias, a norm, the
-        embedding; only the seven projections' kernels), shapes that do not
+        embedding; only the projections' kernels, ``llama.linear_names(config)``), shapes
+        that do not
         fit ``config``, or adapters that differ in rank/alpha/dropout/rsLoRA/init.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
