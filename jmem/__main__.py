@@ -140,6 +140,8 @@ def _estimate(args: argparse.Namespace) -> int:
             "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
             "adapters (QLoRA)."
         )
+    if args.max_seq:
+        return _max_seq(args)
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         print(f"== optimizer={opt} remat={remat} ==")
@@ -149,6 +151,24 @@ def _estimate(args: argparse.Namespace) -> int:
             ledger = planner.estimate(args.model, **kw)
             print(ledger)
             print(static_line(ledger))
+        print()
+    return 0
+
+
+def _max_seq(args: argparse.Namespace) -> int:
+    """Prints the longest sequence that fits ``--memory``, without and with offload."""
+    if not args.memory:
+        raise ValueError("--max-seq needs --memory (e.g. --memory 24GB).")
+    for opt, remat in itertools.product(args.optimizer, args.remat):
+        kw = _estimate_kwargs(args, opt, remat)
+        found = planner.max_seq_len(args.memory, args.model, reserve=args.reserve, **kw)
+        (mode, plain), (_, offloaded) = found.items()
+        print(f"== optimizer={opt} remat={mode} ==")
+        print(f"longest sequence in {args.memory / planner.GB:g} GB: {plain:,} tokens")
+        print(
+            f"with each layer's input offloaded to host (remat offload_inputs): "
+            f"{offloaded:,} tokens"
+        )
         print()
     return 0
 
@@ -201,6 +221,11 @@ def _add_estimate(sub) -> None:
         type=_lora_targets,
         default="q_proj,v_proj",
         help="comma list or 'all' (default q_proj,v_proj)",
+    )
+    p.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="print the longest --seq-len that fits --memory, without and with offload",
     )
     p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
     p.add_argument("--quant", choices=["nf4"], default=None, help="quantization of the frozen base")

@@ -12,6 +12,7 @@ from jmem._src.planner.ledger import estimate
 from jmem._src.planner.ledger import largest_batch
 from jmem._src.planner.ledger import largest_model
 from jmem._src.planner.ledger import largest_seq_len
+from jmem._src.planner.ledger import max_seq_len
 from jmem._src.planner.ledger import parse_memory
 from jmem._src.planner.shapes import MODEL_SHAPES
 from jmem._src.planner.shapes import ModelShape
@@ -33,6 +34,7 @@ __all__ = (
     "largest_batch",
     "largest_model",
     "largest_seq_len",
+    "max_seq_len",
     "parse_memory",
     "resolve_shape",
     "standard_shape",

@@ -229,3 +229,31 @@ def test_blockwise_equals_dense_quick():
 
     grad = lambda impl: jax.jit(jax.grad(lambda *a: loss(impl, *a), (0, 1, 2), has_aux=True))
     chex.assert_trees_all_close(grad("blockwise")(q, k, v), grad("dense")(q, k, v), atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3_scaling", "mistral_sliding", "qwen2", "llama_gelu"])
+def test_hugging_face_logits_with_blockwise_tiles(tmp_path, monkeypatch, family):
+    """Every supported family's Hugging Face logits within 1e-4 through the blockwise path
+    cut into several tiles (16 x 8 over 40 tokens; Mistral's window included)."""
+    pytest.importorskip("transformers", reason="transformers is the oracle")
+    pytest.importorskip("torch", reason="transformers runs on torch")
+    import functools
+
+    import torch
+
+    from jmem.models import hf
+    from tests import test_hf
+
+    if family not in test_hf.FAMILIES:
+        pytest.skip(f"{family} is not among test_hf.FAMILIES {sorted(test_hf.FAMILIES)}")
+    model = test_hf._save_family(tmp_path, family)
+    params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
+    cfg = llama.get_config(cfg, attention="blockwise")
+    tiled = functools.partial(ops.attention, block_q=16, block_kv=8)
+    monkeypatch.setattr(llama, "attention", tiled)
+    tokens = np.random.default_rng(0).integers(0, 97, size=(2, 40))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(llama.forward(params, jnp.asarray(tokens, jnp.int32), cfg))
+    assert np.max(np.abs(got - ref)) <= 1e-4, np.max(np.abs(got - ref))

@@ -141,3 +141,18 @@ def test_errors():
         ops.linear_cross_entropy(x, head.T, targets, chunk=8)
     with pytest.raises(ValueError, match="targets"):
         ops.linear_cross_entropy(x, head, targets[:, 1:], chunk=8)
+
+
+def test_tiled_mlp_equals_whole():
+    """The token-chunked MLP (``mlp_chunk``, with a partial last chunk) gives the whole
+    MLP's loss and gradients."""
+    cfg = small_config()
+    params = llama.init(jax.random.key(0), cfg)
+    batch = token_batch(cfg, seq_len=24)
+    out = {
+        c: jax.jit(jax.value_and_grad(llama.loss_fn), static_argnums=2)(
+            params, batch, llama.get_config(cfg, mlp_chunk=c)
+        )
+        for c in (0, 20)
+    }
+    chex.assert_trees_all_close(out[20], out[0], rtol=1e-5, atol=1e-7)

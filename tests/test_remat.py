@@ -165,7 +165,14 @@ def test_unknown_policy_lists_valid_names():
         jmem.remat(lambda x: x, "bogus")
     with pytest.raises(TypeError):
         jmem.remat(lambda x: x, 3)
-    assert list(jmem.REMAT_POLICIES) == ["none", "dots", "selective", "full", "offload"]
+    assert list(jmem.REMAT_POLICIES) == [
+        "none",
+        "dots",
+        "selective",
+        "full",
+        "offload",
+        "offload_inputs",
+    ]
 
 
 def test_none_policy_returns_function_unchanged():

@@ -145,16 +145,21 @@ def _dense(q, k, v, mask, scale, cap):
 
 
 # --------------------------------------------------------------------------------------
-# Blockwise: q [B, nKV, G, Sp, D], k/v [B, nKV, Tp, D]; Sp, Tp multiples of the blocks.
+# Blockwise: q [B, Sp, nKV, G, D], k/v [B, Tp, nKV, D] (token-major, as the projections
+# produce them: no transposed copies); Sp, Tp multiples of the blocks; tiles along axis 1.
 
 
-def _block(x, i, size, axis):
-    return lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
+def _block(x, i, size):
+    return lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+
+
+def _put(x, i, size, value):
+    return lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), i * size, axis=1)
 
 
 def _block_scores(qb, kb, scale, cap):
     """Raw (pre-softcap) float32 scores ``[B, nKV, G, bq, bk]`` and softcapped ones."""
-    raw = jnp.einsum("bkgqd,bksd->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
+    raw = jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
     return raw, _softcap(raw, cap)
 
 
@@ -162,100 +167,102 @@ def _block_mask(idx, i, j, bq, bk):
     """bool ``[B, 1, 1, bq, bk]`` for query block ``i`` and key block ``j``."""
     qi, ki, qs, ks, kv_valid, window = idx
     m = _allowed(
-        _block(qi, i, bq, 1),
-        _block(ki, j, bk, 1),
-        _block(qs, i, bq, 1),
-        _block(ks, j, bk, 1),
+        _block(qi, i, bq),
+        _block(ki, j, bk),
+        _block(qs, i, bq),
+        _block(ks, j, bk),
         window,
-        _block(kv_valid, j, bk, 1),
+        _block(kv_valid, j, bk),
     )
     return m[:, None, None]
 
 
-def _fwd_q_block(q, k, v, idx, needed, static, i):
-    """Output ``[B, nKV, G, bq, D]`` (``v``'s dtype) and float32 log-sum-exp of query
-    block ``i``."""
-    scale, cap, bq, bk = static
-    qb = _block(q, i, bq, 3)
-    shape = qb.shape[:-1]
+def _rows(x):
+    """``[B, nKV, G, bq]`` -> ``[B, bq, nKV, G]`` (per-query statistics, token-major)."""
+    return jnp.moveaxis(x, 3, 1)
 
-    def step(j, carry):
-        def compute(carry):
-            m, l, acc = carry
-            _, s = _block_scores(qb, _block(k, j, bk, 2), scale, cap)
+
+def _fwd_q_block(q, k, v, idx, needed, static, i, carry):
+    """Writes query block ``i``'s output (``v``'s dtype) and float32 log-sum-exp into
+    ``carry = (out, lse)``."""
+    scale, cap, bq, bk = static
+    qb = _block(q, i, bq)
+    b, _, nkv, g, d = qb.shape
+
+    def step(j, state):
+        def compute(state):
+            m, l, acc = state
+            _, s = _block_scores(qb, _block(k, j, bk), scale, cap)
             mask = _block_mask(idx, i, j, bq, bk)
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
-            vb = _block(v, j, bk, 2)
             pv = jnp.einsum(
-                "bkgqs,bksd->bkgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+                "bkgqs,bskd->bkgqd",
+                p.astype(v.dtype),
+                _block(v, j, bk),
+                preferred_element_type=jnp.float32,
             )
             return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
-        return lax.cond(needed[i, j], compute, lambda c: c, carry)
+        return lax.cond(needed[i, j], compute, lambda st: st, state)
 
+    shape = (b, nkv, g, bq)
     init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
-    init = init + (jnp.zeros(qb.shape, jnp.float32),)
-    m, l, acc = lax.fori_loop(0, needed.shape[1], step, init)
+    m, l, acc = lax.fori_loop(0, needed.shape[1], step, init + (jnp.zeros(shape + (d,)),))
     ok = l > 0  # a query with no key to attend (padding) gets a zero output
-    out = (acc / jnp.where(ok, l, 1.0)[..., None]).astype(v.dtype)
-    return out, jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), 0.0)
+    ob = jnp.moveaxis(acc / jnp.where(ok, l, 1.0)[..., None], 3, 1)
+    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), 0.0)
+    return _put(carry[0], i, bq, ob), _put(carry[1], i, bq, _rows(lse))
 
 
 def _flash_fwd_impl(q, k, v, idx, needed, static):
-    """Blockwise forward: output like ``q`` in ``v``'s dtype and float32 lse ``[B, nKV, G, Sp]``."""
-    bq = static[2]
-    nq = q.shape[3] // bq
+    """Blockwise forward: output like ``q`` in ``v``'s dtype, float32 lse ``[B, Sp, nKV, G]``."""
     # Ties the indices to q: without it, a scan over layers (whose indices are constants)
     # hoists the mask tiles of every (query, key) block pair out of the loop as
     # [nq, nk, ..., bq, bk] arrays when it is differentiated.
     q, k, v, idx, needed = lax.optimization_barrier((q, k, v, idx, needed))
-    out, lse = lax.map(
-        functools.partial(_fwd_q_block, q, k, v, idx, needed, static), jnp.arange(nq)
-    )
-    # [nq, B, nKV, G, bq, ...] -> [B, nKV, G, nq * bq, ...]
-    out = jnp.moveaxis(out, 0, 3).reshape(q.shape)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:-1])
-    return out, lse
+    init = (jnp.zeros(q.shape, v.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
+    body = functools.partial(_fwd_q_block, q, k, v, idx, needed, static)
+    return lax.fori_loop(0, needed.shape[0], body, init)
 
 
-def _bwd_kv_block(res, static, dq, j):
-    """Gradients of key/value block ``j`` (in ``k``'s dtype); adds its share of the float32
-    ``dq``."""
+def _bwd_kv_block(res, static, j, carry):
+    """Adds key/value block ``j``'s share to ``carry = (dq float32, dk, dv)``."""
     q, k, v, idx, needed, lse, do, delta = res
     scale, cap, bq, bk = static
-    kb, vb = _block(k, j, bk, 2), _block(v, j, bk, 2)
+    kb, vb = _block(k, j, bk), _block(v, j, bk)
 
-    def step(i, carry):
-        def compute(carry):
-            dk, dv = carry
-            qb, dob = _block(q, i, bq, 3), _block(do, i, bq, 3)
+    def step(i, state):
+        def compute(state):
+            dk, dv = state
+            qb, dob = _block(q, i, bq), _block(do, i, bq)
             raw, s = _block_scores(qb, kb, scale, cap)
             mask = _block_mask(idx, i, j, bq, bk)
-            p = jnp.where(mask, jnp.exp(s - _block(lse, i, bq, 3)[..., None]), 0.0)
+            lse_b = jnp.moveaxis(_block(lse, i, bq), 1, 3)
+            p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)
             dv = dv + jnp.einsum(
-                "bkgqs,bkgqd->bksd", p.astype(do.dtype), dob, preferred_element_type=jnp.float32
+                "bkgqs,bqkgd->bskd", p.astype(do.dtype), dob, preferred_element_type=jnp.float32
             )
-            dp = jnp.einsum("bkgqd,bksd->bkgqs", dob, vb, preferred_element_type=jnp.float32)
-            ds = p * (dp - _block(delta, i, bq, 3)[..., None])
+            dp = jnp.einsum("bqkgd,bskd->bkgqs", dob, vb, preferred_element_type=jnp.float32)
+            ds = p * (dp - jnp.moveaxis(_block(delta, i, bq), 1, 3)[..., None])
             if cap is not None:
                 ds = ds * (1.0 - jnp.square(s / cap))
             ds = (ds * scale).astype(q.dtype)
-            dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qb, preferred_element_type=jnp.float32)
-            dqb = jnp.einsum("bkgqs,bksd->bkgqd", ds, kb, preferred_element_type=jnp.float32)
+            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb, preferred_element_type=jnp.float32)
+            dqb = jnp.einsum("bkgqs,bskd->bqkgd", ds, kb, preferred_element_type=jnp.float32)
             return (dk, dv), dqb
 
-        def skip(carry):
-            return carry, jnp.zeros(q.shape[:3] + (bq, q.shape[4]), jnp.float32)
+        def skip(state):
+            return state, jnp.zeros(_block(q, i, bq).shape, jnp.float32)
 
-        (dk, dv), dqb = lax.cond(needed[i, j], compute, skip, carry[:2])
-        dq = lax.dynamic_update_slice_in_dim(carry[2], _block(carry[2], i, bq, 3) + dqb, i * bq, 3)
+        (dk, dv), dqb = lax.cond(needed[i, j], compute, skip, state[:2])
+        dq = _put(state[2], i, bq, _block(state[2], i, bq) + dqb)
         return dk, dv, dq
 
     zeros = jnp.zeros(kb.shape, jnp.float32)
-    dk, dv, dq = lax.fori_loop(0, needed.shape[0], step, (zeros, zeros, dq))
-    return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+    dk, dv, dq = lax.fori_loop(0, needed.shape[0], step, (zeros, zeros, carry[0]))
+    return dq, _put(carry[1], j, bk, dk), _put(carry[2], j, bk, dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -271,12 +278,9 @@ def _flash_fwd(q, k, v, idx, needed, static):
 def _flash_bwd(static, res, do):
     q, k, v, idx, needed, out, lse = lax.optimization_barrier(res)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    nk = k.shape[2] // static[3]
     body = functools.partial(_bwd_kv_block, (q, k, v, idx, needed, lse, do, delta), static)
-    dq, (dk, dv) = lax.scan(body, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
-    # [nk, B, nKV, bk, D] -> [B, nKV, nk * bk, D]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
-    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v))
+    dq, dk, dv = lax.fori_loop(0, needed.shape[1], body, init)
     zero_idx = jax.tree.map(lambda _: None, idx)
     return dq.astype(q.dtype), dk, dv, zero_idx, None
 
@@ -318,16 +322,15 @@ def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
     b, s, nh, d = q.shape
     t, nkv = k.shape[1], k.shape[2]
     bq, bk = min(block_q, s), min(block_kv, t)
-    qg = _pad_to(_to_groups(q, nkv), bq, 3, "zero")
-    kt = _pad_to(k.transpose(0, 2, 1, 3), bk, 2, "zero")
-    vt = _pad_to(v.transpose(0, 2, 1, 3), bk, 2, "zero")
+    qg = _pad_to(q.reshape(b, s, nkv, nh // nkv, d), bq, 1, "zero")
+    kp, vp = _pad_to(k, bk, 1, "zero"), _pad_to(v, bk, 1, "zero")
     kv_valid = _pad_to(jnp.ones((b, t), bool), bk, 1, "zero")
     qi, qs = _pad_to(qi, bq, 1), _pad_to(qs, bq, 1)
     ki, ks = _pad_to(ki, bk, 1), _pad_to(ks, bk, 1)
     needed = _needed_blocks(qi, ki, qs, ks, window, bq, bk)
     idx = (qi, ki, qs, ks, kv_valid, window)
-    out = _flash(qg, kt, vt, idx, needed, (float(scale), cap, bq, bk))
-    return _from_groups(out[:, :, :, :s])
+    out = _flash(qg, kp, vp, idx, needed, (float(scale), cap, bq, bk))
+    return out[:, :s].reshape(b, s, nh, d)
 
 
 def _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index) -> str | None:

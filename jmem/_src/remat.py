@@ -34,9 +34,32 @@ class RematPolicies(dict):
     ``none``: everything saved. ``dots``: every matmul output saved. ``selective``: matmuls
     against weights saved, attention and element-wise work recomputed (Korthikanti et al.
     2022). ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
-    ``offload``: as ``selective`` with the residuals in ``pinned_host`` memory.
+    ``offload``: as ``selective`` with the residuals in ``pinned_host`` memory, and the
+    value named ``"layer_input"`` (each layer's input in ``jmem.models.llama``) offloaded
+    too, so the residual stream leaves the device. ``offload_inputs``: as ``full`` with
+    each layer's input in ``pinned_host`` memory (nothing else saved: the least device
+    memory, and host memory of one hidden-sized activation per layer, as unsloth's
+    offloaded gradient checkpointing).
     ``docs/remat.md`` has the measured table.
     """
+
+
+#: The ``checkpoint_name`` of a layer's input that the ``offload`` policy sends to host.
+LAYER_INPUT = "layer_input"
+_offload_inputs = _cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[LAYER_INPUT],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
+_offload_dots = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+_RECOMPUTE = _offload_inputs(jax.lax.add_p)  # what a policy answers for "not saved"
+
+
+def _offload_policy(prim, *avals, **params):
+    """``offload``: the named layer input to host, else matmuls against weights to host."""
+    decision = _offload_inputs(prim, *avals, **params)
+    return _offload_dots(prim, *avals, **params) if decision is _RECOMPUTE else decision
 
 
 REMAT_POLICIES = RematPolicies(
@@ -44,7 +67,8 @@ REMAT_POLICIES = RematPolicies(
     dots=_cp.dots_saveable,
     selective=_cp.dots_with_no_batch_dims_saveable,
     full=_cp.nothing_saveable,
-    offload=_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    offload=_offload_policy,
+    offload_inputs=_offload_inputs,
 )
 
 

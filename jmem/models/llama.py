@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 CHECKPOINT_NAMES = (
+    "layer_input",
     "attn_norm",
     "query_proj",
     "key_proj",
@@ -185,6 +186,9 @@ class LlamaConfig:
       loss_chunk: tokens per chunk of ``loss_fn``'s cross-entropy (``[loss_chunk, V]``
         float32 logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes
         all ``[B, S, V]`` logits at once.
+      mlp_chunk: tokens per chunk of the MLP (the "tiled MLP": its ``[chunk, F]``
+        intermediates are recomputed chunk by chunk in the backward pass); 0, or fewer
+        tokens than this, runs it whole.
 
     Family options (Gemma 2/3, Qwen3, Phi-3, OLMo 2 are these settings, see
     ``docs/families.md``; the defaults are Llama):
@@ -243,6 +247,7 @@ class LlamaConfig:
     fused_projections: bool = False
     attention: str = "auto"
     loss_chunk: int = 2048
+    mlp_chunk: int = 4096
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
@@ -251,14 +256,10 @@ class LlamaConfig:
                 f"attention={self.attention!r} is unknown; choose from "
                 f"{attention_lib.IMPLEMENTATIONS}."
             )
-        if (
-            isinstance(self.loss_chunk, bool)
-            or not isinstance(self.loss_chunk, int)
-            or (self.loss_chunk < 0)
-        ):
-            raise ValueError(
-                f"loss_chunk must be an int >= 0 (0 = unchunked); got {self.loss_chunk!r}."
-            )
+        for name in ("loss_chunk", "mlp_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
         names = linear_names(self)
         unknown = sorted(set(self.biases) - set(names))
         if unknown:
@@ -835,9 +836,25 @@ def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
 
     x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn_block)
     x, _ = _sublayer(
-        x, layer, c, "mlp_norm", "post_mlp_norm", lambda h: (_mlp(h, layer, c, fp8), None)
+        x, layer, c, "mlp_norm", "post_mlp_norm", lambda h: (_tiled_mlp(h, layer, c, fp8), None)
     )
     return x, cache
+
+
+def _tiled_mlp(h, layer, config, fp8):
+    """``_mlp`` over chunks of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
+    ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
+    layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
+    (whose scaling state is a per-call gradient)."""
+    b, s, width = h.shape
+    n, chunk = b * s, config.mlp_chunk
+    if not chunk or n <= chunk or fp8 is not None:
+        return _mlp(h, layer, config, fp8)
+    pad = -n % chunk
+    hs = jnp.pad(h.reshape(n, width), ((0, pad), (0, 0))).reshape(-1, 1, chunk, width)
+    body = jax.checkpoint(lambda carry, hc: (carry, _mlp(hc, layer, config, None)))
+    _, ys = jax.lax.scan(body, None, hs)
+    return ys.reshape(n + pad, width)[:n].reshape(b, s, width)
 
 
 def decoder_layer(
@@ -973,6 +990,8 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
         else:
             local = None
         layer, layer_fp8 = xs if fp8 is not None else (xs, None)
+        # Named so that remat's "offload" policy saves the layer input in host memory.
+        x = checkpoint_name(x, "layer_input")
         layer_rope, layer_attn = _per_layer(local, rope, attn, c)
         return _layer(x, layer, c, layer_rope, layer_attn, layer_fp8)[0], None
 

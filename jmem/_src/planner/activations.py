@@ -12,10 +12,26 @@ from typing import Any
 from jmem._src import dtypes as _dtypes
 from jmem._src.planner.shapes import ModelShape
 
-__all__ = ["REMAT_MODES", "activation_bytes"]
+__all__ = ["REMAT_MODES", "activation_bytes", "is_long_context"]
 
 #: Remat modes, as named by ``jmem.REMAT_POLICIES``, from most to least memory.
-REMAT_MODES = ("none", "dots", "selective", "full", "offload")
+REMAT_MODES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
+
+#: ``attention="auto"`` runs dense attention up to this many keys (``jmem.ops.attention``).
+AUTO_DENSE_MAX_KEYS = 1024
+
+#: Long-context paths (blockwise attention, tiled MLP, chunked loss): bytes per token and
+#: hidden unit that one layer's backward pass holds under remat, and bytes per token of an
+#: MLP chunk and intermediate unit. Fitted to the compiled peaks of the main job's dry run
+#: (Llama-3.1-8B, QLoRA r=32, full remat, 2k-48k tokens) on XLA:CPU, which keeps bf16
+#: temporaries in float32: about 9 float32 hidden-sized buffers (the layer input, its
+#: norm, q/k/v, the attention output and its float32 dq, the residual gradient) and 10
+#: float32 ``[chunk, F]`` buffers. See docs/long_context.md.
+LAYER_WORK_PER_TOKEN_H = 36
+MLP_WORK_PER_TOKEN_F = 40
+#: float32 ``[loss_chunk, V]`` buffers live at once in the chunked loss's backward pass,
+#: plus one float32 copy of the ``[H, V]`` head (XLA:CPU widens the bf16 head once).
+LOSS_CHUNK_BUFFERS = 2.5
 
 
 def _saved_per_token(shape: ModelShape, A: int, s: int) -> dict[str, int]:
@@ -28,15 +44,38 @@ def _saved_per_token(shape: ModelShape, A: int, s: int) -> dict[str, int]:
         "dots": A * (2 * h + 2 * qd + 2 * kv + 2 * F + a * s),
         "selective": A * (2 * h + qd + 2 * kv + 2 * F),
         "full": A * h,
-        "offload": A * h,
+        "offload": 0,
+        "offload_inputs": 0,
     }
 
 
 def _offloaded_per_token(shape: ModelShape, A: int) -> int:
-    """Bytes one layer sends to host per token under ``offload`` (selective's residuals)."""
+    """Bytes one layer sends to host per token under ``offload``: its input and
+    selective's residuals."""
     h, F = shape.hidden_size, shape.intermediate_size
     qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    return A * (h + qd + 2 * kv + 2 * F)
+    return A * (2 * h + qd + 2 * kv + 2 * F)
+
+
+def is_long_context(shape: ModelShape, seq_len: int) -> bool:
+    """Whether ``shape``'s step runs blockwise attention at ``seq_len`` (``"blockwise"``,
+    or ``"auto"``/``"cudnn"`` beyond ``AUTO_DENSE_MAX_KEYS`` keys)."""
+    if shape.attention == "dense":
+        return False
+    return shape.attention != "auto" or seq_len > AUTO_DENSE_MAX_KEYS
+
+
+def _long_context_parts(shape: ModelShape, b: int, s: int) -> dict[str, int]:
+    """``recompute`` and ``logits`` of the long-context paths (no ``[S, T]`` scores, no
+    ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries)."""
+    t, h, V = b * s, shape.hidden_size, shape.vocab_size
+    m = min(t, shape.mlp_chunk) if shape.mlp_chunk else t
+    if shape.loss_chunk:
+        logits = int(LOSS_CHUNK_BUFFERS * 4 * min(t, shape.loss_chunk) * V) + 4 * h * V
+    else:
+        logits = 2 * 4 * t * V
+    mlp = m * MLP_WORK_PER_TOKEN_F * shape.intermediate_size
+    return {"recompute": t * LAYER_WORK_PER_TOKEN_H * h + mlp, "logits": logits}
 
 
 def activation_bytes(
@@ -54,8 +93,14 @@ def activation_bytes(
     input ``A h``); ``recompute``: one layer's ``none`` residuals, live while the backward
     pass recomputes it (any remat); ``logits``: fp32 logits and their gradient
     ``8 b s V``; ``other``: the embedding output and the causal mask ``5 b a s^2``;
-    ``host_activations``: what ``offload`` keeps in host memory. The derivation and the
-    table of modes are in ``docs/planner.md``.
+    ``host_activations``: what ``offload`` keeps in host memory (each layer's input and
+    selective's residuals). With the long-context paths (``shape.attention`` blockwise at
+    this length, see :func:`is_long_context`) ``recompute`` is one layer's backward working
+    set ``t (36 h) + min(t, mlp_chunk) 40 F`` bytes, ``logits`` the chunked loss's
+    ``2.5 * 4 loss_chunk V + 4 h V``, there is no mask, and ``phased`` is 1: the loss
+    and the layers' backward pass run one after the other, so the step holds the larger
+    of the two (calibrated on XLA:CPU compiled peaks; docs/long_context.md). The
+    derivation and the table of modes are in ``docs/planner.md``.
 
     Args:
       shape: a :class:`ModelShape` (see :func:`resolve_shape`).
@@ -65,7 +110,8 @@ def activation_bytes(
       remat: one of :data:`REMAT_MODES` (``None`` = ``"none"``).
 
     Returns:
-      ``{"layers", "recompute", "logits", "other", "host_activations"}`` in bytes.
+      ``{"layers", "recompute", "logits", "other", "host_activations", "phased"}`` in
+      bytes (``phased``: 0 or 1).
 
     Raises:
       ValueError: for an unknown remat mode or non-positive sizes.
@@ -79,13 +125,19 @@ def activation_bytes(
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1; got {batch_size}, {seq_len}.")
     A = _dtypes.itemsize(activation_dtype, "activation_dtype")
-    L, s, t = shape.num_layers, seq_len, batch_size * seq_len
+    L, s, t, h = shape.num_layers, seq_len, batch_size * seq_len, shape.hidden_size
     saved = _saved_per_token(shape, A, s)
-    host = L * t * _offloaded_per_token(shape, A) if remat == "offload" else 0
-    return {
+    host = {"offload": L * t * _offloaded_per_token(shape, A), "offload_inputs": L * t * A * h}
+    host = host.get(remat, 0)
+    parts = {
         "layers": L * t * saved[remat],
         "recompute": 0 if remat == "none" else t * saved["none"],
         "logits": 2 * 4 * t * shape.vocab_size,
         "other": A * t * shape.hidden_size + 5 * batch_size * shape.num_heads * s * s,
         "host_activations": host,
+        "phased": 0,
     }
+    if is_long_context(shape, s) and remat != "none":
+        parts.update(_long_context_parts(shape, batch_size, s))
+        parts.update(other=A * t * shape.hidden_size, phased=1)
+    return parts

@@ -168,6 +168,7 @@ _REMAT_COSTS = {
     "selective": "a few % more FLOPs (recompute attention and element-wise ops)",
     "full": "~33% more FLOPs (recompute each layer's forward)",
     "offload": "host<->device copies of the saved residuals",
+    "offload_inputs": "~33% more FLOPs and host<->device copies of each layer's input",
 }
 
 

@@ -372,7 +372,9 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
     parts = activation_bytes(
         shape, batch_size=batch_size, seq_len=seq_len, activation_dtype=act_dtype, remat=remat
     )
-    act = parts["layers"] + parts["recompute"] + parts["logits"] + parts["other"]
+    phased = parts.pop("phased")
+    work = [parts["recompute"], parts["logits"]]
+    act = parts["layers"] + parts["other"] + (max(work) if phased else sum(work))
     detail = {f"activation:{k}": v for k, v in parts.items() if v}
     notes = []
     if count_given:
@@ -678,3 +680,41 @@ def largest_seq_len(
         max(1, max_seq_len // m),
     )
     return max(0, k) * m
+
+
+def max_seq_len(
+    memory: Any, model: Any, *, reserve: float = 2e9, multiple_of: int = 1024, **config
+) -> dict[str, int]:
+    """Largest sequence (tokens, a multiple of ``multiple_of``) whose step fits in
+    ``memory - reserve``, without and with each layer's input offloaded to host memory.
+
+    Without offload the step runs ``config``'s remat (``"full"`` when unset or ``"none"``:
+    a long sequence needs remat); with offload, remat ``"offload_inputs"`` (the residual
+    stream of ``L`` hidden-sized activations per token lives in ``pinned_host``, the
+    device keeps one layer's working set; the host bytes are ``L * seq * A * h``). A
+    ``LlamaConfig`` model brings its long-context paths (``attention``, ``loss_chunk``,
+    ``mlp_chunk``); the activation model is calibrated on XLA:CPU compiled peaks (see
+    :func:`activation_bytes`), which keep bf16 temporaries in float32, so on a GPU the
+    sequences that fit are somewhat longer (``benchmarks/long_context_gpu.sh`` measures).
+
+    Args:
+      memory: device bytes or a string (see :func:`parse_memory`).
+      model: as :func:`estimate` (a ``LlamaConfig`` for the long-context paths).
+      reserve: bytes left for fragmentation, workspace and the runtime.
+      multiple_of: the granularity of the search (tokens).
+      **config: keywords of :func:`estimate` (``optimizer``, ``lora``, ``quantization``...).
+
+    Returns:
+      ``{remat: tokens, "offload_inputs": tokens}`` (0 where nothing fits).
+
+    Raises:
+      ValueError: as :func:`estimate`.
+    """
+    config.pop("seq_len", None)
+    remat = config.pop("remat", None)
+    remat = "full" if remat in (None, "none") else remat
+    kw = dict(reserve=reserve, multiple_of=multiple_of, **config)
+    return {
+        remat: largest_seq_len(memory, model, remat=remat, **kw),
+        "offload_inputs": largest_seq_len(memory, model, remat="offload_inputs", **kw),
+    }

@@ -47,6 +47,12 @@ class ModelShape:
     name: str | None = None
     norm_widths: tuple[int, ...] | None = None
     fused_projections: bool = False
+    #: The long-context paths (``LlamaConfig.attention``, ``loss_chunk``, ``mlp_chunk``): how
+    #: the step computes, not the shape, so they do not take part in comparisons. A named
+    #: shape or a count uses the dense paths.
+    attention: str = dataclasses.field(default="dense", compare=False)
+    loss_chunk: int = dataclasses.field(default=0, compare=False)
+    mlp_chunk: int = dataclasses.field(default=0, compare=False)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``[in, out]`` of each linear weight of one layer."""
@@ -282,11 +288,14 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
         getattr(model, "name", None),
         norm_widths_of(model),
         bool(getattr(model, "fused_projections", False)),
+        str(getattr(model, "attention", "dense")),
+        int(getattr(model, "loss_chunk", 0)),
+        int(getattr(model, "mlp_chunk", 0)),
     )
     if s.name is None:  # name a config that matches a known shape
         for known in MODEL_SHAPES.values():
             if dataclasses.replace(known, name=None) == s:
-                s = known
+                s = dataclasses.replace(s, name=known.name)
                 break
     return s, s.n_params
 
