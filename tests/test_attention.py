@@ -183,7 +183,7 @@ def _temp_bytes(impl: str, seq: int) -> int:
 
 
 #: Temporaries of the tiny model's gradient at 4,096 tokens, blockwise attention (measured
-#: about 161 MiB on XLA:CPU under full remat); the dense path's scores alone are 8 heads x
+#: about 157 MiB on XLA:CPU under full remat); the dense path's scores alone are 8 heads x
 #: 4096^2 x 4 bytes = 512 MiB, and their gradient again (1.7 GiB measured).
 TINY_4K_BOUND = 256 * 2**20
 

@@ -611,13 +611,14 @@ def test_remat_saves_memory_and_keeps_gradients_on_each_family(checkpoints, fami
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3"])
-def test_blockwise_attention_matches_dense_with_family_features(checkpoints, family):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_long_context_paths_match_dense_with_family_features(checkpoints, family):
     """Memory-efficient attention (jmem.ops' blockwise, 3 query and key blocks of 512 at
-    1030 tokens) under soft-capping, per-layer windows, a custom scale and QK-norm: the
-    dense logits and gradients (1e-5)."""
-    dense = _family_config(checkpoints, family, attention="dense", max_seq_len=2048)
-    blockwise = llama.get_config(dense, attention="blockwise")
+    1030 tokens) and the tiled MLP (chunks of 256 tokens, its norms inside) under
+    soft-capping, per-layer windows, a custom scale, QK-norm, sandwich and post norms and
+    fused projections: the dense, untiled logits and gradients (1e-5)."""
+    dense = _family_config(checkpoints, family, attention="dense", mlp_chunk=0)
+    blockwise = llama.get_config(dense, attention="blockwise", mlp_chunk=256)
     params = llama.init(jax.random.key(0), dense)
     params = jax.tree.map(lambda x: x * 10 if x.ndim == 3 else x, params)  # caps act
     tokens = jax.random.randint(jax.random.key(1), (1, 1031), 0, dense.vocab_size)

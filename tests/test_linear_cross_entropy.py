@@ -129,8 +129,8 @@ def _temp(chunk: int, n: int = 4096, v: int = 32000) -> int:
 
 def test_never_holds_the_logits():
     """4,096 tokens x 32,000 vocabulary: float32 logits are 500 MiB (and their gradient);
-    chunks of 256 keep the temporaries under 64 MiB (measured about 40 MiB on XLA:CPU)."""
-    assert _temp(256) < 64 * 2**20 < 500 * 2**20 < _temp(0)
+    chunks of 256 keep the temporaries under 96 MiB (measured about 63 MiB on XLA:CPU)."""
+    assert _temp(256) < 96 * 2**20 < 500 * 2**20 < _temp(0)
 
 
 def test_errors():

@@ -788,13 +788,26 @@ def _mlp(h, layer, config: LlamaConfig, fp8) -> jax.Array:
     return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
 
 
-def _sublayer(x, layer, config: LlamaConfig, pre: str, post: str, fn):
-    """``x + post_norm(fn(pre_norm(x)))`` with the norms ``norm_placement`` asks for."""
+def _normed(x, layer, config: LlamaConfig, pre: str, post: str, fn):
+    """``post_norm(fn(pre_norm(x)))`` with the norms ``norm_placement`` asks for; ``fn``
+    returns ``(out, extra)``."""
     h = x if config.norm_placement == "post" else _norm(x, layer, pre, config)
     out, extra = fn(h)
     if config.norm_placement != "pre":
         out = _norm(out, layer, post, config)
+    return out, extra
+
+
+def _sublayer(x, layer, config: LlamaConfig, pre: str, post: str, fn):
+    """``x + post_norm(fn(pre_norm(x)))`` (see ``_normed``) and ``fn``'s extra output."""
+    out, extra = _normed(x, layer, config, pre, post, fn)
     return x + out, extra
+
+
+def _mlp_block(x, layer, config: LlamaConfig, fp8) -> jax.Array:
+    """The MLP sublayer without its residual: norms (``norm_placement``) around ``_mlp``."""
+    mlp = lambda h: (_mlp(h, layer, config, fp8), None)
+    return _normed(x, layer, config, "mlp_norm", "post_mlp_norm", mlp)[0]
 
 
 def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
@@ -835,24 +848,22 @@ def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
         return checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out"), kv
 
     x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn_block)
-    x, _ = _sublayer(
-        x, layer, c, "mlp_norm", "post_mlp_norm", lambda h: (_tiled_mlp(h, layer, c, fp8), None)
-    )
-    return x, cache
+    return x + _tiled_mlp(x, layer, c, fp8), cache
 
 
 def _tiled_mlp(h, layer, config, fp8):
-    """``_mlp`` over chunks of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
+    """``_mlp_block`` (norms included, so no ``[B * S, H]`` normalized copy is held) over chunks
+    of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
     ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
     layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
     (whose scaling state is a per-call gradient)."""
     b, s, width = h.shape
     n, chunk = b * s, config.mlp_chunk
     if not chunk or n <= chunk or fp8 is not None:
-        return _mlp(h, layer, config, fp8)
+        return _mlp_block(h, layer, config, fp8)
     pad = -n % chunk
     hs = jnp.pad(h.reshape(n, width), ((0, pad), (0, 0))).reshape(-1, 1, chunk, width)
-    body = jax.checkpoint(lambda carry, hc: (carry, _mlp(hc, layer, config, None)))
+    body = jax.checkpoint(lambda carry, hc: (carry, _mlp_block(hc, layer, config, None)))
     _, ys = jax.lax.scan(body, None, hs)
     return ys.reshape(n + pad, width)[:n].reshape(b, s, width)
 

@@ -23,7 +23,7 @@ AUTO_DENSE_MAX_KEYS = 1024
 #: Long-context paths (blockwise attention, tiled MLP, chunked loss): bytes per token and
 #: hidden unit that one layer's backward pass holds under remat, and bytes per token of an
 #: MLP chunk and intermediate unit. Fitted to the compiled peaks of the main job's dry run
-#: (Llama-3.1-8B, QLoRA r=32, full remat, 2k-48k tokens) on XLA:CPU, which keeps bf16
+#: (Llama-3.1-8B, QLoRA r=32, full remat, 2k-48k tokens, within 6%) on XLA:CPU, which keeps bf16
 #: temporaries in float32: about 9 float32 hidden-sized buffers (the layer input, its
 #: norm, q/k/v, the attention output and its float32 dq, the residual gradient) and 10
 #: float32 ``[chunk, F]`` buffers. See docs/long_context.md.
