@@ -223,8 +223,12 @@ def _edit_config(tmp_path, **changes):
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quant_method='gptq'"),
         (
-            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
-            "layer_types=.*one attention type",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["full_attention", "chunked_attention"],
+            },
+            "layer_types=.*chunked_attention",
         ),
     ],
 )

@@ -59,6 +59,18 @@ def _perturb(adapters, seed=3, std=0.05):
     return out
 
 
+def peft_made(base, targets, directory):
+    """A PEFT LoRA (r=4, alpha=8) on ``targets`` of ``base`` with nonzero B, saved to
+    ``directory``; returns the PeftModel in eval mode."""
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(directory))
+    return model.eval()
+
+
 def _max_diff(a, b):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
@@ -421,16 +433,8 @@ def test_peft_adapters_on_other_families(tmp_path, family):
     assert _max_diff(got, want) <= 1e-4, _max_diff(got, want)
     assert _max_diff(want, _logits(_base(tmp_path / "base"))) > 1e-2
 
-    theirs = peft.get_peft_model(
-        _base(tmp_path / "base"),
-        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "down_proj"]),
-    )
-    with torch.no_grad():
-        for n, p in theirs.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.05)
-    theirs.save_pretrained(str(tmp_path / "theirs"))
-    want = _logits(theirs.eval())
+    theirs = peft_made(_base(tmp_path / "base"), ["k_proj", "down_proj"], tmp_path / "theirs")
+    want = _logits(theirs)
     back = hf.load_adapters(str(tmp_path / "theirs"), params, cfg)
     assert sorted(back) == ["layers/down_proj/kernel", "layers/k_proj/kernel"]
     got = np.asarray(fwd(params, back, jnp.asarray(LONG, jnp.int32)))

@@ -65,13 +65,17 @@ class ForwardTest(chex.TestCase):
         chex.assert_shape(logits, (1, 4, 256))
 
 
-def test_checkpoint_names_are_visible_to_policies():
-    cfg = llama.get_config("tiny", num_layers=1)
+@pytest.mark.parametrize("options", [{}, {"norm_placement": "sandwich", "qk_norm": "head"}])
+def test_checkpoint_names_are_visible_to_policies(options):
+    """Every name of CHECKPOINT_NAMES tags its intermediate (Gemma 3's sandwich norms and
+    QK-norms included); Llama has all but those."""
+    cfg = llama.get_config("tiny", num_layers=1, **options)
     p = llama.init(jax.random.key(0), cfg)
     batch = {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32)}
     jaxpr = str(jax.make_jaxpr(lambda p: llama.loss_fn(p, batch, cfg))(p))
+    family_only = {"q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"}
     for name in llama.CHECKPOINT_NAMES:
-        assert f"name={name}" in jaxpr, name
+        assert (f"name={name}" in jaxpr) == (bool(options) or name not in family_only), name
 
 
 def test_bad_inputs():
@@ -194,3 +198,37 @@ def test_generate_refuses_token_ids_outside_the_vocabulary():
     prompt = jnp.asarray([[1, config.vocab_size + 3], [-5, 2]], jnp.int32)
     with pytest.raises(ValueError, match=r"outside \[0, .*-5, .*tokenizer"):
         llama.generate(params, prompt, config, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"norm_placement": "middle"}, "norm_placement='middle'"),
+        ({"qk_norm": "layer"}, "qk_norm='layer'"),
+        ({"attn_logit_softcap": 0.0}, "attn_logit_softcap must be None or > 0"),
+        ({"layer_types": ("full_attention",)}, "num_layers=2 entries"),
+        ({"layer_types": ("full_attention", "local")}, r"unknown \['local'\]"),
+        ({"layer_types": ("full_attention", "sliding_attention")}, "set sliding_window"),
+        ({"biases": ("q_proj",), "fused_projections": True}, r"biases \['q_proj'\]"),
+    ],
+)
+def test_family_options_are_validated(options, match):
+    with pytest.raises(ValueError, match=match):
+        llama.get_config("tiny", num_layers=2, **options)
+
+
+def test_family_weights_follow_the_options():
+    """Which leaves a layer has: sandwich norms, QK-norms per head or per projection, fused
+    kernels (Phi-3), and no pre-norms with post placement (OLMo 2)."""
+    c = llama.get_config("tiny", num_layers=2, norm_placement="sandwich", qk_norm="head")
+    layers = llama.param_shapes(c)["layers"]
+    assert layers["post_mlp_norm"]["scale"] == (2, 256) and layers["q_norm"]["scale"] == (2, 32)
+    c = llama.get_config("tiny", num_layers=2, norm_placement="post", qk_norm="proj")
+    layers = llama.param_shapes(c)["layers"]
+    assert "attn_norm" not in layers and layers["k_norm"]["scale"] == (2, 4 * 32)
+    c = llama.get_config("tiny", num_layers=2, fused_projections=True)
+    layers = llama.param_shapes(c)["layers"]
+    assert sorted(n for n in layers if n.endswith("proj")) == sorted(llama.FUSED_LINEAR_NAMES)
+    assert layers["qkv_proj"]["kernel"] == (2, 256, (8 + 2 * 4) * 32)
+    p = llama.init(jax.random.key(0), llama.get_config(c, norm_offset=1.0))
+    assert float(jnp.abs(p["layers"]["attn_norm"]["scale"]).max()) == 0.0  # 1 + w = 1

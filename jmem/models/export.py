@@ -4,8 +4,8 @@ Hugging Face checkpoint: ``config.json`` + sharded ``*.safetensors`` +
 
 The inverse of ``jmem.models.hf.load_params``: stacked ``[L, in, out]`` kernels become
 per-layer ``[out, in]`` ``model.layers.{i}....weight`` tensors and stacked ``[L, out]``
-biases ``....bias`` tensors, the layout of transformers' ``LlamaForCausalLM``,
-``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (``hf_config`` picks the family).
+biases ``....bias`` tensors, named as ``jmem.models.families.tensor_names`` says, the
+layout of each family's transformers ``*ForCausalLM`` (``hf_config`` picks the family).
 See ``docs/lora.md`` (PEFT interop).
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 from jmem._src import lora as _lora
 from jmem._src import nf4
 from jmem._src.implicit.weight import flatten_params
-from jmem.models.llama import LINEAR_NAMES
+from jmem.models import families as _families
 from jmem.models.llama import LlamaConfig
 
 __all__ = ["ARCHITECTURES", "DEFAULT_MAX_SHARD_BYTES", "hf_config", "save_params"]
@@ -32,120 +32,21 @@ __all__ = ["ARCHITECTURES", "DEFAULT_MAX_SHARD_BYTES", "hf_config", "save_params
 #: Default shard size, as transformers' ``save_pretrained(max_shard_size="5GB")``.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
-# LlamaConfig fields hf_config writes; a config with another field set (a newer family's
-# option) is refused rather than exported without it.
-_WRITTEN_FIELDS = {
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "rope_theta",
-    "rms_norm_eps",
-    "tie_embeddings",
-    "max_seq_len",
-    "rope_scaling",
-    "sliding_window",
-    "biases",
-    "hidden_act",
-}
-
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-#: ``model_type`` -> transformers architecture class.
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-
-
-def _default(field: dataclasses.Field):
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return dataclasses.MISSING
-
-
-def _model_type(config: LlamaConfig) -> str:
-    """The one transformers family computing ``config``, or a ValueError saying why none does.
-
-    Llama has biases only on all attention projections (``attention_bias``) and/or all MLP
-    projections (``mlp_bias``) and no sliding window; Mistral has a window and no biases;
-    Qwen2 has exactly q/k/v biases (and an optional window)."""
-    biases = set(config.biases)
-    if biases == set(_QKV):
-        return "qwen2"
-    llama_sets = (set(), set(_ATTN), set(_MLP), set(_ATTN) | set(_MLP))
-    if biases not in llama_sets:
-        raise ValueError(
-            f"biases={config.biases} match no transformers family (Qwen2: q/k/v; Llama: all "
-            "attention projections and/or all MLP projections); the export cannot be loaded."
-        )
-    if config.sliding_window is not None:
-        if biases:
-            raise ValueError(
-                f"sliding_window={config.sliding_window} with biases={config.biases}: Mistral "
-                "has no biases and Llama no sliding window; no transformers family computes it."
-            )
-        return "mistral"
-    return "llama"
-
-
-def _rope_fields(config: LlamaConfig) -> dict[str, Any]:
-    """RoPE as transformers >= 5 writes it (``rope_parameters``, holding ``rope_theta``),
-    with ``rope_theta``/``rope_scaling`` for transformers 4 (``hf.load_config`` reads both)."""
-    rs = config.rope_scaling
-    if rs is None:
-        scaling = None
-    elif rs.rope_type == "linear":
-        scaling = {"rope_type": "linear", "factor": rs.factor}
-    else:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": rs.factor,
-            "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings,
-        }
-    params = {**(scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
-    return {"rope_theta": config.rope_theta, "rope_parameters": params, "rope_scaling": scaling}
-
-
-def _family_fields(config: LlamaConfig, model_type: str) -> dict[str, Any]:
-    """Biases and sliding window, spelled as ``model_type``'s transformers config."""
-    c = config
-    if model_type == "llama":
-        return {
-            "attention_bias": "q_proj" in c.biases,
-            "mlp_bias": "gate_proj" in c.biases,
-        }
-    if model_type == "mistral":
-        return {"sliding_window": c.sliding_window}
-    kind = "full_attention" if c.sliding_window is None else "sliding_attention"
-    return {  # qwen2: the window in every layer (max_window_layers=0) or in none
-        "sliding_window": c.sliding_window,
-        "use_sliding_window": c.sliding_window is not None,
-        "max_window_layers": 0 if c.sliding_window is not None else c.num_layers,
-        "layer_types": [kind] * c.num_layers,
-    }
+#: ``model_type`` -> transformers architecture class, for every family in
+#: ``jmem.models.families.FAMILIES``.
+ARCHITECTURES = {name: family.architecture for name, family in _families.FAMILIES.items()}
 
 
 def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a ``LlamaConfig``: ``model_type`` ``"llama"``,
-    ``"mistral"`` (a sliding window) or ``"qwen2"`` (q/k/v biases).
+    """The Hugging Face ``config.json`` of a ``LlamaConfig``, for the one family
+    (``jmem.models.families.FAMILIES``) whose options it has: ``"llama"``, ``"mistral"``
+    (a sliding window), ``"qwen2"`` (q/k/v biases), ``"qwen3"`` (QK-norm per head),
+    ``"gemma2"``, ``"gemma3_text"``, ``"phi3"`` (fused projections) or ``"olmo2"``.
 
-    The one place that maps jmem config fields to transformers' names, the inverse of
-    ``jmem.models.hf.config_from_dict``: ``hf.config_from_dict(hf_config(c)) == c``. RoPE is
-    written as transformers >= 5 does (``rope_parameters``, with ``rope_theta`` inside) and as
-    transformers 4 did (``rope_theta``, ``rope_scaling``); Llama biases as
-    ``attention_bias``/``mlp_bias``; a Qwen2 window as ``use_sliding_window`` in every layer
-    (``max_window_layers=0``, ``layer_types``).
+    The inverse of ``jmem.models.hf.config_from_dict``: ``hf.config_from_dict(hf_config(c))
+    == c`` (checked: a config the family's ``config.json`` cannot express is refused). RoPE
+    is written as transformers >= 5 does (``rope_parameters``, with ``rope_theta`` inside;
+    per layer type for Gemma 3) and as transformers 4 did (``rope_theta``, ``rope_scaling``).
 
     Args:
       config: the model's config.
@@ -156,44 +57,33 @@ def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
       A JSON-ready dict readable by ``transformers.AutoConfig`` and ``hf.load_config``.
 
     Raises:
-      ValueError: a config no transformers family among llama, mistral, qwen2 computes
-        (biases on another set of projections; a window with Llama biases), or a config
-        field set away from its default that this function does not write (so the export
-        would silently lose it).
+      ValueError: a config no transformers family computes (biases on another set of
+        projections; a window with Llama biases; family options no family has), a value
+        the family's ``config.json`` cannot express, or a field (of a ``LlamaConfig``
+        subclass) set away from its default that this function does not write.
     """
     unknown = [
         f.name
         for f in dataclasses.fields(config)
-        if f.name not in _WRITTEN_FIELDS and getattr(config, f.name) != _default(f)
+        if f.name not in _LLAMA_FIELDS and getattr(config, f.name) != _default(f)
     ]
     if unknown:
         raise ValueError(
             f"hf_config does not write {unknown} of {config}; extend "
-            "jmem.models.export.hf_config for them before exporting."
+            "jmem.models.families for them before exporting."
         )
-    c = config
-    model_type = _model_type(c)
-    name = jnp.dtype(dtype).name
-    return {
-        "architectures": [ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.rms_norm_eps,
-        **_rope_fields(c),
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": 0.0,
-        **_family_fields(c, model_type),
-        "dtype": name,
-        "torch_dtype": name,
-    }
+    return _families.hf_config(config, jnp.dtype(dtype).name)
+
+
+_LLAMA_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,39 +103,10 @@ class _Tensor:
         return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
 
 
-def _hf_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
-    """``{jmem path: (HF name, with {i} for stacked layers, transpose)}``."""
-    names = {
-        "embed/embedding": ("model.embed_tokens.weight", False),
-        "final_norm/scale": ("model.norm.weight", False),
-        "layers/attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", False),
-        "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    }
-    for n in LINEAR_NAMES:
-        group = "self_attn" if n in _ATTN else "mlp"
-        names[f"layers/{n}/kernel"] = (f"model.layers.{{i}}.{group}.{n}.weight", True)
-        if n in config.biases:
-            names[f"layers/{n}/bias"] = (f"model.layers.{{i}}.{group}.{n}.bias", False)
-    if not config.tie_embeddings:
-        names["lm_head/kernel"] = ("lm_head.weight", True)
-    return names
-
-
-def _layer_order(config: LlamaConfig) -> list[str]:
-    """jmem paths in the order of HF's Llama state dict (per layer: norms and projections,
-    each weight followed by its bias)."""
-
-    def linear(n):
-        return [f"layers/{n}/kernel"] + ([f"layers/{n}/bias"] if n in config.biases else [])
-
-    attn = [p for n in _ATTN for p in linear(n)]
-    mlp = [p for n in _MLP for p in linear(n)]
-    return ["layers/attn_norm/scale", *attn, "layers/mlp_norm/scale", *mlp]
-
-
 def _plan(leaves: dict, config: LlamaConfig, dtype) -> list[_Tensor]:
-    """The checkpoint's tensors in HF order, from shapes only (nothing is computed)."""
-    names = _hf_names(config)
+    """The checkpoint's tensors (embedding, layer by layer, final norm, head), from shapes
+    only (nothing is computed)."""
+    names = _families.tensor_names(config)
     extra = sorted(set(leaves) - set(names))
     missing = sorted(set(names) - set(leaves))
     if extra or missing:
@@ -262,9 +123,10 @@ def _plan(leaves: dict, config: LlamaConfig, dtype) -> list[_Tensor]:
         name = name if layer is None else name.format(i=layer)
         return _Tensor(name, path, layer, transpose, shape[::-1] if transpose else shape, dt)
 
+    stacked = [p for p in names if p.startswith("layers/")]
     plan = [tensor("embed/embedding", None)]
     for i in range(config.num_layers):
-        plan.extend(tensor(path, i) for path in _layer_order(config))
+        plan.extend(tensor(path, i) for path in stacked)
     plan.append(tensor("final_norm/scale", None))
     if not config.tie_embeddings:
         plan.append(tensor("lm_head/kernel", None))
@@ -317,8 +179,8 @@ def save_params(
     adapters: dict[str, _lora.LoraWeight] | None = None,
     dtype=None,
 ) -> None:
-    """Writes ``params`` as a Hugging Face Llama, Mistral or Qwen2 checkpoint (``hf_config``
-    picks the family), LoRA merged in, tensor by tensor.
+    """Writes ``params`` as a Hugging Face checkpoint of its family (``hf_config`` picks
+    it: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2), LoRA merged in, tensor by tensor.
 
     ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` then computes what
     ``jmem.lora.apply(llama.forward)(params, adapters, ...)`` computes (up to the rounding

@@ -1,14 +1,15 @@
-"""Load Hugging Face Llama, Mistral and Qwen2 checkpoints (``config.json`` +
-``*.safetensors``) into ``jmem.models.llama`` params, strictly (a config field jmem does not
-implement or a tensor it would not read is an error), tensor by tensor, optionally quantizing to NF4 as they are read
-(QLoRA, Dettmers et al. 2023); HF's ``[out, in]`` weights become stacked ``[in, out]`` kernels.
+"""Load Hugging Face checkpoints (``config.json`` + ``*.safetensors``) of the families in
+``jmem.models.families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3,
+OLMo 2) into ``jmem.models.llama`` params, strictly (a config field jmem does not implement
+or a tensor it would not read is an error), tensor by tensor, optionally quantizing to NF4
+as they are read (QLoRA, Dettmers et al. 2023); HF's ``[out, in]`` weights become stacked
+``[in, out]`` kernels.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any
 
 import jax
@@ -17,10 +18,12 @@ import numpy as np
 
 from jmem._src import nf4
 from jmem.models.export import save_params
-from jmem.models.llama import ACTIVATIONS
-from jmem.models.llama import LINEAR_NAMES
+from jmem.models.families import FAMILIES
+from jmem.models.families import HANDLED_FIELDS
+from jmem.models.families import IGNORED_FIELDS
+from jmem.models.families import config_from_dict
+from jmem.models.families import tensor_names
 from jmem.models.llama import LlamaConfig
-from jmem.models.llama import RopeScaling
 from jmem.models.llama import param_shapes
 from jmem.models.peft_format import load_adapters
 from jmem.models.peft_format import save_adapters
@@ -37,224 +40,26 @@ __all__ = [
     "save_params",
 ]
 
-#: config.json fields that do not change the computation (token ids, init, bookkeeping).
-IGNORED_FIELDS = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "bos_token_id",
-        "dtype",
-        "eos_token_id",
-        "initializer_range",
-        "max_position_embeddings",
-        "pad_token_id",
-        "pretraining_tp",  # a tensor-parallel split of the same matmul
-        "tokenizer_class",
-        "torch_dtype",
-        "transformers_version",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-    }
-)
-
-#: config.json fields read (implemented, or refused for values jmem does not implement).
-HANDLED_FIELDS = frozenset(
-    {
-        "model_type",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "rms_norm_eps",
-        "tie_word_embeddings",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "partial_rotary_factor",
-        "attention_bias",
-        "mlp_bias",
-        "attention_dropout",
-        "sliding_window",
-        "use_sliding_window",
-        "max_window_layers",
-        "layer_types",
-        "quantization_config",
-    }
-)
-
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-_ROPE_KEYS = {
-    None: {"rope_type", "type", "rope_theta"},
-    "default": {"rope_type", "type", "rope_theta"},
-    "linear": {"rope_type", "type", "rope_theta", "factor"},
-    "llama3": {
-        "rope_type",
-        "type",
-        "rope_theta",
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    },
-}
-
-
-def _refuse(field: str, value, supported: str):
-    raise ValueError(
-        f"config.json: {field}={value!r} is not implemented by jmem.models.llama "
-        f"(supported: {supported}); loading it would compute a different model."
-    )
-
-
-def _rope(c: dict) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` from ``rope_scaling`` (transformers < 5) or
-    ``rope_parameters`` (>= 5, which also holds ``rope_theta``)."""
-    # both may be present (a file edited by hand or by an older tool): rope_scaling wins
-    field = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-    winner = c.get(field) or {}
-    kind = winner.get("rope_type", winner.get("type"))
-    rope = {**(c.get("rope_parameters") or {}), **(c.get("rope_scaling") or {})}
-    rope.pop("type", None)
-    rope["rope_type"] = kind  # the winning spelling's type, not the other's
-    supported = "rope_type default, linear, llama3"
-    if kind not in _ROPE_KEYS:
-        _refuse(f"{field}.rope_type", kind, supported)
-    required = _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
-    missing = sorted(k for k in required if rope.get(k) is None)
-    if missing:
-        raise ValueError(
-            f"config.json: {field} with rope_type={kind!r} lacks {missing}; RoPE "
-            f"{kind} scaling needs {sorted(required)}."
-        )
-    extra = {k: v for k, v in rope.items() if k not in _ROPE_KEYS[kind] and v is not None}
-    partial = extra.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        _refuse("partial_rotary_factor", partial, "1.0 (rotary over the whole head)")
-    if extra:
-        _refuse(field, extra, f"{supported} with keys {sorted(_ROPE_KEYS[kind] - {'type'})}")
-    theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-    if kind in (None, "default"):
-        return theta, None
-    factor = float(rope["factor"])
-    if kind == "linear":
-        return theta, RopeScaling("linear", factor)
-    return theta, RopeScaling(
-        "llama3",
-        factor,
-        float(rope["low_freq_factor"]),
-        float(rope["high_freq_factor"]),
-        int(rope["original_max_position_embeddings"]),
-    )
-
-
-def _sliding_window(c: dict, model_type: str) -> int | None:
-    """The window of every layer, None for full attention; mixed layers are refused."""
-    window = c.get("sliding_window")
-    layers = c["num_hidden_layers"]
-    if model_type == "llama" or window is None:
-        types = ["full_attention"] * layers
-    elif "layer_types" in c:
-        types = list(c["layer_types"])
-    elif model_type == "qwen2":
-        start = c.get("max_window_layers", layers) if c.get("use_sliding_window") else layers
-        types = ["full_attention" if i < start else "sliding_attention" for i in range(layers)]
-    else:
-        types = ["sliding_attention"] * layers
-    if model_type == "qwen2" and not c.get("use_sliding_window", False):
-        types = ["full_attention"] * layers
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        _refuse("layer_types", unknown, "full_attention, sliding_attention")
-    if len(set(types)) > 1:
-        _refuse(
-            "layer_types",
-            types,
-            "one attention type in every layer (the layers are one lax.scan): all "
-            "full_attention or all sliding_attention",
-        )
-    return int(window) if types and types[0] == "sliding_attention" else None
-
-
-def _biases(c: dict, model_type: str) -> tuple[str, ...]:
-    """The projections with a bias: Qwen2's q/k/v; Llama's ``attention_bias``/``mlp_bias``."""
-    if model_type == "qwen2":
-        return ("q_proj", "k_proj", "v_proj")
-    out = ()
-    if c.get("attention_bias", False):
-        out += ("q_proj", "k_proj", "v_proj", "o_proj")
-    if c.get("mlp_bias", False):
-        out += ("gate_proj", "up_proj", "down_proj")
-    return out
-
-
-def _check_fields(c: dict, model_type: str) -> None:
-    """Refuses fields whose values jmem does not implement; warns about unknown fields."""
-    if c.get("quantization_config"):
-        method = c["quantization_config"].get("quant_method", "?")
-        _refuse(
-            "quantization_config.quant_method",
-            method,
-            "unquantized checkpoints; use load_params(quantize='nf4') to quantize on load",
-        )
-    if c.get("hidden_act", "silu") not in ACTIVATIONS:
-        _refuse("hidden_act", c.get("hidden_act"), ", ".join(sorted(ACTIVATIONS)))
-    if c.get("attention_dropout", 0.0):
-        _refuse("attention_dropout", c["attention_dropout"], "0.0 (jmem applies no dropout)")
-    if model_type == "qwen2" and (c.get("attention_bias") or c.get("mlp_bias")):
-        _refuse("attention_bias/mlp_bias", True, "absent for qwen2 (q/k/v biases are built in)")
-    unknown = sorted(k for k in set(c) - IGNORED_FIELDS - HANDLED_FIELDS if c[k] is not None)
-    if unknown:
-        warnings.warn(
-            f"config.json fields {unknown} are unknown to jmem.models.hf and ignored; if "
-            "they change the model, its logits will differ from transformers'.",
-            stacklevel=3,
-        )
-
-
-def config_from_dict(c: dict) -> LlamaConfig:
-    """``LlamaConfig`` from a parsed Hugging Face ``config.json`` (``model_type`` llama,
-    mistral or qwen2). See ``load_config``."""
-    model_type = c.get("model_type", "llama")
-    if model_type not in MODEL_TYPES:
-        _refuse("model_type", model_type, ", ".join(MODEL_TYPES))
-    _check_fields(c, model_type)
-    rope_theta, rope_scaling = _rope(c)
-    heads = c["num_attention_heads"]
-    return LlamaConfig(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rope_theta=rope_theta,
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_seq_len=int(c.get("max_position_embeddings", 4096)),
-        rope_scaling=rope_scaling,
-        sliding_window=_sliding_window(c, model_type),
-        biases=_biases(c, model_type),
-        hidden_act=c.get("hidden_act", "silu"),
-    )
+#: The ``model_type`` values ``load_config`` reads (``jmem.models.families.FAMILIES``).
+MODEL_TYPES = tuple(FAMILIES)
 
 
 def load_config(directory: str) -> LlamaConfig:
     """``LlamaConfig`` from a checkpoint's ``config.json``.
 
     Every field that changes the computation is implemented or refused (``HANDLED_FIELDS``;
-    ``IGNORED_FIELDS`` are bookkeeping). Implemented: ``model_type`` llama, mistral, qwen2;
-    RoPE default, ``linear`` and ``llama3`` scaling, spelled ``rope_scaling``
-    (transformers < 5) or ``rope_parameters`` (>= 5); sliding-window attention when every
-    layer uses it (Mistral) or none does; Qwen2's q/k/v biases, Llama's ``attention_bias``
-    and ``mlp_bias``; ``hidden_act`` in ``jmem.models.llama.ACTIVATIONS``.
+    ``IGNORED_FIELDS`` are bookkeeping, each family's ``Family.fields`` its own). Implemented:
+    every ``model_type`` of ``MODEL_TYPES``; RoPE default, ``linear`` and ``llama3``
+    scaling, spelled ``rope_scaling`` (transformers < 5) or ``rope_parameters`` (>= 5, per
+    layer type for Gemma 3, with ``rope_local_base_freq`` before); sliding-window
+    attention in every layer, none, or per layer (``layer_types``, Qwen's
+    ``max_window_layers``, Gemma's alternation and ``sliding_window_pattern``); Qwen2's
+    q/k/v biases, ``attention_bias`` and Llama's ``mlp_bias``; Gemma's
+    ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping`` and
+    ``hidden_activation``; ``hidden_act`` in ``jmem.models.llama.ACTIVATIONS``. Refused by
+    name and value: other RoPE types (Phi-3's ``longrope``/``su``, YaRN, dynamic),
+    ``partial_rotary_factor`` != 1, dropout, bidirectional attention, quantized
+    checkpoints, the multimodal ``gemma3`` model type.
 
     Raises:
       FileNotFoundError: no ``config.json`` in ``directory``.
@@ -375,54 +180,20 @@ def _check(name: str, arr: np.ndarray, shape, config: LlamaConfig) -> np.ndarray
     return arr
 
 
-def _load_unquantized(read: _TensorReader, config: LlamaConfig, shapes, dtype) -> dict[str, Any]:
-    """Embedding, final norm, (untied) head and the per-layer norms, in ``dtype``."""
-    key = "model.embed_tokens.weight"
-    embedding = _check(key, read(key), shapes["embed"]["embedding"], config)
-    params: dict[str, Any] = {
-        "embed": {"embedding": jnp.asarray(embedding, dtype)},
-        "final_norm": {"scale": jnp.asarray(read("model.norm.weight"), dtype)},
-        "layers": {},
-    }
+def _check_tied_head(read: _TensorReader, config: LlamaConfig, embedding) -> None:
+    """A tied checkpoint that stores ``lm_head.weight`` too: it must be the embedding."""
     if config.tie_embeddings and "lm_head.weight" in read.files:
-        # some tied checkpoints store the head too: it must be the embedding
         if not np.array_equal(read("lm_head.weight"), embedding):
             raise ValueError(
                 "config.json has tie_word_embeddings=true but lm_head.weight differs from "
                 "model.embed_tokens.weight; set tie_word_embeddings to false to load both."
             )
-    if not config.tie_embeddings:
-        head = _check(
-            "lm_head.weight", read("lm_head.weight").T, shapes["lm_head"]["kernel"], config
-        )
-        params["lm_head"] = {"kernel": jnp.asarray(head, dtype)}
-    for ours, theirs in (
-        ("attn_norm", "input_layernorm"),
-        ("mlp_norm", "post_attention_layernorm"),
-    ):
-        rows = [read(f"model.layers.{i}.{theirs}.weight") for i in range(config.num_layers)]
-        params["layers"][ours] = {"scale": jnp.asarray(np.stack(rows), dtype)}
-    return params
 
 
-def _group(name: str) -> str:
-    return "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-
-
-def _layer_kernels(read: _TensorReader, config: LlamaConfig, name: str, shape):
-    """Yields layer ``i``'s ``name`` weight as a jmem ``[in, out]`` kernel, checked."""
-    for i in range(config.num_layers):
-        key = f"model.layers.{i}.{_group(name)}.{name}.weight"
-        yield _check(key, read(key).T, shape[1:], config)
-
-
-def _load_bias(read: _TensorReader, config: LlamaConfig, name: str, shape, dtype):
-    """Projection ``name``'s bias stacked over layers, ``[L, out]`` in ``dtype``."""
-    rows = []
-    for i in range(config.num_layers):
-        key = f"model.layers.{i}.{_group(name)}.{name}.bias"
-        rows.append(_check(key, read(key), shape[1:], config))
-    return jnp.asarray(np.stack(rows), dtype)
+def _read_leaf(read: _TensorReader, config: LlamaConfig, name: str, transpose: bool, shape):
+    """One tensor, ``[out, in]`` weights transposed to ``[in, out]``, shape-checked."""
+    arr = read(name)
+    return _check(name, arr.T if transpose else arr, shape, config)
 
 
 def _report_unread(read: _TensorReader, allow_unused: bool, config: LlamaConfig) -> None:
@@ -440,19 +211,60 @@ def _report_unread(read: _TensorReader, allow_unused: bool, config: LlamaConfig)
         )
 
 
-def _load_linear(read, config, shape, name, dtype, quantize, block_size, double_quant):
-    """One linear weight stacked over layers: dense ``dtype``, or NF4 quantized per layer."""
-    kernels = _layer_kernels(read, config, name, shape)
-    if quantize == "nf4":
-        parts = [
-            nf4.quantize(jnp.asarray(w, dtype), block_size=block_size, double_quant=double_quant)
-            for w in kernels
-        ]
-        return _stack_nf4(parts)
+def _load_stack(read, config, template, transpose, shape, dtype, nf4_options):
+    """A layer weight stacked over layers: dense ``dtype``, or (``nf4_options`` given)
+    NF4-quantized one layer matrix at a time."""
+    rows = (
+        _read_leaf(read, config, template.format(i=i), transpose, shape[1:])
+        for i in range(config.num_layers)
+    )
+    if nf4_options is not None:
+        return _stack_nf4([nf4.quantize(jnp.asarray(w, dtype), **nf4_options) for w in rows])
     stacked = np.empty(shape, dtype=dtype)
-    for i, w in enumerate(kernels):
+    for i, w in enumerate(rows):
         stacked[i] = w.astype(dtype)
     return jnp.asarray(stacked)
+
+
+def _flat_shapes(config: LlamaConfig) -> dict[str, tuple]:
+    """``{"layers/q_proj/kernel": shape, ...}`` of ``param_shapes(config)``."""
+    out = {}
+    for group, leaves in param_shapes(config).items():
+        for name, leaf in leaves.items():
+            if isinstance(leaf, dict):
+                out.update({f"{group}/{name}/{k}": v for k, v in leaf.items()})
+            else:
+                out[f"{group}/{name}"] = leaf
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """The params pytree of ``{"a/b/c": leaf}``."""
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        *parents, last = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return out
+
+
+def _load_leaves(read, config, dtype, nf4_options) -> dict[str, Any]:
+    """Every params leaf of ``config`` read from the checkpoint; layer kernels quantized
+    when ``nf4_options`` is given (embedding, head, norms and biases stay ``dtype``)."""
+    shapes = _flat_shapes(config)
+    names = tensor_names(config)
+    out = {}
+    for path, shape in shapes.items():
+        template, transpose = names[path]
+        if path.startswith("layers/"):
+            quantized = nf4_options if path.endswith("/kernel") else None
+            out[path] = _load_stack(read, config, template, transpose, shape, dtype, quantized)
+        else:
+            out[path] = jnp.asarray(_read_leaf(read, config, template, transpose, shape), dtype)
+    _check_tied_head(read, config, out["embed/embedding"])
+    return out
 
 
 def load_params(
@@ -465,7 +277,8 @@ def load_params(
     double_quant: bool = True,
     allow_unused: bool = False,
 ) -> tuple[dict[str, Any], LlamaConfig]:
-    """Reads a checkpoint into the ``jmem.models.llama`` params layout.
+    """Reads a checkpoint of any ``MODEL_TYPES`` family into the ``jmem.models.llama``
+    params layout (leaves and tensor names from ``jmem.models.families.tensor_names``).
 
     With ``quantize="nf4"`` the host never holds the whole model in ``dtype``: the peak is
     the NF4 model plus the embedding/head and one layer's matrix.
@@ -476,7 +289,7 @@ def load_params(
       config: overrides the config read from ``config.json``.
       dtype: dtype of the unquantized leaves (embedding, norms, head, or every leaf).
       quantize: None, or ``"nf4"`` to quantize every layer's linear weight as it is read
-        (``jmem.nf4``; embedding and head stay in ``dtype``), as in QLoRA.
+        (``jmem.nf4``; embedding, head, norms and biases stay in ``dtype``), as in QLoRA.
       block_size, double_quant: NF4 options.
       allow_unused: load even if some tensors of the checkpoint are not part of the
         model (by default that is an error: they would be silently dropped).
@@ -493,21 +306,12 @@ def load_params(
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4'; got {quantize!r}.")
     config = config or load_config(directory)
-    shapes = param_shapes(config)
     read = _TensorReader(directory, _weight_files(directory))
-    np_dtype = jnp.dtype(dtype)
+    nf4_options = None
+    if quantize == "nf4":
+        nf4_options = {"block_size": block_size, "double_quant": double_quant}
     try:
-        params = _load_unquantized(read, config, shapes, np_dtype)
-        for name in LINEAR_NAMES:
-            shape = shapes["layers"][name]["kernel"]
-            kernel = _load_linear(
-                read, config, shape, name, np_dtype, quantize, block_size, double_quant
-            )
-            params["layers"][name] = {"kernel": kernel}
-            if "bias" in shapes["layers"][name]:
-                params["layers"][name]["bias"] = _load_bias(
-                    read, config, name, shapes["layers"][name]["bias"], np_dtype
-                )
+        params = _nest(_load_leaves(read, config, jnp.dtype(dtype), nf4_options))
         _report_unread(read, allow_unused, config)
     finally:
         read.close()

@@ -3,9 +3,11 @@
 RMSNorm, rotary position embeddings (``rope_theta``, optional Llama 3.1 / linear
 scaling), grouped-query attention (optional sliding window, packed rows via
 ``segment_ids``) and a gated MLP (SwiGLU by default), with optional projection biases, as
-in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``,
-``MistralForCausalLM`` and ``Qwen2ForCausalLM``, whose checkpoints load into it
-(``jmem.models.hf``). ``generate`` decodes with a KV cache.
+in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``. Named family
+options (per-layer attention types and RoPE bases, norm form and placement, QK-norm,
+attention scale and soft-caps, embedding scale, fused projections) make it Mistral, Qwen2/3,
+Gemma 2/3, Phi-3 and OLMo 2 too, whose checkpoints load into it (``jmem.models.hf``; the
+mapping is ``jmem.models.families``). ``generate`` decodes with a KV cache.
 
 Why pure functions instead of Flax modules: every jmem transform (remat over scans,
 NF4 leaves, LoRA adapters, FP8 scaling state, sharding rules) acts on a params pytree
@@ -45,7 +47,10 @@ __all__ = [
     "CHECKPOINT_NAMES",
     "CONFIGS",
     "ACTIVATIONS",
+    "FUSED_LINEAR_NAMES",
+    "LAYER_TYPES",
     "LINEAR_NAMES",
+    "NORM_PLACEMENTS",
     "LlamaConfig",
     "RopeScaling",
     "abstract_params",
@@ -58,6 +63,7 @@ __all__ = [
     "generate",
     "get_config",
     "init",
+    "linear_names",
     "loss_fn",
     "num_params",
     "param_shapes",
@@ -72,17 +78,36 @@ CHECKPOINT_NAMES = (
     "query_proj",
     "key_proj",
     "value_proj",
+    "q_norm",
+    "k_norm",
     "attn_context",
     "attn_out",
+    "post_attn_norm",
     "mlp_norm",
     "mlp_gate",
     "mlp_up",
     "mlp_hidden",
     "mlp_down",
+    "post_mlp_norm",
 )
 
 #: The weight names of one layer that are matmul kernels ``[in, out]``.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+#: The kernels of a ``fused_projections`` layer (Phi-3): q/k/v and gate/up in one each.
+FUSED_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+#: ``LlamaConfig.layer_types`` values.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: ``LlamaConfig.norm_placement`` values.
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+
+
+def linear_names(config) -> tuple[str, ...]:
+    """The kernel names of one layer of ``config``: ``LINEAR_NAMES``, or
+    ``FUSED_LINEAR_NAMES`` with ``fused_projections``."""
+    return FUSED_LINEAR_NAMES if config.fused_projections else LINEAR_NAMES
 
 
 #: ``LlamaConfig.hidden_act`` values and their functions (names as Hugging Face's ``ACT2FN``).
@@ -153,7 +178,8 @@ class LlamaConfig:
         every layer (Mistral 7B v0.1).
       biases: names (from ``LINEAR_NAMES``) of the projections with an additive bias
         ``layers[name]["bias"] [L, out]``: Qwen2 has ``("q_proj", "k_proj", "v_proj")``.
-      hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``).
+      hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``;
+        GeGLU: ``gelu_pytorch_tanh``, Gemma).
       attention: the attention implementation, one of ``jmem.ops.IMPLEMENTATIONS``
         (``"auto"``: cuDNN on GPU where it can run, else dense up to 1024 keys and
         blockwise beyond; see ``jmem.ops.attention``).
@@ -163,6 +189,35 @@ class LlamaConfig:
       mlp_chunk: tokens per chunk of the MLP (the "tiled MLP": its ``[chunk, F]``
         intermediates are recomputed chunk by chunk in the backward pass); 0, or fewer
         tokens than this, runs it whole.
+
+    Family options (Gemma 2/3, Qwen3, Phi-3, OLMo 2 are these settings, see
+    ``docs/families.md``; the defaults are Llama):
+      layer_types: None (every layer as ``sliding_window`` says) or one of ``LAYER_TYPES``
+        per layer: ``"sliding_attention"`` layers use ``sliding_window``,
+        ``"full_attention"`` layers attend the whole prefix (Gemma 2 alternates, Gemma 3
+        has five local layers per global one).
+      local_rope_theta: RoPE base of the sliding layers, which take no ``rope_scaling``
+        (Gemma 3: 10k locally, ``rope_theta`` 1M with linear scaling globally); None:
+        every layer uses ``rope_theta``/``rope_scaling``.
+      norm_offset: RMSNorm multiplies by ``norm_offset + scale`` (Gemma: 1.0, weights
+        stored around 0).
+      norm_placement: ``"pre"`` (Llama: norm before attention and MLP), ``"sandwich"``
+        (Gemma 2/3: also a norm on each sublayer's output before the residual add:
+        ``post_attn_norm``, ``post_mlp_norm``), or ``"post"`` (OLMo 2: only the output
+        norms, no ``attn_norm``/``mlp_norm``).
+      qk_norm: None, ``"head"`` (RMSNorm over each head of q and k before RoPE, weights
+        ``q_norm``/``k_norm`` ``[L, D]``: Qwen3, Gemma 3) or ``"proj"`` (over the whole q
+        and k projections, ``[L, nH*D]``/``[L, nKV*D]``: OLMo 2).
+      attn_scale: attention scores' scale; None is ``1/sqrt(head_dim)`` (Gemma:
+        ``query_pre_attn_scalar ** -0.5``).
+      attn_logit_softcap: None or c: scores become ``c * tanh(scores / c)`` before
+        masking (Gemma 2: 50).
+      final_logit_softcap: None or c: logits become ``c * tanh(logits / c)`` (Gemma 2: 30).
+      scale_embeddings: multiply the embeddings by ``sqrt(hidden_size)`` (in the
+        activation dtype; Gemma).
+      fused_projections: q/k/v in one kernel ``qkv_proj [L, H, (nH + 2 nKV) D]`` and gate/up
+        in one ``gate_up_proj [L, H, 2F]`` (Phi-3; LoRA adapts each fused kernel as one
+        module, as PEFT does).
     """
 
     vocab_size: int = 32000
@@ -180,6 +235,16 @@ class LlamaConfig:
     sliding_window: int | None = None
     biases: tuple[str, ...] = ()
     hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    norm_offset: float = 0.0
+    norm_placement: str = "pre"
+    qk_norm: str | None = None
+    attn_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    scale_embeddings: bool = False
+    fused_projections: bool = False
     attention: str = "auto"
     loss_chunk: int = 2048
     mlp_chunk: int = 4096
@@ -195,9 +260,11 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
-        unknown = sorted(set(self.biases) - set(LINEAR_NAMES))
+        names = linear_names(self)
+        unknown = sorted(set(self.biases) - set(names))
         if unknown:
-            raise ValueError(f"biases {unknown} are not projections; choose from {LINEAR_NAMES}.")
+            raise ValueError(f"biases {unknown} are not projections; choose from {names}.")
+        _check_family_options(self)
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(
                 f"hidden_act={self.hidden_act!r} is not implemented; choose from "
@@ -217,6 +284,29 @@ class LlamaConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
                 f"{self.num_kv_heads} for grouped-query attention."
             )
+
+
+def _check_family_options(c: LlamaConfig) -> None:
+    """ValueError naming a family option whose value the decoder does not implement."""
+    if c.norm_placement not in NORM_PLACEMENTS:
+        raise ValueError(f"norm_placement={c.norm_placement!r}; choose from {NORM_PLACEMENTS}.")
+    if c.qk_norm not in (None, "head", "proj"):
+        raise ValueError(f"qk_norm={c.qk_norm!r}; choose None, 'head' or 'proj'.")
+    for name in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        value = getattr(c, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be None or > 0; got {value}.")
+    if c.layer_types is None:
+        return
+    object.__setattr__(c, "layer_types", tuple(c.layer_types))
+    bad = sorted(set(c.layer_types) - set(LAYER_TYPES))
+    if bad or len(c.layer_types) != c.num_layers:
+        raise ValueError(
+            f"layer_types must hold num_layers={c.num_layers} entries from {LAYER_TYPES}; "
+            f"got {len(c.layer_types)} entries{f', unknown {bad}' if bad else ''}."
+        )
+    if "sliding_attention" in c.layer_types and c.sliding_window is None:
+        raise ValueError("layer_types has sliding_attention layers: set sliding_window too.")
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -312,6 +402,155 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 
+def _alternating(n: int, period: int) -> tuple[str, ...]:
+    """Gemma's layer types: every ``period``-th layer global, the others sliding."""
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n))
+
+
+def _gemma(n_layers: int, period: int, **kwargs) -> LlamaConfig:
+    """A Gemma 2 (``period=2``) or Gemma 3 (``period=6``, QK-norm, local RoPE base 10k)
+    preset with the family's fixed options."""
+    gemma3 = period == 6
+    return LlamaConfig(
+        num_layers=n_layers,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=_alternating(n_layers, period),
+        norm_offset=1.0,
+        norm_placement="sandwich",
+        scale_embeddings=True,
+        attn_scale=256**-0.5,
+        qk_norm="head" if gemma3 else None,
+        rope_theta=1e6 if gemma3 else 10000.0,
+        local_rope_theta=1e4 if gemma3 else None,
+        attn_logit_softcap=None if gemma3 else 50.0,
+        final_logit_softcap=None if gemma3 else 30.0,
+        **kwargs,
+    )
+
+
+_GEMMA3_LONG = dict(max_seq_len=131072, rope_scaling=RopeScaling("linear", 8.0), vocab_size=262208)
+
+# Published families (shapes from each model's config.json on the Hugging Face Hub;
+# tests/test_families.py loads those config.json files into these presets).
+CONFIGS.update(
+    {
+        # Gemma 2 2B / 9B: alternating 4096-token sliding and global layers, soft-caps.
+        "gemma2_2b": _gemma(
+            26,
+            2,
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_heads=8,
+            num_kv_heads=4,
+            max_seq_len=8192,
+            sliding_window=4096,
+        ),
+        "gemma2_9b": _gemma(
+            42,
+            2,
+            vocab_size=256000,
+            hidden_size=3584,
+            intermediate_size=14336,
+            num_heads=16,
+            num_kv_heads=8,
+            max_seq_len=8192,
+            sliding_window=4096,
+        ),
+        # Gemma 3 1B (text only), 4B and 12B (their language models): 5 local layers per
+        # global one, QK-norm; 4B/12B scale the global RoPE linearly by 8.
+        "gemma3_1b": _gemma(
+            26,
+            6,
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_heads=4,
+            num_kv_heads=1,
+            max_seq_len=32768,
+            sliding_window=512,
+        ),
+        "gemma3_4b": _gemma(
+            34,
+            6,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_heads=8,
+            num_kv_heads=4,
+            sliding_window=1024,
+            **_GEMMA3_LONG,
+        ),
+        "gemma3_12b": _gemma(
+            48,
+            6,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_heads=16,
+            num_kv_heads=8,
+            sliding_window=1024,
+            **_GEMMA3_LONG,
+        ),
+        # Qwen3 0.6B / 8B: QK-norm per head, head_dim 128 != hidden / heads on 0.6B.
+        "qwen3_0_6b": LlamaConfig(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_embeddings=True,
+            max_seq_len=40960,
+            qk_norm="head",
+        ),
+        "qwen3_8b": LlamaConfig(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            max_seq_len=40960,
+            qk_norm="head",
+        ),
+        # Phi-3 mini 4K: fused qkv_proj / gate_up_proj, a 2047-token window in every layer.
+        "phi3_mini": LlamaConfig(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            max_seq_len=4096,
+            sliding_window=2047,
+            fused_projections=True,
+        ),
+        # OLMo 2 7B (1124): norms after each sublayer only, QK-norm over the projections.
+        "olmo2_7b": LlamaConfig(
+            vocab_size=100352,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-6,
+            max_seq_len=4096,
+            qk_norm="proj",
+            norm_placement="post",
+        ),
+    }
+)
+
+
 def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
     """Returns a named config from ``CONFIGS`` (``tiny``, ``llama2_7b``, ``llama3_2_1b``,
     ``mistral_7b``, ``qwen2_5_7b``, ...), with ``overrides`` replaced.
@@ -331,29 +570,57 @@ def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-def param_shapes(config: LlamaConfig) -> Params:
-    """Shapes of every parameter, as a pytree of tuples (same structure as ``init``)."""
-    c = config
-    L, H, F, D = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
-    shapes: Params = {
-        "embed": {"embedding": (c.vocab_size, H)},
-        "layers": {
-            "attn_norm": {"scale": (L, H)},
-            "q_proj": {"kernel": (L, H, c.num_heads * D)},
-            "k_proj": {"kernel": (L, H, c.num_kv_heads * D)},
-            "v_proj": {"kernel": (L, H, c.num_kv_heads * D)},
-            "o_proj": {"kernel": (L, c.num_heads * D, H)},
-            "mlp_norm": {"scale": (L, H)},
-            "gate_proj": {"kernel": (L, H, F)},
-            "up_proj": {"kernel": (L, H, F)},
-            "down_proj": {"kernel": (L, F, H)},
-        },
-        "final_norm": {"scale": (H,)},
-    }
+def _layer_shapes(c: LlamaConfig) -> Params:
+    """Shapes of one layer's weights (without the leading ``L``)."""
+    H, F, D = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_heads * D, c.num_kv_heads * D
+    if c.fused_projections:
+        shapes = {
+            "qkv_proj": {"kernel": (H, q + 2 * kv)},
+            "o_proj": {"kernel": (q, H)},
+            "gate_up_proj": {"kernel": (H, 2 * F)},
+            "down_proj": {"kernel": (F, H)},
+        }
+    else:
+        shapes = {
+            "q_proj": {"kernel": (H, q)},
+            "k_proj": {"kernel": (H, kv)},
+            "v_proj": {"kernel": (H, kv)},
+            "o_proj": {"kernel": (q, H)},
+            "gate_proj": {"kernel": (H, F)},
+            "up_proj": {"kernel": (H, F)},
+            "down_proj": {"kernel": (F, H)},
+        }
+    norms = {}
+    if c.norm_placement != "post":
+        norms.update(attn_norm=(H,), mlp_norm=(H,))
+    if c.norm_placement != "pre":
+        norms.update(post_attn_norm=(H,), post_mlp_norm=(H,))
+    if c.qk_norm == "head":
+        norms.update(q_norm=(D,), k_norm=(D,))
+    elif c.qk_norm == "proj":
+        norms.update(q_norm=(q,), k_norm=(kv,))
+    shapes.update({name: {"scale": shape} for name, shape in norms.items()})
     for name in c.biases:
-        shapes["layers"][name]["bias"] = (L, shapes["layers"][name]["kernel"][-1])
+        shapes[name]["bias"] = shapes[name]["kernel"][-1:]
+    return shapes
+
+
+def param_shapes(config: LlamaConfig) -> Params:
+    """Shapes of every parameter, as a pytree of tuples (same structure as ``init``).
+
+    Layer weights carry a leading ``num_layers`` axis; which ones exist follows the
+    config's family options (``norm_placement``, ``qk_norm``, ``fused_projections``,
+    ``biases``, ``tie_embeddings``)."""
+    c = config
+    layer = jax.tree.map(lambda s: (c.num_layers, *s), _layer_shapes(c), is_leaf=_is_shape)
+    shapes: Params = {
+        "embed": {"embedding": (c.vocab_size, c.hidden_size)},
+        "layers": layer,
+        "final_norm": {"scale": (c.hidden_size,)},
+    }
     if not c.tie_embeddings:
-        shapes["lm_head"] = {"kernel": (H, c.vocab_size)}
+        shapes["lm_head"] = {"kernel": (c.hidden_size, c.vocab_size)}
     return shapes
 
 
@@ -375,7 +642,7 @@ def abstract_params(config: LlamaConfig, dtype=jnp.float32) -> Params:
 
 def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     """Random parameters: normal(0, 0.02) weights (as HF's ``initializer_range``), unit
-    norms, zero biases.
+    norms (weights ``1 - norm_offset``), zero biases.
 
     Returns:
       The params pytree described in the module docstring, every leaf of ``dtype``.
@@ -389,8 +656,8 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
     keys = jax.random.split(key, len(leaves))
     out = []
     for k, shape, path in zip(keys, leaves, paths):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
+        if "norm" in path:  # the scale that multiplies is norm_offset + weight
+            out.append(jnp.full(shape, 1.0 - config.norm_offset, dtype))
         elif "bias" in path:
             out.append(jnp.zeros(shape, dtype))
         else:
@@ -399,11 +666,12 @@ def init(key: jax.Array, config: LlamaConfig, dtype=jnp.float32) -> Params:
 
 
 @jax.named_scope("rms_norm")
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32, returned in ``x.dtype``."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis, multiplied by ``offset + scale``
+    (Gemma's ``(1 + w)`` with ``offset=1``), computed in float32, returned in ``x.dtype``."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
@@ -478,54 +746,113 @@ def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Arr
     return y if bias is None else y + bias.astype(y.dtype)
 
 
+def _norm(x, layer: Params, name: str, config: LlamaConfig) -> jax.Array:
+    """RMSNorm of ``x`` with layer weight ``name``, tagged ``name`` for remat policies."""
+    y = rms_norm(x, layer[name]["scale"], config.rms_norm_eps, config.norm_offset)
+    return checkpoint_name(y, name)
+
+
+def _qkv(h, layer, config: LlamaConfig, fp8):
+    """Query, key and value projections ``[B, S, heads, D]`` before RoPE (QK-norm applied)."""
+    c = config
+    b, s, _ = h.shape
+    if c.fused_projections:  # Phi-3: [q | k | v] along the output axis
+        qkv = _proj(h, layer, "qkv_proj", fp8)
+        q_end, k_end = c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim
+        q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+    else:
+        q, k, v = (_proj(h, layer, n, fp8) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), _QKV_TAGS))
+    if c.qk_norm == "proj":  # OLMo 2: over the whole projection
+        q, k = _norm(q, layer, "q_norm", c), _norm(k, layer, "k_norm", c)
+    q = q.reshape(b, s, c.num_heads, c.head_dim)
+    k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
+    if c.qk_norm == "head":  # Qwen3, Gemma 3: over each head
+        q, k = _norm(q, layer, "q_norm", c), _norm(k, layer, "k_norm", c)
+    return q, k, v.reshape(b, s, c.num_kv_heads, c.head_dim)
+
+
+_QKV_TAGS = ("query_proj", "key_proj", "value_proj")
+
+
+def _mlp(h, layer, config: LlamaConfig, fp8) -> jax.Array:
+    """Gated MLP ``down(act(gate(h)) * up(h))``; Phi-3's fused ``gate_up_proj`` is
+    ``[gate | up]``."""
+    if config.fused_projections:
+        gate_up = _proj(h, layer, "gate_up_proj", fp8)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+    else:
+        gate, up = _proj(h, layer, "gate_proj", fp8), _proj(h, layer, "up_proj", fp8)
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
+    return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
+
+
+def _normed(x, layer, config: LlamaConfig, pre: str, post: str, fn):
+    """``post_norm(fn(pre_norm(x)))`` with the norms ``norm_placement`` asks for; ``fn``
+    returns ``(out, extra)``."""
+    h = x if config.norm_placement == "post" else _norm(x, layer, pre, config)
+    out, extra = fn(h)
+    if config.norm_placement != "pre":
+        out = _norm(out, layer, post, config)
+    return out, extra
+
+
+def _sublayer(x, layer, config: LlamaConfig, pre: str, post: str, fn):
+    """``x + post_norm(fn(pre_norm(x)))`` (see ``_normed``) and ``fn``'s extra output."""
+    out, extra = _normed(x, layer, config, pre, post, fn)
+    return x + out, extra
+
+
+def _mlp_block(x, layer, config: LlamaConfig, fp8) -> jax.Array:
+    """The MLP sublayer without its residual: norms (``norm_placement``) around ``_mlp``."""
+    mlp = lambda h: (_mlp(h, layer, config, fp8), None)
+    return _normed(x, layer, config, "mlp_norm", "post_mlp_norm", mlp)[0]
+
+
 def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
-    """``attention`` with the config's window and implementation; ``attn`` holds the
-    index arguments (``q_index``, optional ``kv_index``, ``segment_ids``)."""
+    """``attention`` with the config's scale, soft-cap and implementation; ``attn`` holds
+    the index arguments (``q_index``, optional ``kv_index``, ``segment_ids``) and this
+    layer's ``sliding_window`` (default: the config's, for every layer)."""
+    attn = {"sliding_window": _uniform_window(config), **attn}
     return attention(
         q,
         k,
         v,
         **attn,
-        sliding_window=config.sliding_window,
+        scale=config.attn_scale,
+        logit_softcap=config.attn_logit_softcap,
         implementation=config.attention,
     )
 
 
-def _layer(x, layer, config, cos, sin, attn, fp8=None, cache=None, index=None):
+def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
     """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
     ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache."""
     c = config
     b, s, _ = x.shape
-    h = checkpoint_name(rms_norm(x, layer["attn_norm"]["scale"], c.rms_norm_eps), "attn_norm")
-    q = checkpoint_name(_proj(h, layer, "q_proj", fp8), "query_proj")
-    k = checkpoint_name(_proj(h, layer, "k_proj", fp8), "key_proj")
-    v = checkpoint_name(_proj(h, layer, "v_proj", fp8), "value_proj")
-    q = apply_rope(q.reshape(b, s, c.num_heads, c.head_dim), cos, sin)
-    k = apply_rope(k.reshape(b, s, c.num_kv_heads, c.head_dim), cos, sin)
-    v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
-    if cache is not None:
-        cache = tuple(
-            jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
-            for full, new in zip(cache, (k, v))
-        )
-        k, v = cache
-    ctx = checkpoint_name(_attend(q, k, v, c, attn).reshape(b, s, -1), "attn_context")
-    x = x + checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
+    cos, sin = rope
+
+    def attn_block(h):
+        q, k, v = _qkv(h, layer, c, fp8)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv = cache
+        if kv is not None:
+            kv = tuple(
+                jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
+                for full, new in zip(kv, (k, v))
+            )
+            k, v = kv
+        ctx = _attend(q, k, v, c, attn)
+        ctx = checkpoint_name(ctx.reshape(b, s, -1), "attn_context")
+        return checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out"), kv
+
+    x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn_block)
     return x + _tiled_mlp(x, layer, c, fp8), cache
 
 
-def _mlp(x, layer, config, fp8):
-    """The gated MLP of ``rms_norm(x)``: ``down(act(gate(h)) * up(h))``, ``x [..., H]``."""
-    h = rms_norm(x, layer["mlp_norm"]["scale"], config.rms_norm_eps)
-    h = checkpoint_name(h, "mlp_norm")
-    gate = checkpoint_name(_proj(h, layer, "gate_proj", fp8), "mlp_gate")
-    up = checkpoint_name(_proj(h, layer, "up_proj", fp8), "mlp_up")
-    hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
-    return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
-
-
 def _tiled_mlp(h, layer, config, fp8):
-    """``_mlp`` (norm included, so no ``[B * S, H]`` normalized copy is held) over chunks
+    """``_mlp_block`` (norms included, so no ``[B * S, H]`` normalized copy is held) over chunks
     of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
     ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
     layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
@@ -533,10 +860,10 @@ def _tiled_mlp(h, layer, config, fp8):
     b, s, width = h.shape
     n, chunk = b * s, config.mlp_chunk
     if not chunk or n <= chunk or fp8 is not None:
-        return _mlp(h, layer, config, fp8)
+        return _mlp_block(h, layer, config, fp8)
     pad = -n % chunk
     hs = jnp.pad(h.reshape(n, width), ((0, pad), (0, 0))).reshape(-1, 1, chunk, width)
-    body = jax.checkpoint(lambda carry, hc: (carry, _mlp(hc, layer, config, None)))
+    body = jax.checkpoint(lambda carry, hc: (carry, _mlp_block(hc, layer, config, None)))
     _, ys = jax.lax.scan(body, None, hs)
     return ys.reshape(n + pad, width)[:n].reshape(b, s, width)
 
@@ -550,13 +877,14 @@ def decoder_layer(
     attn: dict,
     fp8: Params | None = None,
 ) -> jax.Array:
-    """One pre-norm decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
+    """One decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
 
     ``cos``/``sin`` from ``rope_tables``; ``attn``: the index keyword arguments of
     ``jmem.ops.attention`` (``q_index`` int ``[S]`` or ``[B, S]``, optional
-    ``kv_index`` and ``segment_ids``), from which the mask is built inside attention;
+    ``kv_index`` and ``segment_ids``), from which the mask is built inside attention, and
+    optionally this layer's ``sliding_window`` (needed with mixed ``layer_types``);
     ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
-    return _layer(x, layer, config, cos, sin, attn, fp8)[0]
+    return _layer(x, layer, config, (cos, sin), attn, fp8)[0]
 
 
 def _head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
@@ -564,11 +892,67 @@ def _head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
     return params["embed"]["embedding"].T if config.tie_embeddings else params["lm_head"]["kernel"]
 
 
+def _final_norm(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
+    return rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_offset)
+
+
 def _head(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
-    """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``."""
-    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+    """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``
+    (soft-capped with ``final_logit_softcap``)."""
+    x = _final_norm(params, x, config)
     head = _head_kernel(params, config)
-    return jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    cap = config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _embed(params: Params, tokens: jax.Array, config: LlamaConfig) -> jax.Array:
+    """Token embeddings ``[B, S, H]`` (times ``sqrt(H)`` in their dtype for Gemma)."""
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    if config.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), jnp.float32).astype(x.dtype)
+    return x
+
+
+def _is_local(config: LlamaConfig) -> jax.Array | None:
+    """bool ``[L]``: which layers are sliding-window layers, when layers differ (None when
+    every layer is the same: the window and RoPE are then Python constants)."""
+    c = config
+    if c.layer_types is None or (len(set(c.layer_types)) == 1 and c.local_rope_theta is None):
+        return None
+    return jnp.asarray([t == "sliding_attention" for t in c.layer_types])
+
+
+def _uniform_window(config: LlamaConfig) -> int | None:
+    """The window of every layer when layers do not differ (see ``_is_local``)."""
+    c = config
+    if c.layer_types is not None and "sliding_attention" not in c.layer_types:
+        return None
+    return c.sliding_window
+
+
+def _layer_rope(config: LlamaConfig, positions):
+    """RoPE tables of every layer, or a pair ``(global, local)`` when layers differ
+    (selected per layer inside the scan by ``_per_layer``)."""
+    c = config
+    rope = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+    if _is_local(c) is None:
+        return rope
+    local = rope
+    if c.local_rope_theta is not None:
+        local = rope_tables(positions, c.head_dim, c.local_rope_theta, None)
+    return rope, local
+
+
+def _per_layer(local, rope, attn: dict, config: LlamaConfig):
+    """This layer's ``(rope, attn)``: with mixed layers (``local``, a traced bool scalar
+    scanned with the layer params) its RoPE tables and window (a traced int32, 0 for
+    global attention); else the shared ones."""
+    if local is None:
+        return rope, attn
+    rope = jax.tree.map(lambda g, loc: jnp.where(local, loc, g), *rope)
+    window = jnp.where(local, config.sliding_window or 0, 0).astype(jnp.int32)
+    return rope, {**attn, "sliding_window": window}
 
 
 def _check_row_arrays(tokens, **arrays) -> None:
@@ -581,21 +965,8 @@ def _check_row_arrays(tokens, **arrays) -> None:
             )
 
 
-def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8):
-    """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(
-            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
-        )
-    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
-    c = config
-    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
-    seq = tokens.shape[1]
-    cos, sin = rope_tables(
-        seq if positions is None else positions, c.head_dim, c.rope_theta, c.rope_scaling
-    )
-    attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
-
+def _check_fp8(fp8) -> None:
+    """ValueError for fp8 metas outside ``"layers"`` (they would go unused and be reset)."""
     if fp8 is not None and any(
         fp8_lib.is_meta(m)
         for k, v in fp8.items()
@@ -607,15 +978,39 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
             "build them with fp8.init_metas(params, LINEAR_NAMES)."
         )
 
-    def body(x, layer):
-        layer, layer_fp8 = layer if fp8 is not None else (layer, None)
+
+def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8):
+    """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
+        )
+    _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
+    _check_fp8(fp8)
+    c = config
+    x = _embed(params, tokens, c)
+    seq = tokens.shape[1]
+    rope = _layer_rope(c, seq if positions is None else positions)
+    attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
+    is_local = _is_local(c)
+
+    def body(x, xs):
+        if is_local is not None:  # layers differ: this layer's flag is scanned last
+            *xs, local = xs
+            xs = tuple(xs) if fp8 is not None else xs[0]
+        else:
+            local = None
+        layer, layer_fp8 = xs if fp8 is not None else (xs, None)
         # Named so that remat's "offload" policy saves the layer input in host memory.
         x = checkpoint_name(x, "layer_input")
-        return decoder_layer(x, layer, c, cos, sin, attn, layer_fp8), None
+        layer_rope, layer_attn = _per_layer(local, rope, attn, c)
+        return _layer(x, layer, c, layer_rope, layer_attn, layer_fp8)[0], None
 
     if layer_transform is not None:
         body = layer_transform(body)
     xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
+    if is_local is not None:
+        xs = (*xs, is_local) if fp8 is not None else (xs, is_local)
     return jax.lax.scan(body, x, xs)[0]
 
 
@@ -689,7 +1084,8 @@ def loss_fn(
     Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
     ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
     keyword arguments go to ``forward``. The loss is computed ``config.loss_chunk`` tokens
-    at a time (``linear_cross_entropy``), never holding the ``[B, S, V]`` logits."""
+    at a time (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
+    ``[B, S, V]`` logits."""
     kwargs = {"layer_transform": None, "fp8": None, **kwargs}
     x = _hidden(
         params,
@@ -699,13 +1095,13 @@ def loss_fn(
         segment_ids=batch.get("segment_ids"),
         **kwargs,
     )
-    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
     return linear_cross_entropy(
-        x,
+        _final_norm(params, x, config),
         _head_kernel(params, config),
         batch["targets"],
         batch.get("mask"),
         chunk=config.loss_chunk,
+        logit_softcap=config.final_logit_softcap,
     )
 
 
@@ -714,15 +1110,17 @@ def _cached_forward(params, tokens, config, cache, index):
     updated cache; ``cache``: a pair ``[L, B, T, nKV, D]`` of keys and values."""
     c = config
     q_index = index + jnp.arange(tokens.shape[1])
-    cos, sin = rope_tables(q_index, c.head_dim, c.rope_theta, c.rope_scaling)
+    rope = _layer_rope(c, q_index)
     attn = {"q_index": q_index, "kv_index": jnp.arange(cache[0].shape[2])}
-    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    is_local = _is_local(c)
+    x = _embed(params, tokens, c)
 
     def body(x, xs):
-        layer, kv = xs
-        return _layer(x, layer, c, cos, sin, attn, None, kv, index)
+        layer, kv, local = xs
+        layer_rope, layer_attn = _per_layer(local, rope, attn, c)
+        return _layer(x, layer, c, layer_rope, layer_attn, None, kv, index)
 
-    x, cache = jax.lax.scan(body, x, (params["layers"], cache))
+    x, cache = jax.lax.scan(body, x, (params["layers"], cache, is_local))
     return _head(params, x[:, -1:], c)[:, 0], cache
 
 

@@ -1,5 +1,6 @@
 """LoRA adapters in Hugging Face PEFT's format, for ``jmem.models.llama`` params of any
-family ``jmem.models.hf`` loads (Llama, Mistral, Qwen2: the same module names and keys).
+family ``jmem.models.hf`` loads (the same module names and keys; Phi-3's fused ``qkv_proj``
+and ``gate_up_proj`` are one module, one adapter each, as PEFT adapts them).
 
 A PEFT LoRA adapter directory holds ``adapter_config.json`` (``peft.LoraConfig``) and
 ``adapter_model.safetensors`` with, per adapted linear layer,
@@ -24,8 +25,10 @@ import numpy as np
 
 from jmem._src import lora as _lora
 from jmem._src.implicit.weight import flatten_params
+from jmem.models.llama import FUSED_LINEAR_NAMES
 from jmem.models.llama import LINEAR_NAMES
 from jmem.models.llama import LlamaConfig
+from jmem.models.llama import linear_names
 from jmem.models.llama import param_shapes
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "save_adapters", "load_adapters"]
@@ -34,8 +37,12 @@ __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "save_adapters", "load_adapters"]
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
+# every kernel name of any family (Phi-3's fused qkv_proj / gate_up_proj are one PEFT
+# module each, as in PEFT); which ones a model has: llama.linear_names(config)
+_NAMES = tuple(dict.fromkeys(LINEAR_NAMES + FUSED_LINEAR_NAMES))
 _GROUP = {
-    n: "self_attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for n in LINEAR_NAMES
+    n: "self_attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+    for n in _NAMES
 }
 _PATH_RE = re.compile(r"^layers/(\w+_proj)/kernel$")
 _KEY_RE = re.compile(
@@ -78,10 +85,10 @@ def _key(i: int, name: str, which: str) -> str:
 def _module_of(path: str) -> str:
     """The Llama module name (``q_proj``, ...) adapted by jmem adapter ``path``."""
     m = _PATH_RE.match(path)
-    if m is None or m.group(1) not in LINEAR_NAMES:
+    if m is None or m.group(1) not in _NAMES:
         raise ValueError(
             f"Adapter {path!r} has no PEFT counterpart: save_adapters writes adapters of "
-            f"jmem.models.llama's layers/<name>/kernel for name in {LINEAR_NAMES} (PEFT "
+            f"jmem.models.llama's layers/<name>/kernel for name in {_NAMES} (PEFT "
             "target_modules); adapt only those (lora.init(targets=r'layers/.*_proj/kernel'))."
         )
     return m.group(1)
@@ -156,7 +163,8 @@ def save_adapters(
 
     Raises:
       ValueError: an adapter on a weight PEFT has no module for (a bias, a norm, the
-        embedding; only the seven projections' kernels), shapes that do not
+        embedding; only the projections' kernels, ``llama.linear_names(config)``), shapes
+        that do not
         fit ``config``, or adapters that differ in rank/alpha/dropout/rsLoRA/init.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
@@ -168,6 +176,10 @@ def save_adapters(
     modules = []
     for path, w in adapters.items():
         name = _module_of(path)
+        if name not in shapes:
+            raise ValueError(
+                f"Adapter {path!r}: {config} has no {name} (its kernels: {linear_names(config)})."
+            )
         L, fan_in, fan_out = shapes[name]["kernel"]
         r = w.rank
         if tuple(w.a.shape) != (L, fan_in, r) or tuple(w.b.shape) != (L, r, fan_out):
@@ -191,7 +203,7 @@ def _neutral(value) -> bool:
     return value is None or value is False or value == {} or value == [] or value == ""
 
 
-def _check_config(c: dict) -> tuple[int, float]:
+def _check_config(c: dict, config: LlamaConfig) -> tuple[int, float]:
     """Refuses what jmem does not implement, naming the field; returns ``(r, lora_alpha)``."""
     if c.get("peft_type") != "LORA":
         raise ValueError(f"peft_type {c.get('peft_type')!r} is not LORA; jmem loads LoRA only.")
@@ -212,11 +224,11 @@ def _check_config(c: dict) -> tuple[int, float]:
             raise ValueError(f"{field}={odd} (per-module values) is not implemented.")
     targets = c.get("target_modules")
     if isinstance(targets, list | tuple):
-        unknown = sorted(set(targets) - set(LINEAR_NAMES))
+        unknown = sorted(set(targets) - set(linear_names(config)))
         if unknown:
             raise ValueError(
-                f"target_modules {unknown} are not jmem.models.llama linear layers "
-                f"{LINEAR_NAMES}; jmem cannot load adapters on them."
+                f"target_modules {unknown} are not linear layers {linear_names(config)} of "
+                f"this model's jmem.models.llama config; jmem cannot load adapters on them."
             )
     for field, value in c.items():
         if field not in _HANDLED and field not in _INFORMATIONAL and not _neutral(value):
@@ -240,7 +252,8 @@ def _read_tensors(directory: str, config: LlamaConfig) -> dict[str, dict[int, di
     unknown = []
     for key, arr in load_file(path).items():
         m = _KEY_RE.match(key)
-        if m is None or m.group(3) not in LINEAR_NAMES or m.group(2) != _GROUP[m.group(3)]:
+        names = linear_names(config)
+        if m is None or m.group(3) not in names or m.group(2) != _GROUP[m.group(3)]:
             unknown.append(key)
             continue
         i, name, which = int(m.group(1)), m.group(3), m.group(4)
@@ -291,7 +304,7 @@ def load_adapters(directory: str, params, config: LlamaConfig) -> dict[str, _lor
         raise FileNotFoundError(f"{directory!r} has no {CONFIG_NAME}: not a PEFT adapter.")
     with open(cpath) as f:
         c = json.load(f)
-    r, alpha = _check_config(c)
+    r, alpha = _check_config(c, config)
     rs = bool(c.get("use_rslora", False))
     scale = alpha / math.sqrt(r) if rs else alpha / r
     tensors = _read_tensors(directory, config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 from typing import Any
 
 __all__ = [
@@ -26,7 +27,14 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """The shape facts the planner needs from a Llama-family model (see ``LlamaConfig``)."""
+    """The shape facts the planner needs from a Llama-family model (see ``LlamaConfig``).
+
+    ``norm_widths``: the width of each per-layer norm vector; None is Llama's two of
+    ``hidden_size`` (Gemma 2/3 have four, Qwen3/Gemma 3 add QK-norms of ``head_dim``).
+    ``fused_projections`` (Phi-3): ``leaf_sizes`` has one ``qkv_proj`` and one
+    ``gate_up_proj`` leaf; ``linear_shapes`` still lists the separate projections (the
+    same elements), so LoRA on a fused module is counted as on its parts (``2 r H`` more
+    adapter elements per layer than PEFT's one adapter on the fused module)."""
 
     vocab_size: int
     hidden_size: int
@@ -37,6 +45,8 @@ class ModelShape:
     head_dim: int
     tie_embeddings: bool = False
     name: str | None = None
+    norm_widths: tuple[int, ...] | None = None
+    fused_projections: bool = False
     #: The long-context paths (``LlamaConfig.attention``, ``loss_chunk``, ``mlp_chunk``): how
     #: the step computes, not the shape, so they do not take part in comparisons. A named
     #: shape or a count uses the dense paths.
@@ -68,15 +78,26 @@ class ModelShape:
         """Elements of the embedding plus the (untied) output head."""
         return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
 
+    def layer_norm_widths(self) -> tuple[int, ...]:
+        """Widths of one layer's norm vectors (``norm_widths``, default two of H)."""
+        return self.norm_widths or (self.hidden_size, self.hidden_size)
+
     @property
     def norm_params(self) -> int:
-        return (2 * self.num_layers + 1) * self.hidden_size
+        return self.num_layers * sum(self.layer_norm_widths()) + self.hidden_size
 
     def leaf_sizes(self) -> list[int]:
         """Elements of each params leaf of ``jmem.models.llama`` (layers stacked on L)."""
         L, h = self.num_layers, self.hidden_size
-        sizes = [self.vocab_size * h, L * h, L * h, h]
-        sizes += [L * i * o for i, o in self.linear_shapes().values()]
+        sizes = [self.vocab_size * h, *(L * w for w in self.layer_norm_widths()), h]
+        lin = {k: L * i * o for k, (i, o) in self.linear_shapes().items()}
+        if self.fused_projections:
+            lin = {
+                "qkv_proj": lin.pop("q_proj") + lin.pop("k_proj") + lin.pop("v_proj"),
+                "gate_up_proj": lin.pop("gate_proj") + lin.pop("up_proj"),
+                **lin,
+            }
+        sizes += list(lin.values())
         if not self.tie_embeddings:
             sizes.append(h * self.vocab_size)
         return sizes
@@ -91,12 +112,44 @@ def _shape(name, V, H, F, L, nH, nKV, tie=False):
     return ModelShape(V, H, F, L, nH, nKV, H // nH, tie, name)
 
 
+def _family(name, V, H, F, L, nH, nKV, D, tie, norms, qk):
+    """A family preset's shape: ``norms`` per-layer norms of H (2, or 4 for Gemma's
+    sandwich) and QK-norm ``qk`` (None, ``"head"`` or ``"proj"``), as ``LlamaConfig``."""
+    placement = "sandwich" if norms == 4 else "pre"
+    options = types.SimpleNamespace(
+        hidden_size=H, num_heads=nH, num_kv_heads=nKV, head_dim=D, norm_placement=placement,
+        qk_norm=qk,
+    )  # fmt: skip
+    fused = name.startswith("phi3")
+    return ModelShape(V, H, F, L, nH, nKV, D, tie, name, norm_widths_of(options), fused)
+
+
+def norm_widths_of(model: Any) -> tuple[int, ...] | None:
+    """``ModelShape.norm_widths`` of a ``LlamaConfig``-like object (its ``norm_placement``
+    and ``qk_norm``; None when absent, as Llama)."""
+    H, nH, nKV = model.hidden_size, model.num_heads, model.num_kv_heads
+    D = getattr(model, "head_dim", None) or H // nH
+    norms = 4 if getattr(model, "norm_placement", "pre") == "sandwich" else 2
+    qk = getattr(model, "qk_norm", None)
+    widths = (H,) * norms + {None: (), "head": (D, D), "proj": (nH * D, nKV * D)}[qk]
+    return widths if widths != (H, H) else None
+
+
 #: Shapes of ``jmem.models.llama.CONFIGS`` (tests check they agree).
 MODEL_SHAPES: dict[str, ModelShape] = {
     "tiny": _shape("tiny", 256, 256, 688, 4, 8, 4),
     "llama_1b": _shape("llama_1b", 32000, 2048, 5632, 22, 32, 4),
     "llama2_7b": _shape("llama2_7b", 32000, 4096, 11008, 32, 32, 32),
     "llama3_8b": _shape("llama3_8b", 128256, 4096, 14336, 32, 32, 8),
+    "gemma2_2b": _family("gemma2_2b", 256000, 2304, 9216, 26, 8, 4, 256, True, 4, None),
+    "gemma2_9b": _family("gemma2_9b", 256000, 3584, 14336, 42, 16, 8, 256, True, 4, None),
+    "gemma3_1b": _family("gemma3_1b", 262144, 1152, 6912, 26, 4, 1, 256, True, 4, "head"),
+    "gemma3_4b": _family("gemma3_4b", 262208, 2560, 10240, 34, 8, 4, 256, True, 4, "head"),
+    "gemma3_12b": _family("gemma3_12b", 262208, 3840, 15360, 48, 16, 8, 256, True, 4, "head"),
+    "qwen3_0_6b": _family("qwen3_0_6b", 151936, 1024, 3072, 28, 16, 8, 128, True, 2, "head"),
+    "qwen3_8b": _family("qwen3_8b", 151936, 4096, 12288, 36, 32, 8, 128, False, 2, "head"),
+    "phi3_mini": _family("phi3_mini", 32064, 3072, 8192, 32, 32, 32, 96, False, 2, None),
+    "olmo2_7b": _family("olmo2_7b", 100352, 4096, 11008, 32, 32, 32, 128, False, 2, "proj"),
 }
 
 
@@ -233,6 +286,8 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
         int(hd),
         bool(getattr(model, "tie_embeddings", False)),
         getattr(model, "name", None),
+        norm_widths_of(model),
+        bool(getattr(model, "fused_projections", False)),
         str(getattr(model, "attention", "dense")),
         int(getattr(model, "loss_chunk", 0)),
         int(getattr(model, "mlp_chunk", 0)),

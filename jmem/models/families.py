@@ -1,0 +1,693 @@
+"""Model families as config mappings: each transformers ``model_type`` jmem loads is a set of
+``LlamaConfig`` family options plus the ``config.json`` fields that set the rest.
+
+One table, ``FAMILIES``, read by ``jmem.models.hf`` (``config.json`` -> ``LlamaConfig``)
+and ``jmem.models.export`` (the inverse); ``tensor_names`` maps every params leaf to its
+Hugging Face tensor name. A new Llama-like family is one ``Family`` entry here (see
+``docs/families.md``). Sources: transformers' ``modeling_<family>.py`` and
+``configuration_<family>.py`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+from typing import Callable
+
+from jmem.models.llama import ACTIVATIONS
+from jmem.models.llama import LlamaConfig
+from jmem.models.llama import RopeScaling
+from jmem.models.llama import param_shapes
+
+__all__ = [
+    "FAMILIES",
+    "FAMILY_OPTIONS",
+    "HANDLED_FIELDS",
+    "IGNORED_FIELDS",
+    "Family",
+    "config_from_dict",
+    "family_of",
+    "hf_config",
+    "layer_windows",
+    "refuse",
+    "tensor_names",
+    "write_windows",
+]
+
+_ATTN_BIASES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_BIASES = ("gate_proj", "up_proj", "down_proj")
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def refuse(field: str, value, supported: str):
+    """Raises the loader's ValueError for a ``config.json`` value jmem does not implement."""
+    raise ValueError(
+        f"config.json: {field}={value!r} is not implemented by jmem.models.llama "
+        f"(supported: {supported}); loading it would compute a different model."
+    )
+
+
+def _no_fields(c: dict) -> dict:
+    return {}
+
+
+def _no_output(config: LlamaConfig) -> dict:
+    return {}
+
+
+def _llama_biases(c: dict) -> dict:
+    """``attention_bias`` (q/k/v/o) and ``mlp_bias`` (gate/up/down), as Llama."""
+    biases = ()
+    if c.get("attention_bias", False):
+        biases += _ATTN_BIASES
+    if c.get("mlp_bias", False):
+        biases += _MLP_BIASES
+    return {"biases": biases}
+
+
+def _write_llama_biases(config: LlamaConfig) -> dict:
+    return {"attention_bias": "q_proj" in config.biases, "mlp_bias": "gate_proj" in config.biases}
+
+
+def _attention_bias(c: dict) -> dict:
+    """``attention_bias``: biases on q/k/v/o (Qwen3, Gemma, OLMo 2 have no MLP biases)."""
+    return {"biases": _ATTN_BIASES if c.get("attention_bias", False) else ()}
+
+
+def _write_attention_bias(config: LlamaConfig) -> dict:
+    return {"attention_bias": bool(config.biases)}
+
+
+def _no_dropout(c: dict, *fields: str) -> None:
+    for field in fields:
+        if c.get(field):
+            refuse(field, c[field], "0.0 (jmem applies no dropout)")
+
+
+def _gemma(c: dict) -> dict:
+    """Gemma 2/3 fields: attention scale, soft-caps, GeGLU named ``hidden_activation``."""
+    if c.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", True, "false (causal attention)")
+    qpas = c.get("query_pre_attn_scalar")
+    return {
+        **_attention_bias(c),
+        "hidden_act": c.get("hidden_activation") or "gelu_pytorch_tanh",
+        "attn_scale": None if qpas is None else float(qpas) ** -0.5,
+        "attn_logit_softcap": _float_or_none(c.get("attn_logit_softcapping")),
+        "final_logit_softcap": _float_or_none(c.get("final_logit_softcapping")),
+    }
+
+
+def _float_or_none(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _write_gemma(config: LlamaConfig) -> dict:
+    scale = config.attn_scale if config.attn_scale is not None else config.head_dim**-0.5
+    qpas = round(scale**-2, 6)
+    return {
+        **_write_attention_bias(config),
+        "hidden_activation": config.hidden_act,
+        "query_pre_attn_scalar": int(qpas) if float(qpas).is_integer() else qpas,
+        "attn_logit_softcapping": config.attn_logit_softcap,
+        "final_logit_softcapping": config.final_logit_softcap,
+    }
+
+
+def _phi3(c: dict) -> dict:
+    """Phi-3: no dropout; no biases (its fused projections have none)."""
+    _no_dropout(c, "resid_pdrop", "embd_pdrop")
+    if c.get("attention_bias"):
+        refuse("attention_bias", True, "false (Phi-3's qkv_proj has no bias)")
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one transformers ``model_type`` maps onto ``LlamaConfig``.
+
+    Attributes:
+      architecture: transformers' class (``config.json``'s ``architectures``).
+      options: the ``LlamaConfig`` family options the model type implies (as pairs).
+      windows: how its ``config.json`` places sliding-window layers when it has no
+        ``layer_types``: ``"none"`` (never), ``"all"`` (every layer when ``sliding_window``
+        is set), ``"qwen"`` (``use_sliding_window`` from ``max_window_layers`` on),
+        ``"alternate"`` (Gemma 2: even layers local) or ``"pattern"`` (Gemma 3: every
+        ``sliding_window_pattern``-th layer global).
+      fields: the family's own ``config.json`` fields, read by ``read``.
+      read: ``config.json`` dict -> ``LlamaConfig`` keyword arguments (biases, soft-caps,
+        ...); refuses values it does not implement.
+      write: the inverse, ``LlamaConfig`` -> those ``config.json`` fields.
+      per_layer_rope: ``rope_parameters`` is ``{layer type: parameters}`` (Gemma 3).
+      defaults: the transformers config class's defaults of fields a ``config.json`` may
+        omit (Gemma's ``tie_word_embeddings=True``, soft-caps, ...), as pairs.
+    """
+
+    architecture: str
+    options: tuple[tuple[str, Any], ...] = ()
+    windows: str = "none"
+    fields: tuple[str, ...] = ()
+    read: Callable[[dict], dict] = _no_fields
+    write: Callable[[LlamaConfig], dict] = _no_output
+    per_layer_rope: bool = False
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+
+_GEMMA = (("norm_offset", 1.0), ("norm_placement", "sandwich"), ("scale_embeddings", True))
+_GEMMA_DEFAULTS = (
+    ("tie_word_embeddings", True),
+    ("head_dim", 256),
+    ("query_pre_attn_scalar", 256),
+    ("sliding_window", 4096),
+    ("hidden_activation", "gelu_pytorch_tanh"),
+)
+_GEMMA_FIELDS = (
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "use_bidirectional_attention",
+    "attention_bias",
+)
+
+#: ``model_type`` -> its mapping; the families ``jmem.models.hf`` loads.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        "LlamaForCausalLM",
+        fields=("attention_bias", "mlp_bias"),
+        read=_llama_biases,
+        write=_write_llama_biases,
+    ),
+    "mistral": Family("MistralForCausalLM", windows="all", defaults=(("sliding_window", 4096),)),
+    "qwen2": Family("Qwen2ForCausalLM", windows="qwen", read=lambda c: {"biases": _QKV}),
+    "qwen3": Family(
+        "Qwen3ForCausalLM",
+        options=(("qk_norm", "head"),),
+        windows="qwen",
+        fields=("attention_bias",),
+        read=_attention_bias,
+        write=_write_attention_bias,
+        defaults=(("head_dim", 128), ("sliding_window", 4096), ("max_window_layers", 28)),
+    ),
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        options=_GEMMA,
+        windows="alternate",
+        fields=_GEMMA_FIELDS,
+        read=_gemma,
+        write=_write_gemma,
+        defaults=(
+            *_GEMMA_DEFAULTS,
+            ("attn_logit_softcapping", 50.0),
+            ("final_logit_softcapping", 30.0),
+        ),
+    ),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM",
+        options=(*_GEMMA, ("qk_norm", "head")),
+        windows="pattern",
+        fields=(
+            *_GEMMA_FIELDS,
+            "rope_local_base_freq",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",  # transformers 5's spelling
+        ),
+        read=_gemma,
+        write=_write_gemma,
+        per_layer_rope=True,
+        defaults=_GEMMA_DEFAULTS,
+    ),
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        options=(("fused_projections", True),),
+        windows="all",
+        # original_max_position_embeddings only matters to longrope, which is refused
+        fields=("resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "attention_bias"),
+        read=_phi3,
+        defaults=(("rms_norm_eps", 1e-5),),
+    ),
+    "olmo2": Family(
+        "Olmo2ForCausalLM",
+        options=(("qk_norm", "proj"), ("norm_placement", "post")),
+        fields=("attention_bias",),
+        read=_attention_bias,
+        write=_write_attention_bias,
+        defaults=(("rms_norm_eps", 1e-5),),
+    ),
+}
+
+#: ``LlamaConfig`` fields that select a family (each family sets some of them).
+FAMILY_OPTIONS = (
+    "norm_offset",
+    "norm_placement",
+    "qk_norm",
+    "scale_embeddings",
+    "fused_projections",
+)
+
+
+def _options(config: LlamaConfig) -> dict:
+    return {k: getattr(config, k) for k in FAMILY_OPTIONS}
+
+
+def family_of(config: LlamaConfig) -> str:
+    """The ``model_type`` of the one transformers family that computes ``config``.
+
+    Raises:
+      ValueError: no family has ``config``'s options, or (for the Llama-shaped ones)
+        its biases and window (Qwen2: q/k/v biases; Mistral: a window, no biases; Llama:
+        all attention and/or all MLP biases, no window); the message says why.
+    """
+    default = _options(LlamaConfig(num_layers=1))
+    opts = _options(config)
+    matches = [
+        name
+        for name, fam in FAMILIES.items()
+        if {**default, **dict(fam.options)} == opts and name not in ("llama", "mistral", "qwen2")
+    ]
+    if matches:
+        return matches[0]
+    if opts != default:
+        raise ValueError(
+            f"The family options {opts} of {config} match no transformers family "
+            f"({sorted(FAMILIES)}); the export could not be loaded."
+        )
+    return _llama_shaped(config)
+
+
+def _llama_shaped(config: LlamaConfig) -> str:
+    """Llama, Mistral or Qwen2 for a config with Llama's family options."""
+    biases = set(config.biases)
+    if config.layer_types is not None or config.attn_logit_softcap or config.final_logit_softcap:
+        raise ValueError(
+            f"{config} has per-layer attention types or soft-caps, which Llama, Mistral and "
+            "Qwen2 lack; no transformers family computes it."
+        )
+    if biases == set(_QKV):
+        return "qwen2"
+    llama_sets = (set(), set(_ATTN_BIASES), set(_MLP_BIASES), set(_ATTN_BIASES + _MLP_BIASES))
+    if biases not in llama_sets:
+        raise ValueError(
+            f"biases={config.biases} match no transformers family (Qwen2: q/k/v; Llama: all "
+            "attention projections and/or all MLP projections); the export cannot be loaded."
+        )
+    if config.sliding_window is not None:
+        if biases:
+            raise ValueError(
+                f"sliding_window={config.sliding_window} with biases={config.biases}: Mistral "
+                "has no biases and Llama no sliding window; no transformers family computes it."
+            )
+        return "mistral"
+    return "llama"
+
+
+def _layer_norm_names(config: LlamaConfig) -> dict[str, str]:
+    """jmem norm weight -> HF module of one layer (Gemma's ``post_attention_layernorm``
+    is the attention output's norm; Llama's is the MLP's input norm)."""
+    return {
+        "attn_norm": "input_layernorm",
+        "mlp_norm": (
+            "post_attention_layernorm"
+            if config.norm_placement == "pre"
+            else "pre_feedforward_layernorm"
+        ),
+        "post_attn_norm": "post_attention_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+        "q_norm": "self_attn.q_norm",
+        "k_norm": "self_attn.k_norm",
+    }
+
+
+def tensor_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
+    """``{jmem leaf path: (HF tensor name, transposed)}`` for every leaf of
+    ``param_shapes(config)``; layer names hold ``{i}`` for the layer index, and kernels are
+    transposed (jmem ``[in, out]``, HF ``[out, in]``)."""
+    names = {
+        "embed/embedding": ("model.embed_tokens.weight", False),
+        "final_norm/scale": ("model.norm.weight", False),
+    }
+    if not config.tie_embeddings:
+        names["lm_head/kernel"] = ("lm_head.weight", True)
+    norms = _layer_norm_names(config)
+    for name, leaves in param_shapes(config)["layers"].items():
+        if name in norms:
+            names[f"layers/{name}/scale"] = (f"model.layers.{{i}}.{norms[name]}.weight", False)
+            continue
+        group = "self_attn" if name in (*_ATTN_BIASES, "qkv_proj") else "mlp"
+        for leaf in leaves:
+            hf_leaf = "weight" if leaf == "kernel" else leaf
+            names[f"layers/{name}/{leaf}"] = (
+                f"model.layers.{{i}}.{group}.{name}.{hf_leaf}",
+                leaf == "kernel",
+            )
+    return names
+
+
+def layer_windows(c: dict, family: Family) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` of a ``config.json`` in ``LlamaConfig``'s normal
+    form: no window when no layer slides, ``layer_types`` only when layers differ."""
+    n = c["num_hidden_layers"]
+    window = c.get("sliding_window")
+    rule = family.windows
+    if rule == "qwen" and not c.get("use_sliding_window", False):
+        window = None  # as transformers' Qwen2/Qwen3 configs
+    if rule == "none" or window is None:
+        types = ["full_attention"] * n
+    elif c.get("layer_types") is not None:
+        types = list(c["layer_types"])
+    elif rule == "all":
+        types = ["sliding_attention"] * n
+    elif rule == "qwen":
+        start = c.get("max_window_layers", n)
+        types = ["full_attention" if i < start else "sliding_attention" for i in range(n)]
+    else:
+        pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
+        period = 2 if rule == "alternate" else int(pattern)
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != n:
+        refuse("layer_types", types, f"{n} entries of full_attention, sliding_attention")
+    if "sliding_attention" not in types:
+        return None, None
+    return int(window), (None if len(set(types)) == 1 else tuple(types))
+
+
+def write_windows(config: LlamaConfig, model_type: str) -> dict:
+    """``config.json``'s window fields of ``config`` for ``model_type`` (inverse of
+    ``layer_windows``)."""
+    c = config
+    types = list(c.layer_types or [])
+    if not types:
+        kind = "full_attention" if c.sliding_window is None else "sliding_attention"
+        types = [kind] * c.num_layers
+    rule = FAMILIES[model_type].windows
+    if rule == "none":
+        return {}
+    if rule == "all":
+        return {"sliding_window": c.sliding_window}
+    out = {"sliding_window": c.sliding_window, "layer_types": types}
+    if rule == "qwen":
+        sliding = c.sliding_window is not None
+        out.update(use_sliding_window=sliding, max_window_layers=0 if sliding else c.num_layers)
+        if sliding and types[0] == "full_attention":
+            out["max_window_layers"] = types.index("sliding_attention")
+    if rule == "pattern" or rule == "alternate":
+        out["sliding_window"] = c.sliding_window or 4096  # unused when no layer slides
+    return out
+
+
+#: config.json fields that do not change the computation (token ids, init, bookkeeping).
+IGNORED_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "auto_map",  # remote-code class names (Phi-3); jmem runs its own decoder
+        "bos_token_id",
+        "cache_implementation",  # generation's KV cache kind (Gemma's "hybrid")
+        "dtype",
+        "eos_token_id",
+        "initializer_range",
+        "max_position_embeddings",
+        "pad_token_id",
+        "pretraining_tp",  # a tensor-parallel split of the same matmul
+        "tokenizer_class",
+        "torch_dtype",
+        "transformers_version",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+#: config.json fields every family reads (implemented, or refused for values jmem does not
+#: implement); each ``Family`` adds its own ``fields``.
+HANDLED_FIELDS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "attention_dropout",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "quantization_config",
+    }
+)
+
+_ROPE_KEYS = {
+    None: {"rope_type", "type", "rope_theta"},
+    "default": {"rope_type", "type", "rope_theta"},
+    "linear": {"rope_type", "type", "rope_theta", "factor"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
+
+
+def _rope_dict(c: dict) -> tuple[str, dict]:
+    """``(field, merged parameters)`` from ``rope_scaling`` (transformers < 5) and
+    ``rope_parameters`` (>= 5, which also holds ``rope_theta``); ``rope_scaling`` wins."""
+    field = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    winner = c.get(field) or {}
+    kind = winner.get("rope_type", winner.get("type"))
+    rope = {**(c.get("rope_parameters") or {}), **(c.get("rope_scaling") or {})}
+    rope.pop("type", None)
+    rope["rope_type"] = kind  # the winning spelling's type, not the other's
+    return field, rope
+
+
+def _rope(c: dict, field: str | None = None, rope: dict | None = None):
+    """``(rope_theta, rope_scaling)``; refuses RoPE types and keys jmem does not implement
+    (Phi-3's ``longrope``/``su``, YaRN, dynamic NTK, partial rotary)."""
+    if rope is None:
+        field, rope = _rope_dict(c)
+    kind = rope.get("rope_type")
+    supported = "rope_type default, linear, llama3"
+    if kind not in _ROPE_KEYS:
+        refuse(f"{field}.rope_type", kind, supported)
+    required = _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
+    missing = sorted(k for k in required if rope.get(k) is None)
+    if missing:
+        raise ValueError(
+            f"config.json: {field} with rope_type={kind!r} lacks {missing}; RoPE "
+            f"{kind} scaling needs {sorted(required)}."
+        )
+    extra = {k: v for k, v in rope.items() if k not in _ROPE_KEYS[kind] and v is not None}
+    partial = extra.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        refuse("partial_rotary_factor", partial, "1.0 (rotary over the whole head)")
+    if extra:
+        refuse(field, extra, f"{supported} with keys {sorted(_ROPE_KEYS[kind] - {'type'})}")
+    theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if kind in (None, "default"):
+        return theta, None
+    factor = float(rope["factor"])
+    if kind == "linear":
+        return theta, RopeScaling("linear", factor)
+    return theta, RopeScaling(
+        "llama3",
+        factor,
+        float(rope["low_freq_factor"]),
+        float(rope["high_freq_factor"]),
+        int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _gemma3_rope(c: dict) -> tuple[float, RopeScaling | None, float]:
+    """``(rope_theta, rope_scaling, local_rope_theta)`` of Gemma 3: ``rope_parameters``
+    per layer type (transformers >= 5), or ``rope_theta``/``rope_scaling`` for the global
+    layers and ``rope_local_base_freq`` for the local ones (< 5)."""
+    params = c.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            refuse("rope_parameters", unknown, "keys full_attention, sliding_attention")
+        full = {"rope_type": "default", "rope_theta": 1e6, **params.get("full_attention", {})}
+        local = {"rope_type": "default", "rope_theta": 1e4, **params.get("sliding_attention", {})}
+        theta, scaling = _rope(c, "rope_parameters.full_attention", full)
+        local_theta, local_scaling = _rope(c, "rope_parameters.sliding_attention", local)
+        if local_scaling is not None:
+            refuse("rope_parameters.sliding_attention.rope_type", local["rope_type"], "default")
+        return theta, scaling, local_theta
+    c = {"rope_theta": 1e6, **c}
+    theta, scaling = _rope(c)
+    return theta, scaling, float(c.get("rope_local_base_freq", 1e4))
+
+
+def _check_fields(c: dict, family: Family) -> None:
+    """Refuses fields whose values jmem does not implement; warns about unknown fields."""
+    if c.get("quantization_config"):
+        method = c["quantization_config"].get("quant_method", "?")
+        refuse(
+            "quantization_config.quant_method",
+            method,
+            "unquantized checkpoints; use load_params(quantize='nf4') to quantize on load",
+        )
+    if "hidden_activation" not in family.fields and c.get("hidden_act", "silu") not in ACTIVATIONS:
+        refuse("hidden_act", c.get("hidden_act"), ", ".join(sorted(ACTIVATIONS)))
+    if c.get("hidden_activation", "gelu_pytorch_tanh") not in ACTIVATIONS:
+        refuse("hidden_activation", c["hidden_activation"], ", ".join(sorted(ACTIVATIONS)))
+    if c.get("attention_dropout", 0.0):
+        refuse("attention_dropout", c["attention_dropout"], "0.0 (jmem applies no dropout)")
+    if family.architecture == "Qwen2ForCausalLM" and (c.get("attention_bias") or c.get("mlp_bias")):
+        refuse("attention_bias/mlp_bias", True, "absent for qwen2 (q/k/v biases are built in)")
+    known = IGNORED_FIELDS | HANDLED_FIELDS | set(family.fields)
+    unknown = sorted(k for k in set(c) - known if c[k] is not None)
+    if unknown:
+        warnings.warn(
+            f"config.json fields {unknown} are unknown to jmem.models.hf and ignored; if "
+            "they change the model, its logits will differ from transformers'.",
+            stacklevel=3,
+        )
+
+
+def config_from_dict(c: dict) -> LlamaConfig:
+    """``LlamaConfig`` from a parsed Hugging Face ``config.json`` of a ``FAMILIES`` model
+    type. See ``jmem.models.hf.load_config``."""
+    model_type = c.get("model_type", "llama")
+    if model_type not in FAMILIES:
+        hint = ""
+        if model_type == "gemma3":
+            hint = (
+                "; gemma3 is the multimodal Gemma 3 (vision tower, language_model.* "
+                "tensors): load a text-only gemma3_text checkpoint (Gemma 3 1B) instead"
+            )
+        refuse("model_type", model_type, ", ".join(FAMILIES) + hint)
+    family = FAMILIES[model_type]
+    c = {**dict(family.defaults), **c}  # fields the file omits take the family's defaults
+    _check_fields(c, family)
+    if family.per_layer_rope:
+        rope_theta, rope_scaling, local_theta = _gemma3_rope(c)
+    else:
+        (rope_theta, rope_scaling), local_theta = _rope(c), None
+    window, layer_types = layer_windows(c, family)
+    if layer_types is None and window is not None and local_theta is not None:
+        rope_theta, rope_scaling = local_theta, None  # every layer is local
+    heads = c["num_attention_heads"]
+    kwargs = dict(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rope_theta=rope_theta,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_seq_len=int(c.get("max_position_embeddings", 4096)),
+        rope_scaling=rope_scaling,
+        sliding_window=window,
+        layer_types=layer_types,
+        local_rope_theta=local_theta if layer_types is not None else None,
+        hidden_act=c.get("hidden_act", "silu"),
+        **dict(family.options),
+    )
+    return LlamaConfig(**{**kwargs, **family.read(c)})
+
+
+def _rope_parameters(theta: float, rs: RopeScaling | None) -> dict:
+    """One RoPE parameter dict as transformers >= 5 writes it (``rope_theta`` inside)."""
+    if rs is None:
+        scaling = {"rope_type": "default"}
+    elif rs.rope_type == "linear":
+        scaling = {"rope_type": "linear", "factor": rs.factor}
+    else:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    return {**scaling, "rope_theta": theta}
+
+
+def _rope_fields(config: LlamaConfig, per_layer: bool) -> dict[str, Any]:
+    """RoPE as transformers >= 5 writes it (``rope_parameters``), with ``rope_theta`` /
+    ``rope_scaling`` (and Gemma 3's ``rope_local_base_freq``) for transformers 4."""
+    c = config
+    params = _rope_parameters(c.rope_theta, c.rope_scaling)
+    scaling = None if c.rope_scaling is None else dict(params)
+    if scaling is not None:
+        scaling.pop("rope_theta")
+    out = {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+    if per_layer:
+        local = c.rope_theta if c.local_rope_theta is None else c.local_rope_theta
+        out["rope_local_base_freq"] = local
+        out["rope_parameters"] = {
+            "full_attention": params,
+            "sliding_attention": _rope_parameters(local, None),
+        }
+    return out
+
+
+def _check_round_trip(config: LlamaConfig, written: dict) -> None:
+    """ValueError naming the fields of ``config`` that ``written`` would not reproduce."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = config_from_dict(written)
+    lost = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(LlamaConfig)
+        if getattr(back, f.name) != getattr(config, f.name)
+    }
+    if lost:
+        raise ValueError(
+            f"The {written['model_type']} config.json cannot express {lost} of {config}: "
+            "transformers' family would compute a different model; export a config its "
+            "family implements."
+        )
+
+
+def hf_config(config: LlamaConfig, dtype_name: str = "float32") -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict of ``config`` (see ``jmem.models.export``)."""
+    c = config
+    model_type = family_of(c)
+    family = FAMILIES[model_type]
+    out = {
+        "architectures": [family.architecture],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.rms_norm_eps,
+        **_rope_fields(c, family.per_layer_rope),
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0,
+        **write_windows(c, model_type),
+        **family.write(c),
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    if model_type == "qwen2":  # q/k/v biases are built in; Qwen2 has no such fields
+        out.pop("attention_bias", None)
+    _check_round_trip(c, out)
+    return out
