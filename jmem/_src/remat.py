@@ -16,6 +16,7 @@ from typing import Callable
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
@@ -143,7 +144,7 @@ def checkpointed_scan(params, invals, policy, prevent_cse, every):
     consts, init, xs = _jaxpr.scan_operands(p, invals)
     step = functools.partial(_scan_step, p["jaxpr"], p["num_carry"])
     if policy is not None and not _jaxpr.scan_body_checkpointed(p):
-        dtypes = [c.dtype for c in init]
+        dtypes = [jnp.result_type(c) for c in init]
         if policy is _cp.nothing_saveable and _bits.has_16bit_floats(dtypes):
             step = _bits.bits_checkpoint(step, dtypes)  # no float32 stack on XLA:CPU
         else:

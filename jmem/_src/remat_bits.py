@@ -27,12 +27,12 @@ def has_16bit_floats(dtypes: Sequence) -> bool:
 
 
 def _to_bits(a: jax.Array) -> jax.Array:
-    bits = _BITS.get(jnp.dtype(a.dtype))
+    bits = _BITS.get(jnp.result_type(a))
     return a if bits is None else lax.bitcast_convert_type(a, bits)
 
 
 def _from_bits(b: jax.Array, dtype) -> jax.Array:
-    return b if b.dtype == jnp.dtype(dtype) else lax.bitcast_convert_type(b, dtype)
+    return b if jnp.result_type(b) == jnp.dtype(dtype) else lax.bitcast_convert_type(b, dtype)
 
 
 def bits_checkpoint(step: Callable, carry_dtypes: Sequence) -> Callable:
