@@ -140,9 +140,10 @@ def test_bfloat16_backward_holds_no_float32_head():
     x = jax.random.normal(jax.random.key(0), (1, 512, h), jnp.bfloat16)
     head = jax.random.normal(jax.random.key(1), (h, v), jnp.bfloat16)
     t = jax.random.randint(jax.random.key(2), (1, 512), 0, v)
-    f = lambda x: ops.linear_cross_entropy(x, head, t, chunk=128)
-    hlo = jax.jit(jax.grad(f)).lower(x).compile().as_text()
-    assert f"f32[{h},{v}]" not in hlo and f"f32[{v},{h}]" not in hlo
+    for chunk in (128, 0):  # chunked, and whole (chunk 0, or a chunk >= the tokens)
+        f = lambda x: ops.linear_cross_entropy(x, head, t, chunk=chunk)
+        hlo = jax.jit(jax.grad(f)).lower(x).compile().as_text()
+        assert f"f32[{h},{v}]" not in hlo and f"f32[{v},{h}]" not in hlo, chunk
 
 
 def test_errors():

@@ -119,9 +119,7 @@ def linear_cross_entropy(
     weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
     if chunk == 0 or chunk >= n:
-        logits = jnp.einsum(
-            "bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32
-        )
+        logits = _logits(x.reshape(n, h), head.astype(x.dtype)).reshape(b, s, -1)
         return jnp.sum(token_nll(logits, targets, logit_softcap) * weight) / denom
     pad = -n % chunk
     xs = jnp.pad(x.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
