@@ -26,12 +26,14 @@ def has_16bit_floats(dtypes: Sequence) -> bool:
     return any(jnp.dtype(d) in _BITS for d in dtypes)
 
 
-def _to_bits(a: jax.Array) -> jax.Array:
+def to_bits(a: jax.Array) -> jax.Array:
+    """``a`` as same-width unsigned integers when it is a 16-bit float, else ``a``."""
     bits = _BITS.get(jnp.result_type(a))
     return a if bits is None else lax.bitcast_convert_type(a, bits)
 
 
-def _from_bits(b: jax.Array, dtype) -> jax.Array:
+def from_bits(b: jax.Array, dtype) -> jax.Array:
+    """The inverse of :func:`to_bits` for an array of ``dtype``."""
     return b if jnp.result_type(b) == jnp.dtype(dtype) else lax.bitcast_convert_type(b, dtype)
 
 
@@ -58,11 +60,11 @@ def bits_checkpoint(step: Callable, carry_dtypes: Sequence) -> Callable:
         return step(consts, carry, x)
 
     def fwd(consts, carry, x):
-        return step(consts, carry, x), (consts, [_to_bits(c) for c in carry], x)
+        return step(consts, carry, x), (consts, [to_bits(c) for c in carry], x)
 
     def bwd(res, g):
         consts, bits, x = res
-        carry = [_from_bits(b, d) for b, d in zip(bits, dtypes)]
+        carry = [from_bits(b, d) for b, d in zip(bits, dtypes)]
         _, vjp = jax.vjp(step, consts, carry, x)
         return vjp(g)
 
