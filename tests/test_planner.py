@@ -221,7 +221,17 @@ def test_standard_shape_close_to_count():
 # ------------------------------------------------------------- activations vs JAX
 
 
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "u32": 4, "i8": 1, "u8": 1, "bool": 1}
+_ITEMSIZE = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "u16": 2,
+    "i32": 4,
+    "u32": 4,
+    "i8": 1,
+    "u8": 1,
+    "bool": 1,
+}
 
 
 def _scan_residual_bytes(cfg, dtype, b, s, policy=None):
