@@ -146,6 +146,24 @@ def test_blockwise_holds_no_score_matrix():
     assert _max_array_size(jaxprs["blockwise"].jaxpr) <= q.size
 
 
+def test_blockwise_bfloat16_gradient_temporaries():
+    """bf16 q/k/v/do are sliced in the blockwise loops as uint16 bits, so XLA:CPU hoists no
+    float32 copy of them out of the loops: the gradient's temporaries stay under 5.5 times
+    q's float32 bytes (5.38 measured; 5.88 when slicing bf16 directly)."""
+    b, s, nh, nkv, d = 1, 4096, 4, 2, 64
+    q = jax.ShapeDtypeStruct((b, s, nh, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, nkv, d), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = ops.attention(
+            q, k, v, q_index=jnp.arange(s), implementation="blockwise", block_q=512, block_kv=512
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 5.5 * (b * s * nh * d * 4)
+
+
 def test_causal_skips_half_the_tiles_and_window_more():
     qi = jnp.broadcast_to(jnp.arange(1024), (1, 1024))
     seg = jnp.zeros_like(qi)

@@ -133,6 +133,19 @@ def test_never_holds_the_logits():
     assert _temp(256) < 96 * 2**20 < 500 * 2**20 < _temp(0)
 
 
+def test_bfloat16_backward_holds_no_float32_head():
+    """bfloat16 x and head: the backward pass multiplies a bfloat16 logits cotangent by the
+    head, so XLA:CPU keeps no float32 copy of the head ([H, V] = 2 GiB for Llama-3.1-8B)."""
+    h, v = 64, 1000
+    x = jax.random.normal(jax.random.key(0), (1, 512, h), jnp.bfloat16)
+    head = jax.random.normal(jax.random.key(1), (h, v), jnp.bfloat16)
+    t = jax.random.randint(jax.random.key(2), (1, 512), 0, v)
+    for chunk in (128, 0):  # chunked, and whole (chunk 0, or a chunk >= the tokens)
+        f = lambda x: ops.linear_cross_entropy(x, head, t, chunk=chunk)
+        hlo = jax.jit(jax.grad(f)).lower(x).compile().as_text()
+        assert f"f32[{h},{v}]" not in hlo and f"f32[{v},{h}]" not in hlo, chunk
+
+
 def test_errors():
     x, head, targets, _ = _inputs()
     with pytest.raises(ValueError, match="chunk"):

@@ -254,3 +254,29 @@ def test_python_float_arguments_are_static_like_in_lora_apply():
     x = jnp.arange(3.0)
     chex.assert_trees_all_close(jmem.remat(f, "full")(x, 0.5), f(x, 0.5))
     chex.assert_trees_all_close(jax.grad(jmem.remat(f, "full"))(x, -1.0), jax.grad(f)(x, -1.0))
+
+
+def _bf16_stack_loss(w, x):
+    """A scan of ``L`` bfloat16 layers ``[S, H] -> [S, H]``: full remat saves ``[L, S, H]``."""
+    body = lambda c, wi: (jnp.tanh(c @ wi) + c, None)
+    return jnp.sum(jax.lax.scan(body, x, w)[0].astype(jnp.float32) ** 2)
+
+
+def test_full_remat_keeps_saved_bf16_inputs_out_of_float32():
+    # XLA:CPU slices a bf16 stack in float32 and hoists the convert of the whole stack out
+    # of the backward loop (a float32 copy of every layer's input, 24 GiB for the 8B model
+    # at 48k tokens); full remat saves the inputs as uint16 bits instead. Gradients are
+    # those of jax.checkpoint(nothing_saveable), bit for bit.
+    n_layers, s, h = 4, 256, 128
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w = (0.1 * jax.random.normal(k1, (n_layers, h, h))).astype(jnp.bfloat16)
+    x = jax.random.normal(k2, (s, h)).astype(jnp.bfloat16)
+    grad = jax.jit(jax.grad(jmem.remat(_bf16_stack_loss, "full"), argnums=(0, 1)))
+    hlo = grad.lower(w, x).compile().as_text()
+    assert f"f32[{n_layers},{s},{h}]" not in hlo
+    assert f"u16[{n_layers},{s},{h}]" in hlo
+    ref = jax.grad(
+        jax.checkpoint(_bf16_stack_loss, policy=jax.checkpoint_policies.nothing_saveable),
+        argnums=(0, 1),
+    )
+    chex.assert_trees_all_equal(grad(w, x), jax.jit(ref)(w, x))

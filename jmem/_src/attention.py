@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem._src.remat_bits import from_bits
+from jmem._src.remat_bits import to_bits
+
 __all__ = ("IMPLEMENTATIONS", "attention", "attention_mask")
 
 #: ``attention(implementation=...)`` values.
@@ -149,7 +152,17 @@ def _dense(q, k, v, mask, scale, cap):
 # produce them: no transposed copies); Sp, Tp multiples of the blocks; tiles along axis 1.
 
 
+def _sliceable(x):
+    """``x`` as :func:`_block` slices it in a loop: a 16-bit float as ``(uint16 bits,
+    dtype)``. XLA:CPU slices bf16 in float32 (a ``convert`` of the whole array) and hoists
+    that ``convert`` out of the loop: a float32 copy of q, k, v or do per layer."""
+    return (to_bits(x), x.dtype)
+
+
 def _block(x, i, size):
+    if isinstance(x, tuple):  # from _sliceable
+        bits, dtype = x
+        return from_bits(lax.dynamic_slice_in_dim(bits, i * size, size, axis=1), dtype)
     return lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
 
 
@@ -197,11 +210,9 @@ def _fwd_q_block(q, k, v, idx, needed, static, i, carry):
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
+            vb = _block(v, j, bk)
             pv = jnp.einsum(
-                "bkgqs,bskd->bkgqd",
-                p.astype(v.dtype),
-                _block(v, j, bk),
-                preferred_element_type=jnp.float32,
+                "bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32
             )
             return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
@@ -223,7 +234,8 @@ def _flash_fwd_impl(q, k, v, idx, needed, static):
     # [nq, nk, ..., bq, bk] arrays when it is differentiated.
     q, k, v, idx, needed = lax.optimization_barrier((q, k, v, idx, needed))
     init = (jnp.zeros(q.shape, v.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
-    body = functools.partial(_fwd_q_block, q, k, v, idx, needed, static)
+    qkv = (_sliceable(q), _sliceable(k), _sliceable(v))
+    body = functools.partial(_fwd_q_block, *qkv, idx, needed, static)
     return lax.fori_loop(0, needed.shape[0], body, init)
 
 
@@ -242,13 +254,13 @@ def _bwd_kv_block(res, static, j, carry):
             lse_b = jnp.moveaxis(_block(lse, i, bq), 1, 3)
             p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)
             dv = dv + jnp.einsum(
-                "bkgqs,bqkgd->bskd", p.astype(do.dtype), dob, preferred_element_type=jnp.float32
+                "bkgqs,bqkgd->bskd", p.astype(dob.dtype), dob, preferred_element_type=jnp.float32
             )
             dp = jnp.einsum("bqkgd,bskd->bkgqs", dob, vb, preferred_element_type=jnp.float32)
             ds = p * (dp - jnp.moveaxis(_block(delta, i, bq), 1, 3)[..., None])
             if cap is not None:
                 ds = ds * (1.0 - jnp.square(s / cap))
-            ds = (ds * scale).astype(q.dtype)
+            ds = (ds * scale).astype(qb.dtype)
             dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb, preferred_element_type=jnp.float32)
             dqb = jnp.einsum("bkgqs,bskd->bqkgd", ds, kb, preferred_element_type=jnp.float32)
             return (dk, dv), dqb
@@ -278,7 +290,8 @@ def _flash_fwd(q, k, v, idx, needed, static):
 def _flash_bwd(static, res, do):
     q, k, v, idx, needed, out, lse = lax.optimization_barrier(res)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    body = functools.partial(_bwd_kv_block, (q, k, v, idx, needed, lse, do, delta), static)
+    q_, k_, v_, do_ = (_sliceable(a) for a in (q, k, v, do))
+    body = functools.partial(_bwd_kv_block, (q_, k_, v_, idx, needed, lse, do_, delta), static)
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v))
     dq, dk, dv = lax.fori_loop(0, needed.shape[1], body, init)
     zero_idx = jax.tree.map(lambda _: None, idx)

@@ -23,10 +23,35 @@ def token_nll(logits: jax.Array, targets: jax.Array, logit_softcap: float | None
     return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
+@jax.custom_vjp
+def _logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """float32 logits ``[N, V]`` of ``x [N, H]`` and ``head [H, V]`` (both of one dtype)."""
+    return jnp.einsum("nh,hv->nv", x, head, preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, head):
+    return _logits(x, head), (x, head)
+
+
+def _logits_bwd(res, g):
+    """The logits' cotangent in the inputs' dtype, as a bfloat16 matmul's backward pass is
+    computed (PyTorch autocast; float32 inputs: unchanged). JAX's own rule multiplies the
+    float32 cotangent by the head, which XLA:CPU does in float32: a float32 copy of the
+    whole head per chunk (2 GiB for a 128k x 4096 head)."""
+    x, head = res
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("nv,hv->nh", g, head, preferred_element_type=jnp.float32)
+    dhead = jnp.einsum("nh,nv->hv", x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dhead.astype(head.dtype)
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
 def _chunk_sum(head, logit_softcap, carry, xs):
     """Adds one chunk's masked NLL sum to ``carry`` (float32 scalar)."""
     x, targets, weight = xs
-    logits = jnp.einsum("nh,hv->nv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = _logits(x, head.astype(x.dtype))
     return carry + jnp.sum(token_nll(logits, targets, logit_softcap) * weight), None
 
 
@@ -94,9 +119,7 @@ def linear_cross_entropy(
     weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
     if chunk == 0 or chunk >= n:
-        logits = jnp.einsum(
-            "bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32
-        )
+        logits = _logits(x.reshape(n, h), head.astype(x.dtype)).reshape(b, s, -1)
         return jnp.sum(token_nll(logits, targets, logit_softcap) * weight) / denom
     pad = -n % chunk
     xs = jnp.pad(x.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)

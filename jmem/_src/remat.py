@@ -16,10 +16,12 @@ from typing import Callable
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
 from jmem._src import jaxpr as _jaxpr
+from jmem._src import remat_bits as _bits
 from jmem._src import scan_intercept as _si
 from jmem._src import tree as _tree
 
@@ -142,7 +144,11 @@ def checkpointed_scan(params, invals, policy, prevent_cse, every):
     consts, init, xs = _jaxpr.scan_operands(p, invals)
     step = functools.partial(_scan_step, p["jaxpr"], p["num_carry"])
     if policy is not None and not _jaxpr.scan_body_checkpointed(p):
-        step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
+        dtypes = [jnp.result_type(c) for c in init]
+        if policy is _cp.nothing_saveable and _bits.has_16bit_floats(dtypes):
+            step = _bits.bits_checkpoint(step, dtypes)  # no float32 stack on XLA:CPU
+        else:
+            step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
     length = p["length"]
     k = group_size(length, every)
     if k == 1:

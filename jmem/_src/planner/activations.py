@@ -29,8 +29,8 @@ AUTO_DENSE_MAX_KEYS = 1024
 #: float32 ``[chunk, F]`` buffers. See docs/long_context.md.
 LAYER_WORK_PER_TOKEN_H = 36
 MLP_WORK_PER_TOKEN_F = 40
-#: float32 ``[loss_chunk, V]`` buffers live at once in the chunked loss's backward pass,
-#: plus one float32 copy of the ``[H, V]`` head (XLA:CPU widens the bf16 head once).
+#: float32 ``[loss_chunk, V]`` buffers live at once in the chunked loss's backward pass
+#: (its logits cotangent meets the head in bf16, so no float32 copy of the head).
 LOSS_CHUNK_BUFFERS = 2.5
 
 
@@ -71,7 +71,7 @@ def _long_context_parts(shape: ModelShape, b: int, s: int) -> dict[str, int]:
     t, h, V = b * s, shape.hidden_size, shape.vocab_size
     m = min(t, shape.mlp_chunk) if shape.mlp_chunk else t
     if shape.loss_chunk:
-        logits = int(LOSS_CHUNK_BUFFERS * 4 * min(t, shape.loss_chunk) * V) + 4 * h * V
+        logits = int(LOSS_CHUNK_BUFFERS * 4 * min(t, shape.loss_chunk) * V)
     else:
         logits = 2 * 4 * t * V
     mlp = m * MLP_WORK_PER_TOKEN_F * shape.intermediate_size
@@ -97,7 +97,7 @@ def activation_bytes(
     selective's residuals). With the long-context paths (``shape.attention`` blockwise at
     this length, see :func:`is_long_context`) ``recompute`` is one layer's backward working
     set ``t (36 h) + min(t, mlp_chunk) 40 F`` bytes, ``logits`` the chunked loss's
-    ``2.5 * 4 loss_chunk V + 4 h V``, there is no mask, and ``phased`` is 1: the loss
+    ``2.5 * 4 loss_chunk V``, there is no mask, and ``phased`` is 1: the loss
     and the layers' backward pass run one after the other, so the step holds the larger
     of the two (calibrated on XLA:CPU compiled peaks; docs/long_context.md). The
     derivation and the table of modes are in ``docs/planner.md``.
