@@ -202,3 +202,25 @@ def test_remat_loss_nested_in_a_remat_step_checkpoints_each_layer_once():
     p, x = _stacked()
     inner = lambda p, x: jax.value_and_grad(jmem.remat(_scan_loss, "full"))(p, x)
     assert_structure(jmem.remat(inner, "full"), jax.value_and_grad(_scan_loss), p, x, forward=False)
+
+
+@pytest.mark.parametrize("nest", ["once", "nested", "jit_nested"])
+def test_full_remat_of_bf16_carries_wraps_each_scan_body_once(nest):
+    """``full`` remat of a scan with bfloat16 carries replaces the body by one custom VJP that
+    saves the carry as uint16 bits (``remat_bits``), never a checkpoint as well, and remat
+    around an already remat'd loss (plain or jitted) does not wrap it again: the backward pass
+    recomputes each layer once."""
+    ws = jnp.ones((3, 8, 8), jnp.bfloat16)
+
+    def loss(x):
+        c, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)
+        return jnp.sum(c.astype(jnp.float32))
+
+    f = jmem.remat(loss, "full")
+    f = {"once": f, "nested": jmem.remat(f, "full"), "jit_nested": jmem.remat(jax.jit(f), "full")}
+    x = jnp.ones((2, 8), jnp.bfloat16)
+    fwd = jax.make_jaxpr(f[nest])(x).jaxpr
+    names = [e.primitive.name for e in _eqns(fwd)]
+    assert sum(core.is_custom(e) for e in _eqns(fwd)) == 1, names
+    assert checkpoint_depth(fwd) == 0, names
+    assert str(jax.make_jaxpr(jax.grad(f[nest]))(x)).count("tanh") == 2  # forward + one recompute
