@@ -236,3 +236,21 @@ def test_other_threads_are_not_intercepted():
     assert "r" in out and core.has_plain_scan(plain)
     assert "remat" not in str(plain) and "checkpoint" not in str(plain)
     assert not scan_intercept.installed()
+
+
+def test_current_trace_is_the_trace_operations_bind_to():
+    seen = []
+
+    def f(x):
+        seen.append(compat.current_trace())
+        return x * 2
+
+    jax.jit(f)(1.0)
+    jax.grad(f)(1.0)
+    assert len(seen) == 2 and seen[0] is not seen[1], WHAT.format("core.trace_ctx.trace")
+    assert compat.current_trace() is not seen[0], WHAT.format("core.trace_ctx.trace")
+
+
+def test_backends_initialized_reports_started_backends():
+    jax.devices()
+    assert compat.backends_initialized(), WHAT.format("xla_bridge.backends_are_initialized")

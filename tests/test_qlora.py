@@ -128,6 +128,61 @@ def test_no_dequantized_weight_kept_for_backward():
             assert tuple(v.aval.shape[-2:]) not in weight_shapes, (v.aval, e.primitive)
 
 
+def _residual_shapes(f, *args):
+    """Shapes of the arrays ``jax.vjp`` keeps for the backward pass of ``f`` at ``args``."""
+    _, vjp_fn = jax.vjp(f, *args)
+    return [tuple(x.shape) for x in jax.tree.leaves(vjp_fn)]
+
+
+def test_frozen_nf4_matmul_saves_no_input():
+    """The frozen NF4 base's backward pass (``g·Wᵀ``) reads no activation: without LoRA the
+    only residual is the packed weight, never the ``[N, in]`` input (issue #30: each saved
+    input was a stacked copy per projection per layer without remat)."""
+    w = {"kernel": jax.random.normal(jax.random.key(0), (64, 48))}
+    q = qlora.quantize_params(w, targets=r".*")
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    f = qlora.apply(lambda p, x: jnp.tanh(x @ p["kernel"]))
+    shapes = _residual_shapes(lambda x: f(q, None, x), x)
+    assert (16, 64) not in shapes, shapes
+    dx = jax.grad(lambda x: f(q, None, x).sum())(x)
+    deq = qlora.dequantize_params(q)["kernel"]
+    ref = jax.grad(lambda x: jnp.tanh(x @ deq).sum())(x)
+    chex.assert_trees_all_close(dx, ref, atol=1e-5)
+
+
+def test_adapters_on_one_input_save_it_once():
+    """Three adapted projections of one input (q/k/v) keep one flattened copy of it for
+    their ``a`` gradients, not three (``lora_term``'s per-evaluation memo)."""
+    k = jax.random.split(jax.random.key(2), 4)
+    w = {n: {"kernel": jax.random.normal(kk, (32, 32)) * 0.2} for n, kk in zip("qkv", k)}
+    q = qlora.quantize_params(w, targets=r".*")
+    ad = _nonzero(lora.init(jax.random.key(3), q, targets=r".*", rank=4))
+    x = jax.random.normal(k[3], (2, 8, 32))
+    f = qlora.apply(lambda p, x: sum(jnp.tanh(x @ p[n]["kernel"]) for n in "qkv").sum())
+    shapes = _residual_shapes(lambda a: f(q, a, x), ad)
+    assert shapes.count((16, 32)) == 1, shapes
+    grads = jax.grad(lambda a: f(q, a, x))(ad)
+    deq = qlora.dequantize_params(q)
+    ref = jax.grad(
+        lambda a: sum(jnp.tanh(x @ lora.merge(deq, a)[n]["kernel"]) for n in "qkv").sum()
+    )(ad)
+    chex.assert_trees_all_close(grads, ref, atol=1e-4)
+
+
+def test_cpu_dequantization_tie_reads_one_element_of_the_activation():
+    """On XLA:CPU each dequantization is tied to its activation through a popcount of the
+    activation's first element, not a reduction over all of it (which cost 9% of a QLoRA
+    step, issue #30)."""
+    w = {"kernel": jax.random.normal(jax.random.key(0), (64, 48))}
+    q = qlora.quantize_params(w, targets=r".*")
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    f = qlora.apply(lambda p, x: jnp.tanh(x @ p["kernel"]).sum())
+    text = jax.jit(jax.grad(lambda x: f(q, None, x))).lower(x).as_text()
+    popcounts = [line for line in text.splitlines() if "popcnt" in line]
+    assert popcounts, "the tie is gone: nothing orders the dequantization after x"
+    assert all("tensor<16x64x" not in line for line in popcounts), popcounts
+
+
 @pytest.mark.slow
 def test_plain_function_python_loop_and_fori_loop():
     """A function not written for jmem: stacked weights indexed in a Python loop and in a

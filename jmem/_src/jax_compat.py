@@ -126,6 +126,13 @@ def differentiating() -> bool:
     return isinstance(_core.trace_ctx.trace, kinds)
 
 
+def current_trace():
+    """The trace that operations bind to right now (``core.trace_ctx.trace``): values
+    computed under it may be reused only while it is the current one."""
+    check()
+    return _core.trace_ctx.trace
+
+
 # ------------------------------------------------------------------- (4) (5) callers
 
 
@@ -161,3 +168,15 @@ _PATCH_LOCK = threading.RLock()
 def patch_lock():
     """The lock under which jmem replaces and restores a primitive's ``bind``."""
     return _PATCH_LOCK
+
+
+def backends_initialized() -> bool:
+    """(6) xla_bridge: whether JAX has created its backends (and XLA:CPU its worker
+    threads); ``jax.devices()`` would create them, and no public API asks without doing so.
+    False when the internal is missing (the caller's check is advisory)."""
+    try:
+        from jax._src import xla_bridge  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - a JAX that moved it
+        return False
+    probe = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(probe()) if probe is not None else False

@@ -75,6 +75,7 @@ class _Interpreter:
     def __init__(self, allow_materialize: bool):
         self.allow_materialize = allow_materialize
         self.dropout_sites = 0
+        self.memo = {}  # LoRA inputs flattened once per value (matmul_rules.lora_term)
 
     def next_dropout_site(self) -> int:
         """A new number for a LoRA matmul, folded into its dropout key (distinct masks for
