@@ -2,7 +2,8 @@
 
 Top level: ``remat``, ``measure``, precision policies and master weights, loss scales, 8-/4-bit
 Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offload``, and
-``train_step`` which composes them.
+``train_step`` which composes them; ``retain_host_allocations`` for CPU steps without
+per-step page faults.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
 ``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
 """
@@ -18,6 +19,7 @@ from jmem import sharding as sharding
 from jmem import tree as tree
 from jmem._src.checkpointing import Checkpointer
 from jmem._src.decay_mask import decay_mask
+from jmem._src.host_allocator import retain_host_allocations
 from jmem._src.loss_scale import DynamicLossScale
 from jmem._src.loss_scale import NoOpLossScale
 from jmem._src.loss_scale import StaticLossScale
@@ -95,6 +97,7 @@ __all__ = (
     "qlora",
     "quantize_blockwise",
     "remat",
+    "retain_host_allocations",
     "scale_by_quantized_adam",
     "sharding",
     "to_device",

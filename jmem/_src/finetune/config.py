@@ -54,6 +54,7 @@ class FinetuneConfig:
     loss_chunk: int = llama.LlamaConfig.loss_chunk
     mlp_chunk: int = llama.LlamaConfig.mlp_chunk
     seed: int = 0
+    host_allocator: str = "retain"
     # run
     out: str = "runs/qlora_7b"
     save_every: int = 100
@@ -147,6 +148,13 @@ def _add_training_flags(p):
         help="compute dtype; fp16 turns on dynamic loss scaling",
     )
     p.add_argument("--offload", action="store_true", help="optimizer state in pinned_host memory")
+    p.add_argument(
+        "--host-allocator",
+        choices=["retain", "system"],
+        help="retain: glibc keeps freed host memory mapped, so CPU steps do not page-fault "
+        "their temporaries in again (jmem.retain_host_allocations; up to 1.4x faster steps "
+        "on CPU); system: the C library's defaults (also JMEM_HOST_ALLOCATOR=system)",
+    )
     p.add_argument(
         "--attention",
         choices=list(IMPLEMENTATIONS),

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src import host_allocator
+from jmem._src import jax_compat
 from jmem._src.cli import CliError
 from jmem._src.finetune.config import FinetuneConfig
 from jmem._src.finetune.config import parse_args
@@ -56,9 +58,11 @@ def run(config: FinetuneConfig) -> dict | None:
     Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
     """
     config = validate(config)
+    allocator_note = _host_allocator(config)
     initialize_distributed(config)
     cfg = model_config(config)
     notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
+    notes += [allocator_note] if allocator_note else []
     check_lora_targets(config, cfg)
     mesh, mesh_notes = job_mesh(config)
     if not config.dry_run:
@@ -82,6 +86,20 @@ def run(config: FinetuneConfig) -> dict | None:
         with open(os.path.join(config.out, "run.json"), "w") as f:
             json.dump(flags(config), f, indent=2)
     return train(config, cfg, tok, ds, held, resume_step, mesh)
+
+
+def _host_allocator(config) -> str | None:
+    """``retain_host_allocations`` for ``--host-allocator retain`` when JAX has not started
+    yet (from the command line it has not); a note line when it is not applied."""
+    if config.host_allocator != "retain" or host_allocator.retained():
+        return None
+    if jax_compat.backends_initialized():
+        return (
+            "host allocator: unchanged (JAX already started in this process; call "
+            "jmem.retain_host_allocations() before the first JAX computation)"
+        )
+    status = host_allocator.retain_host_allocations()
+    return None if status.applied else f"host allocator: unchanged ({status.reason})"
 
 
 def _agree(resume_step):
@@ -112,6 +130,7 @@ def main(argv=None, prog: str = "jmem finetune") -> dict | None:
 
 def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
+    _host_allocator(config)  # before JAX starts; run() prints why when it was not applied
     initialize_distributed(config)
     if jax.process_index() == 0:
         return run(config)
