@@ -55,6 +55,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import jmem  # noqa: E402
 from jmem import finetune  # noqa: E402
 from jmem.models import llama  # noqa: E402
 
@@ -104,7 +105,9 @@ class PeerStep:
 
     name = "peft+bnb"
 
-    def __init__(self, cfg, dtype: str, tokens: np.ndarray, *, rank=8, lr=1e-3, prepare=False):
+    def __init__(
+        self, cfg, dtype: str, tokens: np.ndarray, *, rank=8, lr=1e-3, prepare=False, remat=True
+    ):
         import bitsandbytes as bnb  # noqa: PLC0415
         import torch  # noqa: PLC0415
         import transformers  # noqa: PLC0415
@@ -146,8 +149,13 @@ class PeerStep:
         if not isinstance(q, bnb.nn.Linear4bit) or not q.weight.quant_state.nested:
             raise RuntimeError(f"expected NF4 double-quant Linear4bit, got {type(q).__name__}")
         if prepare:
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=remat)
+        if remat:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        else:
+            model.gradient_checkpointing_disable()
         model.config.use_cache = False
         model = get_peft_model(
             model,
@@ -190,6 +198,44 @@ def _commit() -> str | None:
         return None
 
 
+#: ``--settings``: (jmem remat policy, peer gradient checkpointing per decoder layer).
+SETTINGS = {"remat": ("full", True), "none": ("none", False)}
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_info() -> dict:
+    """The CPU model, the instruction-set flags that matter for speed, and the core count."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "cpu_flags": [f for f in SPEED_FLAGS if f in flags],
+        "cpu_count": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
+def host_allocator(choice: str) -> bool:
+    """``retain``: ``jmem.retain_host_allocations()`` (before JAX starts; process-wide, so
+    PyTorch's allocations in this process are served the same way); whether it applied."""
+    if choice != "retain":
+        return False
+    status = jmem.retain_host_allocations(respect_env=False)
+    if not status.applied:
+        print(f"host allocator unchanged: {status.reason}", file=sys.stderr)
+    return status.applied
+
+
 def _time_block(run, steps: int) -> list[float]:
     run()  # untimed: the other runtime's threads were busy a moment ago
     times = []
@@ -200,97 +246,207 @@ def _time_block(run, steps: int) -> list[float]:
     return times
 
 
-def compare(cfg, dtype: str, args) -> dict:
-    """Builds both steps for ``dtype``, warms them up and times them in alternated rounds."""
+def _make(side: str, cfg, dtype: str, tokens, setting: str, args):
+    """The ``side`` ("jmem" or "peft+bnb") step for ``setting`` (a ``SETTINGS`` key)."""
+    policy, checkpointing = SETTINGS[setting]
+    if side == "jmem":
+        return JmemStep(cfg, dtype, tokens, remat=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PeerStep(cfg, dtype, tokens, prepare=args.peer_prepare, remat=checkpointing)
+
+
+def _contenders(cfg, dtype: str, args) -> tuple[dict, dict]:
+    """``{(side, setting): step}`` for every setting and side that could be built, and
+    ``{setting: why the peer is missing}``."""
     tokens = _batch(cfg, args.batch, args.seq)
-    runs = [JmemStep(cfg, dtype, tokens, remat=args.remat)]
-    peer_error = None
-    if not args.skip_torch:
+    runs, errors = {}, {}
+    for setting in args.settings:
+        runs["jmem", setting] = _make("jmem", cfg, dtype, tokens, setting, args)
+        if args.skip_torch:
+            continue
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runs.append(PeerStep(cfg, dtype, tokens, prepare=args.peer_prepare))
+            runs["peft+bnb", setting] = _make("peft+bnb", cfg, dtype, tokens, setting, args)
         except Exception as e:  # noqa: BLE001 - report why the peer is missing, keep jmem's
-            peer_error = f"{type(e).__name__}: {e}"
-            print(f"peer not run for {dtype}: {peer_error}", file=sys.stderr)
-    first_loss = {r.name: r() for r in runs}  # also warms up
-    for _ in range(args.warmup):
-        for r in runs:
-            r()
-    times = {r.name: [] for r in runs}
-    per_round = []
-    for i in range(args.rounds):
-        order = runs if i % 2 == 0 else runs[::-1]
-        med = {}
-        for r in order:
-            t = _time_block(r, args.steps)
-            times[r.name] += t
-            med[r.name] = statistics.median(t)
-        per_round.append(med)
+            errors[setting] = f"{type(e).__name__}: {e}"
+            print(f"peer not run for {dtype}/{setting}: {errors[setting]}", file=sys.stderr)
+    return runs, errors
+
+
+def _row(dtype, setting, mode, times, per_round, args, **extra) -> dict:
+    """One table row: tok/s per side from the median step times, the ratio jmem / peer."""
     tokens_per_step = args.batch * args.seq
     row = {
         "dtype": dtype,
-        "first_loss": first_loss,
-        "compile_s": {r.name: r.compile_s for r in runs},
-        "device": {r.name: r.device for r in runs},
+        "setting": setting,
+        "mode": mode,
         "median_step_s": {k: statistics.median(v) for k, v in times.items()},
         "tok_per_s": {k: tokens_per_step / statistics.median(v) for k, v in times.items()},
         "step_times_s": times,
-        "peer_error": peer_error,
+        **extra,
     }
-    if len(runs) == 2:
+    if len(times) == 2:
         row["ratio"] = row["tok_per_s"]["jmem"] / row["tok_per_s"]["peft+bnb"]
         row["round_ratios"] = [m["peft+bnb"] / m["jmem"] for m in per_round]
-        row["peer_attention"] = runs[1].attn
-        row["peer_optimizer"] = runs[1].optimizer_name
     return row
 
 
-def main(argv=None):
+def compare(cfg, dtype: str, args) -> list[dict]:
+    """Builds every contender for ``dtype`` (both sides, every setting) in this process and
+    times them in alternated rounds (the order reversed every other round)."""
+    runs, errors = _contenders(cfg, dtype, args)
+    first_loss = {f"{s}/{k}": r() for (s, k), r in runs.items()}  # also warms up
+    for _ in range(args.warmup):
+        for r in runs.values():
+            r()
+    times = {key: [] for key in runs}
+    per_round = []
+    keys = list(runs)
+    for i in range(args.rounds):
+        med = {}
+        for key in keys if i % 2 == 0 else keys[::-1]:
+            t = _time_block(runs[key], args.steps)
+            times[key] += t
+            med[key] = statistics.median(t)
+        per_round.append(med)
+    rows = []
+    for setting in args.settings:
+        sides = [s for s in ("jmem", "peft+bnb") if (s, setting) in runs]
+        row = _row(
+            dtype,
+            setting,
+            "in-process",
+            {s: times[s, setting] for s in sides},
+            [{s: m[s, setting] for s in sides} for m in per_round],
+            args,
+            first_loss={s: first_loss[f"{s}/{setting}"] for s in sides},
+            compile_s={s: runs[s, setting].compile_s for s in sides},
+            device={s: runs[s, setting].device for s in sides},
+            peer_error=errors.get(setting),
+        )
+        if sides[-1] == "peft+bnb":
+            row["peer_attention"] = runs["peft+bnb", setting].attn
+            row["peer_optimizer"] = runs["peft+bnb", setting].optimizer_name
+        rows.append(row)
+    return rows
+
+
+def _worker(args) -> None:
+    """``--worker SIDE``: times one contender alone in this process; prints JSON last."""
+    cfg = llama.get_config(args.config)
+    tokens = _batch(cfg, args.batch, args.seq)
+    run = _make(args.worker, cfg, args.dtypes[0], tokens, args.settings[0], args)
+    first = run()
+    for _ in range(args.warmup):
+        run()
+    times = _time_block(run, args.steps)
+    print(json.dumps({"first_loss": first, "times": times, "compile_s": run.compile_s}))
+
+
+def isolated(cfg, dtype: str, setting: str, args) -> dict:
+    """Each side in a process of its own (one runtime's threads cannot slow the other's),
+    ``--isolated-rounds`` alternated rounds of one fresh process per side."""
+    sides = ["jmem"] if args.skip_torch else ["jmem", "peft+bnb"]
+    times, per_round = {s: [] for s in sides}, []
+    for i in range(args.isolated_rounds):
+        med = {}
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", side]
+            cmd += ["--dtypes", dtype, "--settings", setting, "--config", args.config]
+            cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--peer-prepare"] if args.peer_prepare else []
+            cmd += ["--host-allocator", args.host_allocator]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"{side} worker failed:\n{out.stderr[-2000:]}")
+            t = json.loads(out.stdout.strip().splitlines()[-1])["times"]
+            times[side] += t
+            med[side] = statistics.median(t)
+        per_round.append(med)
+    return _row(dtype, setting, "own process", times, per_round, args)
+
+
+def none_over_full(rows: list[dict]) -> dict:
+    """Per dtype and side: the ``none`` setting's tok/s over the ``remat`` one (in-process)."""
+    out = {}
+    for r in rows:
+        if r["setting"] != "none" or r["mode"] != "in-process":
+            continue
+        base = [
+            x
+            for x in rows
+            if x["dtype"] == r["dtype"] and x["setting"] == "remat" and x["mode"] == "in-process"
+        ]
+        if not base:
+            continue
+        base = base[0]
+        out[r["dtype"]] = {s: r["tok_per_s"][s] / base["tok_per_s"][s] for s in r["tok_per_s"]}
+    return out
+
+
+def _print_table(rows: list[dict], speedup: dict, args) -> None:
+    print(
+        f"\nQLoRA step, {args.config} Llama, batch {args.batch} x seq {args.seq}, NF4 "
+        f"double-quant, LoRA r=8 x 7 projections, 8-bit AdamW; {jax.devices()[0].platform}, "
+        f"{cpu_info()['cpu_model']}, {os.cpu_count()} CPUs, host allocator "
+        f"{args.host_allocator}; medians ({args.rounds} alternated "
+        f"rounds x {args.steps} steps in one process; {args.isolated_rounds} rounds of "
+        "own processes)\n"
+    )
+    print("| setting | dtype | timed | jmem tok/s | PEFT + bnb tok/s | jmem / peer | per round |")
+    print("|---|---|---|---:|---:|---:|---|")
+    for r in rows:
+        tps = r["tok_per_s"]
+        peer = tps.get("peft+bnb")
+        print(
+            f"| {r['setting']} | {r['dtype']} | {r['mode']} | {tps['jmem']:,.0f} | "
+            + (f"{peer:,.0f} | {r['ratio']:.2f} | " if peer else "- | - | ")
+            + " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
+            + " |"
+        )
+    for dtype, v in speedup.items():
+        print(
+            f"\n{dtype}: no remat over per-layer remat: "
+            + ", ".join(f"{k} {x:.2f}x" for k, x in v.items())
+        )
+
+
+def _parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    ap.add_argument(
+        "--settings",
+        default="remat,none",
+        help="comma-separated: remat (per layer, both sides), none (no remat, both sides)",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="alternated rounds")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per contender per round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
-    ap.add_argument("--remat", default="full", help="jmem remat policy (the peer: per layer)")
+    ap.add_argument(
+        "--isolated-rounds", type=int, default=2, help="rounds with each side in its own process"
+    )
     ap.add_argument("--peer-prepare", action="store_true", help="prepare_model_for_kbit_training")
+    ap.add_argument(
+        "--host-allocator",
+        choices=["retain", "system"],
+        default="retain",
+        help="retain: jmem.retain_host_allocations() for the whole process (both sides); "
+        "system: glibc's defaults (every step page-faults its temporaries in)",
+    )
     ap.add_argument("--skip-torch", action="store_true", help="time jmem only")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 3 steps, 1 warm-up step")
+    ap.add_argument("--worker", choices=["jmem", "peft+bnb"], help=argparse.SUPPRESS)
     ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "peer_qlora.json")
     )
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 2, 3, 1
-    cfg = llama.get_config(args.config)
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        ap.error(f"unknown dtype(s) {bad}; choose from {sorted(DTYPES)}")
-    rows = [compare(cfg, d, args) for d in dtypes]
+    return ap
 
-    print(
-        f"\nQLoRA step, {args.config} Llama, batch {args.batch} x seq {args.seq}, "
-        f"NF4 double-quant, LoRA r=8 x 7 projections, 8-bit AdamW, remat per layer; "
-        f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs; medians of "
-        f"{args.rounds} alternated rounds x {args.steps} steps\n"
-    )
-    print(
-        "| compute dtype | jmem tok/s | PEFT + bnb tok/s | ratio (jmem / peer) | per-round ratios |"
-    )
-    print("|---|---:|---:|---:|---|")
-    for r in rows:
-        tps = r["tok_per_s"]
-        peer = tps.get("peft+bnb")
-        print(
-            f"| {r['dtype']} | {tps['jmem']:,.0f} | "
-            + (f"{peer:,.0f} | {r['ratio']:.2f} | " if peer else "- | - | ")
-            + " ".join(f"{x:.2f}" for x in r.get("round_ratios", []))
-            + " |"
-        )
+
+def _meta(cfg, args) -> dict:
     meta = {
         "config": args.config,
         "model": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_layers")},
@@ -298,10 +454,15 @@ def main(argv=None):
         "seq": args.seq,
         "rounds": args.rounds,
         "steps": args.steps,
-        "remat": args.remat,
+        "isolated_rounds": args.isolated_rounds,
+        "settings": {
+            s: dict(zip(("jmem_remat", "peer_checkpointing"), SETTINGS[s])) for s in args.settings
+        },
         "peer_prepare_model_for_kbit_training": args.peer_prepare,
+        "host_allocator": args.host_allocator,
+        "host_allocator_applied": args.host_allocator_applied,
         "backend": jax.devices()[0].platform,
-        "cpu_count": os.cpu_count(),
+        **cpu_info(),
         "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "jax": jax.__version__,
         "machine": platform.machine(),
@@ -322,9 +483,40 @@ def main(argv=None):
         }
     except ImportError:
         pass
+    return meta
+
+
+def main(argv=None):
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 3, 1
+        args.isolated_rounds = min(args.isolated_rounds, 1)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    bad = [d for d in args.dtypes if d not in DTYPES] + [
+        s for s in args.settings if s not in SETTINGS
+    ]
+    if bad:
+        ap.error(
+            f"unknown dtype(s)/setting(s) {bad}; choose from {sorted(DTYPES)} / {sorted(SETTINGS)}"
+        )
+    args.host_allocator_applied = host_allocator(args.host_allocator)
+    if args.worker:
+        return _worker(args)
+    cfg = llama.get_config(args.config)
+    rows = [row for d in args.dtypes for row in compare(cfg, d, args)]
+    rows += [
+        isolated(cfg, d, s, args)
+        for d in args.dtypes
+        for s in args.settings
+        if args.isolated_rounds
+    ]
+    speedup = none_over_full(rows)
+    _print_table(rows, speedup, args)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=2)
+        json.dump({**_meta(cfg, args), "rows": rows, "none_over_remat": speedup}, f, indent=2)
     print(f"\nwrote {args.out}")
     return rows
 

@@ -55,6 +55,7 @@ import jax
 from peer_qlora import JmemStep  # benchmarks/peer_qlora.py (this script's folder)
 from peer_qlora import _batch
 from peer_qlora import _commit
+from peer_qlora import host_allocator
 
 from jmem.models import llama
 
@@ -272,10 +273,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="traced steps (one trace each)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--remat", default="full")
+    ap.add_argument("--host-allocator", choices=["retain", "system"], default="retain")
     ap.add_argument("--hlo", default=None, help="also write the compiled HLO text here")
     ap.add_argument("--top", type=int, default=15, help="slowest ops listed")
     ap.add_argument("--out", default=None, help="default results/qlora_profile_<dtype>.json")
     args = ap.parse_args(argv)
+    applied = host_allocator(args.host_allocator)
     r = profile(args.dtype, args)
     tokens = args.batch * args.seq
     print(
@@ -309,6 +312,8 @@ def main(argv=None):
         "seq": args.seq,
         "steps": args.steps,
         "remat": args.remat,
+        "host_allocator": args.host_allocator,
+        "host_allocator_applied": applied,
         "backend": jax.devices()[0].platform,
         "cpu_count": os.cpu_count(),
         "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
