@@ -1,38 +1,46 @@
-"""QLoRA step speed: jmem vs Hugging Face PEFT + bitsandbytes, alternated in one process.
+"""QLoRA step speed: jmem vs Hugging Face PEFT + bitsandbytes, at equal settings.
 
 The same training step on both sides, with the same shapes (default: the ``tiny`` Llama,
 hidden 256, intermediate 688, 4 layers, 8 heads / 4 KV heads, vocab 256; batch 16 x seq
 128):
 
 * jmem: the step of the fine-tuning job (``jmem.finetune.build``, with the compute dtype
-  chosen here so that float32 can be timed too; ``examples/qlora_7b.py`` runs it): NF4 base with double quantization
-  (``qlora.quantize_params``), LoRA r=8 alpha=16 on all seven projections
-  (``jmem.lora.init``), ``clip_by_global_norm(1.0)`` + ``jmem.adamw_8bit`` (the job's
-  warmup-cosine schedule to ``lr``), remat of every
-  layer (``remat="full"``), compute dtype ``--dtypes``, through ``jmem.train_step``;
-  timed as the example's loop does: ``compiled(state, batch)`` then ``float(loss)``.
+  chosen here so that float32 can be timed too; ``examples/qlora_7b.py`` runs it): NF4
+  base with double quantization (``qlora.quantize_params``), LoRA r=8 alpha=16 on all
+  seven projections (``jmem.lora.init``), ``clip_by_global_norm(1.0)`` +
+  ``jmem.adamw_8bit`` (the job's warmup-cosine schedule to ``lr``), compute dtype
+  ``--dtypes``, through ``jmem.train_step``; timed as the job's loop does:
+  ``compiled(state, batch)`` then ``float(loss)``.
 * peer: ``transformers.LlamaForCausalLM`` with the same config (SDPA attention), every
   projection a bitsandbytes ``Linear4bit`` (NF4, double quantization, compute dtype =
   the dtype), PEFT LoRA r=8 alpha=16 on the seven projections (adapters float32, as PEFT
-  keeps them), gradient checkpointing per decoder layer (non-reentrant), gradient
-  clipping to 1.0 and ``bnb.optim.AdamW8bit`` (8-bit states for tensors of >= 4096
-  elements, as jmem's ``min_quantized_size``); ``loss.item()`` ends the step. The
-  frozen non-quantized weights (embedding, norms, head) are kept in the dtype, as jmem
-  keeps them; ``--peer-prepare`` calls PEFT's ``prepare_model_for_kbit_training``
-  instead (norms, embedding and head upcast to float32, the usual QLoRA notebook recipe).
+  keeps them), gradient clipping to 1.0 and ``bnb.optim.AdamW8bit`` (8-bit states for
+  tensors of >= 4096 elements, as jmem's ``min_quantized_size``); ``loss.item()`` ends
+  the step. The frozen non-quantized weights (embedding, norms, head) are kept in the
+  dtype, as jmem keeps them; ``--peer-prepare`` calls PEFT's
+  ``prepare_model_for_kbit_training`` instead (the usual QLoRA notebook recipe).
 
-Both compute the mean next-token cross-entropy of the same ``[B, S]`` token batch (logits
-in float32). Rounds alternate the contenders, each running ``--steps`` steps after one
-untimed step (which absorbs the switch between the two runtimes' thread pools); the
-figure is the median step time over all rounds, and the ratio is jmem tok/s over peer
-tok/s (> 1: jmem faster). Per-round ratios are printed too, to show the spread.
+``--settings`` (default both): ``remat`` = jmem ``remat="full"`` against the peer's
+gradient checkpointing per decoder layer (non-reentrant); ``none`` = no remat on either
+side (``gradient_checkpointing_disable()``). Both compute the mean next-token
+cross-entropy of the same ``[B, S]`` token batch (logits in float32).
+
+Timing: every contender (both sides, every setting) is built in one process and the rounds
+alternate them, the order reversed every other round, each running ``--steps`` steps after
+one untimed step (which absorbs the switch between the two runtimes' thread pools); the
+figure is the median step time over all rounds, the ratio jmem tok/s over peer tok/s (> 1:
+jmem faster), with the per-round ratios. Then ``--isolated-rounds`` rounds with each side
+in a fresh process of its own (one runtime's threads cannot slow the other's). The whole
+process (and each worker) first calls ``jmem.retain_host_allocations()`` (``--host-allocator
+system`` to keep glibc's defaults): it serves PyTorch's allocations the same way.
 
 On a GPU the jmem side runs on the GPU and the peer on CUDA when PyTorch has it
 (``--skip-torch`` to time jmem only). Prints a table and writes
-``benchmarks/results/peer_qlora.json``.
+``benchmarks/results/peer_qlora.json`` (with the CPU model and its speed-relevant flags).
 
 Run: ``python benchmarks/peer_qlora.py [--quick] [--rounds 7] [--steps 6] [--batch 16]
-[--seq 128] [--dtypes float32,bfloat16] [--config tiny] [--skip-torch]``.
+[--seq 128] [--dtypes float32,bfloat16] [--settings remat,none] [--isolated-rounds 2]
+[--config tiny] [--skip-torch]``.
 """
 
 from __future__ import annotations
