@@ -51,7 +51,7 @@ layer,none`` (per-layer remat on both sides, none on either) x ``--dtypes
 float32,bfloat16``. Prints a markdown table and writes ``benchmarks/results/peer_tunix.json``
 (versions, CPU model and flags, load average, commit).
 
-Needs the ``tunix`` extra (``pip install -e '.[tunix]'``: google-tunix, qwix), which pins
+Needs the ``tunix`` extra (``pip install -e ".[tunix]"``: google-tunix, qwix), which pins
 the versions this script was written against.
 
 Run: ``python benchmarks/peer_tunix.py [--quick] [--rounds 7] [--steps 6] [--batch 16]
@@ -97,7 +97,7 @@ except ImportError as e:  # the optional extra
 else:
     TUNIX_MISSING = None
 
-EXTRA_HINT = "install the extra: pip install -e '.[tunix]' (google-tunix and qwix)"
+EXTRA_HINT = 'install the extra: pip install -e ".[tunix]" (google-tunix and qwix)'
 #: ``--remat`` settings: (jmem's policy, Tunix's ``RematConfig`` name).
 REMAT = {"layer": ("full", "DECODER"), "none": ("none", "NONE")}
 TILE = 64  # jmem's NF4 block size; qwix's tile is the divisor of the axis closest to it

@@ -53,7 +53,7 @@ def test_table_has_one_row_per_setting():
 
 def test_main_without_tunix_names_the_extra(monkeypatch):
     monkeypatch.setattr(peer_tunix, "TUNIX_MISSING", "ModuleNotFoundError: No module named 'tunix'")
-    with pytest.raises(SystemExit, match=r"pip install -e '\.\[tunix\]'"):
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[tunix\]"'):
         peer_tunix.main(["--quick"])
 
 
