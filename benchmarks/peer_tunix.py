@@ -343,7 +343,8 @@ def table(rows, args) -> str:
         f"QLoRA step, {args.config} Llama, batch {args.batch} x seq {args.seq}, NF4 (no double "
         "quant), LoRA r=8 x 7 projections, float32 AdamW; "
         f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs; medians of {args.rounds} "
-        f"alternated rounds x {args.steps} steps",
+        f"alternated rounds x {args.steps} steps; first losses of random-init models on "
+        f"random tokens, ln(vocab) = {rows[0]['ln_vocab']:.3f}",
         "",
         "| remat | compute dtype | jmem tok/s | Tunix tok/s | jmem / Tunix | per-round ratios "
         "| temp MiB jmem / Tunix | argument MiB jmem / Tunix | first loss jmem / Tunix |",

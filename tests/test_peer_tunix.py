@@ -42,6 +42,7 @@ def test_table_has_one_row_per_setting():
         "round_ratios": [1.9, 2.1],
         "memory_bytes": {"jmem": mem, "tunix": mem},
         "first_loss": {"jmem": 5.5, "tunix": 5.6},
+        "ln_vocab": 5.545,
     }
     args = peer_tunix.parse_args(["--quick"])
     lines = peer_tunix.table([row], args).splitlines()
