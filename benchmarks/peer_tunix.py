@@ -19,7 +19,8 @@ batch 16 x seq 128), both in JAX, both compiled once with ``jax.jit`` (state don
   (Tunix initializes its MLP kernels to zero), cast to the compute dtype; QLoRA by
   ``qwix.apply_lora_to_model`` with ``qwix.LoraProvider`` rules on the seven projections:
   ``weight_qtype="nf4"`` (4-bit NormalFloat codes stored as ``uint4``, one absmax scale
-  per tile, no double quantization), LoRA r=8 alpha=16. qwix tiles along the weight's
+  per tile in the weight's dtype, no double quantization: qwix 0.1.8 has no option for it),
+  LoRA r=8 alpha=16. qwix tiles along the weight's
   innermost *contraction* axis, which the tile must divide: tiles of 64 for q/k/v/gate/up
   (contraction 256), 32 for o_proj (its innermost contraction axis is the head dim), 43
   for down_proj (688 = 16 x 43); jmem's blocks are 64 consecutive elements of the
