@@ -82,6 +82,8 @@ from peer_qlora import JmemStep
 from peer_qlora import _batch
 from peer_qlora import _commit
 from peer_qlora import _time_block
+from peer_qlora import cpu_info
+from peer_qlora import host_allocator
 
 import jmem
 from jmem import finetune
@@ -268,25 +270,6 @@ def compiled_memory(compiled) -> dict:
     return out
 
 
-def cpu_info() -> dict:
-    """The CPU model and the flags that matter for XLA:CPU's speed (Linux ``/proc/cpuinfo``)."""
-    model, flags = platform.processor() or None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    return {"cpu_model": model, "cpu_flags": [f for f in wanted if f in flags]}
-
-
 def versions() -> dict:
     """Versions of the packages on both sides."""
     out = {}
@@ -381,6 +364,12 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 3 steps, 1 warm-up step")
     ap.add_argument(
+        "--host-allocator",
+        choices=["retain", "system"],
+        default="retain",
+        help="retain: jmem.retain_host_allocations() for the process (both sides share it)",
+    )
+    ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "peer_tunix.json")
     )
     args = ap.parse_args(argv)
@@ -401,6 +390,7 @@ def main(argv=None):
     args = parse_args(argv)
     if TUNIX_MISSING is not None:
         sys.exit(f"peer_tunix.py needs Tunix and qwix ({TUNIX_MISSING}); {EXTRA_HINT}")
+    applied = host_allocator(args.host_allocator)
     cfg = llama.get_config(args.config)
     rows = [compare(cfg, d, r, args) for r in args.remat for d in args.dtypes]
     print("\n" + table(rows, args))
@@ -412,8 +402,9 @@ def main(argv=None):
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
+        "host_allocator": args.host_allocator,
+        "host_allocator_applied": applied,
         "backend": jax.devices()[0].platform,
-        "cpu_count": os.cpu_count(),
         "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "machine": platform.machine(),
         **cpu_info(),
