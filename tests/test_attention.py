@@ -275,3 +275,44 @@ def test_hugging_face_logits_with_blockwise_tiles(tmp_path, monkeypatch, family)
         ref = model(torch.tensor(tokens)).logits.numpy()
     got = np.asarray(llama.forward(params, jnp.asarray(tokens, jnp.int32), cfg))
     assert np.max(np.abs(got - ref)) <= 1e-4, np.max(np.abs(got - ref))
+
+
+def _autodiff_dense(q, k, v, mask, scale):
+    """The dense path as plain autodiff sees it (the formulation before its custom VJP)."""
+    b, s, nh, d = q.shape
+    nkv, t = k.shape[2], k.shape[1]
+    g = nh // nkv
+    qg = attention_lib._to_groups(q, nkv).reshape(b, nkv, g * s, d)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, kh).astype(jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores.reshape(b, nkv, g, s, t), -3e38)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, vh).reshape(b, nkv, g, s, d)
+    return attention_lib._from_groups(out)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_saves_the_probabilities_once_in_the_compute_dtype(dtype):
+    """The dense path's custom VJP keeps one ``[.., S, T]`` residual, in ``v``'s dtype:
+    autodiff kept the float32 softmax output too (in bf16 the largest array of a no-remat
+    step, issue #30). Its gradients equal autodiff's (float32 1e-5; bf16 within the bf16
+    tolerance: the softmax backward reads the bf16-rounded probabilities)."""
+    q, k, v = _qkv(dtype=dtype)
+    idx = jnp.arange(S)
+    mask = attention_lib._allowed(
+        jnp.broadcast_to(idx, (B, S)), jnp.broadcast_to(idx, (B, S)),
+        jnp.zeros((B, S), jnp.int32), jnp.zeros((B, S), jnp.int32), attention_lib._window(9),
+    )  # fmt: skip
+    scale = 0.25
+
+    def new(q, k, v):
+        return attention_lib._dense(q, k, v, mask, scale, None)
+
+    _, vjp_fn = jax.vjp(new, q, k, v)
+    big = [x for x in jax.tree.leaves(vjp_fn) if x.size >= B * NH * S * S]
+    assert [x.dtype for x in big] == [jnp.dtype(dtype)], [(x.dtype, x.shape) for x in big]
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))  # noqa: E731
+    got = jax.jit(jax.grad(loss(new), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(loss(lambda q, k, v: _autodiff_dense(q, k, v, mask, scale)), (0, 1, 2))(q, k, v)
+    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+    chex.assert_trees_all_close(f32(got), f32(ref), atol=TOL[dtype] * 4, rtol=TOL[dtype])

@@ -131,7 +131,7 @@ def _from_groups(x):
 def _dense(q, k, v, mask, scale, cap):
     """Softmax attention over a full score matrix; ``mask`` bool ``[B, S, T]``."""
     b, s, nh, d = q.shape
-    nkv, t = k.shape[2], k.shape[1]
+    nkv = k.shape[2]
     g = nh // nkv
     # Heads-major layouts make both einsums plain batched matmuls whose results need no
     # transpose: the [.., S, T] scores and their gradients (the big arrays) are written once,
@@ -139,12 +139,58 @@ def _dense(q, k, v, mask, scale, cap):
     # merged with the queries so that every gradient contracts one axis.
     q = _to_groups(q, nkv).reshape(b, nkv, g * s, d)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if cap is None:
+        out = _dense_saving_probs(q, k, v, mask, scale, g)
+    else:
+        out = _dense_context(_dense_probs(q, k, mask, scale, cap, g).astype(v.dtype), v)
+    return _from_groups(out.reshape(b, nkv, g, s, d))
+
+
+def _dense_probs(q, k, mask, scale, cap, g):
+    """float32 softmax probabilities ``[B, nKV, G*S, T]`` of heads-major ``q``/``k``."""
+    b, nkv, gs, _ = q.shape
+    t = k.shape[2]
     scores = jnp.einsum("bkqd,bksd->bkqs", q, k).astype(jnp.float32) * scale
-    scores = _softcap(scores, cap).reshape(b, nkv, g, s, t)
+    scores = _softcap(scores, cap).reshape(b, nkv, g, gs // g, t)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * s, t)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, s, d)
-    return _from_groups(out)
+    return jax.nn.softmax(scores, axis=-1).reshape(b, nkv, gs, t)
+
+
+def _dense_context(probs, v):
+    return jnp.einsum("bkqs,bksd->bkqd", probs, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _dense_saving_probs(q, k, v, mask, scale, g):
+    """The dense path (no soft-cap) with one residual of score size: the probabilities in
+    ``v``'s dtype, as the context matmul reads them. Autodiff saved the float32 softmax
+    output as well (and the bf16 copy), two ``[.., S, T]`` stacks per layer without remat:
+    in bf16 the float32 one was the largest array of the step (issue #30)."""
+    return _dense_context(_dense_probs(q, k, mask, scale, None, g).astype(v.dtype), v)
+
+
+def _dense_saving_probs_fwd(q, k, v, mask, scale, g):
+    probs = _dense_probs(q, k, mask, scale, None, g).astype(v.dtype)
+    return _dense_context(probs, v), (q, k, v, mask, probs)
+
+
+def _dense_saving_probs_bwd(scale, g, res, dout):
+    """The softmax backward pass (``dS = P * (dP - rowsum(dP * P))``) in float32, from the
+    saved probabilities; masked scores get none (as ``jnp.where``'s gradient)."""
+    q, k, v, mask, probs = res
+    dv = jnp.einsum("bkqs,bkqd->bksd", probs, dout)
+    dp = jnp.einsum("bkqd,bksd->bkqs", dout, v).astype(jnp.float32)
+    p = probs.astype(jnp.float32)
+    ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) * scale
+    b, nkv, gs, t = ds.shape
+    ds = jnp.where(mask[:, None, None], ds.reshape(b, nkv, g, gs // g, t), 0.0)
+    ds = ds.reshape(b, nkv, gs, t).astype(q.dtype)
+    dq = jnp.einsum("bkqs,bksd->bkqd", ds, k)
+    dk = jnp.einsum("bkqs,bkqd->bksd", ds, q)
+    return dq, dk, dv, None
+
+
+_dense_saving_probs.defvjp(_dense_saving_probs_fwd, _dense_saving_probs_bwd)
 
 
 # --------------------------------------------------------------------------------------
@@ -427,7 +473,9 @@ def attention(
     ``logit_softcap=c`` (Gemma 2), then masked.
 
     Implementations:
-      - ``"dense"``: one float32 ``[B, nH, S, T]`` score matrix (and its gradient).
+      - ``"dense"``: one float32 ``[B, nH, S, T]`` score matrix (and its gradient). Without
+        a soft-cap its custom VJP saves only the probabilities in ``v``'s dtype and runs the
+        softmax backward from them in float32 (autodiff also saved the float32 ones).
       - ``"blockwise"``: online softmax over ``block_q x block_kv`` tiles (pure JAX, any
         backend); the backward pass recomputes the tiles from the output and the float32
         log-sum-exp (``[B, nH, S]``), so no ``[S, T]`` array exists. Tiles that the causal
@@ -459,6 +507,9 @@ def attention(
     Raises:
       ValueError: for mismatched shapes, non-integer or misshaped indices, an unknown
         implementation, or ``"cudnn"`` where it cannot run (the message says why).
+
+    Reverse-mode only: the blockwise path and the dense one without soft-cap are custom
+    VJPs, so ``jax.jvp`` / ``jax.jacfwd`` through them raise JAX's custom-VJP error.
     """
     _check_shapes(q, k, v)
     b, s, _, d = q.shape

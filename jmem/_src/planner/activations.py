@@ -38,7 +38,7 @@ def _saved_per_token(shape: ModelShape, A: int, s: int) -> dict[str, int]:
     """Bytes one layer saves per token under each remat mode (``A``: activation itemsize)."""
     h, F, a = shape.hidden_size, shape.intermediate_size, shape.num_heads
     qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    none = 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + (4 + A) * a * s + 6 * A * F
+    none = 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + A * a * s + 6 * A * F
     return {
         "none": none,
         "dots": A * (2 * h + 2 * qd + 2 * kv + 2 * F + a * s),
@@ -89,7 +89,7 @@ def activation_bytes(
     """Bytes of activations kept for the backward pass of one micro-batch, by part.
 
     ``layers``: the residuals the layer scan saves (per layer and token, ``none`` is
-    ``2 (8 + A) h + A (2 qd + 2 kv) + (4 + A) a s + 6 A F``; ``full`` keeps the layer
+    ``2 (8 + A) h + A (2 qd + 2 kv) + A a s + 6 A F``; ``full`` keeps the layer
     input ``A h``); ``recompute``: one layer's ``none`` residuals, live while the backward
     pass recomputes it (any remat); ``logits``: fp32 logits and their gradient
     ``8 b s V``; ``other``: the embedding output and the causal mask ``5 b a s^2``;
