@@ -88,7 +88,9 @@ def test_temp_bytes_ordered_by_policy(setup):
         temp[policy] = jmem.measure(jax.grad(jmem.remat(loss, policy)), params, batch).temp_bytes
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
     assert temp["none"] > temp["dots"] >= temp["selective"] > temp["full"]
-    assert temp["full"] <= 0.30 * temp["none"]
+    # 0.32 measured (42.8 vs 13.8 MiB): 0.30 before the dense attention's custom VJP made
+    # "none" save the softmax probabilities once instead of twice (issue #30).
+    assert temp["full"] <= 0.35 * temp["none"]
 
 
 @pytest.mark.slow
