@@ -556,7 +556,7 @@ def _compiled_peak(cfg, seq: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("seq", [4096, 16384])
 def test_long_context_estimate_matches_compiled_peak(seq):
-    """Within 10% of the compiled peak (the main job's dry run measured 2k-48k within 6%;
+    """Within 10% of the compiled peak (the main job's dry run measured 2k-48k within 4%;
     table in docs/long_context.md)."""
     cfg = llama.get_config("llama3_1_8b")
     got = _compiled_peak(cfg, seq)

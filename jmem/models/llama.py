@@ -251,7 +251,7 @@ class LlamaConfig:
     fused_projections: bool = False
     attention: str = "auto"
     loss_chunk: int = 2048
-    mlp_chunk: int = 4096
+    mlp_chunk: int = 2048
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
