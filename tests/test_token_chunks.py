@@ -50,6 +50,13 @@ class OverTokensTest(chex.TestCase):
         jaxpr = jax.make_jaxpr(lambda x: over_tokens(lambda a, b: _local(w, a, b), 8, x, x))(x)
         assert not any(e.primitive.name in ("while", "scan") for e in jaxpr.jaxpr.eqns)
 
+    def test_errors(self):
+        x = jnp.ones((2, 4, 8))
+        with self.assertRaisesRegex(ValueError, "chunk must be an int >= 1"):
+            over_tokens(lambda a: (a,), 0, x)
+        with self.assertRaisesRegex(ValueError, r"share their \[B, S\]"):
+            over_tokens(lambda a, b: (a,), 2, x, x[:, :3])
+
 
 _FAMILIES = {
     "llama": {},

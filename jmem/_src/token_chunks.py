@@ -84,10 +84,17 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
       ``fn``'s outputs as ``[B, S, ...]`` arrays, equal to ``fn`` on the whole arrays
       (token-local ``fn``); whole (``fn(*arrays)``, no loop) when the tokens fit one chunk.
 
+    Raises:
+      ValueError: ``chunk`` not a positive int, or arrays with different ``[B, S]``.
+
     Source: the "tiled MLP" of long-context fine-tuning (unsloth; Arctic Long Sequence
     Training, arXiv:2506.13996), with Chen et al. 2016's recomputation per chunk.
     """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1 (tokens per chunk); got {chunk!r}.")
     b, s = arrays[0].shape[:2]
+    if any(a.shape[:2] != (b, s) for a in arrays):
+        raise ValueError(f"arrays must share their [B, S] axes; got {[a.shape for a in arrays]}.")
     n = b * s
     if n <= chunk:
         return tuple(fn(*arrays))
