@@ -28,22 +28,41 @@ def _slice(x, i, size):
     return from_bits(lax.dynamic_slice_in_dim(to_bits(x), i * size, size, axis=0), x.dtype)
 
 
-def _take(x: jax.Array, i: jax.Array, size: int) -> jax.Array:
-    """Chunk ``i`` (``size`` rows) of ``x``; its cotangent is written into zeros like ``x``."""
-    shape, dtype = x.shape, x.dtype
+def _update(x, y, i):
+    """``x`` with rows ``[i * len(y), ...)`` set to ``y``, written as integer bits when
+    16-bit (XLA:CPU writes a bf16 slice by converting the whole array to float32)."""
+    y = to_bits(y.astype(x.dtype))
+    return from_bits(lax.dynamic_update_slice_in_dim(to_bits(x), y, i * y.shape[0], 0), x.dtype)
+
+
+@jax.custom_vjp
+def _grad_sink(x):
+    """Zeros like ``x`` whose cotangent is ``x``'s: the loop carries it unchanged and each
+    chunk writes its input cotangent into it (``_take``), instead of adding a whole-sized
+    array per chunk as a scan's transpose does for a closed-over input."""
+    return jnp.zeros_like(x)
+
+
+_grad_sink.defvjp(lambda x: (jnp.zeros_like(x), None), lambda _, g: (g,))
+
+
+def _take(x, sink, i, size):
+    """``(chunk i of x, sink)``: ``x``'s values (not differentiated), and the chunk's
+    cotangent written into ``sink``'s at chunk ``i``."""
 
     @jax.custom_vjp
-    def take(x, i):
-        return _slice(x, i, size)
+    def take(x, sink, i):
+        return _slice(x, i, size), sink
 
-    def fwd(x, i):
-        return _slice(x, i, size), i
+    def fwd(x, sink, i):
+        return take(x, sink, i), i
 
     def bwd(i, g):
-        return lax.dynamic_update_slice_in_dim(jnp.zeros(shape, dtype), g, i * size, 0), None
+        g_chunk, g_sink = g
+        return None, _update(g_sink, g_chunk, i), None
 
     take.defvjp(fwd, bwd)
-    return take(x, i)
+    return take(lax.stop_gradient(x), sink, i)
 
 
 def _put(out: jax.Array, y: jax.Array, i: jax.Array) -> jax.Array:
@@ -54,7 +73,7 @@ def _put(out: jax.Array, y: jax.Array, i: jax.Array) -> jax.Array:
 
     @jax.custom_vjp
     def put(out, y, i):
-        return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * size, 0)
+        return _update(out, y, i)
 
     def fwd(out, y, i):
         return put(out, y, i), i
@@ -103,15 +122,18 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     flat = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a for a in flat]
 
     @jax.checkpoint
-    def chunk_fn(flat, i):
-        return fn(*(_take(a, i, chunk)[None] for a in flat))
+    def chunk_fn(flat, sinks, i):
+        taken = [_take(a, sink, i, chunk) for a, sink in zip(flat, sinks)]
+        return fn(*(c[None] for c, _ in taken)), [sink for _, sink in taken]
 
-    shapes = jax.eval_shape(chunk_fn, flat, 0)
+    shapes = jax.eval_shape(chunk_fn, flat, flat, 0)[0]
     init = tuple(jnp.zeros((n + pad, *o.shape[2:]), o.dtype) for o in shapes)
 
-    def body(i, out):
-        ys = chunk_fn(flat, i)
-        return tuple(_put(o, y[0], i) for o, y in zip(out, ys))
+    def body(i, carry):
+        out, sinks = carry
+        ys, sinks = chunk_fn(flat, sinks, i)
+        return tuple(_put(o, y[0], i) for o, y in zip(out, ys)), sinks
 
-    outs = lax.fori_loop(0, (n + pad) // chunk, body, init)
+    sinks = [_grad_sink(a) for a in flat]
+    outs, _ = lax.fori_loop(0, (n + pad) // chunk, body, (init, sinks))
     return tuple((o[:n] if pad else o).reshape(b, s, *o.shape[1:]) for o in outs)
