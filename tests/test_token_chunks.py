@@ -1,6 +1,8 @@
 """Token-local parts of a layer over chunks of tokens (``jmem._src.token_chunks``,
 ``LlamaConfig.mlp_chunk``): the same values and gradients as whole, and fewer temporaries."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,23 @@ class OverTokensTest(chex.TestCase):
             over_tokens(lambda a: (a,), 0, x)
         with self.assertRaisesRegex(ValueError, r"share their \[B, S\]"):
             over_tokens(lambda a, b: (a,), 2, x, x[:, :3])
+
+
+def test_no_whole_array_work_per_chunk():
+    """bf16 chunks are read, written and their cotangents placed as uint16 bits in place:
+    the compiled gradient has no float dynamic-update-slice or add over a whole
+    ``[S, H]`` array (XLA:CPU converts a bf16 one to float32 whole, per chunk; a scan's
+    transpose adds a whole-sized cotangent per chunk for a closed-over input)."""
+    w = jnp.ones((64, 64), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 4096, 64), jnp.bfloat16)
+
+    def loss(w, x, y):
+        out = over_tokens(lambda a, b: _local(w, a, b), 512, x, y)
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in out)
+
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(w, x, x).compile().as_text()
+    whole = re.compile(r"= (f32|bf16)\[(1,)?4096,64\]\S* (dynamic-update-slice|add)\(")
+    assert not [line for line in hlo.splitlines() if whole.search(line)]
 
 
 _FAMILIES = {

@@ -1,14 +1,19 @@
 """``over_tokens``: a token-local function computed over chunks of tokens, recomputed chunk by
-chunk in the backward pass, with no float32 copy of its 16-bit inputs or outputs on XLA:CPU.
+chunk in the backward pass, with no float32 copy of its 16-bit inputs or outputs and no
+whole-array work per chunk on XLA:CPU.
 
 Why not ``lax.scan`` over the chunks: a scan slices its stacked ``xs`` (and, in the backward
 pass, the stacked output cotangents) with a dynamic slice in the loop. XLA:CPU computes a
 bfloat16 dynamic slice in float32 (a ``convert`` of the whole array) and hoists that
 ``convert`` out of the loop: a float32 copy of every ``[S, H]`` input and cotangent (three
-0.75 GiB copies per layer for Llama-3.1-8B at 49,152 tokens). Here a ``fori_loop`` over
-chunk indices slices the whole arrays as ``uint16`` bits (``take``) and writes each chunk's
-outputs in place (``put``), each with a custom VJP on the activations only (never on
-weights: the NF4/LoRA interpreter inlines a custom VJP that receives a weight).
+0.75 GiB copies per layer for Llama-3.1-8B at 49,152 tokens); it writes a bf16 slice by
+converting the whole array too, per iteration. Here a ``fori_loop`` over chunk indices
+reads each chunk of the whole arrays as ``uint16`` bits (``_take``) and writes each chunk's
+outputs as bits in place (``_put``). A closed-over input's cotangent would be a whole-sized
+array added per chunk by the loop's transpose; instead the loop carries a "sink" per input
+(zeros whose cotangent is the input's, ``_grad_sink``) and each chunk writes its input
+cotangent into the sink's in place. The custom VJPs see activations only, never weights:
+the NF4/LoRA interpreter inlines a custom VJP that receives a weight.
 """
 
 from __future__ import annotations
