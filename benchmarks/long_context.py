@@ -5,8 +5,9 @@ Contenders on a Llama-shaped model (hidden 512, 4 layers, 8 heads of 64, 2 KV he
 
 - ``dense``: ``attention="dense"``, ``loss_chunk=0``, ``mlp_chunk=0`` (jmem before #27:
   float32 ``[nH, S, S]`` scores and ``[S, V]`` logits);
-- ``long``: ``attention="blockwise"``, ``loss_chunk=2048``, ``mlp_chunk=4096`` (the
-  defaults beyond 1,024 tokens).
+- ``long``: ``attention="blockwise"``, ``loss_chunk=2048``, ``mlp_chunk=4096`` (each
+  layer's token-local parts in 4,096-token chunks; the default is now 2,048, and the
+  results file predates the chunking of the attention's projections).
 
 For each sequence length: temp and peak bytes of the compiled gradient step
 (``jmem.measure``, compile-only) and, up to ``--time-max-seq``, the median step time, the

@@ -614,7 +614,7 @@ def test_remat_saves_memory_and_keeps_gradients_on_each_family(checkpoints, fami
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_long_context_paths_match_dense_with_family_features(checkpoints, family):
     """Memory-efficient attention (jmem.ops' blockwise, 3 query and key blocks of 512 at
-    1030 tokens) and the tiled MLP (chunks of 256 tokens, its norms inside) under
+    1030 tokens) and the token-local chunks (256 tokens: norms, projections, RoPE, MLP) under
     soft-capping, per-layer windows, a custom scale, QK-norm, sandwich and post norms and
     fused projections: the dense, untiled logits and gradients (1e-5)."""
     dense = _family_config(checkpoints, family, attention="dense", mlp_chunk=0)

@@ -157,8 +157,8 @@ def test_errors():
 
 
 def test_tiled_mlp_equals_whole():
-    """The token-chunked MLP (``mlp_chunk``, with a partial last chunk) gives the whole
-    MLP's loss and gradients."""
+    """The token-chunked layer parts (``mlp_chunk``: norms, projections, RoPE, MLP; a
+    partial last chunk) give the whole layer's loss and gradients."""
     cfg = small_config()
     params = llama.init(jax.random.key(0), cfg)
     batch = token_batch(cfg, seq_len=24)

@@ -556,12 +556,25 @@ def _compiled_peak(cfg, seq: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("seq", [4096, 16384])
 def test_long_context_estimate_matches_compiled_peak(seq):
-    """Within 10% of the compiled peak (the main job's dry run measured 2k-48k within 6%;
+    """Within 10% of the compiled peak (the main job's dry run measured 2k-48k within 4%;
     table in docs/long_context.md)."""
     cfg = llama.get_config("llama3_1_8b")
     got = _compiled_peak(cfg, seq)
     want = estimate(cfg, remat="full", seq_len=seq, **_QLORA_8B).total
     print(f"\n{seq} tokens: compiled {got / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB")
+    assert abs(want / got - 1) < 0.10
+
+
+@pytest.mark.slow
+def test_main_job_step_at_49152_tokens_fits_24_gib():
+    """Issue #27's target: Llama-3.1-8B QLoRA r=32, batch 1, full remat, 8-bit AdamW at
+    49,152 tokens compiles to a peak <= 24 GiB on XLA:CPU with default flags (23.14 GiB
+    measured; 26.42 before the token-local chunks), and the planner is within 10%."""
+    cfg = llama.get_config("llama3_1_8b")
+    got = _compiled_peak(cfg, 49152)
+    want = estimate(cfg, remat="full", seq_len=49152, **_QLORA_8B).total
+    print(f"\n49152 tokens: compiled {got / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB")
+    assert got <= 24 * 2**30
     assert abs(want / got - 1) < 0.10
 
 

@@ -213,7 +213,12 @@ def _block(x, i, size):
 
 
 def _put(x, i, size, value):
-    return lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), i * size, axis=1)
+    """``x`` with block ``i`` set to ``value``, written as integer bits when 16-bit (XLA:CPU
+    writes a bf16 block by converting the whole array to float32 and back, per block)."""
+    bits = lax.dynamic_update_slice_in_dim(
+        to_bits(x), to_bits(value.astype(x.dtype)), i * size, axis=1
+    )
+    return from_bits(bits, x.dtype)
 
 
 def _block_scores(qb, kb, scale, cap):

@@ -39,6 +39,7 @@ from jmem._src.attention import attention
 from jmem._src.attention import attention_mask
 from jmem._src.linear_cross_entropy import linear_cross_entropy
 from jmem._src.linear_cross_entropy import token_nll
+from jmem._src.token_chunks import over_tokens
 
 Params = dict[str, Any]
 
@@ -186,9 +187,12 @@ class LlamaConfig:
       loss_chunk: tokens per chunk of ``loss_fn``'s cross-entropy (``[loss_chunk, V]``
         float32 logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes
         all ``[B, S, V]`` logits at once.
-      mlp_chunk: tokens per chunk of the MLP (the "tiled MLP": its ``[chunk, F]``
-        intermediates are recomputed chunk by chunk in the backward pass); 0, or fewer
-        tokens than this, runs it whole.
+      mlp_chunk: tokens per chunk of each layer's token-local parts: the attention
+        sublayer's norm, q/k/v projections and RoPE, its output projection and residual,
+        and the MLP sublayer (the "tiled MLP": the ``[chunk, F]`` intermediates and the
+        float32 norms and projections are recomputed chunk by chunk in the backward pass,
+        so a layer holds a few bf16 ``[B * S, H]`` arrays, not a dozen float32 ones); 0, or
+        fewer tokens than this, runs them whole (no loop). Only attention sees every token.
 
     Family options (Gemma 2/3, Qwen3, Phi-3, OLMo 2 are these settings, see
     ``docs/families.md``; the defaults are Llama):
@@ -247,7 +251,7 @@ class LlamaConfig:
     fused_projections: bool = False
     attention: str = "auto"
     loss_chunk: int = 2048
-    mlp_chunk: int = 4096
+    mlp_chunk: int = 2048
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
@@ -798,12 +802,6 @@ def _normed(x, layer, config: LlamaConfig, pre: str, post: str, fn):
     return out, extra
 
 
-def _sublayer(x, layer, config: LlamaConfig, pre: str, post: str, fn):
-    """``x + post_norm(fn(pre_norm(x)))`` (see ``_normed``) and ``fn``'s extra output."""
-    out, extra = _normed(x, layer, config, pre, post, fn)
-    return x + out, extra
-
-
 def _mlp_block(x, layer, config: LlamaConfig, fp8) -> jax.Array:
     """The MLP sublayer without its residual: norms (``norm_placement``) around ``_mlp``."""
     mlp = lambda h: (_mlp(h, layer, config, fp8), None)
@@ -828,44 +826,59 @@ def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
 
 def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
     """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
-    ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache."""
+    ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache.
+
+    The token-local parts (norms, projections, RoPE, the MLP) run over chunks of
+    ``config.mlp_chunk`` tokens (``_over_tokens``); only attention sees every token."""
     c = config
     b, s, _ = x.shape
-    cos, sin = rope
-
-    def attn_block(h):
-        q, k, v = _qkv(h, layer, c, fp8)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv = cache
-        if kv is not None:
-            kv = tuple(
-                jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
-                for full, new in zip(kv, (k, v))
-            )
-            k, v = kv
-        ctx = _attend(q, k, v, c, attn)
-        ctx = checkpoint_name(ctx.reshape(b, s, -1), "attn_context")
-        return checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out"), kv
-
-    x, cache = _sublayer(x, layer, c, "attn_norm", "post_attn_norm", attn_block)
-    return x + _tiled_mlp(x, layer, c, fp8), cache
+    cos, sin = (jnp.broadcast_to(t, (b, s, t.shape[-1])) for t in rope)
+    q, k, v = _over_tokens(
+        functools.partial(_attn_in, layer=layer, config=c, fp8=fp8), c, fp8, x, cos, sin
+    )
+    kv = cache
+    if kv is not None:
+        kv = tuple(
+            jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
+            for full, new in zip(kv, (k, v))
+        )
+        k, v = kv
+    ctx = checkpoint_name(_attend(q, k, v, c, attn).reshape(b, s, -1), "attn_context")
+    out = _over_tokens(
+        functools.partial(_attn_out_mlp, layer=layer, config=c, fp8=fp8), c, fp8, x, ctx
+    )
+    return out[0], kv
 
 
-def _tiled_mlp(h, layer, config, fp8):
-    """``_mlp_block`` (norms included, so no ``[B * S, H]`` normalized copy is held) over chunks
-    of ``config.mlp_chunk`` tokens (a checkpointed ``lax.scan``: the
-    ``[chunk, F]`` intermediates are recomputed per chunk in the backward pass, so the
-    layer never holds ``[B * S, F]``); whole when the tokens fit one chunk or with FP8
-    (whose scaling state is a per-call gradient)."""
-    b, s, width = h.shape
-    n, chunk = b * s, config.mlp_chunk
-    if not chunk or n <= chunk or fp8 is not None:
-        return _mlp_block(h, layer, config, fp8)
-    pad = -n % chunk
-    hs = jnp.pad(h.reshape(n, width), ((0, pad), (0, 0))).reshape(-1, 1, chunk, width)
-    body = jax.checkpoint(lambda carry, hc: (carry, _mlp_block(hc, layer, config, None)))
-    _, ys = jax.lax.scan(body, None, hs)
-    return ys.reshape(n + pad, width)[:n].reshape(b, s, width)
+def _attn_in(x, cos, sin, *, layer, config, fp8):
+    """The attention sublayer's token-local input half: pre-norm, q/k/v projections
+    (QK-norm) and RoPE; ``[B, S, H]`` -> q ``[B, S, nH, D]``, k/v ``[B, S, nKV, D]``."""
+    h = x if config.norm_placement == "post" else _norm(x, layer, "attn_norm", config)
+    q, k, v = _qkv(h, layer, config, fp8)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _attn_out_mlp(x, ctx, *, layer, config, fp8):
+    """The rest of the layer, token-local: ``x + post_norm(o_proj(ctx))``, then the MLP
+    sublayer with its residual; ``x [B, S, H]``, ``ctx [B, S, nH * D]``."""
+    out = checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
+    if config.norm_placement != "pre":
+        out = _norm(out, layer, "post_attn_norm", config)
+    x = x + out
+    return (x + _mlp_block(x, layer, config, fp8),)
+
+
+def _over_tokens(fn, config, fp8, *arrays):
+    """``fn(*arrays)``, token-local, over chunks of ``config.mlp_chunk`` tokens
+    (``jmem._src.token_chunks.over_tokens``: its ``[chunk, F]`` MLP tensors and float32
+    norms and projections exist for one chunk at a time and are recomputed per chunk in
+    the backward pass); ``arrays`` are ``[B, S, ...]``, returns ``fn``'s tuple of
+    ``[B, S, ...]`` outputs. Whole (no loop) when the tokens fit one chunk, with
+    ``mlp_chunk=0`` or with FP8 (whose scaling state is a per-call gradient). Checkpoint
+    names inside a chunk are not seen by an outer remat policy."""
+    if not config.mlp_chunk or fp8 is not None:
+        return tuple(fn(*arrays))
+    return over_tokens(fn, config.mlp_chunk, *arrays)
 
 
 def decoder_layer(

@@ -169,7 +169,8 @@ def _add_training_flags(p):
     p.add_argument(
         "--mlp-chunk",
         type=cli.nonnegative_int,
-        help="tokens per chunk of the MLP (tiled MLP); 0: whole",
+        help="tokens per chunk of each layer's token-local parts: norms, projections, RoPE, "
+        "MLP (tiled; no float32 [S, hidden] temporaries); 0: whole",
     )
     p.add_argument("--seed", type=cli.nonnegative_int)
 

@@ -20,15 +20,16 @@ REMAT_MODES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
 #: ``attention="auto"`` runs dense attention up to this many keys (``jmem.ops.attention``).
 AUTO_DENSE_MAX_KEYS = 1024
 
-#: Long-context paths (blockwise attention, tiled MLP, chunked loss): bytes per token and
-#: hidden unit that one layer's backward pass holds under remat, and bytes per token of an
-#: MLP chunk and intermediate unit. Fitted to the compiled peaks of the main job's dry run
-#: (Llama-3.1-8B, QLoRA r=32, full remat, 2k-48k tokens, within 6%) on XLA:CPU, which keeps bf16
-#: temporaries in float32: about 9 float32 hidden-sized buffers (the layer input, its
-#: norm, q/k/v, the attention output and its float32 dq, the residual gradient) and 10
-#: float32 ``[chunk, F]`` buffers. See docs/long_context.md.
-LAYER_WORK_PER_TOKEN_H = 36
-MLP_WORK_PER_TOKEN_F = 40
+#: Long-context paths (blockwise attention, chunked loss, the layer's token-local parts in
+#: ``mlp_chunk``-token chunks): bytes per token and hidden unit that one layer holds under
+#: remat beyond its saved input, and bytes per chunk token and intermediate unit. Fitted to
+#: the compiled peaks of the main job's dry run (Llama-3.1-8B, QLoRA r=32, full remat,
+#: 2k-48k tokens and 2,048/4,096-token chunks, within 4%) on XLA:CPU: a few bf16
+#: hidden-sized arrays (the layer input, q/k/v, the attention output, the residual and its
+#: gradient) and the float32 ``[chunk, F]`` MLP buffers (XLA:CPU keeps bf16 temporaries in
+#: float32). See docs/long_context.md.
+LAYER_WORK_PER_TOKEN_H = 22
+MLP_WORK_PER_TOKEN_F = 24
 #: float32 ``[loss_chunk, V]`` buffers live at once in the chunked loss's backward pass
 #: (its logits cotangent meets the head in bf16, so no float32 copy of the head).
 LOSS_CHUNK_BUFFERS = 2.5
@@ -96,7 +97,7 @@ def activation_bytes(
     ``host_activations``: what ``offload`` keeps in host memory (each layer's input and
     selective's residuals). With the long-context paths (``shape.attention`` blockwise at
     this length, see :func:`is_long_context`) ``recompute`` is one layer's backward working
-    set ``t (36 h) + min(t, mlp_chunk) 40 F`` bytes, ``logits`` the chunked loss's
+    set ``t (22 h) + min(t, mlp_chunk) 24 F`` bytes, ``logits`` the chunked loss's
     ``2.5 * 4 loss_chunk V``, there is no mask, and ``phased`` is 1: the loss
     and the layers' backward pass run one after the other, so the step holds the larger
     of the two (calibrated on XLA:CPU compiled peaks; docs/long_context.md). The

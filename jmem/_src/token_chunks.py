@@ -1,0 +1,144 @@
+"""``over_tokens``: a token-local function computed over chunks of tokens, recomputed chunk by
+chunk in the backward pass, with no float32 copy of its 16-bit inputs or outputs and no
+whole-array work per chunk on XLA:CPU.
+
+Why not ``lax.scan`` over the chunks: a scan slices its stacked ``xs`` (and, in the backward
+pass, the stacked output cotangents) with a dynamic slice in the loop. XLA:CPU computes a
+bfloat16 dynamic slice in float32 (a ``convert`` of the whole array) and hoists that
+``convert`` out of the loop: a float32 copy of every ``[S, H]`` input and cotangent (three
+0.75 GiB copies per layer for Llama-3.1-8B at 49,152 tokens); it writes a bf16 slice by
+converting the whole array too, per iteration. Here a ``fori_loop`` over chunk indices
+reads each chunk of the whole arrays as ``uint16`` bits (``_take``) and writes each chunk's
+outputs as bits in place (``_put``). A closed-over input's cotangent would be a whole-sized
+array added per chunk by the loop's transpose; instead the loop carries a "sink" per input
+(zeros whose cotangent is the input's, ``_grad_sink``) and each chunk writes its input
+cotangent into the sink's in place. The custom VJPs see activations only, never weights:
+the NF4/LoRA interpreter inlines a custom VJP that receives a weight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jmem._src.remat_bits import from_bits
+from jmem._src.remat_bits import to_bits
+
+
+def _slice(x, i, size):
+    """Rows ``[i * size, (i + 1) * size)`` of ``x``, sliced as integer bits when 16-bit."""
+    return from_bits(lax.dynamic_slice_in_dim(to_bits(x), i * size, size, axis=0), x.dtype)
+
+
+def _update(x, y, i):
+    """``x`` with rows ``[i * len(y), ...)`` set to ``y``, written as integer bits when
+    16-bit (XLA:CPU writes a bf16 slice by converting the whole array to float32)."""
+    y = to_bits(y.astype(x.dtype))
+    return from_bits(lax.dynamic_update_slice_in_dim(to_bits(x), y, i * y.shape[0], 0), x.dtype)
+
+
+@jax.custom_vjp
+def _grad_sink(x):
+    """Zeros like ``x`` whose cotangent is ``x``'s: the loop carries it unchanged and each
+    chunk writes its input cotangent into it (``_take``), instead of adding a whole-sized
+    array per chunk as a scan's transpose does for a closed-over input."""
+    return jnp.zeros_like(x)
+
+
+_grad_sink.defvjp(lambda x: (jnp.zeros_like(x), None), lambda _, g: (g,))
+
+
+def _take(x, sink, i, size):
+    """``(chunk i of x, sink)``: ``x``'s values (not differentiated), and the chunk's
+    cotangent written into ``sink``'s at chunk ``i``."""
+
+    @jax.custom_vjp
+    def take(x, sink, i):
+        return _slice(x, i, size), sink
+
+    def fwd(x, sink, i):
+        return take(x, sink, i), i
+
+    def bwd(i, g):
+        g_chunk, g_sink = g
+        return None, _update(g_sink, g_chunk, i), None
+
+    take.defvjp(fwd, bwd)
+    return take(lax.stop_gradient(x), sink, i)
+
+
+def _put(out: jax.Array, y: jax.Array, i: jax.Array) -> jax.Array:
+    """``out`` with chunk ``i`` set to ``y``. The cotangent passes through to ``out`` whole:
+    exact when every chunk is written once into an array that does not depend on the
+    inputs (``over_tokens``'s zeros)."""
+    size = y.shape[0]
+
+    @jax.custom_vjp
+    def put(out, y, i):
+        return _update(out, y, i)
+
+    def fwd(out, y, i):
+        return put(out, y, i), i
+
+    def bwd(i, g):
+        return g, _slice(g, i, size).astype(y.dtype), None
+
+    put.defvjp(fwd, bwd)
+    return put(out, y, i)
+
+
+def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """``fn(*arrays)`` computed over chunks of ``chunk`` tokens.
+
+    ``fn`` must be token-local (row ``t`` of each output depends on row ``t`` of each input
+    only: norms, projections, RoPE, an MLP); it is called on ``[1, chunk, ...]`` slices under
+    ``jax.checkpoint``, so its intermediates exist for one chunk at a time and are recomputed
+    chunk by chunk in the backward pass.
+
+    Args:
+      fn: ``fn(*chunks) -> tuple of arrays``, each ``[1, chunk, ...]``.
+      chunk: tokens per chunk (> 0).
+      *arrays: ``[B, S, ...]`` arrays (same ``B, S``); the ``B * S`` tokens are chunked
+        (the last chunk zero-padded).
+
+    Returns:
+      ``fn``'s outputs as ``[B, S, ...]`` arrays, equal to ``fn`` on the whole arrays
+      (token-local ``fn``); whole (``fn(*arrays)``, no loop) when the tokens fit one chunk.
+
+    Raises:
+      ValueError: ``chunk`` not a positive int, or arrays with different ``[B, S]``.
+
+    Source: the "tiled MLP" of long-context fine-tuning (unsloth; Arctic Long Sequence
+    Training, arXiv:2506.13996), with Chen et al. 2016's recomputation per chunk.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1 (tokens per chunk); got {chunk!r}.")
+    b, s = arrays[0].shape[:2]
+    if any(a.shape[:2] != (b, s) for a in arrays):
+        raise ValueError(f"arrays must share their [B, S] axes; got {[a.shape for a in arrays]}.")
+    n = b * s
+    if n <= chunk:
+        return tuple(fn(*arrays))
+    pad = -n % chunk
+    flat = [a.reshape(n, *a.shape[2:]) for a in arrays]
+    flat = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a for a in flat]
+
+    @jax.checkpoint
+    def chunk_fn(flat, sinks, i):
+        taken = [_take(a, sink, i, chunk) for a, sink in zip(flat, sinks)]
+        return fn(*(c[None] for c, _ in taken)), [sink for _, sink in taken]
+
+    shapes = jax.eval_shape(chunk_fn, flat, flat, 0)[0]
+    init = tuple(jnp.zeros((n + pad, *o.shape[2:]), o.dtype) for o in shapes)
+
+    def body(i, carry):
+        out, sinks = carry
+        ys, sinks = chunk_fn(flat, sinks, i)
+        return tuple(_put(o, y[0], i) for o, y in zip(out, ys)), sinks
+
+    sinks = [_grad_sink(a) for a in flat]
+    outs, _ = lax.fori_loop(0, (n + pad) // chunk, body, (init, sinks))
+    return tuple((o[:n] if pad else o).reshape(b, s, *o.shape[1:]) for o in outs)
