@@ -3,6 +3,7 @@ schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -52,6 +53,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
       cfg: the model's ``LlamaConfig``.
       compute_dtype: overrides ``config.precision`` (e.g. float32 for a benchmark).
       mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
+        With ``config.remat == "none"`` the loss runs ``cfg`` with ``scan_unroll=True``
+        (the layers inlined: a layer loop would stack every saved activation).
 
     Returns:
       ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
@@ -60,6 +63,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
     """
     dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
+    if config.remat == "none":  # no remat: inline the layers (no stacked residuals)
+        cfg = dataclasses.replace(cfg, scan_unroll=True)
     loss_fn = _loss(cfg)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,

@@ -83,7 +83,8 @@ def dry_run(config, cfg, mesh=None):
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
     print(
         f"\nverdict: peak {format_bytes(report.peak_bytes)} "
-        f"{'fits' if report.peak_bytes <= 24e9 else 'does not fit'} on a 24 GB card."
+        f"{'fits' if report.peak_bytes <= 24 * 2**30 else 'does not fit'} in 24 GiB "
+        "(a 24 GB card such as an RTX 3090/4090; its CUDA context takes a few hundred MiB)."
     )
     out = {
         "config": config.config,
