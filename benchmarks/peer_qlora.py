@@ -30,9 +30,10 @@ alternate them, the order reversed every other round, each running ``--steps`` s
 one untimed step (which absorbs the switch between the two runtimes' thread pools); the
 figure is the median step time over all rounds, the ratio jmem tok/s over peer tok/s (> 1:
 jmem faster), with the per-round ratios. Then ``--isolated-rounds`` rounds with each side
-in a fresh process of its own (one runtime's threads cannot slow the other's). The whole
-process (and each worker) first calls ``jmem.retain_host_allocations()`` (``--host-allocator
-system`` to keep glibc's defaults): it serves PyTorch's allocations the same way.
+in a fresh process of its own (one runtime's threads cannot slow the other's).
+``--host-allocator retain`` calls ``jmem.retain_host_allocations()`` for the whole process
+(and each worker) first; the default keeps glibc's settings (retain slowed PyTorch's
+multi-threaded allocations down, docs/performance.md).
 
 On a GPU the jmem side runs on the GPU and the peer on CUDA when PyTorch has it
 (``--skip-torch`` to time jmem only). Prints a table and writes
@@ -231,6 +232,16 @@ def cpu_info() -> dict:
         "cpu_count": os.cpu_count(),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
+
+
+def _worker_allocator(args) -> str:
+    """The allocator of an own-process worker: ``auto`` gives the peer glibc's defaults and
+    jmem the fine-tuning job's rule (retain with remat ``none``)."""
+    if args.host_allocator != "auto":
+        return args.host_allocator
+    if args.worker != "jmem":
+        return "system"
+    return "retain" if SETTINGS[args.settings[0]][0] == "none" else "system"
 
 
 def host_allocator(choice: str) -> bool:
@@ -440,10 +451,12 @@ def _parser():
     ap.add_argument("--peer-prepare", action="store_true", help="prepare_model_for_kbit_training")
     ap.add_argument(
         "--host-allocator",
-        choices=["retain", "system"],
-        default="retain",
-        help="retain: jmem.retain_host_allocations() for the whole process (both sides); "
-        "system: glibc's defaults (every step page-faults its temporaries in)",
+        choices=["auto", "retain", "system"],
+        default="auto",
+        help="in-process rounds: retain = jmem.retain_host_allocations() for the process "
+        "(both sides), else glibc's defaults; own-process rounds: the peer keeps glibc's "
+        "defaults and jmem follows the job (auto: retain with remat none), or both retain / "
+        "both system",
     )
     ap.add_argument("--skip-torch", action="store_true", help="time jmem only")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 3 steps, 1 warm-up step")
@@ -509,9 +522,10 @@ def main(argv=None):
         ap.error(
             f"unknown dtype(s)/setting(s) {bad}; choose from {sorted(DTYPES)} / {sorted(SETTINGS)}"
         )
-    args.host_allocator_applied = host_allocator(args.host_allocator)
     if args.worker:
+        args.host_allocator_applied = host_allocator(_worker_allocator(args))
         return _worker(args)
+    args.host_allocator_applied = host_allocator(args.host_allocator)
     cfg = llama.get_config(args.config)
     rows = [row for d in args.dtypes for row in compare(cfg, d, args)]
     rows += [

@@ -366,7 +366,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--host-allocator",
         choices=["retain", "system"],
-        default="retain",
+        default="system",
         help="retain: jmem.retain_host_allocations() for the process (both sides share it)",
     )
     ap.add_argument(

@@ -135,7 +135,8 @@ def classify(ins: dict) -> str:
     names = [ins["op_name"]] + [n for _, n in ins["fused"]]
     opcodes = {ins["opcode"]} | {o for o, _ in ins["fused"]}
     has = lambda tag: any(tag in n for n in names)  # noqa: E731
-    in_loop = has("/while/")
+    # In the layer loop, or in an inlined layer (``scan_unroll``: the body's closed_call).
+    in_loop = has("/while/") or has("closed_call")
     if "dot" in opcodes or "convolution" in opcodes or ins["kind"] == "custom":
         # The dot's own name; when a pass dropped it (bf16 dots rewritten through float32
         # on XLA:CPU), the names of whatever was fused with it.
@@ -273,12 +274,20 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="traced steps (one trace each)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--remat", default="full")
-    ap.add_argument("--host-allocator", choices=["retain", "system"], default="retain")
+    ap.add_argument(
+        "--host-allocator",
+        choices=["auto", "retain", "system"],
+        default="auto",
+        help="auto: as the fine-tuning job (retain with --remat none)",
+    )
     ap.add_argument("--hlo", default=None, help="also write the compiled HLO text here")
     ap.add_argument("--top", type=int, default=15, help="slowest ops listed")
     ap.add_argument("--out", default=None, help="default results/qlora_profile_<dtype>.json")
     args = ap.parse_args(argv)
-    applied = host_allocator(args.host_allocator)
+    choice = args.host_allocator
+    if choice == "auto":
+        choice = "retain" if args.remat == "none" else "system"
+    applied = host_allocator(choice)
     r = profile(args.dtype, args)
     tokens = args.batch * args.seq
     print(

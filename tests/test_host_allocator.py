@@ -133,3 +133,29 @@ def test_qlora_step_stops_faulting_its_temporaries_in(remat):
     system, retain = _faults("system", remat), _faults("retain", remat)
     assert system["faults"] > 0.8 * system["temp_pages"], system
     assert retain["faults"] < 0.25 * retain["temp_pages"], retain
+
+
+@pytest.mark.parametrize(
+    "choice,remat,applies",
+    [
+        ("auto", "none", True),
+        ("auto", "full", False),
+        ("retain", "full", True),
+        ("system", "none", False),
+    ],
+)
+def test_job_applies_it_for_retain_and_for_auto_without_remat(monkeypatch, choice, remat, applies):
+    """The job's ``--host-allocator``: ``auto`` retains only with ``--remat none`` (its
+    temporaries are largest there); the call happens before JAX starts."""
+    from jmem import finetune  # noqa: PLC0415
+    from jmem._src.finetune import job  # noqa: PLC0415
+
+    calls = []
+    monkeypatch.setattr(ha, "_applied", False)
+    monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: False)
+    monkeypatch.setattr(
+        ha, "retain_host_allocations", lambda: calls.append(1) or ha.HostAllocatorStatus(True)
+    )
+    config = finetune.FinetuneConfig(host_allocator=choice, remat=remat)
+    assert job._host_allocator(config) is None
+    assert bool(calls) == applies

@@ -89,9 +89,13 @@ def run(config: FinetuneConfig) -> dict | None:
 
 
 def _host_allocator(config) -> str | None:
-    """``retain_host_allocations`` for ``--host-allocator retain`` when JAX has not started
+    """``retain_host_allocations`` for ``--host-allocator retain`` (``auto``: with ``--remat
+    none``) when JAX has not started
     yet (from the command line it has not); a note line when it is not applied."""
-    if config.host_allocator != "retain" or host_allocator.retained():
+    wanted = config.host_allocator
+    if wanted == "auto":  # no remat: large temporaries, so page faults cost the most
+        wanted = "retain" if config.remat == "none" else "system"
+    if wanted != "retain" or host_allocator.retained():
         return None
     if jax_compat.backends_initialized():
         return (
