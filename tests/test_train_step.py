@@ -43,7 +43,10 @@ def test_one_step_equals_hand_written_optax_step(params):
     state, metrics = step(step.init(params), batch)
     loss, g = jax.value_and_grad(_loss)(params, batch)
     u, _ = opt.update(g, opt.init(params), params)
-    chex.assert_trees_all_close(state.params, optax.apply_updates(params, u), atol=1e-5, rtol=1e-5)
+    # Adam's first update is lr * g / (|g| + eps): where |g| is near eps a float32 rounding
+    # difference between the jitted step and the eager gradient moves it by up to ~1e-5
+    # (1 element of 22,016 measured, since the dense attention's custom VJP); 5% of lr.
+    chex.assert_trees_all_close(state.params, optax.apply_updates(params, u), atol=5e-5, rtol=1e-5)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
     assert int(state.step) == 1
 
