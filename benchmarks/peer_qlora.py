@@ -94,7 +94,11 @@ class JmemStep:
             remat=remat,
         )
         step, *_ = finetune.build(config, cfg, compute_dtype=dt)
-        self.state = finetune.init_state(config, cfg, step, dt, None, None)[0]
+        self._compile(step, finetune.init_state(config, cfg, step, dt, None, None)[0], tokens)
+
+    def _compile(self, step, state, tokens: np.ndarray) -> None:
+        """Keeps ``state`` and the ``[B, S + 1]`` token batch, and compiles ``step`` once."""
+        self.state = state
         self.batch = {
             "inputs": jnp.asarray(tokens[:, :-1]),
             "targets": jnp.asarray(tokens[:, 1:]),

@@ -127,15 +127,7 @@ class JmemEqualStep(JmemStep):
         adapters = jmem.lora.init(
             jax.random.key(config.seed + 1), frozen, rank=rank, alpha=2.0 * rank, targets=TARGETS
         )
-        self.state = step.init(adapters, frozen=frozen)
-        self.batch = {
-            "inputs": jnp.asarray(tokens[:, :-1]),
-            "targets": jnp.asarray(tokens[:, 1:]),
-        }
-        t0 = time.perf_counter()
-        self.compiled = step.jitted.lower(self.state, self.batch).compile()
-        self.compile_s = time.perf_counter() - t0
-        self.device = jax.devices()[0].device_kind
+        self._compile(step, step.init(adapters, frozen=frozen), tokens)
 
 
 def qwix_tile(n: int, target: int = TILE) -> int:
