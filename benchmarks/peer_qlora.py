@@ -31,9 +31,11 @@ one untimed step (which absorbs the switch between the two runtimes' thread pool
 figure is the median step time over all rounds, the ratio jmem tok/s over peer tok/s (> 1:
 jmem faster), with the per-round ratios. Then ``--isolated-rounds`` rounds with each side
 in a fresh process of its own (one runtime's threads cannot slow the other's).
-``--host-allocator retain`` calls ``jmem.retain_host_allocations()`` for the whole process
-(and each worker) first; the default keeps glibc's settings (retain slowed PyTorch's
-multi-threaded allocations down, docs/performance.md).
+``--host-allocator`` (default ``huge-pages``, the fine-tuning job's CPU default) sets the
+host allocator for the whole process and every worker, so both sides always run under the
+same one: ``huge-pages`` restarts the process once with glibc's ``glibc.malloc.hugetlb=1``
+(``jmem.host_huge_pages``), ``retain`` calls ``jmem.retain_host_allocations()``,
+``system`` keeps glibc's defaults (docs/performance.md).
 
 On a GPU the jmem side runs on the GPU and the peer on CUDA when PyTorch has it
 (``--skip-torch`` to time jmem only). Prints a table and writes
@@ -66,6 +68,7 @@ import numpy as np  # noqa: E402
 
 import jmem  # noqa: E402
 from jmem import finetune  # noqa: E402
+from jmem._src import host_allocator as host_allocator_lib  # noqa: E402
 from jmem.models import llama  # noqa: E402
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -238,25 +241,31 @@ def cpu_info() -> dict:
     }
 
 
-def _worker_allocator(args) -> str:
-    """The allocator of an own-process worker: ``auto`` gives the peer glibc's defaults and
-    jmem the fine-tuning job's rule (retain with remat ``none``)."""
-    if args.host_allocator != "auto":
-        return args.host_allocator
-    if args.worker != "jmem":
-        return "system"
-    return "retain" if SETTINGS[args.settings[0]][0] == "none" else "system"
+#: ``--host-allocator`` choices (the same for every benchmark that imports them).
+HOST_ALLOCATORS = ("huge-pages", "retain", "system")
+HOST_ALLOCATOR_HELP = (
+    "huge-pages (default): glibc's glibc.malloc.hugetlb=1 for the whole process and its "
+    "workers, both sides (jmem.host_huge_pages restarts the process once to set it; the "
+    "fine-tuning job's default on CPU); retain: jmem.retain_host_allocations(), both sides; "
+    "system: glibc's defaults"
+)
 
 
-def host_allocator(choice: str) -> bool:
-    """``retain``: ``jmem.retain_host_allocations()`` (before JAX starts; process-wide, so
-    PyTorch's allocations in this process are served the same way); whether it applied."""
-    if choice != "retain":
-        return False
-    status = jmem.retain_host_allocations(respect_env=False)
-    if not status.applied:
+def host_allocator(choice: str) -> dict:
+    """Applies ``choice`` to this process before JAX starts (``huge-pages`` may restart it,
+    and its workers inherit the environment); returns what is in effect, for the JSON."""
+    if choice == "huge-pages":
+        status = jmem.host_huge_pages(respect_env=False)
+    elif choice == "retain":
+        status = jmem.retain_host_allocations(respect_env=False)
+    else:
+        status = None
+    if status is not None and not status.applied:
         print(f"host allocator unchanged: {status.reason}", file=sys.stderr)
-    return status.applied
+    return {
+        "huge_pages": host_allocator_lib.huge_pages_active(),
+        "retained": host_allocator_lib.retained(),
+    }
 
 
 def _time_block(run, steps: int) -> list[float]:
@@ -380,7 +389,7 @@ def isolated(cfg, dtype: str, setting: str, args) -> dict:
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             cmd += ["--peer-prepare"] if args.peer_prepare else []
             cmd += ["--host-allocator", args.host_allocator]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            out = subprocess.run(cmd, capture_output=True, text=True)  # inherits the tunable
             if out.returncode:
                 raise RuntimeError(f"{side} worker failed:\n{out.stderr[-2000:]}")
             t = json.loads(out.stdout.strip().splitlines()[-1])["times"]
@@ -454,13 +463,7 @@ def _parser():
     )
     ap.add_argument("--peer-prepare", action="store_true", help="prepare_model_for_kbit_training")
     ap.add_argument(
-        "--host-allocator",
-        choices=["auto", "retain", "system"],
-        default="auto",
-        help="in-process rounds: retain = jmem.retain_host_allocations() for the process "
-        "(both sides), else glibc's defaults; own-process rounds: the peer keeps glibc's "
-        "defaults and jmem follows the job (auto: retain with remat none), or both retain / "
-        "both system",
+        "--host-allocator", choices=HOST_ALLOCATORS, default="huge-pages", help=HOST_ALLOCATOR_HELP
     )
     ap.add_argument("--skip-torch", action="store_true", help="time jmem only")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 3 steps, 1 warm-up step")
@@ -527,7 +530,7 @@ def main(argv=None):
             f"unknown dtype(s)/setting(s) {bad}; choose from {sorted(DTYPES)} / {sorted(SETTINGS)}"
         )
     if args.worker:
-        args.host_allocator_applied = host_allocator(_worker_allocator(args))
+        args.host_allocator_applied = host_allocator(args.host_allocator)
         return _worker(args)
     args.host_allocator_applied = host_allocator(args.host_allocator)
     cfg = llama.get_config(args.config)

@@ -77,6 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from peer_qlora import DTYPES  # benchmarks/peer_qlora.py (this script's folder)
+from peer_qlora import HOST_ALLOCATOR_HELP
+from peer_qlora import HOST_ALLOCATORS
 from peer_qlora import TARGETS
 from peer_qlora import JmemStep
 from peer_qlora import _batch
@@ -356,10 +358,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 3 steps, 1 warm-up step")
     ap.add_argument(
-        "--host-allocator",
-        choices=["retain", "system"],
-        default="system",
-        help="retain: jmem.retain_host_allocations() for the process (both sides share it)",
+        "--host-allocator", choices=HOST_ALLOCATORS, default="huge-pages", help=HOST_ALLOCATOR_HELP
     )
     ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "peer_tunix.json")

@@ -52,6 +52,8 @@ import tempfile
 import time
 
 import jax
+from peer_qlora import HOST_ALLOCATOR_HELP
+from peer_qlora import HOST_ALLOCATORS
 from peer_qlora import JmemStep  # benchmarks/peer_qlora.py (this script's folder)
 from peer_qlora import _batch
 from peer_qlora import _commit
@@ -275,19 +277,13 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--remat", default="full")
     ap.add_argument(
-        "--host-allocator",
-        choices=["auto", "retain", "system"],
-        default="auto",
-        help="auto: as the fine-tuning job (retain with --remat none)",
+        "--host-allocator", choices=HOST_ALLOCATORS, default="huge-pages", help=HOST_ALLOCATOR_HELP
     )
     ap.add_argument("--hlo", default=None, help="also write the compiled HLO text here")
     ap.add_argument("--top", type=int, default=15, help="slowest ops listed")
     ap.add_argument("--out", default=None, help="default results/qlora_profile_<dtype>.json")
     args = ap.parse_args(argv)
-    choice = args.host_allocator
-    if choice == "auto":
-        choice = "retain" if args.remat == "none" else "system"
-    applied = host_allocator(choice)
+    applied = host_allocator(args.host_allocator)
     r = profile(args.dtype, args)
     tokens = args.batch * args.seq
     print(

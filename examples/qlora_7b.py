@@ -28,15 +28,14 @@ A bad input exits with status 2 and one line `error: ...` naming the flag or fil
 `jmem finetune`, which takes `--config-file` too); this script only calls it.
 """
 
-import sys
-
 from jmem import finetune
 
 
 def main(argv=None):
-    """Runs the job with this script's flags (``jmem.finetune.main``); returns the summary."""
+    """Runs the job with this script's flags (``jmem.finetune.main``; ``argv`` None: the
+    command line, which the job may restart once for huge pages); returns the summary."""
     return finetune.main(argv, prog="qlora_7b.py")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

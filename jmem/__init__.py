@@ -2,8 +2,8 @@
 
 Top level: ``remat``, ``measure``, precision policies and master weights, loss scales, 8-/4-bit
 Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offload``, and
-``train_step`` which composes them; ``retain_host_allocations`` for CPU steps without
-per-step page faults.
+``train_step`` which composes them; ``host_huge_pages`` and ``retain_host_allocations``
+for CPU steps without per-step page faults.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
 ``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
 """
@@ -19,6 +19,7 @@ from jmem import sharding as sharding
 from jmem import tree as tree
 from jmem._src.checkpointing import Checkpointer
 from jmem._src.decay_mask import decay_mask
+from jmem._src.host_allocator import host_huge_pages
 from jmem._src.host_allocator import retain_host_allocations
 from jmem._src.loss_scale import DynamicLossScale
 from jmem._src.loss_scale import NoOpLossScale
@@ -84,6 +85,7 @@ __all__ = (
     "dynamic_map",
     "fp8",
     "get_policy",
+    "host_huge_pages",
     "linear_map",
     "lora",
     "measure",

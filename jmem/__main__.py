@@ -258,9 +258,10 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command. A bad input exits with status 2 and one line ``error: ...``."""
+    command_line = argv is None  # the process's own: the job may restart it (huge pages)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["finetune"]:
-        finetune_main(argv[1:], prog="jmem finetune")
+        finetune_main(argv[1:], prog="jmem finetune", restart=command_line)
         return 0
     parser = cli.Parser(prog="jmem", description="jmem command line tools")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)

@@ -88,13 +88,24 @@ def run(config: FinetuneConfig) -> dict | None:
     return train(config, cfg, tok, ds, held, resume_step, mesh)
 
 
-def _host_allocator(config) -> str | None:
-    """``retain_host_allocations`` for ``--host-allocator retain`` (``auto``: with ``--remat
-    none``) when JAX has not started
-    yet (from the command line it has not); a note line when it is not applied."""
+def _host_allocator(config, restart: bool = False) -> str | None:
+    """The host allocator setting of ``--host-allocator`` (``auto``: huge pages on a CPU
+    machine, else retaining with ``--remat none``), applied before JAX starts; ``restart``
+    (the command line) lets huge pages restart the process. A note line when not applied."""
     wanted = config.host_allocator
-    if wanted == "auto":  # no remat: large temporaries, so page faults cost the most
-        wanted = "retain" if config.remat == "none" else "system"
+    if wanted == "auto":
+        if _accelerator_plugin() or os.environ.get(host_allocator.ENV_VAR, "") == "system":
+            return None
+        unavailable = host_allocator.huge_pages_unavailable()
+        wanted = "huge-pages" if unavailable is None else "retain"
+        if wanted == "retain" and config.remat != "none":
+            return None
+    if wanted == "huge-pages":  # returns unless it restarts the process
+        status = host_allocator.host_huge_pages(restart=restart, announce=False)
+        if not status.applied:
+            return f"host allocator: no huge pages ({status.reason})"
+        how = ", set by restarting the process" if host_allocator.restarted() else ""
+        return f"host allocator: 2 MiB huge pages (glibc.malloc.hugetlb=1{how})"
     if wanted != "retain" or host_allocator.retained():
         return None
     if jax_compat.backends_initialized():
@@ -104,6 +115,21 @@ def _host_allocator(config) -> str | None:
         )
     status = host_allocator.retain_host_allocations()
     return None if status.applied else f"host allocator: unchanged ({status.reason})"
+
+
+def _accelerator_plugin() -> str | None:
+    """The name of an installed JAX GPU/TPU plugin (or a ``JAX_PLATFORMS`` without cpu):
+    host temporaries then do not hold the step's activations, so ``auto`` changes nothing."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return None if platforms.split(",")[0].strip() == "cpu" else platforms
+    import importlib.metadata  # noqa: PLC0415
+
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith(("jax-cuda", "jax-rocm", "libtpu")):
+            return name
+    return None
 
 
 def _agree(resume_step):
@@ -118,13 +144,18 @@ def _agree(resume_step):
     return None if value < 0 else value
 
 
-def main(argv=None, prog: str = "jmem finetune") -> dict | None:
+def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None) -> dict | None:
     """The command line: flags (and ``--config-file``) -> ``run``. A bad input exits with
     status 2 and one line ``error: ...`` naming the flag or file (``--debug``: the
-    traceback instead)."""
+    traceback instead).
+
+    ``argv`` None reads ``sys.argv[1:]``; ``restart`` (default: ``argv is None``, i.e. this
+    is the process's own command line) lets ``--host-allocator`` huge pages restart the
+    process once with glibc's tunable set (``jmem.host_huge_pages``)."""
+    restart = argv is None if restart is None else restart
     config = parse_args(argv, prog=prog, description=DESCRIPTION)
     try:
-        return _run_quietly_off_process_0(config)
+        return _run_quietly_off_process_0(config, restart)
     except CliError as e:
         if config.debug:
             raise
@@ -132,9 +163,9 @@ def main(argv=None, prog: str = "jmem finetune") -> dict | None:
         raise SystemExit(2) from None
 
 
-def _run_quietly_off_process_0(config):
+def _run_quietly_off_process_0(config, restart: bool):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
-    _host_allocator(config)  # before JAX starts; run() prints why when it was not applied
+    _host_allocator(config, restart)  # before JAX starts; run() prints why when not applied
     initialize_distributed(config)
     if jax.process_index() == 0:
         return run(config)

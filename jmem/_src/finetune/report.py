@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jmem import MemoryReport
+from jmem._src import host_allocator
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.rundir import flags
 from jmem._src.finetune.rundir import is_writer
@@ -67,6 +68,10 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         "losses": losses,
         "learning_rates": lrs,
         "device": jax.devices()[0].device_kind,
+        "host_allocator": {  # what was in effect (--host-allocator; jmem.host_huge_pages)
+            "huge_pages": host_allocator.huge_pages_active(),
+            "retained": host_allocator.retained(),
+        },
         **(extra or {}),
     }
     peak = peak_flops()
