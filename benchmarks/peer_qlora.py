@@ -251,11 +251,12 @@ HOST_ALLOCATOR_HELP = (
 )
 
 
-def host_allocator(choice: str) -> dict:
-    """Applies ``choice`` to this process before JAX starts (``huge-pages`` may restart it,
-    and its workers inherit the environment); returns what is in effect, for the JSON."""
+def host_allocator(choice: str, restart: bool) -> dict:
+    """Applies ``choice`` to this process before JAX starts (``huge-pages`` restarts it when
+    ``restart``, i.e. run from the command line; its workers inherit the environment);
+    returns what is in effect, for the JSON."""
     if choice == "huge-pages":
-        status = jmem.host_huge_pages(respect_env=False)
+        status = jmem.host_huge_pages(restart=restart, respect_env=False)
     elif choice == "retain":
         status = jmem.retain_host_allocations(respect_env=False)
     else:
@@ -530,9 +531,9 @@ def main(argv=None):
             f"unknown dtype(s)/setting(s) {bad}; choose from {sorted(DTYPES)} / {sorted(SETTINGS)}"
         )
     if args.worker:
-        args.host_allocator_applied = host_allocator(args.host_allocator)
+        args.host_allocator_applied = host_allocator(args.host_allocator, restart=False)
         return _worker(args)
-    args.host_allocator_applied = host_allocator(args.host_allocator)
+    args.host_allocator_applied = host_allocator(args.host_allocator, restart=argv is None)
     cfg = llama.get_config(args.config)
     rows = [row for d in args.dtypes for row in compare(cfg, d, args)]
     rows += [
@@ -551,4 +552,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()  # argv None: the command line, which huge pages may restart

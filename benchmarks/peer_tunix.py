@@ -381,7 +381,7 @@ def main(argv=None):
     args = parse_args(argv)
     if TUNIX_MISSING is not None:
         sys.exit(f"peer_tunix.py needs Tunix and qwix ({TUNIX_MISSING}); {EXTRA_HINT}")
-    applied = host_allocator(args.host_allocator)
+    applied = host_allocator(args.host_allocator, restart=argv is None)
     cfg = llama.get_config(args.config)
     rows = [compare(cfg, d, r, args) for r in args.remat for d in args.dtypes]
     print("\n" + table(rows, args))
@@ -410,4 +410,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()  # argv None: the command line, which huge pages may restart

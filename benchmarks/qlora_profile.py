@@ -47,7 +47,6 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -283,7 +282,7 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=15, help="slowest ops listed")
     ap.add_argument("--out", default=None, help="default results/qlora_profile_<dtype>.json")
     args = ap.parse_args(argv)
-    applied = host_allocator(args.host_allocator)
+    applied = host_allocator(args.host_allocator, restart=argv is None)
     r = profile(args.dtype, args)
     tokens = args.batch * args.seq
     print(
@@ -332,4 +331,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()  # argv None: the command line, which huge pages may restart
