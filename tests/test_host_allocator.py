@@ -130,7 +130,11 @@ def _faults(mode: str, remat: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(ha.huge_pages_unavailable() is not None, reason="no glibc huge pages here")
+@pytest.mark.skipif(
+    ha.huge_pages_unavailable() is not None or ha._thp_mode() != "madvise",
+    reason="needs glibc 2.35+ and transparent huge pages in madvise mode (in always mode "
+    "glibc's defaults get huge pages too)",
+)
 def test_qlora_step_faults_its_temporaries_in_huge_pages():
     """With glibc's defaults every step of the job's no-remat QLoRA step page-faults about
     its whole temp buffer in, 4 KiB at a time; with huge pages (the job's default on CPU),
@@ -141,14 +145,14 @@ def test_qlora_step_faults_its_temporaries_in_huge_pages():
     assert huge["anon_huge_kib"] >= 2048, huge
 
 
-def _no_huge_pages(monkeypatch, reason="transparent huge pages are off"):
-    monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: reason)
-
-
-def _huge_pages_possible(monkeypatch, start_tunables=""):
+def _huge_pages_possible(monkeypatch, start_tunables="", mode="madvise"):
+    """A machine where huge pages work, in a process that started with ``start_tunables``
+    and that a restart would not harm (this one is pytest's: the hazard check is faked)."""
     monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: None)
+    monkeypatch.setattr(ha, "_thp_mode", lambda: mode)
     monkeypatch.setattr(ha, "_start_environ", lambda: {"GLIBC_TUNABLES": start_tunables})
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
+    monkeypatch.setattr(ha, "_restart_hazard", lambda: None)
     monkeypatch.delenv(ha.ENV_VAR, raising=False)
     monkeypatch.delenv(ha._RESTARTED, raising=False)
 
@@ -171,7 +175,8 @@ def fake_execve(monkeypatch):
 
 def test_huge_pages_restart_the_process_once_with_the_tunable(monkeypatch, fake_execve):
     """Not in effect yet: the same command line is executed again with the tunable added
-    to the environment's other tunables and a marker that stops a second restart."""
+    to the environment's other tunables and a marker (this process id) that stops a
+    second restart and that child processes (other ids) do not take as theirs."""
     _huge_pages_possible(monkeypatch)
     monkeypatch.setattr(ha.sys, "orig_argv", ["python3", "-m", "jmem", "finetune", "--steps", "3"])
     monkeypatch.setattr(ha.sys, "argv", ["/x/jmem/__main__.py", "finetune", "--steps", "3"])
@@ -182,8 +187,10 @@ def test_huge_pages_restart_the_process_once_with_the_tunable(monkeypatch, fake_
     assert path == sys.executable
     assert argv == [sys.executable, "-m", "jmem", "finetune", "--steps", "3"]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert env[ha._RESTARTED] == "1"
-    monkeypatch.setenv(ha._RESTARTED, "1")  # the restarted process, where it had no effect
+    assert env[ha._RESTARTED] == str(os.getpid())
+    monkeypatch.setenv(ha._RESTARTED, str(os.getpid() + 1))  # a child of a restarted one
+    assert not ha.restarted()
+    monkeypatch.setenv(ha._RESTARTED, str(os.getpid()))  # restarted, to no effect
     status = jmem.host_huge_pages()
     assert not status.applied and "no effect after a restart" in status.reason
     assert len(fake_execve) == 1
@@ -192,95 +199,173 @@ def test_huge_pages_restart_the_process_once_with_the_tunable(monkeypatch, fake_
 def test_huge_pages_in_effect_or_impossible_do_not_restart(monkeypatch, fake_execve):
     _huge_pages_possible(monkeypatch, start_tunables="glibc.malloc.hugetlb=1")
     assert jmem.host_huge_pages() == ha.HostAllocatorStatus(True)
+    _huge_pages_possible(monkeypatch, mode="always")  # the kernel needs no tunable
+    assert jmem.host_huge_pages() == ha.HostAllocatorStatus(True)
+    _huge_pages_possible(monkeypatch, start_tunables="glibc.malloc.hugetlb=0")  # the user's
+    assert "hugetlb=0: left as set" in jmem.host_huge_pages().reason
     _huge_pages_possible(monkeypatch)
     status = jmem.host_huge_pages(restart=False)
     assert not status.applied and "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in status.reason
     monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
     assert "JAX already started" in jmem.host_huge_pages().reason
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
+    monkeypatch.setattr(ha, "_restart_hazard", lambda: "3 other threads are running")
+    assert "unsafe here (3 other threads are running)" in jmem.host_huge_pages().reason
     monkeypatch.setattr(ha.sys, "argv", [""])  # python with no script: interactive
     assert "interactive" in jmem.host_huge_pages().reason
-    monkeypatch.setenv(ha.ENV_VAR, "system")
+    monkeypatch.setenv(ha.ENV_VAR, "System")
     assert jmem.host_huge_pages().reason == "JMEM_HOST_ALLOCATOR=system"
-    _no_huge_pages(monkeypatch)
+    monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: "transparent huge pages are off")
     assert jmem.host_huge_pages(respect_env=False).reason == "transparent huge pages are off"
     assert fake_execve == []
 
 
-def test_huge_pages_environ_adds_the_tunable_once():
+def test_pytest_itself_is_never_restarted():
+    """The real hazard check, in this (pytest's) process."""
+    assert ha._restart_hazard() == "pytest is running this process"
+
+
+def test_a_failed_restart_is_reported_not_raised(monkeypatch):
+    _huge_pages_possible(monkeypatch)
+    monkeypatch.setattr(ha.sys, "argv", ["train.py"])
+
+    def execve(*_):
+        raise OSError(7, "Argument list too long")
+
+    monkeypatch.setattr(ha.os, "execve", execve)
+    status = jmem.host_huge_pages(announce=False)
+    assert not status.applied and "restart failed" in status.reason
+
+
+def test_tunables_are_read_as_glibc_applies_them():
+    """The last ``glibc.malloc.hugetlb`` wins; a value the user set is kept."""
     env = ha.huge_pages_environ({"PATH": "/bin"})
     assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     assert ha.huge_pages_environ(env) == env
-    assert ha._has_tunable("glibc.malloc.hugetlb=2:glibc.malloc.tcache_count=0")
-    assert not ha._has_tunable("glibc.malloc.hugetlb=0")
+    user = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert ha.huge_pages_environ(user) == user
+    assert ha._hugetlb_value("glibc.malloc.hugetlb=1:glibc.malloc.hugetlb=0") == "0"
+    assert ha._hugetlb_value("glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=2") == "2"
+    assert ha._hugetlb_value("glibc.malloc.arena_max=2") is None
 
 
 def test_huge_pages_need_glibc_2_35_and_transparent_huge_pages(monkeypatch, tmp_path):
     thp = tmp_path / "enabled"
     monkeypatch.setattr(ha, "_THP_ENABLED", str(thp))
-    monkeypatch.setattr(ha, "_glibc_version", lambda: (2, 31))
+    monkeypatch.setattr(ha.os, "confstr", lambda _: "glibc 2.31", raising=False)
     assert "2.35" in ha.huge_pages_unavailable()
-    monkeypatch.setattr(ha, "_glibc_version", lambda: None)
+    monkeypatch.setattr(ha.os, "confstr", lambda _: "musl 1.2", raising=False)
     assert "not glibc" in ha.huge_pages_unavailable()
-    monkeypatch.setattr(ha, "_glibc_version", lambda: (2, 36))
+    monkeypatch.setattr(ha.os, "confstr", lambda _: "glibc 2.39.9000", raising=False)
     assert "no transparent huge pages" in ha.huge_pages_unavailable()
     thp.write_text("always madvise [never]\n")
     assert "[never]" in ha.huge_pages_unavailable()
     thp.write_text("always [madvise] never\n")
-    assert ha.huge_pages_unavailable() is None
+    assert ha.huge_pages_unavailable() is None and ha._thp_mode() == "madvise"
+    thp.write_text("[always] madvise never\n")
+    assert ha._thp_mode() == "always"
 
 
-@pytest.mark.parametrize(
-    "choice,remat,machine,expected",
-    [
-        ("auto", "full", "huge", "huge-pages"),
-        ("auto", "none", "huge", "huge-pages"),
-        ("auto", "none", "no-huge", "retain"),
-        ("auto", "full", "no-huge", None),
-        ("auto", "none", "gpu", None),
-        ("retain", "full", "huge", "retain"),
-        ("huge-pages", "full", "huge", "huge-pages"),
-        ("system", "none", "huge", None),
-    ],
-)
-def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected):
-    """The job's ``--host-allocator``: ``auto`` is huge pages where glibc and the kernel
-    have them (retain with ``--remat none`` where not; nothing with a GPU/TPU plugin); the
-    command line may restart, a Python caller's run may not."""
-    from jmem import finetune  # noqa: PLC0415
-    from jmem._src.finetune import job  # noqa: PLC0415
-
+def _fake_allocators(monkeypatch, huge_pages_apply: bool):
     calls = []
     monkeypatch.setattr(ha, "_applied", False)
     monkeypatch.delenv(ha.ENV_VAR, raising=False)
-    monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: False)
-    monkeypatch.setattr(
-        job, "_accelerator_plugin", lambda: "jax-cuda12-plugin" if machine == "gpu" else None
-    )
-    monkeypatch.setattr(
-        ha, "huge_pages_unavailable", lambda: None if machine != "no-huge" else "off"
-    )
     monkeypatch.setattr(
         ha,
         "retain_host_allocations",
         lambda: calls.append(("retain",)) or ha.HostAllocatorStatus(True),
     )
-    monkeypatch.setattr(
-        ha,
-        "host_huge_pages",
-        lambda **kw: calls.append(("huge-pages", kw["restart"])) or ha.HostAllocatorStatus(True),
-    )
+
+    def huge(**kw):
+        calls.append(("huge-pages", kw["restart"]))
+        return ha.HostAllocatorStatus(huge_pages_apply, "" if huge_pages_apply else "refused")
+
+    monkeypatch.setattr(ha, "host_huge_pages", huge)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "choice,remat,machine,expected",
+    [
+        ("auto", "full", "huge", ["huge-pages"]),
+        ("auto", "none", "huge", ["huge-pages"]),
+        ("auto", "none", "refused", ["huge-pages", "retain"]),  # e.g. finetune.run()
+        ("auto", "full", "refused", ["huge-pages"]),
+        ("auto", "none", "gpu", []),
+        ("retain", "full", "huge", ["retain"]),
+        ("huge-pages", "none", "refused", ["huge-pages"]),
+        ("system", "none", "huge", []),
+    ],
+)
+def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected):
+    """The job's ``--host-allocator``: ``auto`` is huge pages without a GPU/TPU plugin,
+    retaining as the fallback with ``--remat none`` when huge pages are refused."""
+    from jmem import finetune  # noqa: PLC0415
+    from jmem._src.finetune import job  # noqa: PLC0415
+
+    calls = _fake_allocators(monkeypatch, huge_pages_apply=machine == "huge")
+    monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: False)
+    plugin = "jax-cuda12-plugin" if machine == "gpu" else None
+    monkeypatch.setattr(job, "_accelerator_plugin", lambda: plugin)
     config = finetune.FinetuneConfig(host_allocator=choice, remat=remat)
     note = job._host_allocator(config, restart=True)
-    assert [c[0] for c in calls] == ([expected] if expected else [])
-    if expected == "huge-pages":
-        assert calls[0][1] is True and "huge pages" in note
+    assert [c[0] for c in calls] == expected
+    assert all(c[1] is True for c in calls if c[0] == "huge-pages")
+    if machine == "gpu":
+        assert note.startswith(job.PLUGIN_NOTE) and "jax-cuda12-plugin" in note
+    if expected == ["huge-pages", "retain"]:
+        assert "no huge pages (refused); freed memory retained" == note.split(": ", 1)[1]
+    if config.host_allocator != "system":
+        dry = finetune.FinetuneConfig(host_allocator=choice, remat=remat, dry_run=True)
+        n = len(calls)
+        assert job._host_allocator(dry, restart=True) is None and len(calls) == n
+
+
+def test_only_the_jobs_own_command_line_restarts(monkeypatch, fake_execve, tmp_path):
+    """``finetune.main(argv)``, ``python -m jmem``'s ``main(argv)`` and ``finetune.run``
+    never restart the process; ``main()`` with the process's command line does, unless
+    its ``--config-file`` could not be read twice."""
+    import jmem.__main__ as cli_main  # noqa: PLC0415
+    from jmem._src.finetune import job  # noqa: PLC0415
+
+    _huge_pages_possible(monkeypatch)
+    monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
+    monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
+    monkeypatch.setattr(job, "run", lambda config: "ran")
+    assert job.main(["--steps", "1"]) == "ran"
+    assert cli_main.main(["finetune", "--steps", "1"]) == 0
+    assert fake_execve == []
+    fifo, regular = tmp_path / "pipe.toml", tmp_path / "c.toml"
+    os.mkfifo(fifo)
+    regular.write_text("steps = 1\n")
+    assert not job._rereadable_config_file(["--steps", "1", "--config-file", str(fifo)])
+    assert not job._rereadable_config_file([f"--config-file={fifo}"])
+    assert job._rereadable_config_file(["--config-file", str(regular)])
+    monkeypatch.setattr(ha.sys, "argv", ["qlora_7b.py", "--steps", "1"])
+    monkeypatch.setattr(ha.sys, "orig_argv", ["python", "qlora_7b.py", "--steps", "1"])
+    with pytest.raises(_Exec):
+        job.main()
+    assert fake_execve[0][1][1:] == ["qlora_7b.py", "--steps", "1"]
 
 
 def test_accelerator_plugin_follows_jax_platforms(monkeypatch):
+    import importlib.metadata  # noqa: PLC0415
+
     from jmem._src.finetune import job  # noqa: PLC0415
+
+    class _Dist:
+        def __init__(self, name):
+            self.name = name
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert job._accelerator_plugin() is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu,cuda")
+    assert job._accelerator_plugin() is None
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert job._accelerator_plugin() == "cuda,cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "")
+    dists = [_Dist("numpy"), _Dist("jax_cuda12_plugin")]
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: dists)
+    assert job._accelerator_plugin() == "jax-cuda12-plugin"
+    dists[1] = _Dist("jax")
+    assert job._accelerator_plugin() is None

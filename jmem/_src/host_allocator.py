@@ -16,10 +16,11 @@ Two remedies, both glibc's own settings:
   large block, so the kernel backs it with 2 MiB transparent huge pages: a step faults
   its temporaries in 512x fewer faults, and the step's own loads and stores miss the TLB
   less. Measured on the job's float32 step: 228 -> 178 ms with ``remat="full"`` and 214
-  -> 148 ms without remat. Needs glibc >= 2.35 and transparent huge pages not ``never``
-  (``/sys/kernel/mm/transparent_hugepage/enabled``); a tunable is read when the process
-  starts, so the setting restarts the Python process once (``os.execve`` with the same
-  command line) unless ``GLIBC_TUNABLES`` already holds it.
+  -> 148 ms without remat. Needs glibc >= 2.35 and transparent huge pages in ``madvise``
+  mode (``/sys/kernel/mm/transparent_hugepage/enabled``; in ``always`` mode the kernel
+  does it without the tunable, in ``never`` not at all); a tunable is read when the
+  process starts, so the setting restarts the Python process once (``os.execve`` with the
+  same command line) unless ``GLIBC_TUNABLES`` already holds it.
 * **Retaining freed memory** (``retain_host_allocations``): one arena (so XLA's worker
   threads allocate from the main heap), no ``mmap`` for large blocks, and no trimming of
   the heap's top, applied in-process by ``mallopt``. Faults fall to about 0, but the
@@ -72,7 +73,8 @@ _applied = False  # set once the settings took effect in this process
 
 @dataclasses.dataclass(frozen=True)
 class HostAllocatorStatus:
-    """What ``retain_host_allocations`` did: ``applied`` and, when not, ``reason``."""
+    """What ``host_huge_pages`` or ``retain_host_allocations`` did: ``applied`` and, when
+    not, ``reason``."""
 
     applied: bool
     reason: str = ""
@@ -155,20 +157,30 @@ def _glibc_version() -> tuple[int, int] | None:
         return None
 
 
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), or None
+    when it has none."""
+    try:
+        with open(_THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
 def huge_pages_unavailable() -> str | None:
-    """Why ``glibc.malloc.hugetlb`` cannot back this machine's large host allocations with
-    huge pages (not glibc, glibc < 2.35, transparent huge pages off), or None when it can."""
+    """Why large host allocations cannot come in transparent huge pages here (not glibc,
+    glibc < 2.35, transparent huge pages ``never`` or absent), or None when they can."""
     version = _glibc_version()
     if version is None:
         return "not glibc (nothing to change)"
     if version < (2, 35):
         return f"glibc {version[0]}.{version[1]} has no glibc.malloc.hugetlb tunable (2.35+)"
-    try:
-        with open(_THP_ENABLED) as f:
-            mode = f.read()
-    except OSError:
+    mode = _thp_mode()
+    if mode is None:
         return f"this kernel has no transparent huge pages ({_THP_ENABLED})"
-    if "[never]" in mode:
+    if mode == "never":
         return f"transparent huge pages are off ([never] in {_THP_ENABLED}; madvise enables them)"
     return None
 
@@ -184,36 +196,64 @@ def _start_environ() -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, sep, v in pairs if sep}
 
 
-def _has_tunable(tunables: str) -> bool:
-    """Whether a ``GLIBC_TUNABLES`` value turns ``glibc.malloc.hugetlb`` on (1 or 2)."""
-    return any(
-        t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":")
-    )
+def _hugetlb_value(tunables: str) -> str | None:
+    """The ``glibc.malloc.hugetlb`` value a ``GLIBC_TUNABLES`` string sets (glibc applies
+    them in order, so the last one), or None when it does not set it."""
+    value = None
+    for item in tunables.split(":"):
+        key, sep, v = item.partition("=")
+        value = v if sep and key == "glibc.malloc.hugetlb" else value
+    return value
 
 
 def huge_pages_active() -> bool:
-    """Whether this process's ``malloc`` advises huge pages for its large blocks: the
-    tunable was in ``GLIBC_TUNABLES`` when the process started, on a machine where it works."""
-    tunables = _start_environ().get("GLIBC_TUNABLES", "")
-    return _has_tunable(tunables) and huge_pages_unavailable() is None
+    """Whether large host allocations of this process come in transparent huge pages: the
+    kernel's mode is ``always`` (no tunable needed: glibc's is a no-op then), or it is
+    ``madvise`` and ``glibc.malloc.hugetlb=1`` was in ``GLIBC_TUNABLES`` when the process
+    started."""
+    if huge_pages_unavailable() is not None:
+        return False
+    started = _start_environ().get("GLIBC_TUNABLES", "")
+    return _thp_mode() == "always" or _hugetlb_value(started) == "1"
 
 
 def huge_pages_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
     """A copy of ``environ`` (default ``os.environ``) whose ``GLIBC_TUNABLES`` also holds
-    ``HUGE_PAGES_TUNABLE``: the environment to start a process with huge pages in."""
+    ``HUGE_PAGES_TUNABLE``: the environment to start a process with huge pages in. A
+    ``glibc.malloc.hugetlb`` value the environment already sets is kept as it is."""
     env = dict(os.environ if environ is None else environ)
     current = env.get("GLIBC_TUNABLES", "")
-    if not _has_tunable(current):
+    if _hugetlb_value(current) is None:
         env["GLIBC_TUNABLES"] = ":".join(t for t in (current, HUGE_PAGES_TUNABLE) if t)
     return env
 
 
-_RESTARTED = "JMEM_HUGE_PAGES_RESTARTED"  # set in the restarted process: restart only once
+_RESTARTED = "JMEM_HUGE_PAGES_RESTARTED"  # the restarted process's id: restart only once
 
 
 def restarted() -> bool:
     """Whether ``host_huge_pages`` restarted this process (to set the tunable)."""
-    return bool(os.environ.get(_RESTARTED))
+    return os.environ.get(_RESTARTED) == str(os.getpid())
+
+
+def _restart_hazard() -> str | None:
+    """What in this process a restart would break (None when nothing known would): a test
+    runner, a ``multiprocessing`` child (its pipe was read), other threads (killed by
+    ``execve``), a ``jax.distributed`` client (its peers would lose it)."""
+    if "_pytest" in sys.modules or "PYTEST_XDIST_WORKER" in os.environ:
+        return "pytest is running this process"
+    import multiprocessing  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    if multiprocessing.parent_process() is not None:
+        return "this is a multiprocessing child"
+    if threading.active_count() > 1:
+        return f"{threading.active_count() - 1} other threads are running"
+    jax_module = sys.modules.get("jax")
+    distributed = getattr(jax_module, "distributed", None)
+    if distributed is not None and getattr(distributed, "is_initialized", lambda: False)():
+        return "jax.distributed is initialized (its other processes would lose this one)"
+    return None
 
 
 def _cannot_restart() -> str | None:
@@ -227,7 +267,26 @@ def _cannot_restart() -> str | None:
         return f"the command line is unknown; {fix}"
     if _backends_initialized():
         return f"JAX already started in this process (a restart would lose its state); {fix}"
-    return None
+    hazard = _restart_hazard()
+    return f"a restart is unsafe here ({hazard}); {fix}" if hazard else None
+
+
+def _refusal(restart: bool, respect_env: bool) -> str | None:
+    """Why ``host_huge_pages`` leaves this process as it is (None: it restarts it)."""
+    if respect_env and os.environ.get(ENV_VAR, "").lower() == "system":
+        return f"{ENV_VAR}=system"
+    unavailable = huge_pages_unavailable()
+    if unavailable:
+        return unavailable
+    value = _hugetlb_value(_start_environ().get("GLIBC_TUNABLES", ""))
+    if value is not None:
+        return f"GLIBC_TUNABLES sets glibc.malloc.hugetlb={value}: left as set"
+    if not restart:
+        return (
+            f"GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} was not set when Python started: set it, "
+            "or call jmem.host_huge_pages() first in the script"
+        )
+    return _cannot_restart()
 
 
 def host_huge_pages(
@@ -237,11 +296,13 @@ def host_huge_pages(
 
     XLA:CPU's per-step temporaries are then faulted in 512x fewer page faults and read
     through fewer TLB misses (measured: the fine-tuning job's float32 QLoRA step 1.28x
-    faster with full remat and 1.45x without, on a 2-core AMD EPYC). glibc reads the
-    ``glibc.malloc.hugetlb=1`` tunable only when a process starts, so unless
+    faster with full remat and 1.45x without, on a 2-core AMD EPYC). Where the kernel's
+    transparent huge pages are in ``madvise`` mode, glibc's ``glibc.malloc.hugetlb=1``
+    tunable asks for them, and glibc reads it only when a process starts: unless
     ``GLIBC_TUNABLES`` held it then, this restarts the Python process once
-    (``os.execve(sys.executable, sys.orig_argv)``, same command line and process id, the
-    tunable added to the environment): call it first thing in a script, before any work.
+    (``os.execve(sys.executable, sys.orig_argv)``: same command line and process id, the
+    tunable added to the environment, which child processes inherit). Call it first thing
+    in a script. In ``always`` mode the kernel needs no tunable and nothing is done.
 
     Args:
       restart: when False, only report (``applied=False`` with the reason) instead of
@@ -252,23 +313,18 @@ def host_huge_pages(
 
     Returns:
       ``HostAllocatorStatus(True)`` when huge pages are in effect; ``applied=False`` with
-      the reason when they cannot be (not glibc, glibc < 2.35, transparent huge pages
-      ``never``, an interactive session, JAX already started, the opt-out set). When it
-      restarts the process, it does not return.
+      the reason when they are not and this does not restart: not glibc, glibc < 2.35,
+      transparent huge pages ``never``, ``glibc.malloc.hugetlb`` already set otherwise in
+      ``GLIBC_TUNABLES``, the opt-out set, or a process a restart would harm (interactive,
+      JAX started, pytest, a ``multiprocessing`` child, other threads running,
+      ``jax.distributed`` initialized), or a failed ``execve``. When it restarts the
+      process, it does not return.
 
     Source: see the module docstring (glibc's ``glibc.malloc.hugetlb`` tunable).
     """
     if huge_pages_active():
         return HostAllocatorStatus(True)
-    if respect_env and os.environ.get(ENV_VAR, "").lower() == "system":
-        return HostAllocatorStatus(False, f"{ENV_VAR}=system")
-    reason = huge_pages_unavailable() or (
-        None
-        if restart
-        else f"GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} was not set when Python started: set it, "
-        "or call jmem.host_huge_pages() first in the script"
-    )
-    reason = reason or _cannot_restart()
+    reason = _refusal(restart, respect_env)
     if reason:
         return HostAllocatorStatus(False, reason)
     if announce:
@@ -277,8 +333,12 @@ def host_huge_pages(
             f"pages for host allocations; {ENV_VAR}=system keeps glibc's defaults)",
             file=sys.stderr,
         )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    env = huge_pages_environ() | {_RESTARTED: "1"}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
+    env = huge_pages_environ() | {_RESTARTED: str(os.getpid())}
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:
+        return HostAllocatorStatus(False, f"the restart failed: {e}")
     return HostAllocatorStatus(False, "os.execve returned")  # pragma: no cover - it does not

@@ -156,8 +156,8 @@ def _add_training_flags(p):
         "transparent huge pages (measured 1.28x faster with full remat, 1.45x without); "
         "retain: jmem.retain_host_allocations(), freed memory stays mapped (slower than "
         "huge pages with two cores); system: the C library's settings; auto (default): "
-        "huge-pages unless a GPU/TPU plugin is installed, retain with --remat none where "
-        "huge pages are unavailable",
+        "huge-pages unless a GPU/TPU plugin is installed; retain with --remat none where "
+        "huge pages are unavailable or refused",
     )
     p.add_argument(
         "--attention",

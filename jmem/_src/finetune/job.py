@@ -62,7 +62,9 @@ def run(config: FinetuneConfig) -> dict | None:
     initialize_distributed(config)
     cfg = model_config(config)
     notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
-    notes += [allocator_note] if allocator_note else []
+    on_accelerator = jax.default_backend() != "cpu"
+    if allocator_note and not (on_accelerator and allocator_note.startswith(PLUGIN_NOTE)):
+        notes.append(allocator_note)
     check_lora_targets(config, cfg)
     mesh, mesh_notes = job_mesh(config)
     if not config.dry_run:
@@ -88,25 +90,35 @@ def run(config: FinetuneConfig) -> dict | None:
     return train(config, cfg, tok, ds, held, resume_step, mesh)
 
 
+#: The start of the note ``auto`` leaves when a JAX accelerator plugin is installed.
+PLUGIN_NOTE = "host allocator: unchanged ("
+
+
 def _host_allocator(config, restart: bool = False) -> str | None:
-    """The host allocator setting of ``--host-allocator`` (``auto``: huge pages on a CPU
-    machine, else retaining with ``--remat none``), applied before JAX starts; ``restart``
-    (the command line) lets huge pages restart the process. A note line when not applied."""
+    """Applies ``--host-allocator`` before JAX starts and returns its note line (None when
+    there is nothing to say). ``auto``: huge pages on a machine without a JAX accelerator
+    plugin, else (huge pages impossible or refused) retaining with ``--remat none``;
+    ``restart`` (the job's own command line) lets huge pages restart the process. A dry run
+    runs no step: nothing is changed."""
     wanted = config.host_allocator
+    if config.dry_run or wanted == "system":
+        return None
     if wanted == "auto":
-        if _accelerator_plugin() or os.environ.get(host_allocator.ENV_VAR, "") == "system":
+        if os.environ.get(host_allocator.ENV_VAR, "").lower() == "system":
             return None
-        unavailable = host_allocator.huge_pages_unavailable()
-        wanted = "huge-pages" if unavailable is None else "retain"
-        if wanted == "retain" and config.remat != "none":
-            return None
-    if wanted == "huge-pages":  # returns unless it restarts the process
-        status = host_allocator.host_huge_pages(restart=restart, announce=False)
-        if not status.applied:
-            return f"host allocator: no huge pages ({status.reason})"
-        how = ", set by restarting the process" if host_allocator.restarted() else ""
-        return f"host allocator: 2 MiB huge pages (glibc.malloc.hugetlb=1{how})"
-    if wanted != "retain" or host_allocator.retained():
+        plugin = _accelerator_plugin()
+        if plugin:
+            return f"{PLUGIN_NOTE}{plugin}: --host-allocator huge-pages to use huge pages anyway)"
+    note = None
+    if wanted in ("auto", "huge-pages"):
+        status = host_allocator.host_huge_pages(restart=restart, announce=False)  # may exec
+        if status.applied:
+            how = ", set by restarting the process" if host_allocator.restarted() else ""
+            return f"host allocator: 2 MiB huge pages (transparent huge pages{how})"
+        note = f"host allocator: no huge pages ({status.reason})"
+        if wanted == "huge-pages" or config.remat != "none":
+            return note
+    if host_allocator.retained():
         return None
     if jax_compat.backends_initialized():
         return (
@@ -114,7 +126,20 @@ def _host_allocator(config, restart: bool = False) -> str | None:
             "jmem.retain_host_allocations() before the first JAX computation)"
         )
     status = host_allocator.retain_host_allocations()
+    if note:  # auto without remat, huge pages impossible or refused: the fallback
+        return f"{note}; " + ("freed memory retained" if status.applied else status.reason)
     return None if status.applied else f"host allocator: unchanged ({status.reason})"
+
+
+def _rereadable_config_file(argv) -> bool:
+    """Whether ``--config-file`` in ``argv`` (if any) names a regular file, which a restarted
+    process can read again (not a pipe such as ``/dev/stdin`` or ``<(...)``)."""
+    for k, arg in enumerate(argv):
+        path = argv[k + 1] if arg == "--config-file" and k + 1 < len(argv) else None
+        path = arg.split("=", 1)[1] if arg.startswith("--config-file=") else path
+        if path is not None and not os.path.isfile(path):
+            return False
+    return True
 
 
 def _accelerator_plugin() -> str | None:
@@ -126,7 +151,7 @@ def _accelerator_plugin() -> str | None:
     import importlib.metadata  # noqa: PLC0415
 
     for dist in importlib.metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        name = (dist.name or "").lower().replace("_", "-")
         if name.startswith(("jax-cuda", "jax-rocm", "libtpu")):
             return name
     return None
@@ -153,6 +178,7 @@ def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None)
     is the process's own command line) lets ``--host-allocator`` huge pages restart the
     process once with glibc's tunable set (``jmem.host_huge_pages``)."""
     restart = argv is None if restart is None else restart
+    restart = restart and _rereadable_config_file(sys.argv[1:] if argv is None else list(argv))
     config = parse_args(argv, prog=prog, description=DESCRIPTION)
     try:
         return _run_quietly_off_process_0(config, restart)
@@ -165,7 +191,8 @@ def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None)
 
 def _run_quietly_off_process_0(config, restart: bool):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
-    _host_allocator(config, restart)  # before JAX starts; run() prints why when not applied
+    config = validate(config)  # a bad input is refused before any restart
+    _host_allocator(config, restart)  # before JAX starts; run() prints its note
     initialize_distributed(config)
     if jax.process_index() == 0:
         return run(config)
