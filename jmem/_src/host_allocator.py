@@ -240,7 +240,7 @@ def _restart_hazard() -> str | None:
     """What in this process a restart would break (None when nothing known would): a test
     runner, a ``multiprocessing`` child (its pipe was read), other threads (killed by
     ``execve``), a ``jax.distributed`` client (its peers would lose it)."""
-    if "_pytest" in sys.modules or "PYTEST_XDIST_WORKER" in os.environ:
+    if "_pytest" in sys.modules:  # pytest-xdist's workers too (their code comes over stdin)
         return "pytest is running this process"
     import multiprocessing  # noqa: PLC0415
     import threading  # noqa: PLC0415
