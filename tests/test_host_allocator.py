@@ -191,7 +191,8 @@ def test_huge_pages_restart_the_process_once_with_the_tunable(monkeypatch, fake_
     monkeypatch.setenv(ha._RESTARTED, str(os.getpid() + 1))  # a child of a restarted one
     assert not ha.restarted()
     monkeypatch.setenv(ha._RESTARTED, str(os.getpid()))  # restarted, to no effect
-    status = jmem.host_huge_pages()
+    with pytest.warns(RuntimeWarning, match="no effect after a restart"):
+        status = jmem.host_huge_pages()
     assert not status.applied and "no effect after a restart" in status.reason
     assert len(fake_execve) == 1
 
@@ -207,12 +208,17 @@ def test_huge_pages_in_effect_or_impossible_do_not_restart(monkeypatch, fake_exe
     status = jmem.host_huge_pages(restart=False)
     assert not status.applied and "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in status.reason
     monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
-    assert "JAX already started" in jmem.host_huge_pages().reason
+    with pytest.warns(RuntimeWarning, match="changed nothing: JAX already started"):
+        assert "JAX already started" in jmem.host_huge_pages().reason
+    assert "JAX already started" in jmem.host_huge_pages(restart=False).reason  # the cause
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
     monkeypatch.setattr(ha, "_restart_hazard", lambda: "3 other threads are running")
-    assert "unsafe here (3 other threads are running)" in jmem.host_huge_pages().reason
+    with pytest.warns(RuntimeWarning, match="3 other threads"):
+        assert "unsafe here (3 other threads are running)" in jmem.host_huge_pages().reason
+    monkeypatch.setattr(ha.sys, "argv", ["-"])  # python - < script.py
+    assert "standard input" in jmem.host_huge_pages(announce=False).reason
     monkeypatch.setattr(ha.sys, "argv", [""])  # python with no script: interactive
-    assert "interactive" in jmem.host_huge_pages().reason
+    assert "interactive" in jmem.host_huge_pages(announce=False).reason
     monkeypatch.setenv(ha.ENV_VAR, "System")
     assert jmem.host_huge_pages().reason == "JMEM_HOST_ALLOCATOR=system"
     monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: "transparent huge pages are off")
@@ -273,10 +279,11 @@ def _fake_allocators(monkeypatch, huge_pages_apply: bool):
     monkeypatch.setattr(
         ha,
         "retain_host_allocations",
-        lambda: calls.append(("retain",)) or ha.HostAllocatorStatus(True),
+        lambda **kw: calls.append(("retain",)) or ha.HostAllocatorStatus(True),
     )
 
     def huge(**kw):
+        assert kw["respect_env"] is False  # the job decides the opt-out itself
         calls.append(("huge-pages", kw["restart"]))
         return ha.HostAllocatorStatus(huge_pages_apply, "" if huge_pages_apply else "refused")
 
@@ -315,32 +322,29 @@ def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected
         assert note.startswith(job.PLUGIN_NOTE) and "jax-cuda12-plugin" in note
     if expected == ["huge-pages", "retain"]:
         assert "no huge pages (refused); freed memory retained" == note.split(": ", 1)[1]
+    if machine == "huge" and expected == ["huge-pages"]:
+        assert "2 MiB huge pages" in note and "--host-allocator system to skip" in note
+    if choice == "system":
+        assert note == "host allocator: glibc's defaults (--host-allocator system)"
     if config.host_allocator != "system":
         dry = finetune.FinetuneConfig(host_allocator=choice, remat=remat, dry_run=True)
         n = len(calls)
         assert job._host_allocator(dry, restart=True) is None and len(calls) == n
 
 
-def test_only_the_jobs_own_command_line_restarts(monkeypatch, fake_execve, tmp_path):
+def test_only_the_jobs_own_command_line_restarts(monkeypatch, fake_execve):
     """``finetune.main(argv)``, ``python -m jmem``'s ``main(argv)`` and ``finetune.run``
-    never restart the process; ``main()`` with the process's command line does, unless
-    its ``--config-file`` could not be read twice."""
+    never restart the process; ``main()`` with the process's command line does."""
     import jmem.__main__ as cli_main  # noqa: PLC0415
     from jmem._src.finetune import job  # noqa: PLC0415
 
     _huge_pages_possible(monkeypatch)
     monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
     monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
-    monkeypatch.setattr(job, "run", lambda config: "ran")
+    monkeypatch.setattr(job, "_run", lambda config, note: "ran")
     assert job.main(["--steps", "1"]) == "ran"
     assert cli_main.main(["finetune", "--steps", "1"]) == 0
     assert fake_execve == []
-    fifo, regular = tmp_path / "pipe.toml", tmp_path / "c.toml"
-    os.mkfifo(fifo)
-    regular.write_text("steps = 1\n")
-    assert not job._rereadable_config_file(["--steps", "1", "--config-file", str(fifo)])
-    assert not job._rereadable_config_file([f"--config-file={fifo}"])
-    assert job._rereadable_config_file(["--config-file", str(regular)])
     monkeypatch.setattr(ha.sys, "argv", ["qlora_7b.py", "--steps", "1"])
     monkeypatch.setattr(ha.sys, "orig_argv", ["python", "qlora_7b.py", "--steps", "1"])
     with pytest.raises(_Exec):
@@ -369,3 +373,35 @@ def test_accelerator_plugin_follows_jax_platforms(monkeypatch):
     assert job._accelerator_plugin() == "jax-cuda12-plugin"
     dists[1] = _Dist("jax")
     assert job._accelerator_plugin() is None
+
+
+def test_the_opt_out_turns_auto_off_but_not_an_explicit_choice(monkeypatch):
+    """``JMEM_HOST_ALLOCATOR=system`` leaves glibc's defaults for ``auto`` (saying so); a
+    flag that names an allocator still gets it."""
+    from jmem import finetune  # noqa: PLC0415
+    from jmem._src.finetune import job  # noqa: PLC0415
+
+    calls = _fake_allocators(monkeypatch, huge_pages_apply=True)
+    monkeypatch.setenv(ha.ENV_VAR, "system")
+    monkeypatch.setattr(ha, "huge_pages_active", lambda: False)
+    note = job._host_allocator(finetune.FinetuneConfig(host_allocator="auto"), restart=True)
+    assert note == "host allocator: glibc's defaults (JMEM_HOST_ALLOCATOR=system)"
+    assert calls == []
+    note = job._host_allocator(finetune.FinetuneConfig(host_allocator="huge-pages"), restart=True)
+    assert calls == [("huge-pages", True)] and "huge pages" in note
+
+
+def test_a_refused_restart_keeps_its_reason_in_the_fallback_note(monkeypatch):
+    """From Python after JAX started (no restart, no retaining): the note says both why and
+    what to call first."""
+    from jmem import finetune  # noqa: PLC0415
+    from jmem._src.finetune import job  # noqa: PLC0415
+
+    _huge_pages_possible(monkeypatch)
+    monkeypatch.setattr(ha, "_applied", False)
+    monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
+    monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
+    monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: True)
+    note = job._host_allocator(finetune.FinetuneConfig(remat="none"))
+    assert note.startswith("host allocator: no huge pages (JAX already started")
+    assert "freed memory not retained either" in note and "jmem.host_huge_pages()" in note

@@ -44,6 +44,7 @@ import dataclasses
 import os
 import platform
 import sys
+import warnings
 
 __all__ = [
     "ENV_VAR",
@@ -134,8 +135,6 @@ def retain_host_allocations(*, respect_env: bool = True) -> HostAllocatorStatus:
         return HostAllocatorStatus(False, f"mallopt refused parameters {refused}")
     _applied = True
     if _backends_initialized():
-        import warnings  # noqa: PLC0415
-
         warnings.warn(
             "retain_host_allocations() was called after JAX created its backends: XLA's "
             "CPU worker threads keep their own malloc arenas and still map and unmap large "
@@ -261,8 +260,10 @@ def _cannot_restart() -> str | None:
     fix = f"set GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} in the environment before starting Python"
     if restarted():
         return f"the tunable had no effect after a restart; {fix}"
-    if hasattr(sys, "ps1") or "ipykernel" in sys.modules or sys.argv[:1] in ([""], ["-"]):
+    if hasattr(sys, "ps1") or "ipykernel" in sys.modules or sys.argv[:1] == [""]:
         return f"an interactive session cannot restart itself; {fix}"
+    if sys.argv[:1] == ["-"]:
+        return f"a script read from standard input cannot be run again; {fix}"
     if not getattr(sys, "orig_argv", None) or not sys.executable:
         return f"the command line is unknown; {fix}"
     if _backends_initialized():
@@ -271,22 +272,26 @@ def _cannot_restart() -> str | None:
     return f"a restart is unsafe here ({hazard}); {fix}" if hazard else None
 
 
-def _refusal(restart: bool, respect_env: bool) -> str | None:
-    """Why ``host_huge_pages`` leaves this process as it is (None: it restarts it)."""
+def _refusal(restart: bool, respect_env: bool) -> tuple[str | None, bool]:
+    """Why ``host_huge_pages`` leaves this process as it is (None: it restarts it), and
+    whether the reason is this process's state (which the caller can change) rather than
+    the machine's or the user's settings."""
     if respect_env and os.environ.get(ENV_VAR, "").lower() == "system":
-        return f"{ENV_VAR}=system"
+        return f"{ENV_VAR}=system", False
     unavailable = huge_pages_unavailable()
     if unavailable:
-        return unavailable
+        return unavailable, False
     value = _hugetlb_value(_start_environ().get("GLIBC_TUNABLES", ""))
     if value is not None:
-        return f"GLIBC_TUNABLES sets glibc.malloc.hugetlb={value}: left as set"
-    if not restart:
-        return (
-            f"GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} was not set when Python started: set it, "
-            "or call jmem.host_huge_pages() first in the script"
-        )
-    return _cannot_restart()
+        return f"GLIBC_TUNABLES sets glibc.malloc.hugetlb={value}: left as set", False
+    cannot = _cannot_restart()
+    if restart or cannot:
+        return cannot, True
+    return (
+        f"GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} was not set when Python started: set it, or "
+        "call jmem.host_huge_pages() first in the script",
+        True,
+    )
 
 
 def host_huge_pages(
@@ -302,14 +307,20 @@ def host_huge_pages(
     ``GLIBC_TUNABLES`` held it then, this restarts the Python process once
     (``os.execve(sys.executable, sys.orig_argv)``: same command line and process id, the
     tunable added to the environment, which child processes inherit). Call it first thing
-    in a script. In ``always`` mode the kernel needs no tunable and nothing is done.
+    in a script: whatever ran before the call runs again. In ``always`` mode the kernel
+    needs no tunable and nothing is done.
 
     Args:
       restart: when False, only report (``applied=False`` with the reason) instead of
         restarting the process.
       respect_env: when True, ``JMEM_HOST_ALLOCATOR=system`` makes this a no-op.
-      announce: print one line to stderr before restarting (``restarted()`` tells the
-        restarted process that it was restarted, for a caller that says so itself).
+      announce: print one line to stderr before restarting, and warn when this process's
+        state prevents the restart (``restarted()`` tells the restarted process that it was
+        restarted, for a caller that reports it itself).
+
+    Warns:
+      RuntimeWarning: when ``restart`` and ``announce`` and this process cannot restart
+        (interactive, a script from standard input, JAX started, pytest, other threads).
 
     Returns:
       ``HostAllocatorStatus(True)`` when huge pages are in effect; ``applied=False`` with
@@ -324,7 +335,9 @@ def host_huge_pages(
     """
     if huge_pages_active():
         return HostAllocatorStatus(True)
-    reason = _refusal(restart, respect_env)
+    reason, process_state = _refusal(restart, respect_env)
+    if reason and announce and restart and process_state:
+        warnings.warn(f"jmem.host_huge_pages() changed nothing: {reason}", RuntimeWarning, 2)
     if reason:
         return HostAllocatorStatus(False, reason)
     if announce:

@@ -58,7 +58,11 @@ def run(config: FinetuneConfig) -> dict | None:
     Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
     """
     config = validate(config)
-    allocator_note = _host_allocator(config)
+    return _run(config, _host_allocator(config))
+
+
+def _run(config: FinetuneConfig, allocator_note: str | None) -> dict | None:
+    """``run`` on a validated config, the host allocator already applied (its note line)."""
     initialize_distributed(config)
     cfg = model_config(config)
     notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
@@ -95,51 +99,50 @@ PLUGIN_NOTE = "host allocator: unchanged ("
 
 
 def _host_allocator(config, restart: bool = False) -> str | None:
-    """Applies ``--host-allocator`` before JAX starts and returns its note line (None when
-    there is nothing to say). ``auto``: huge pages on a machine without a JAX accelerator
-    plugin, else (huge pages impossible or refused) retaining with ``--remat none``;
-    ``restart`` (the job's own command line) lets huge pages restart the process. A dry run
-    runs no step: nothing is changed."""
+    """Applies ``--host-allocator`` before JAX starts and returns its note line (None for a
+    dry run, which runs no step and changes nothing). ``auto``: huge pages on a machine
+    without a JAX accelerator plugin, else (huge pages impossible or refused) retaining
+    with ``--remat none``; ``restart`` (the job's own command line) lets huge pages restart
+    the process. ``JMEM_HOST_ALLOCATOR=system`` turns ``auto`` off, not an explicit choice."""
     wanted = config.host_allocator
-    if config.dry_run or wanted == "system":
+    if config.dry_run:
         return None
-    if wanted == "auto":
-        if os.environ.get(host_allocator.ENV_VAR, "").lower() == "system":
-            return None
-        plugin = _accelerator_plugin()
-        if plugin:
-            return f"{PLUGIN_NOTE}{plugin}: --host-allocator huge-pages to use huge pages anyway)"
+    if wanted == "system" or (
+        wanted == "auto" and os.environ.get(host_allocator.ENV_VAR, "").lower() == "system"
+    ):
+        if host_allocator.huge_pages_active():
+            return "host allocator: huge pages all the same (GLIBC_TUNABLES or THP always)"
+        why = "--host-allocator system" if wanted == "system" else "JMEM_HOST_ALLOCATOR=system"
+        return f"host allocator: glibc's defaults ({why})"
+    if wanted == "auto" and (plugin := _accelerator_plugin()):
+        return f"{PLUGIN_NOTE}{plugin}: --host-allocator huge-pages to use huge pages anyway)"
     note = None
     if wanted in ("auto", "huge-pages"):
-        status = host_allocator.host_huge_pages(restart=restart, announce=False)  # may exec
+        status = host_allocator.host_huge_pages(
+            restart=restart, respect_env=False, announce=False
+        )  # restarts the process, or returns
         if status.applied:
-            how = ", set by restarting the process" if host_allocator.restarted() else ""
-            return f"host allocator: 2 MiB huge pages (transparent huge pages{how})"
+            how = "set by restarting the process; " if host_allocator.restarted() else ""
+            return f"host allocator: 2 MiB huge pages ({how}--host-allocator system to skip)"
         note = f"host allocator: no huge pages ({status.reason})"
         if wanted == "huge-pages" or config.remat != "none":
             return note
+    return _retain(note)
+
+
+def _retain(note: str | None) -> str:
+    """``retain_host_allocations`` (``--host-allocator retain``, or ``auto``'s fallback
+    after ``note``) and its note line."""
+    prefix = f"{note}; " if note else "host allocator: "
     if host_allocator.retained():
-        return None
+        return prefix + "freed memory retained"
     if jax_compat.backends_initialized():
-        return (
-            "host allocator: unchanged (JAX already started in this process; call "
-            "jmem.retain_host_allocations() before the first JAX computation)"
+        return prefix + (
+            "freed memory not retained either (JAX already started in this process: call "
+            "jmem.host_huge_pages() or jmem.retain_host_allocations() first in the script)"
         )
-    status = host_allocator.retain_host_allocations()
-    if note:  # auto without remat, huge pages impossible or refused: the fallback
-        return f"{note}; " + ("freed memory retained" if status.applied else status.reason)
-    return None if status.applied else f"host allocator: unchanged ({status.reason})"
-
-
-def _rereadable_config_file(argv) -> bool:
-    """Whether ``--config-file`` in ``argv`` (if any) names a regular file, which a restarted
-    process can read again (not a pipe such as ``/dev/stdin`` or ``<(...)``)."""
-    for k, arg in enumerate(argv):
-        path = argv[k + 1] if arg == "--config-file" and k + 1 < len(argv) else None
-        path = arg.split("=", 1)[1] if arg.startswith("--config-file=") else path
-        if path is not None and not os.path.isfile(path):
-            return False
-    return True
+    status = host_allocator.retain_host_allocations(respect_env=False)
+    return prefix + ("freed memory retained" if status.applied else f"unchanged ({status.reason})")
 
 
 def _accelerator_plugin() -> str | None:
@@ -178,7 +181,6 @@ def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None)
     is the process's own command line) lets ``--host-allocator`` huge pages restart the
     process once with glibc's tunable set (``jmem.host_huge_pages``)."""
     restart = argv is None if restart is None else restart
-    restart = restart and _rereadable_config_file(sys.argv[1:] if argv is None else list(argv))
     config = parse_args(argv, prog=prog, description=DESCRIPTION)
     try:
         return _run_quietly_off_process_0(config, restart)
@@ -192,9 +194,9 @@ def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None)
 def _run_quietly_off_process_0(config, restart: bool):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
     config = validate(config)  # a bad input is refused before any restart
-    _host_allocator(config, restart)  # before JAX starts; run() prints its note
+    note = _host_allocator(config, restart)  # before JAX starts; may restart the process
     initialize_distributed(config)
     if jax.process_index() == 0:
-        return run(config)
+        return _run(config, note)
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
-        return run(config)
+        return _run(config, note)
