@@ -311,6 +311,7 @@ def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected
     from jmem._src.finetune import job  # noqa: PLC0415
 
     calls = _fake_allocators(monkeypatch, huge_pages_apply=machine == "huge")
+    monkeypatch.setattr(ha, "huge_pages_active", lambda: False)  # none inherited
     monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: False)
     plugin = "jax-cuda12-plugin" if machine == "gpu" else None
     monkeypatch.setattr(job, "_accelerator_plugin", lambda: plugin)
@@ -326,6 +327,8 @@ def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected
         assert "2 MiB huge pages" in note and "--host-allocator system to skip" in note
     if choice == "system":
         assert note == "host allocator: glibc's defaults (--host-allocator system)"
+        monkeypatch.setattr(ha, "huge_pages_active", lambda: True)  # GLIBC_TUNABLES inherited
+        assert "huge pages all the same" in job._host_allocator(config, restart=True)
     if config.host_allocator != "system":
         dry = finetune.FinetuneConfig(host_allocator=choice, remat=remat, dry_run=True)
         n = len(calls)
