@@ -14,7 +14,7 @@ Two remedies, both glibc's own settings:
 * **Huge pages** (``host_huge_pages``, the fine-tuning job's default on CPU): glibc's
   ``glibc.malloc.hugetlb=1`` tunable makes ``malloc`` ``madvise(MADV_HUGEPAGE)`` each
   large block, so the kernel backs it with 2 MiB transparent huge pages: a step faults
-  its temporaries in 512x fewer faults, and the step's own loads and stores miss the TLB
+  its temporaries in far fewer faults (measured 70,527 -> 516 per step without remat), and the step's own loads and stores miss the TLB
   less. Measured on the job's float32 step: 228 -> 178 ms with ``remat="full"`` and 214
   -> 148 ms without remat. Needs glibc >= 2.35 and transparent huge pages in ``madvise``
   mode (``/sys/kernel/mm/transparent_hugepage/enabled``; in ``always`` mode the kernel
@@ -299,7 +299,7 @@ def host_huge_pages(
 ) -> HostAllocatorStatus:
     """Makes glibc back large host allocations with 2 MiB transparent huge pages.
 
-    XLA:CPU's per-step temporaries are then faulted in 512x fewer page faults and read
+    XLA:CPU's per-step temporaries are then faulted in with far fewer page faults (a 2 MiB page each, not 4 KiB) and read
     through fewer TLB misses (measured: the fine-tuning job's float32 QLoRA step 1.28x
     faster with full remat and 1.45x without, on a 2-core AMD EPYC). Where the kernel's
     transparent huge pages are in ``madvise`` mode, glibc's ``glibc.malloc.hugetlb=1``
