@@ -14,11 +14,12 @@ Two remedies, both glibc's own settings:
 * **Huge pages** (``host_huge_pages``, the fine-tuning job's default on CPU): glibc's
   ``glibc.malloc.hugetlb=1`` tunable makes ``malloc`` ``madvise(MADV_HUGEPAGE)`` each
   large block, so the kernel backs it with 2 MiB transparent huge pages: a step faults
-  its temporaries in far fewer faults (measured 70,527 -> 516 per step without remat), and the step's own loads and stores miss the TLB
-  less. Measured on the job's float32 step: 228 -> 178 ms with ``remat="full"`` and 214
-  -> 148 ms without remat. Needs glibc >= 2.35 and transparent huge pages in ``madvise``
-  mode (``/sys/kernel/mm/transparent_hugepage/enabled``; in ``always`` mode the kernel
-  does it without the tunable, in ``never`` not at all); a tunable is read when the
+  its temporaries in with far fewer faults (measured 70,527 -> 516 per step without
+  remat), and the step's own loads and stores miss the TLB less. Measured on the job's
+  float32 step: 228 -> 178 ms with ``remat="full"`` and 214 -> 148 ms without remat.
+  Needs glibc >= 2.35 and transparent huge pages in ``madvise`` mode
+  (``/sys/kernel/mm/transparent_hugepage/enabled``; in ``always`` mode the kernel does it
+  without the tunable, in ``never`` not at all); a tunable is read when the
   process starts, so the setting restarts the Python process once (``os.execve`` with the
   same command line) unless ``GLIBC_TUNABLES`` already holds it.
 * **Retaining freed memory** (``retain_host_allocations``): one arena (so XLA's worker
@@ -299,9 +300,10 @@ def host_huge_pages(
 ) -> HostAllocatorStatus:
     """Makes glibc back large host allocations with 2 MiB transparent huge pages.
 
-    XLA:CPU's per-step temporaries are then faulted in with far fewer page faults (a 2 MiB page each, not 4 KiB) and read
-    through fewer TLB misses (measured: the fine-tuning job's float32 QLoRA step 1.28x
-    faster with full remat and 1.45x without, on a 2-core AMD EPYC). Where the kernel's
+    XLA:CPU's per-step temporaries are then faulted in with far fewer page faults (a 2
+    MiB page each, not 4 KiB) and read through fewer TLB misses (measured: the
+    fine-tuning job's float32 QLoRA step 1.28x faster with full remat and 1.45x without,
+    on a 2-core AMD EPYC). Where the kernel's
     transparent huge pages are in ``madvise`` mode, glibc's ``glibc.malloc.hugetlb=1``
     tunable asks for them, and glibc reads it only when a process starts: unless
     ``GLIBC_TUNABLES`` held it then, this restarts the Python process once
