@@ -37,26 +37,23 @@ import jmem
 from jmem.models import llama
 
 CONTENDERS = {
-    "dense": dict(attention="dense", loss_chunk=0, mlp_chunk=0),
-    "long": dict(attention="blockwise", loss_chunk=2048, mlp_chunk=4096),
+    "dense": jmem.Levers(attention="dense", loss_chunk=0, token_chunk=0),
+    "long": jmem.Levers(attention="blockwise", loss_chunk=2048, token_chunk=4096),
 }
 
-
-def config(name: str) -> llama.LlamaConfig:
-    base = llama.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        max_seq_len=1 << 17,
-    )
-    return dataclasses.replace(base, **CONTENDERS[name])
+MODEL = llama.LlamaConfig(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    max_seq_len=1 << 17,
+)
 
 
-def grad_step(cfg):
-    loss = jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg), "full")
+def grad_step(levers):
+    loss = jmem.remat(lambda p, b: llama.loss_fn(p, b, MODEL, levers=levers), "full")
     return jax.jit(jax.value_and_grad(loss))
 
 
@@ -70,8 +67,8 @@ def batch(seq: int, abstract: bool):
 def memory_row(seq: int) -> dict:
     row = {}
     for name in CONTENDERS:
-        cfg = config(name)
-        report = jmem.measure(grad_step(cfg), llama.abstract_params(cfg), batch(seq, True))
+        lv = CONTENDERS[name]
+        report = jmem.measure(grad_step(lv), llama.abstract_params(MODEL), batch(seq, True))
         row[name] = {"temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes}
     return row
 
@@ -80,9 +77,8 @@ def time_row(seq: int, reps: int) -> dict:
     """Median seconds per step, contenders alternated (one warm-up each)."""
     runs = {}
     for name in CONTENDERS:
-        cfg = config(name)
-        params = llama.init(jax.random.key(0), cfg)
-        step = grad_step(cfg)
+        params = llama.init(jax.random.key(0), MODEL)
+        step = grad_step(CONTENDERS[name])
         jax.block_until_ready(step(params, batch(seq, False)))
         runs[name] = (step, params, [])
     for _ in range(reps):
@@ -117,7 +113,8 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(
             {
-                "model": dataclasses.asdict(config("long")),
+                "model": dataclasses.asdict(MODEL),
+                "levers": {k: dataclasses.asdict(v) for k, v in CONTENDERS.items()},
                 "contenders": CONTENDERS,
                 "backend": jax.default_backend(),
                 "note": "step times from a shared, loaded CPU: not valid, re-take on idle cores",

@@ -21,6 +21,9 @@ from jmem._src.checkpointing import Checkpointer
 from jmem._src.decay_mask import decay_mask
 from jmem._src.host_allocator import host_huge_pages
 from jmem._src.host_allocator import retain_host_allocations
+from jmem._src.levers import Levers
+from jmem._src.levers import ResolvedLevers
+from jmem._src.levers import resolve as resolve_levers
 from jmem._src.loss_scale import DynamicLossScale
 from jmem._src.loss_scale import NoOpLossScale
 from jmem._src.loss_scale import StaticLossScale
@@ -60,6 +63,9 @@ __version__ = "0.1.0"
 
 __all__ = (
     "REMAT_POLICIES",
+    "Levers",
+    "ResolvedLevers",
+    "resolve_levers",
     "Checkpointer",
     "DynamicLossScale",
     "MemoryReport",

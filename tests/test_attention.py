@@ -184,19 +184,20 @@ def test_model_loss_blockwise_equals_dense():
     batch["segment_ids"] = jnp.asarray([[0] * 25 + [1] * 15, [0] * 40], jnp.int32)
     batch["positions"] = jnp.asarray([list(range(25)) + list(range(15)), list(range(40))])
     out = {
-        impl: jax.value_and_grad(llama.loss_fn)(
-            params, batch, llama.get_config(cfg, attention=impl)
-        )
+        impl: jax.value_and_grad(
+            lambda p, b: llama.loss_fn(p, b, cfg, levers=jmem.Levers(attention=impl))
+        )(params, batch)
         for impl in ("dense", "blockwise")
     }
     chex.assert_trees_all_close(out["blockwise"], out["dense"], atol=1e-5, rtol=1e-5)
 
 
 def _temp_bytes(impl: str, seq: int) -> int:
-    cfg = llama.get_config("tiny", attention=impl, loss_chunk=512)
+    cfg = llama.get_config("tiny")
+    lv = jmem.Levers(attention=impl, loss_chunk=512)
     params = llama.abstract_params(cfg)
     batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32) for k in ("inputs", "targets")}
-    grad = jax.jit(jax.grad(jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg), "full")))
+    grad = jax.jit(jax.grad(jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv), "full")))
     return grad.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -222,14 +223,16 @@ def test_errors_name_the_cause():
     with pytest.raises(ValueError, match="multiple"):
         ops.attention(q[:, :, :3], k, v, q_index=jnp.arange(S))
     with pytest.raises(ValueError, match="attention="):
-        llama.get_config("tiny", attention="flash")
+        jmem.Levers(attention="flash")
     with pytest.raises(ValueError, match="loss_chunk"):
-        llama.get_config("tiny", loss_chunk=-1)
+        jmem.Levers(loss_chunk=-1)
+    with pytest.raises(ValueError, match="execution settings"):
+        llama.get_config("tiny", attention="dense")
 
 
 def test_auto_picks_dense_short_and_blockwise_long_on_cpu():
-    assert attention_lib._pick("auto", "no GPU", 8) == "dense"
-    assert attention_lib._pick("auto", "no GPU", 4096) == "blockwise"
+    assert attention_lib.pick_implementation("auto", "no GPU", 8) == "dense"
+    assert attention_lib.pick_implementation("auto", "no GPU", 4096) == "blockwise"
 
 
 def test_blockwise_equals_dense_quick():
@@ -267,13 +270,13 @@ def test_hugging_face_logits_with_blockwise_tiles(tmp_path, monkeypatch, family)
         pytest.skip(f"{family} is not among test_hf.FAMILIES {sorted(test_hf.FAMILIES)}")
     model = test_hf._save_family(tmp_path, family)
     params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
-    cfg = llama.get_config(cfg, attention="blockwise")
+    lv = jmem.Levers(attention="blockwise")
     tiled = functools.partial(ops.attention, block_q=16, block_kv=8)
     monkeypatch.setattr(llama, "attention", tiled)
     tokens = np.random.default_rng(0).integers(0, 97, size=(2, 40))
     with torch.no_grad():
         ref = model(torch.tensor(tokens)).logits.numpy()
-    got = np.asarray(llama.forward(params, jnp.asarray(tokens, jnp.int32), cfg))
+    got = np.asarray(llama.forward(params, jnp.asarray(tokens, jnp.int32), cfg, levers=lv))
     assert np.max(np.abs(got - ref)) <= 1e-4, np.max(np.abs(got - ref))
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import test_hf_adapters
 
+import jmem
 from jmem import lora
 from jmem import qlora
 from jmem.models import export
@@ -181,7 +182,7 @@ def test_logits_and_chunked_loss_match_transformers(checkpoints, family):
     logz = np.log(np.sum(np.exp(want[:, :-1].astype(np.float64)), axis=-1))
     picked = np.take_along_axis(want[:, :-1], LONG[:, 1:, None], axis=-1)[..., 0]
     batch = {"inputs": jnp.asarray(LONG[:, :-1]), "targets": jnp.asarray(LONG[:, 1:])}
-    loss = llama.loss_fn(params, batch, llama.get_config(cfg, loss_chunk=16))
+    loss = llama.loss_fn(params, batch, cfg, levers=jmem.Levers(loss_chunk=16))
     np.testing.assert_allclose(float(loss), np.mean(logz - picked), rtol=1e-5)
 
 
@@ -617,17 +618,20 @@ def test_long_context_paths_match_dense_with_family_features(checkpoints, family
     1030 tokens) and the token-local chunks (256 tokens: norms, projections, RoPE, MLP) under
     soft-capping, per-layer windows, a custom scale, QK-norm, sandwich and post norms and
     fused projections: the dense, untiled logits and gradients (1e-5)."""
-    dense = _family_config(checkpoints, family, attention="dense", mlp_chunk=0)
-    blockwise = llama.get_config(dense, attention="blockwise", mlp_chunk=256)
-    params = llama.init(jax.random.key(0), dense)
+    import jmem  # noqa: PLC0415
+
+    cfg = _family_config(checkpoints, family)
+    dense = jmem.Levers(attention="dense", token_chunk=0)
+    blockwise = jmem.Levers(attention="blockwise", token_chunk=256)
+    params = llama.init(jax.random.key(0), cfg)
     params = jax.tree.map(lambda x: x * 10 if x.ndim == 3 else x, params)  # caps act
-    tokens = jax.random.randint(jax.random.key(1), (1, 1031), 0, dense.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (1, 1031), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     np.testing.assert_allclose(
-        llama.forward(params, batch["inputs"], blockwise),
-        llama.forward(params, batch["inputs"], dense),
+        llama.forward(params, batch["inputs"], cfg, levers=blockwise),
+        llama.forward(params, batch["inputs"], cfg, levers=dense),
         atol=1e-5,
     )
-    g_block = jax.jit(jax.grad(llama.loss_fn), static_argnums=2)(params, batch, blockwise)
-    g_dense = jax.jit(jax.grad(llama.loss_fn), static_argnums=2)(params, batch, dense)
+    grad = jax.jit(jax.grad(lambda p, b, lv: llama.loss_fn(p, b, cfg, levers=lv)), static_argnums=2)
+    g_block, g_dense = grad(params, batch, blockwise), grad(params, batch, dense)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_block, g_dense)

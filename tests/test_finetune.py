@@ -204,14 +204,18 @@ def test_first_run_on_a_60_line_text_file_trains_and_evaluates(tmp_path):
 
 
 def test_long_context_flags_reach_the_model_and_train_as_dense(tmp_path):
-    """--attention/--loss-chunk/--mlp-chunk set the model config's fields, and a run with
-    blockwise attention and chunked loss/MLP trains to the dense run's losses (bf16 compute:
-    within 2e-2 nats)."""
+    """--attention/--loss-chunk/--mlp-chunk set the run's levers (not the model config),
+    and a run with blockwise attention and chunked loss/MLP trains to the dense run's
+    losses (bf16 compute: within 2e-2 nats)."""
+    from jmem._src.finetune.setup import job_levers
     from jmem._src.finetune.setup import model_config
 
     c = finetune.parse_args(["--config", "tiny", "--attention", "blockwise", "--loss-chunk", "0"])
-    cfg = model_config(c)
-    assert (cfg.attention, cfg.loss_chunk, cfg.mlp_chunk) == ("blockwise", 0, c.mlp_chunk)
+    lv = job_levers(c)
+    assert (lv.attention, lv.loss_chunk, lv.token_chunk) == ("blockwise", 0, c.mlp_chunk)
+    from jmem.models import llama
+
+    assert model_config(c) == llama.get_config("tiny")
     argv = SMALL + ["--steps", "2", "--eval-split", "0", "--mesh", "fsdp=1"]
     dense = finetune.main(
         argv

@@ -88,7 +88,9 @@ def test_model_loss_chunked_equals_unchunked(tie):
     batch = token_batch(cfg, seq_len=24)
     batch["mask"] = (batch["targets"] % 3 > 0).astype(jnp.int32)
     out = {
-        c: jax.value_and_grad(llama.loss_fn)(params, batch, llama.get_config(cfg, loss_chunk=c))
+        c: jax.value_and_grad(
+            lambda p, b: llama.loss_fn(p, b, cfg, levers=jmem.Levers(loss_chunk=c))
+        )(params, batch)
         for c in (0, 10)
     }
     chex.assert_trees_all_close(out[10], out[0], rtol=1e-5, atol=1e-7)
@@ -100,7 +102,7 @@ def test_model_loss_chunked_equals_unchunked(tie):
 def test_qlora_nf4_head_stays_implicit():
     """An NF4-quantized, LoRA-adapted head under qlora.apply: chunked equals unchunked
     (loss and adapter gradients), and nothing materializes the head (no ImplicitWeightError)."""
-    cfg = small_config(loss_chunk=10)
+    cfg = small_config()
     params = qlora.quantize_params(
         llama.init(jax.random.key(0), cfg), lambda p, x: p.endswith("kernel")
     )
@@ -111,8 +113,8 @@ def test_qlora_nf4_head_stays_implicit():
     batch = token_batch(cfg, seq_len=24)
 
     def run(chunk):
-        c = llama.get_config(cfg, loss_chunk=chunk)
-        f = qlora.apply(lambda p, b: llama.loss_fn(p, b, c))
+        lv = jmem.Levers(loss_chunk=chunk)
+        f = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv))
         return jax.value_and_grad(lambda a: f(params, a, batch))(adapters)
 
     chex.assert_trees_all_close(run(10), run(0), rtol=1e-5, atol=1e-7)
@@ -163,9 +165,11 @@ def test_tiled_mlp_equals_whole():
     params = llama.init(jax.random.key(0), cfg)
     batch = token_batch(cfg, seq_len=24)
     out = {
-        c: jax.jit(jax.value_and_grad(llama.loss_fn), static_argnums=2)(
-            params, batch, llama.get_config(cfg, mlp_chunk=c)
-        )
+        c: jax.jit(
+            jax.value_and_grad(
+                lambda p, b: llama.loss_fn(p, b, cfg, levers=jmem.Levers(token_chunk=c))
+            )
+        )(params, batch)
         for c in (0, 20)
     }
     chex.assert_trees_all_close(out[20], out[0], rtol=1e-5, atol=1e-7)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jmem
 from jmem import lora
 from jmem import qlora
 from jmem.models import llama
@@ -237,23 +238,25 @@ def test_family_weights_follow_the_options():
 class ScanUnrollTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_inlined_layers_equal_the_layer_loop(self):
-        """``scan_unroll=True`` inlines every layer (no ``while`` over layers in the compiled
-        step, so no stacked residuals without remat) and computes the same loss and
-        gradients (float32, 1e-6)."""
+        """``Levers(scan_unroll=True)`` inlines every layer (no ``while`` over layers in the
+        compiled step, so no stacked residuals without remat) and computes the same loss
+        and gradients (float32, 1e-6)."""
         cfg = helpers.small_config()
-        inlined = helpers.small_config(scan_unroll=True)
+        inlined, loop = jmem.Levers(scan_unroll=True), jmem.Levers(scan_unroll=1)
         params = llama.init(jax.random.key(0), cfg)
         batch = helpers.token_batch(cfg, 2, 16, seed=1)
-        grad = lambda c: jax.value_and_grad(lambda p: llama.loss_fn(p, batch, c))  # noqa: E731
-        ref = grad(cfg)(params)
+        grad = lambda lv: jax.value_and_grad(  # noqa: E731
+            lambda p: llama.loss_fn(p, batch, cfg, levers=lv)
+        )
+        ref = grad(loop)(params)
         got = self.variant(grad(inlined))(params)
         chex.assert_trees_all_close(got, ref, atol=1e-6, rtol=1e-6)
         hlo = jax.jit(grad(inlined)).lower(params).compile().as_text()
-        loops = jax.jit(grad(cfg)).lower(params).compile().as_text()
+        loops = jax.jit(grad(loop)).lower(params).compile().as_text()
         assert " while(" in loops and " while(" not in hlo
 
 
 def test_scan_unroll_must_be_true_or_a_positive_int():
     for bad in (0, -1, 1.5, "yes", False):
         with pytest.raises(ValueError, match="scan_unroll"):
-            helpers.small_config(scan_unroll=bad)
+            jmem.Levers(scan_unroll=bad)

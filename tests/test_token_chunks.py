@@ -96,8 +96,11 @@ def test_model_chunks_equal_whole(family, dtype, tol):
     cfg = small_config(**_FAMILIES[family])
     params = llama.init(jax.random.key(0), cfg, dtype)
     batch = token_batch(cfg, seq_len=24)
-    grad = jax.jit(jax.value_and_grad(llama.loss_fn), static_argnums=2)
-    out = {c: grad(params, batch, llama.get_config(cfg, mlp_chunk=c)) for c in (0, 20)}
+    grad = jax.jit(
+        jax.value_and_grad(lambda p, b, lv: llama.loss_fn(p, b, cfg, levers=lv)),
+        static_argnums=2,
+    )
+    out = {c: grad(params, batch, jmem.Levers(token_chunk=c)) for c in (0, 20)}
     chex.assert_trees_all_close(out[20], out[0], rtol=tol, atol=tol)
 
 
@@ -113,7 +116,8 @@ def test_qlora_chunks_equal_whole():
     batch = token_batch(cfg, seq_len=24)
 
     def loss(adapters, c):
-        f = qlora.apply(lambda p, b: llama.loss_fn(p, b, llama.get_config(cfg, mlp_chunk=c)))
+        lv = jmem.Levers(token_chunk=c)
+        f = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv))
         return f(frozen, adapters, batch)
 
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
@@ -130,12 +134,11 @@ def _temp_bytes(chunk: int, seq: int = 4096, hidden: int = 256) -> float:
         num_heads=4,
         num_kv_heads=2,
         vocab_size=64,
-        attention="blockwise",
-        mlp_chunk=chunk,
     )
+    lv = jmem.Levers(attention="blockwise", token_chunk=chunk)
     params = llama.abstract_params(cfg, jnp.bfloat16)
     batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32) for k in ("inputs", "targets")}
-    f = jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg), "full")
+    f = jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv), "full")
     compiled = jax.jit(jax.grad(f)).lower(params, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes / (seq * hidden * 4)
 

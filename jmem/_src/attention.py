@@ -397,10 +397,15 @@ def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
     return out[:, :s].reshape(b, s, nh, d)
 
 
-def _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index) -> str | None:
-    """Why cuDNN's fused attention cannot run these inputs, or None when it can."""
-    if jax.default_backend() != "gpu":
-        return f"it needs a GPU (the backend is {jax.default_backend()!r})"
+def cudnn_reason(
+    q, k, segment_ids, sliding_window, cap, kv_index, *, platform: str | None = None
+) -> str | None:
+    """Why cuDNN's fused attention cannot run these inputs (arrays or ShapeDtypeStructs),
+    or None when it can; ``platform``: the one compiled for (None: the running backend).
+    The one ``"auto"`` rule: ``jmem.Levers`` resolution calls it with the model's facts."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "gpu":
+        return f"it needs a GPU (the target is {platform!r})"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 inputs (got {q.dtype})"
     if q.shape[-1] % 8 or q.shape[-1] > 128:
@@ -435,7 +440,7 @@ def _check_shapes(q, k, v):
         )
 
 
-def _pick(implementation, reason, t):
+def pick_implementation(implementation, reason, t):
     """The implementation ``"auto"`` resolves to (see ``attention``)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -521,8 +526,8 @@ def attention(
     t = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cap = None if logit_softcap is None else float(logit_softcap)
-    reason = _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index)
-    impl = _pick(implementation, reason, t)
+    reason = cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index)
+    impl = pick_implementation(implementation, reason, t)
     window = _window(sliding_window)
     qi = _as_rows(q_index, b, s, "q_index")
     ki = qi if kv_index is None else _as_rows(kv_index, b, t, "kv_index")

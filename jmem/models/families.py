@@ -643,21 +643,16 @@ def _rope_fields(config: LlamaConfig, per_layer: bool) -> dict[str, Any]:
     return out
 
 
-#: ``LlamaConfig`` fields that choose how jmem computes the model, not which model it is:
-#: ``config.json`` does not carry them and a round trip need not reproduce them.
-RUNTIME_FIELDS = frozenset({"attention", "loss_chunk", "mlp_chunk", "scan_unroll"})
-
-
 def _check_round_trip(config: LlamaConfig, written: dict) -> None:
     """ValueError naming the fields of ``config`` that ``written`` would not reproduce
-    (``RUNTIME_FIELDS`` aside)."""
+    (every field: a ``LlamaConfig`` holds the model's identity only)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         back = config_from_dict(written)
     lost = {
         f.name: getattr(config, f.name)
         for f in dataclasses.fields(LlamaConfig)
-        if f.name not in RUNTIME_FIELDS and getattr(back, f.name) != getattr(config, f.name)
+        if getattr(back, f.name) != getattr(config, f.name)
     }
     if lost:
         raise ValueError(

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jmem._src import attention as attention_lib
 from jmem._src import fp8 as fp8_lib
+from jmem._src import levers as levers_lib
 from jmem._src.attention import attention
 from jmem._src.attention import attention_mask
 from jmem._src.linear_cross_entropy import linear_cross_entropy
@@ -181,24 +181,10 @@ class LlamaConfig:
         ``layers[name]["bias"] [L, out]``: Qwen2 has ``("q_proj", "k_proj", "v_proj")``.
       hidden_act: the MLP's gate activation, a key of ``ACTIVATIONS`` (SwiGLU: ``silu``;
         GeGLU: ``gelu_pytorch_tanh``, Gemma).
-      attention: the attention implementation, one of ``jmem.ops.IMPLEMENTATIONS``
-        (``"auto"``: cuDNN on GPU where it can run, else dense up to 1024 keys and
-        blockwise beyond; see ``jmem.ops.attention``).
-      loss_chunk: tokens per chunk of ``loss_fn``'s cross-entropy (``[loss_chunk, V]``
-        float32 logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes
-        all ``[B, S, V]`` logits at once.
-      mlp_chunk: tokens per chunk of each layer's token-local parts: the attention
-        sublayer's norm, q/k/v projections and RoPE, its output projection and residual,
-        and the MLP sublayer (the "tiled MLP": the ``[chunk, F]`` intermediates and the
-        float32 norms and projections are recomputed chunk by chunk in the backward pass,
-        so a layer holds a few bf16 ``[B * S, H]`` arrays, not a dozen float32 ones); 0, or
-        fewer tokens than this, runs them whole (no loop). Only attention sees every token.
-      scan_unroll: ``lax.scan``'s ``unroll`` for the loop over layers: 1 (a loop: compile
-        time independent of depth) or True (every layer inlined). Without remat, a loop
-        saves each residual as an ``[L, ...]`` stack (zero-filled, written and read back a
-        layer at a time); inlined layers save them as they are, so the fine-tuning job
-        sets True with ``remat="none"`` (1.25x a full-remat step on XLA:CPU instead of
-        1.11x, with host allocations retained; issue #30). ``jmem.remat`` sees the same scan either way.
+
+    How the model is run (attention implementation, loss and token chunks, the layer
+    loop's unroll, remat, FP8) is not part of its identity: pass a ``jmem.Levers`` to
+    ``forward``/``loss_fn`` (``levers=``), resolved by ``jmem.resolve_levers``.
 
     Family options (Gemma 2/3, Qwen3, Phi-3, OLMo 2 are these settings, see
     ``docs/families.md``; the defaults are Llama):
@@ -255,29 +241,9 @@ class LlamaConfig:
     final_logit_softcap: float | None = None
     scale_embeddings: bool = False
     fused_projections: bool = False
-    attention: str = "auto"
-    loss_chunk: int = 2048
-    mlp_chunk: int = 2048
-    scan_unroll: int | bool = 1
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
-        if self.attention not in attention_lib.IMPLEMENTATIONS:
-            raise ValueError(
-                f"attention={self.attention!r} is unknown; choose from "
-                f"{attention_lib.IMPLEMENTATIONS}."
-            )
-        for name in ("loss_chunk", "mlp_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
-        if not (
-            self.scan_unroll is True or (type(self.scan_unroll) is int and self.scan_unroll >= 1)
-        ):
-            raise ValueError(
-                f"scan_unroll must be True or an int >= 1 (lax.scan's unroll); got "
-                f"{self.scan_unroll!r}."
-            )
         names = linear_names(self)
         unknown = sorted(set(self.biases) - set(names))
         if unknown:
@@ -569,13 +535,31 @@ CONFIGS.update(
 )
 
 
+#: Former ``LlamaConfig`` fields that are now ``jmem.Levers`` fields (old name -> new).
+EXECUTION_FIELDS = {
+    "attention": "attention",
+    "loss_chunk": "loss_chunk",
+    "mlp_chunk": "token_chunk",
+    "scan_unroll": "scan_unroll",
+}
+
+
 def get_config(name: str | LlamaConfig, **overrides) -> LlamaConfig:
     """Returns a named config from ``CONFIGS`` (``tiny``, ``llama2_7b``, ``llama3_2_1b``,
     ``mistral_7b``, ``qwen2_5_7b``, ...), with ``overrides`` replaced.
 
     Raises:
-      ValueError: for an unknown name; the message lists the known ones.
+      ValueError: for an unknown name (the message lists the known ones), or an execution
+        setting among ``overrides`` (``attention``, ``loss_chunk``, ``mlp_chunk``,
+        ``scan_unroll``: they are ``jmem.Levers``, not the model's identity).
     """
+    moved = sorted(set(overrides) & set(EXECUTION_FIELDS))
+    if moved:
+        raise ValueError(
+            f"{moved} are execution settings, not the model's identity: pass "
+            f"levers=jmem.Levers({', '.join(EXECUTION_FIELDS[m] + '=...' for m in moved)}) "
+            "to forward/loss_fn (or jmem.train_step) instead."
+        )
     if isinstance(name, LlamaConfig):
         cfg = name
     else:
@@ -822,8 +806,9 @@ def _mlp_block(x, layer, config: LlamaConfig, fp8) -> jax.Array:
     return _normed(x, layer, config, "mlp_norm", "post_mlp_norm", mlp)[0]
 
 
-def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
-    """``attention`` with the config's scale, soft-cap and implementation; ``attn`` holds
+def _attend(q, k, v, config: LlamaConfig, attn: dict, lv) -> jax.Array:
+    """``attention`` with the config's scale and soft-cap and the resolved levers'
+    implementation (``lv.attention``); ``attn`` holds
     the index arguments (``q_index``, optional ``kv_index``, ``segment_ids``) and this
     layer's ``sliding_window`` (default: the config's, for every layer)."""
     attn = {"sliding_window": _uniform_window(config), **attn}
@@ -834,21 +819,23 @@ def _attend(q, k, v, config: LlamaConfig, attn: dict) -> jax.Array:
         **attn,
         scale=config.attn_scale,
         logit_softcap=config.attn_logit_softcap,
-        implementation=config.attention,
+        implementation=lv.attention,
     )
 
 
-def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
+def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None, lv=None):
     """``decoder_layer`` that also writes this call's keys/values into ``cache`` (a pair
     ``[B, T, nKV, D]``) at row index ``index`` and attends over the whole cache.
 
     The token-local parts (norms, projections, RoPE, the MLP) run over chunks of
-    ``config.mlp_chunk`` tokens (``_over_tokens``); only attention sees every token."""
+    ``lv.token_chunk`` tokens (``_over_tokens``); only attention sees every token. ``lv``:
+    the ``ResolvedLevers`` (None: decoding, ``_DECODE``)."""
     c = config
+    lv = _DECODE if lv is None else lv
     b, s, _ = x.shape
     cos, sin = (jnp.broadcast_to(t, (b, s, t.shape[-1])) for t in rope)
     q, k, v = _over_tokens(
-        functools.partial(_attn_in, layer=layer, config=c, fp8=fp8), c, fp8, x, cos, sin
+        functools.partial(_attn_in, layer=layer, config=c, fp8=fp8), lv, fp8, x, cos, sin
     )
     kv = cache
     if kv is not None:
@@ -857,9 +844,9 @@ def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None):
             for full, new in zip(kv, (k, v))
         )
         k, v = kv
-    ctx = checkpoint_name(_attend(q, k, v, c, attn).reshape(b, s, -1), "attn_context")
+    ctx = checkpoint_name(_attend(q, k, v, c, attn, lv).reshape(b, s, -1), "attn_context")
     out = _over_tokens(
-        functools.partial(_attn_out_mlp, layer=layer, config=c, fp8=fp8), c, fp8, x, ctx
+        functools.partial(_attn_out_mlp, layer=layer, config=c, fp8=fp8), lv, fp8, x, ctx
     )
     return out[0], kv
 
@@ -882,17 +869,17 @@ def _attn_out_mlp(x, ctx, *, layer, config, fp8):
     return (x + _mlp_block(x, layer, config, fp8),)
 
 
-def _over_tokens(fn, config, fp8, *arrays):
-    """``fn(*arrays)``, token-local, over chunks of ``config.mlp_chunk`` tokens
+def _over_tokens(fn, lv, fp8, *arrays):
+    """``fn(*arrays)``, token-local, over chunks of ``lv.token_chunk`` tokens
     (``jmem._src.token_chunks.over_tokens``: its ``[chunk, F]`` MLP tensors and float32
     norms and projections exist for one chunk at a time and are recomputed per chunk in
     the backward pass); ``arrays`` are ``[B, S, ...]``, returns ``fn``'s tuple of
-    ``[B, S, ...]`` outputs. Whole (no loop) when the tokens fit one chunk, with
-    ``mlp_chunk=0`` or with FP8 (whose scaling state is a per-call gradient). Checkpoint
-    names inside a chunk are not seen by an outer remat policy."""
-    if not config.mlp_chunk or fp8 is not None:
+    ``[B, S, ...]`` outputs. Whole (no loop) when the tokens fit one chunk or with
+    ``token_chunk=0`` (the resolver sets 0 with FP8, whose scaling state is a per-call
+    gradient). Checkpoint names inside a chunk are not seen by an outer remat policy."""
+    if not lv.token_chunk:
         return tuple(fn(*arrays))
-    return over_tokens(fn, config.mlp_chunk, *arrays)
+    return over_tokens(fn, lv.token_chunk, *arrays)
 
 
 def decoder_layer(
@@ -903,6 +890,7 @@ def decoder_layer(
     sin,
     attn: dict,
     fp8: Params | None = None,
+    levers: Any = None,
 ) -> jax.Array:
     """One decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
 
@@ -910,8 +898,10 @@ def decoder_layer(
     ``jmem.ops.attention`` (``q_index`` int ``[S]`` or ``[B, S]``, optional
     ``kv_index`` and ``segment_ids``), from which the mask is built inside attention, and
     optionally this layer's ``sliding_window`` (needed with mixed ``layer_types``);
-    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None)."""
-    return _layer(x, layer, config, (cos, sin), attn, fp8)[0]
+    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None); ``levers``:
+    a ``jmem.Levers`` or ``ResolvedLevers`` (None: ``jmem.Levers()``)."""
+    lv = _resolved(levers, config, x.shape[:2], x.dtype, fp8, attn.get("segment_ids"))
+    return _layer(x, layer, config, (cos, sin), attn, fp8, lv=lv)[0]
 
 
 def _head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
@@ -1006,7 +996,36 @@ def _check_fp8(fp8) -> None:
         )
 
 
-def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8):
+#: The levers of a KV-cache decoding step: attention picked per call (a cache is not
+#: self-attention, so never cuDNN), no token chunks, one layer loop.
+_DECODE = levers_lib.ResolvedLevers("none", "auto", 0, 0, 1, False, "any", None)
+
+
+def _resolved(levers, config, shape, dtype, fp8, segment_ids) -> levers_lib.ResolvedLevers:
+    """``levers`` resolved for this call's batch ``shape`` ``(B, S)`` on the running
+    backend, unless already resolved (for a compile target: ``jmem.resolve_levers``).
+    FP8 metas make the levers FP8 (token chunks off, named in the reason).
+
+    Raises:
+      ValueError: FP8 metas with levers already resolved with token chunks on.
+    """
+    if isinstance(levers, levers_lib.ResolvedLevers):
+        if fp8 is not None and levers.token_chunk:
+            raise ValueError(
+                "fp8 metas were given but the levers were resolved without fp8=True (token "
+                f"chunks of {levers.token_chunk}); resolve jmem.Levers(fp8=True, ...)."
+            )
+        return levers
+    levers = levers_lib.Levers() if levers is None else levers
+    if fp8 is not None and not levers.fp8:
+        levers = dataclasses.replace(levers, fp8=True)
+    batch = {"inputs": jax.ShapeDtypeStruct(tuple(shape), jnp.int32)}
+    if segment_ids is not None:
+        batch["segment_ids"] = segment_ids
+    return levers_lib.resolve(levers, config, batch, dtype=dtype)
+
+
+def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8, levers):
     """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
@@ -1016,6 +1035,7 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
     _check_fp8(fp8)
     c = config
     x = _embed(params, tokens, c)
+    lv = _resolved(levers, c, tokens.shape, x.dtype, fp8, segment_ids)
     seq = tokens.shape[1]
     rope = _layer_rope(c, seq if positions is None else positions)
     attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
@@ -1031,14 +1051,14 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
         # Named so that remat's "offload" policy saves the layer input in host memory.
         x = checkpoint_name(x, "layer_input")
         layer_rope, layer_attn = _per_layer(local, rope, attn, c)
-        return _layer(x, layer, c, layer_rope, layer_attn, layer_fp8)[0], None
+        return _layer(x, layer, c, layer_rope, layer_attn, layer_fp8, lv=lv)[0], None
 
     if layer_transform is not None:
         body = layer_transform(body)
     xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
     if is_local is not None:
         xs = (*xs, is_local) if fp8 is not None else (xs, is_local)
-    return jax.lax.scan(body, x, xs, unroll=c.scan_unroll)[0]
+    return jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)[0], lv
 
 
 def forward(
@@ -1050,6 +1070,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     layer_transform: Callable | None = None,
     fp8: Params | None = None,
+    levers: Any = None,
 ) -> jax.Array:
     """Logits of a causal LM.
 
@@ -1070,6 +1091,10 @@ def forward(
         with a meta run as FP8 matmuls (E4M3 forward, E5M2 gradients, delayed scaling).
         The new states are the gradient w.r.t. ``fp8`` (see ``jmem.fp8``). With ``fp8``
         the scan body's second argument is ``(layer, layer_fp8)``.
+      levers: how the model is run: a ``jmem.Levers`` (resolved here for this batch on
+        the running backend; None: ``jmem.Levers()``) or a ``jmem.ResolvedLevers`` (from
+        ``jmem.resolve_levers``, e.g. for a compile target). ``loss_chunk`` is unused
+        here: the logits are returned whole.
 
     Returns:
       float32 logits ``[B, S, V]``.
@@ -1087,7 +1112,8 @@ def forward(
         segment_ids=segment_ids,
         layer_transform=layer_transform,
         fp8=fp8,
-    )
+        levers=levers,
+    )[0]
     return _head(params, x, config)
 
 
@@ -1104,22 +1130,29 @@ def cross_entropy(
 
 
 def loss_fn(
-    params: Params, batch: dict[str, jax.Array], config: LlamaConfig, **kwargs
+    params: Params,
+    batch: dict[str, jax.Array],
+    config: LlamaConfig,
+    *,
+    levers: Any = None,
+    **kwargs,
 ) -> jax.Array:
     """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``.
 
     Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
     ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
-    keyword arguments go to ``forward``. The loss is computed ``config.loss_chunk`` tokens
-    at a time (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
-    ``[B, S, V]`` logits."""
+    keyword arguments go to ``forward``. ``levers``: as ``forward``'s (None:
+    ``jmem.Levers()``). The loss is computed ``levers.loss_chunk`` tokens at a time
+    (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
+    ``[B, S, V]`` logits unless ``loss_chunk=0``."""
     kwargs = {"layer_transform": None, "fp8": None, **kwargs}
-    x = _hidden(
+    x, lv = _hidden(
         params,
         batch["inputs"],
         config,
         positions=batch.get("positions"),
         segment_ids=batch.get("segment_ids"),
+        levers=levers,
         **kwargs,
     )
     return linear_cross_entropy(
@@ -1127,7 +1160,7 @@ def loss_fn(
         _head_kernel(params, config),
         batch["targets"],
         batch.get("mask"),
-        chunk=config.loss_chunk,
+        chunk=lv.loss_chunk,
         logit_softcap=config.final_logit_softcap,
     )
 

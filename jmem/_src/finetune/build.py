@@ -3,7 +3,6 @@ schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -19,20 +18,21 @@ from jmem import adamw_8bit
 from jmem import nf4
 from jmem import qlora
 from jmem._src.cli import user_input
+from jmem._src.finetune.setup import job_levers
 from jmem.models import hf
 from jmem.models import llama
 
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 
 
-def _loss(cfg):
+def _loss(cfg, lv):
     """``loss_fn(adapters, batch, *, frozen, dropout_key=None)``: the QLoRA loss. With
     ``--lora-dropout`` the train step passes each step and microbatch its own
     ``dropout_key`` (from the key in ``TrainState.dropout_key``, see ``train_step``);
     evaluation passes none and applies no dropout."""
 
     def loss_fn(adapters, batch, *, frozen, dropout_key=None):
-        fn = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
+        fn = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv))
         return fn(frozen, adapters, batch, lora_dropout_key=dropout_key)
 
     return loss_fn
@@ -44,7 +44,16 @@ def dropout_key(config):
     return jax.random.key(config.seed + 2) if config.lora_dropout else None
 
 
-def build(config, cfg, *, compute_dtype=None, mesh=None):
+def job_resolved_levers(config, cfg, dtype, target=None):
+    """The job's ``jmem.Levers`` resolved for one microbatch ``[batch / grad_accum,
+    seq_len]`` in ``dtype`` on ``target`` (None: the running backend)."""
+    batch = None
+    if config.batch_size is not None and config.seq_len is not None:
+        batch = (max(1, config.batch_size // config.grad_accum), config.seq_len)
+    return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype)
+
+
+def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
     """The train step, the loss, the compute dtype and the learning-rate schedule; shared by
     training, the dry run and ``benchmarks/peer_qlora.py``.
 
@@ -53,8 +62,10 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
       cfg: the model's ``LlamaConfig``.
       compute_dtype: overrides ``config.precision`` (e.g. float32 for a benchmark).
       mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
-        With ``config.remat == "none"`` the loss runs ``cfg`` with ``scan_unroll=True``
-        (the layers inlined: a layer loop would stack every saved activation).
+      target: the compile target the levers are resolved for (``jmem.resolve_levers``;
+        None: the running backend). The resolved levers are ``step.levers``; with
+        ``--remat none`` they inline the layers (a layer loop would stack every saved
+        activation).
 
     Returns:
       ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
@@ -63,9 +74,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
     """
     dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
-    if config.remat == "none":  # no remat: inline the layers (no stacked residuals)
-        cfg = dataclasses.replace(cfg, scan_unroll=True)
-    loss_fn = _loss(cfg)
+    lv = job_resolved_levers(config, cfg, dtype, target)
+    loss_fn = _loss(cfg, lv)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.lr,
@@ -83,7 +93,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
         opt,
         precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
         loss_scale=scale,
-        remat=config.remat,
+        levers=lv,
         microbatches=config.grad_accum,
         offload_optimizer=config.offload,
         mesh=mesh,

@@ -14,6 +14,7 @@ from jmem._src import cli
 from jmem._src.attention import IMPLEMENTATIONS
 from jmem._src.finetune.build import OPTIMIZERS
 from jmem._src.finetune.mesh import mesh_spec
+from jmem._src.levers import Levers
 from jmem._src.remat import REMAT_POLICIES
 from jmem.models import llama
 
@@ -50,9 +51,9 @@ class FinetuneConfig:
     lora_targets: str = ALL_PROJECTIONS
     precision: str = "bf16"
     offload: bool = False
-    attention: str = llama.LlamaConfig.attention
-    loss_chunk: int = llama.LlamaConfig.loss_chunk
-    mlp_chunk: int = llama.LlamaConfig.mlp_chunk
+    attention: str = Levers.attention
+    loss_chunk: int = Levers.loss_chunk
+    mlp_chunk: int = Levers.token_chunk
     seed: int = 0
     host_allocator: str = "auto"
     # run

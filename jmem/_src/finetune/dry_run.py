@@ -53,7 +53,7 @@ def dry_run(config, cfg, mesh=None):
     q_bytes, q_count, frozen_bytes = base_bytes(frozen)
     targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
     devices = 1 if mesh is None else int(mesh.size)
-    est = _estimate(config, cfg, dtype, targets, devices)
+    est = _estimate(config, step.levers, cfg, dtype, targets, devices)
     n_adapter = jlora.num_trainable(adapters)
     print(
         f"\n{model_name(config)}: {llama.num_params(cfg) / 1e9:.2f}B params, "
@@ -62,8 +62,9 @@ def dry_run(config, cfg, mesh=None):
     )
     print(
         f"NF4 base: {format_bytes(q_bytes)} for {q_count / 1e9:.2f}B weights = "
-        f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}\n"
+        f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}"
     )
+    print(f"levers (resolved for {step.levers.target}):\n{step.levers.describe()}\n")
     batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // devices
     state_bytes = report.argument_bytes - batch_bytes
     rows = [
@@ -94,6 +95,7 @@ def dry_run(config, cfg, mesh=None):
         "batch_size": config.batch_size,
         "compiled": dataclasses.asdict(report),
         "estimate": est.as_dict(),
+        "levers": step.levers.as_dict(),
         "nf4_bytes_per_param": q_bytes / q_count,
         "trainable_params": n_adapter,
         "args": flags(config),
@@ -106,7 +108,7 @@ def dry_run(config, cfg, mesh=None):
     return out
 
 
-def _estimate(config, cfg, dtype, targets, devices: int):
+def _estimate(config, levers, cfg, dtype, targets, devices: int):
     """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
     over ``devices``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
@@ -116,7 +118,7 @@ def _estimate(config, cfg, dtype, targets, devices: int):
         optimizer=config.optimizer,
         lora={"rank": config.lora_rank, "targets": targets},
         quantization="nf4",
-        remat=config.remat,
+        levers=levers,
         batch_size=max(1, config.batch_size // devices),
         seq_len=config.seq_len,
         **shards,

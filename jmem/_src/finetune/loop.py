@@ -162,6 +162,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
       The summary (``summary.json``).
     """
     step, loss_fn, dtype, schedule = build(config, cfg, mesh=mesh)
+    print(f"levers:\n{step.levers.describe()}", flush=True)
     ckpt = Checkpointer(
         os.path.join(os.path.abspath(config.out), "checkpoints"),
         save_every=config.save_every,

@@ -4,11 +4,11 @@ naming its flag."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
 
+import jmem
 from jmem import data as jdata
 from jmem import lora as jlora
 from jmem._src.cli import CliError
@@ -26,14 +26,19 @@ DEFAULTS = {
 
 
 def model_config(config) -> llama.LlamaConfig:
-    """The model: its shape from ``--checkpoint``'s config.json, else ``--config`` (whose
-    default depends on the device), with ``--attention``, ``--loss-chunk`` and
-    ``--mlp-chunk`` applied."""
-    return dataclasses.replace(
-        _model_shape(config),
+    """The model (its identity only): its shape from ``--checkpoint``'s config.json, else
+    ``--config`` (whose default depends on the device). How it runs is ``job_levers``."""
+    return _model_shape(config)
+
+
+def job_levers(config) -> jmem.Levers:
+    """The run's execution settings as one ``jmem.Levers``: ``--remat``, ``--attention``,
+    ``--loss-chunk`` and ``--mlp-chunk`` (resolved per batch and target by ``build``)."""
+    return jmem.Levers(
+        remat=config.remat,
         attention=config.attention,
         loss_chunk=config.loss_chunk,
-        mlp_chunk=config.mlp_chunk,
+        token_chunk=config.mlp_chunk,
     )
 
 

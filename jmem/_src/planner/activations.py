@@ -10,15 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from jmem._src import dtypes as _dtypes
+from jmem._src.attention import pick_implementation
 from jmem._src.planner.shapes import ModelShape
 
 __all__ = ["REMAT_MODES", "activation_bytes", "is_long_context"]
 
 #: Remat modes, as named by ``jmem.REMAT_POLICIES``, from most to least memory.
 REMAT_MODES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
-
-#: ``attention="auto"`` runs dense attention up to this many keys (``jmem.ops.attention``).
-AUTO_DENSE_MAX_KEYS = 1024
 
 #: Long-context paths (blockwise attention, chunked loss, the layer's token-local parts in
 #: ``mlp_chunk``-token chunks): bytes per token and hidden unit that one layer holds under
@@ -59,11 +57,13 @@ def _offloaded_per_token(shape: ModelShape, A: int) -> int:
 
 
 def is_long_context(shape: ModelShape, seq_len: int) -> bool:
-    """Whether ``shape``'s step runs blockwise attention at ``seq_len`` (``"blockwise"``,
-    or ``"auto"``/``"cudnn"`` beyond ``AUTO_DENSE_MAX_KEYS`` keys)."""
-    if shape.attention == "dense":
-        return False
-    return shape.attention != "auto" or seq_len > AUTO_DENSE_MAX_KEYS
+    """Whether ``shape``'s step holds no ``[S, T]`` scores at ``seq_len``: blockwise or
+    cuDNN attention (``shape.attention`` as ``jmem.resolve_levers`` resolved it; an
+    unresolved ``"auto"`` is taken as off the GPU, by ``jmem.ops.attention``'s rule)."""
+    attention = shape.attention
+    if attention == "auto":
+        attention = pick_implementation("auto", "not resolved", seq_len)
+    return attention != "dense"
 
 
 def _long_context_parts(shape: ModelShape, b: int, s: int) -> dict[str, int]:

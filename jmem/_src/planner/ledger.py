@@ -15,6 +15,7 @@ from typing import Mapping
 from typing import Sequence
 
 from jmem._src import dtypes as _dtypes
+from jmem._src import levers as _levers
 from jmem._src.planner.activations import activation_bytes
 from jmem._src.planner.shapes import LINEAR_NAMES
 from jmem._src.planner.shapes import ModelShape
@@ -386,6 +387,32 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
     return act, detail, parts["host_activations"], notes
 
 
+#: The levers of a model given by name or parameter count: the plain paths (dense
+#: attention, whole loss, no token chunks), as a textbook step runs them.
+PLAIN_LEVERS = _levers.Levers(attention="dense", loss_chunk=0, token_chunk=0)
+
+
+def _with_levers(shape, model, count_given, levers, batch_size, seq_len, act_dtype, target):
+    """``shape`` with the long-context paths of ``levers`` resolved (``jmem.resolve_levers``,
+    the same rules as the model and the job) for this batch and target."""
+    if levers is None:
+        if isinstance(model, ModelShape):
+            levers = _levers.Levers(
+                attention=model.attention, loss_chunk=model.loss_chunk, token_chunk=model.mlp_chunk
+            )
+        elif count_given or isinstance(model, str):
+            levers = PLAIN_LEVERS
+        else:
+            levers = _levers.Levers()
+    source = shape if count_given or isinstance(model, (str, ModelShape)) else model
+    dtype = _dtypes.parse_dtype(act_dtype) if isinstance(act_dtype, str) else act_dtype
+    lv = _levers.resolve(levers, source, (batch_size, seq_len), target, dtype=dtype)
+    shape = dataclasses.replace(
+        shape, attention=lv.attention, loss_chunk=lv.loss_chunk, mlp_chunk=lv.token_chunk
+    )
+    return shape, lv
+
+
 def _ledger(st: _States, act, host, n, detail, notes, config) -> Ledger:
     """Rounds the state ledgers to int bytes and assembles the :class:`Ledger`."""
     return Ledger(
@@ -425,6 +452,8 @@ def estimate(
     accounting: str = "stored",
     state_block_size: int | None = None,
     activations: int | None = None,
+    levers: Any = None,
+    target: Any = None,
     **shape_kwargs,
 ) -> Ledger:
     """Estimates the device memory of one training step, ledger by ledger.
@@ -459,6 +488,13 @@ def estimate(
         see ``docs/planner.md``.
       state_block_size: override the quantization block of 8-/4-bit optimizer states.
       activations: fix the activation ledger to this many bytes instead of computing it.
+      levers: the step's ``jmem.Levers`` (or ``ResolvedLevers``): its attention, loss and
+        token chunks are resolved for ``batch_size``/``seq_len`` by ``jmem.resolve_levers``,
+        the rules the model and the job use; ``remat`` is taken from it when ``remat`` is
+        None. Default: ``jmem.Levers()`` for a config, the plain paths (dense attention,
+        whole loss, no chunks; ``PLAIN_LEVERS``) for a name or a count.
+      target: what the step is compiled for (``jmem.resolve_levers``'s ``target``; None:
+        the running backend).
       **shape_kwargs: ``hidden_size``, ``num_layers``, ``intermediate_size``,
         ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``tie_embeddings``
         for a model given as a parameter count.
@@ -507,6 +543,10 @@ def estimate(
     st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P)
     st, host = _offload(st, offload)
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
+    shape, lv = _with_levers(
+        shape, model, count_given, levers, batch_size, seq_len, act_dtype, target
+    )
+    remat = lv.remat if remat is None else remat
     act, act_detail, host_act, act_notes = _activations(
         shape, activations, batch_size, seq_len, act_dtype, remat, count_given
     )
@@ -514,13 +554,8 @@ def estimate(
         host["activations"] = host_act
     config = {
         "model": shape.name or (f"{n / 1e9:.3g}B" if count_given else "config"),
-        "param_dtype": param_dtype,
-        "optimizer": optimizer,
-        "remat": remat,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "offload": offload,
-        "lora": spec,
+        **dict(param_dtype=param_dtype, optimizer=optimizer, remat=remat),
+        **dict(batch_size=batch_size, seq_len=seq_len, offload=offload, lora=spec),
         "quantization": quantization,
         "num_shards": num_shards if num_shards > 1 else None,
         "accounting": accounting if accounting != "stored" else None,

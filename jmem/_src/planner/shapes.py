@@ -47,9 +47,9 @@ class ModelShape:
     name: str | None = None
     norm_widths: tuple[int, ...] | None = None
     fused_projections: bool = False
-    #: The long-context paths (``LlamaConfig.attention``, ``loss_chunk``, ``mlp_chunk``): how
-    #: the step computes, not the shape, so they do not take part in comparisons. A named
-    #: shape or a count uses the dense paths.
+    #: The long-context paths as resolved from the step's ``jmem.Levers`` (attention,
+    #: ``loss_chunk``, ``token_chunk``; set by ``estimate``): how the step computes, not the
+    #: shape, so they do not take part in comparisons.
     attention: str = dataclasses.field(default="dense", compare=False)
     loss_chunk: int = dataclasses.field(default=0, compare=False)
     mlp_chunk: int = dataclasses.field(default=0, compare=False)
@@ -288,9 +288,6 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
         getattr(model, "name", None),
         norm_widths_of(model),
         bool(getattr(model, "fused_projections", False)),
-        str(getattr(model, "attention", "dense")),
-        int(getattr(model, "loss_chunk", 0)),
-        int(getattr(model, "mlp_chunk", 0)),
     )
     if s.name is None:  # name a config that matches a known shape
         for known in MODEL_SHAPES.values():

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmem._src import levers as _levers
 from jmem._src.loss_scale import NoOpLossScale
 from jmem._src.loss_scale import all_finite
 from jmem._src.master_weights import mixed_precision
@@ -53,6 +54,7 @@ class TrainStep:
       optimizer: the optimizer as wrapped by the builder (master weights, offload, sharding).
       precision: the precision ``Policy`` or None.
       offload_optimizer: whether the optimizer state lives in host memory between steps.
+      levers: the ``jmem.Levers``/``ResolvedLevers`` given to ``train_step`` (or None).
     """
 
     jitted: Callable
@@ -61,6 +63,7 @@ class TrainStep:
     _init: Callable
     offload_optimizer: bool = False
     _user_optimizer: Any = None
+    levers: Any = None
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated.
@@ -161,6 +164,7 @@ def train_step(
     jit_kwargs: dict | None = None,
     mesh: Any = None,
     strategy: str = "zero3",
+    levers: Any = None,
     **unknown: Any,
 ) -> TrainStep:
     """Builds a jitted, donating ``step(state, batch) -> (state, metrics)``.
@@ -191,7 +195,11 @@ def train_step(
       loss_scale: initial ``NoOpLossScale`` (default), ``StaticLossScale`` or
         ``DynamicLossScale``.
       remat: a ``jmem.REMAT_POLICIES`` name, checkpoint names or a policy callable, applied
-        with ``jmem.remat`` to the loss.
+        with ``jmem.remat`` to the loss (default: ``levers.remat``, else no remat).
+      levers: the ``jmem.Levers`` (or ``jmem.resolve_levers``'s ``ResolvedLevers``) the
+        loss runs with: the step applies their ``remat`` and records them as
+        ``TrainStep.levers``; bind the same value into the loss
+        (``llama.loss_fn(p, b, cfg, levers=lv)``) so model and step read one value.
       microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
         The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
         each microbatch is weighted by its count of unmasked tokens (the loss is the mean
@@ -237,6 +245,7 @@ def train_step(
     Chen et al. 2016 and Korthikanti et al. 2022; ZeRO after Rajbhandari et al. 2020.
     """
     kw = {k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer", "unknown")}
+    kw["remat"] = _levers_remat(kw.pop("levers"), remat)
     o = _parse_options(unknown, **kw)
     user_optimizer = optimizer
     optimizer, stepper = _optimizers(optimizer, o)
@@ -250,6 +259,7 @@ def train_step(
         _init=init,
         offload_optimizer=o.offload,
         _user_optimizer=user_optimizer,
+        levers=levers,
     )
 
 
@@ -273,6 +283,24 @@ class _Options:
 
 
 _RENAMED = {"policy": "precision"}
+
+
+def _levers_remat(levers: Any, remat: Any) -> Any:
+    """The step's remat: ``remat=``, else the levers' (``jmem.Levers.remat``).
+
+    Raises:
+      TypeError: ``levers`` that are not ``jmem.Levers``/``ResolvedLevers``.
+      ValueError: ``remat=`` and ``levers.remat`` both given and different.
+    """
+    if levers is None:
+        return remat
+    if not isinstance(levers, (_levers.Levers, _levers.ResolvedLevers)):
+        raise TypeError(f"levers must be a jmem.Levers; got {type(levers).__name__}.")
+    if remat is not None and levers.remat is not None and remat != levers.remat:
+        raise ValueError(
+            f"remat={remat!r} and levers.remat={levers.remat!r} disagree; set one of them."
+        )
+    return levers.remat if remat is None else remat
 
 
 def _parse_options(unknown: dict, **kw: Any) -> _Options:

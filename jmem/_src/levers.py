@@ -1,0 +1,302 @@
+"""The memory levers of a step as one frozen value, and the one place their rules live.
+
+``Levers`` holds how a model is *run* (remat policy, attention implementation, loss and
+token chunks, the layer loop's unroll, FP8), apart from what the model *is* (its
+``LlamaConfig``: shapes and family options), as MaxText keeps ``configs/models/*.yml``
+apart from ``base.yml`` and jmp passes one frozen ``Policy`` to everything.
+
+``resolve(levers, model, batch, target)`` applies every rule that combines the levers
+with the model, the batch and the machine being compiled for (not necessarily the one
+running), and returns a ``ResolvedLevers``: concrete choices, each with the reason it was
+made. The model's ``forward``/``loss_fn``, ``jmem.train_step``, the planner and the
+fine-tuning job all read the same resolved value, so there is no second ``"auto"`` rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmem._src import attention as attention_lib
+
+__all__ = ["Levers", "ResolvedLevers", "resolve"]
+
+#: ``Levers.remat`` values, from most device memory to least (``jmem.REMAT_POLICIES``).
+REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
+
+
+def _check_chunk(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
+
+
+def _check_unroll(value) -> None:
+    if value is None or value is True or (type(value) is int and value >= 1):
+        return
+    raise ValueError(
+        f"scan_unroll must be None (resolved), True or an int >= 1 (lax.scan's unroll); "
+        f"got {value!r}."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Levers:
+    """How a step is run: the execution settings that trade memory for compute.
+
+    Frozen and hashable (a static argument under ``jax.jit``). Every field is checked at
+    construction; ``resolve`` turns the value into concrete choices for a model, a batch
+    and a compile target.
+
+    Attributes:
+      remat: remat policy name, one of ``REMAT_NAMES`` (``jmem.REMAT_POLICIES``), applied
+        by ``jmem.train_step(levers=...)`` (a model's ``loss_fn`` does not remat by
+        itself), or None (default): applied outside, if at all (``jmem.remat``).
+      attention: ``"auto"``, ``"dense"``, ``"blockwise"`` or ``"cudnn"``
+        (``jmem.ops.attention``): ``"auto"`` resolves to cuDNN on a GPU target where it
+        can run, else dense up to 1024 keys and blockwise beyond.
+      loss_chunk: tokens per chunk of the cross-entropy (``[loss_chunk, V]`` float32
+        logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes all ``[B, S, V]``
+        logits at once.
+      token_chunk: tokens per chunk of each layer's token-local parts (norms, q/k/v and
+        output projections, RoPE, the MLP; ``jmem._src.token_chunks``); 0, or fewer tokens
+        than this, runs them whole. Only attention sees every token.
+      scan_unroll: ``lax.scan``'s ``unroll`` for the layer loop: None resolves to True
+        (every layer inlined) with ``remat="none"`` (a loop would stack each saved
+        residual as ``[L, ...]``) and to 1 (a loop) otherwise; or an explicit True / int.
+      fp8: FP8 matmuls with delayed scaling (``jmem.fp8``): token chunks resolve to 0
+        with it (the scaling state is a per-call gradient; see ``resolve``).
+
+    Raises:
+      ValueError: an unknown remat or attention name, a negative or non-int chunk, a bad
+        ``scan_unroll``.
+    """
+
+    remat: str | None = None
+    attention: str = "auto"
+    loss_chunk: int = 2048
+    token_chunk: int = 2048
+    scan_unroll: int | bool | None = None
+    fp8: bool = False
+
+    def __post_init__(self):
+        if self.remat is not None and self.remat not in REMAT_NAMES:
+            raise ValueError(f"remat={self.remat!r} is unknown; choose from {REMAT_NAMES}.")
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention={self.attention!r} is unknown; choose from "
+                f"{attention_lib.IMPLEMENTATIONS}."
+            )
+        _check_chunk("loss_chunk", self.loss_chunk)
+        _check_chunk("token_chunk", self.token_chunk)
+        _check_unroll(self.scan_unroll)
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"fp8 must be a bool; got {self.fp8!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedLevers:
+    """``Levers`` made concrete for one model, batch shape and compile target.
+
+    Attributes:
+      remat, loss_chunk, token_chunk, fp8: as in ``Levers``, after the rules (``remat``
+        None: applied outside the model, if at all).
+      attention: ``"dense"``, ``"blockwise"`` or ``"cudnn"``; ``"auto"`` only when no
+        sequence length was known (then ``jmem.ops.attention`` picks per call by the same
+        rule, on the running backend).
+      scan_unroll: True or an int >= 1 (never None).
+      target: the platform compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``) or a named
+        target (``jmem.targets``).
+      seq_len: tokens per row the choices were made for (None: not known).
+      reasons: ``((lever, reason), ...)``, one per lever, in field order.
+    """
+
+    remat: str | None
+    attention: str
+    loss_chunk: int
+    token_chunk: int
+    scan_unroll: int | bool
+    fp8: bool
+    target: str
+    seq_len: int | None
+    reasons: tuple[tuple[str, str], ...] = ()
+
+    def reason(self, lever: str) -> str:
+        """Why ``lever`` has its value."""
+        return dict(self.reasons)[lever]
+
+    def describe(self) -> str:
+        """One line per lever: ``name = value  (reason)``; what the dry run prints."""
+        width = max(len(k) for k, _ in self.reasons)
+        return "\n".join(
+            f"  {k:<{width}} = {getattr(self, k)!s:<9}  ({why})" for k, why in self.reasons
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The choices and their reasons (``summary.json``, the dry run's record)."""
+        return {k: {"value": getattr(self, k), "reason": why} for k, why in self.reasons}
+
+
+def _platform(target) -> tuple[str, str]:
+    """``(name, platform)`` of a compile target: None (the running backend), a platform
+    name, a named target (``jmem.targets``), or an object with ``name``/``platform``."""
+    if target is None:
+        backend = jax.default_backend()
+        return backend, backend
+    if isinstance(target, str) and target in ("cpu", "gpu", "cuda", "rocm", "tpu"):
+        platform = "gpu" if target in ("cuda", "rocm") else target
+        return target, platform
+    if isinstance(target, str):
+        from jmem._src import targets as targets_lib  # noqa: PLC0415 (optional module)
+
+        target = targets_lib.get(target)
+    return str(target.name), str(target.platform)
+
+
+def _batch_facts(batch, seq_len) -> tuple[int | None, bool]:
+    """``(seq_len, packed)`` from a batch dict of arrays/ShapeDtypeStructs or a length."""
+    if batch is None:
+        return seq_len, False
+    if isinstance(batch, dict):
+        inputs = batch.get("inputs", batch.get("tokens"))
+        s = None if inputs is None else int(inputs.shape[-1])
+        return s, batch.get("segment_ids") is not None
+    shape = tuple(batch)
+    return int(shape[-1]), False
+
+
+def _attention(levers, model, seq, packed, platform, dtype) -> tuple[str, str]:
+    """The attention implementation and why, by ``jmem.ops.attention``'s own rule."""
+    if levers.attention not in ("auto", "cudnn"):
+        return levers.attention, "as given"
+    if seq is None:
+        if levers.attention == "cudnn":
+            return "cudnn", "as given"
+        return "auto", "auto: picked per call by the same rule (no sequence length known)"
+    d = model.head_dim
+    q = jax.ShapeDtypeStruct((1, seq, model.num_heads, d), dtype)
+    k = jax.ShapeDtypeStruct((1, seq, model.num_kv_heads, d), dtype)
+    window = _layer_window(model)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
+    reason = attention_lib.cudnn_reason(
+        q, k, seg, window, getattr(model, "attn_logit_softcap", None), None, platform=platform
+    )
+    choice = attention_lib.pick_implementation(levers.attention, reason, seq)
+    if choice == "cudnn":
+        return choice, f"{levers.attention}: cuDNN fused attention runs on {platform}"
+    if choice == "dense":
+        return choice, (
+            f"auto: {seq} keys <= {attention_lib.AUTO_DENSE_MAX_KEYS}, dense (cuDNN: {reason})"
+        )
+    return choice, (
+        f"auto: {seq} keys > {attention_lib.AUTO_DENSE_MAX_KEYS}, blockwise (cuDNN: {reason})"
+    )
+
+
+def _layer_window(model):
+    """The sliding window every layer shares, or a traced-int stand-in when layers differ
+    (Gemma's mixed layers: the window is selected per layer inside the scan)."""
+    types = getattr(model, "layer_types", None)
+    if types is not None and len(set(types)) > 1:
+        return jax.ShapeDtypeStruct((), jnp.int32)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return getattr(model, "sliding_window", None)
+
+
+def _chunks(levers, seq, batch_rows) -> list[tuple[str, int, str]]:
+    """``(lever, value, reason)`` for the loss and token chunks."""
+    tokens = None if seq is None else seq * (batch_rows or 1)
+    out = []
+    if levers.loss_chunk == 0:
+        out.append(("loss_chunk", 0, "as given: all [B, S, V] logits at once"))
+    elif tokens is not None and tokens <= levers.loss_chunk:
+        out.append(("loss_chunk", levers.loss_chunk, f"as given ({tokens} tokens: one chunk)"))
+    else:
+        out.append(("loss_chunk", levers.loss_chunk, "as given"))
+    if levers.fp8 and levers.token_chunk:
+        why = "off: FP8's scaling state is a per-call gradient (one call per layer)"
+        out.append(("token_chunk", 0, why))
+    elif levers.token_chunk and seq is not None and seq <= levers.token_chunk:
+        out.append(("token_chunk", levers.token_chunk, f"as given ({seq} tokens: one chunk)"))
+    else:
+        out.append(("token_chunk", levers.token_chunk, "as given"))
+    return out
+
+
+def resolve(
+    levers: Levers | ResolvedLevers | None,
+    model: Any,
+    batch: Any = None,
+    target: Any = None,
+    *,
+    dtype: Any = jnp.bfloat16,
+) -> ResolvedLevers:
+    """Applies every rule that combines the levers with a model, a batch and a target.
+
+    The rules, all here:
+      - ``attention="auto"``: cuDNN fused attention where ``jmem.ops.attention`` says it
+        can run on the *target* (16-bit inputs, head dim a multiple of 8 up to 128, no
+        packed rows, no soft-cap, one window for every layer), else dense up to 1024 keys
+        and blockwise beyond.
+      - ``scan_unroll=None``: True (inlined layers) with ``remat="none"``, else 1.
+      - ``fp8=True`` turns token chunks off (named in the reason), never silently.
+
+    Args:
+      levers: a ``Levers`` (None: ``Levers()``), or an already ``ResolvedLevers``
+        (returned unchanged).
+      model: the model's ``LlamaConfig`` (or any object with its shape attributes).
+      batch: a batch dict (``{"inputs": [B, S], ...}``, arrays or ShapeDtypeStructs; a
+        ``"segment_ids"`` entry marks packed rows), a shape tuple ``(B, S)``, or None.
+      target: what is compiled for: None (the running backend), ``"cpu"``/``"gpu"``/
+        ``"tpu"``, or a ``jmem.targets`` name or ``Target``.
+      dtype: the activation (compute) dtype; cuDNN needs a 16-bit one.
+
+    Returns:
+      A ``ResolvedLevers`` with one reason per lever (``describe()`` prints them).
+    """
+    if isinstance(levers, ResolvedLevers):
+        return levers
+    levers = Levers() if levers is None else levers
+    if not isinstance(levers, Levers):
+        raise TypeError(f"levers must be a jmem.Levers; got {type(levers).__name__}.")
+    name, platform = _platform(target)
+    seq, packed = _batch_facts(batch, None)
+    rows = None
+    if isinstance(batch, dict) and batch.get("inputs") is not None:
+        rows = int(batch["inputs"].shape[0])
+    elif isinstance(batch, tuple):
+        rows = int(batch[0]) if len(batch) > 1 else None
+    attn, attn_why = _attention(levers, model, seq, packed, platform, jnp.dtype(dtype))
+    if levers.scan_unroll is None:
+        unroll = True if levers.remat == "none" else 1
+        unroll_why = (
+            "remat none: layers inlined (a loop would stack each saved residual)"
+            if unroll is True
+            else f"remat {levers.remat or 'outside'}: one layer loop (compile time "
+            "independent of depth)"
+        )
+    else:
+        unroll, unroll_why = levers.scan_unroll, "as given"
+    chunks = {k: (v, why) for k, v, why in _chunks(levers, seq, rows)}
+    fp8_why = "FP8 matmuls with delayed scaling" if levers.fp8 else "off"
+    return ResolvedLevers(
+        remat=levers.remat,
+        attention=attn,
+        loss_chunk=chunks["loss_chunk"][0],
+        token_chunk=chunks["token_chunk"][0],
+        scan_unroll=unroll,
+        fp8=levers.fp8,
+        target=name,
+        seq_len=seq,
+        reasons=(
+            ("remat", "as given" if levers.remat else "applied outside the model, if at all"),
+            ("attention", attn_why),
+            ("loss_chunk", chunks["loss_chunk"][1]),
+            ("token_chunk", chunks["token_chunk"][1]),
+            ("scan_unroll", unroll_why),
+            ("fp8", fp8_why),
+        ),
+    )

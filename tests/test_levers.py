@@ -1,0 +1,122 @@
+"""jmem.Levers: the execution settings as one frozen value, resolved in one place for a
+model, a batch and a compile target; the model config holds identity only."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import small_config
+from helpers import token_batch
+
+import jmem
+from jmem import planner
+from jmem.models import llama
+
+
+def test_model_config_holds_identity_only():
+    fields = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
+    assert not fields & {"attention", "loss_chunk", "mlp_chunk", "scan_unroll", "remat", "fp8"}
+    with pytest.raises(ValueError, match=r"levers=jmem.Levers\(token_chunk=...\)"):
+        llama.get_config("tiny", mlp_chunk=64)
+
+
+def test_levers_are_frozen_hashable_and_checked():
+    lv = jmem.Levers(remat="full", token_chunk=64)
+    assert hash(lv) == hash(jmem.Levers(remat="full", token_chunk=64))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lv.remat = "none"
+    for bad in (dict(remat="most"), dict(attention="flash"), dict(loss_chunk=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            jmem.Levers(**bad)
+    with pytest.raises(ValueError, match="scan_unroll"):
+        jmem.Levers(scan_unroll=0)
+
+
+def test_every_choice_has_a_reason():
+    cfg = llama.get_config("tiny")
+    lv = jmem.resolve_levers(jmem.Levers(remat="full"), cfg, (2, 4096), "cpu")
+    assert [k for k, _ in lv.reasons] == [
+        "remat", "attention", "loss_chunk", "token_chunk", "scan_unroll", "fp8"
+    ]  # fmt: skip
+    assert lv.attention == "blockwise" and "4096 keys > 1024" in lv.reason("attention")
+    assert lv.scan_unroll == 1
+    text = lv.describe()
+    assert (
+        all(k in text for k, _ in lv.reasons) and lv.as_dict()["attention"]["value"] == "blockwise"
+    )
+
+
+def test_auto_attention_resolves_for_the_target_not_the_running_machine():
+    """On this CPU machine, a GPU target gets cuDNN (bf16, head dim 32); a float32 step or
+    a soft-capped family (Gemma 2) falls back with the reason."""
+    cfg = llama.get_config("tiny")
+    assert jmem.resolve_levers(None, cfg, (1, 4096), "gpu").attention == "cudnn"
+    assert jmem.resolve_levers(None, cfg, (1, 512), "cpu").attention == "dense"
+    f32 = jmem.resolve_levers(None, cfg, (1, 4096), "gpu", dtype=jnp.float32)
+    assert f32.attention == "blockwise" and "bfloat16" in f32.reason("attention")
+    gemma = llama.get_config("gemma2_2b")
+    capped = jmem.resolve_levers(None, gemma, (1, 4096), "gpu")
+    assert capped.attention == "blockwise" and "head dim" in capped.reason("attention")
+    packed = {
+        "inputs": jax.ShapeDtypeStruct((1, 4096), jnp.int32),
+        "segment_ids": jax.ShapeDtypeStruct((1, 4096), jnp.int32),
+    }
+    assert jmem.resolve_levers(None, cfg, packed, "gpu").attention == "blockwise"
+
+
+def test_fp8_turns_token_chunks_off_with_a_reason_and_unroll_follows_remat():
+    cfg = llama.get_config("tiny")
+    lv = jmem.resolve_levers(jmem.Levers(fp8=True, remat="none"), cfg, (1, 4096))
+    assert lv.token_chunk == 0 and "FP8" in lv.reason("token_chunk")
+    assert lv.scan_unroll is True and "inlined" in lv.reason("scan_unroll")
+    assert jmem.resolve_levers(jmem.Levers(scan_unroll=2), cfg, (1, 8)).scan_unroll == 2
+
+
+def test_loss_fn_reads_the_levers():
+    """The same loss through every path the levers choose (float32, 1e-5), and an FP8
+    conflict refused instead of silently dropping chunks."""
+    cfg = small_config()
+    params = llama.init(jax.random.key(0), cfg)
+    batch = token_batch(cfg, seq_len=24)
+    ref = llama.loss_fn(params, batch, cfg, levers=jmem.Levers(attention="dense", loss_chunk=0))
+    for lv in (
+        jmem.Levers(attention="blockwise", loss_chunk=8, token_chunk=16),
+        jmem.resolve_levers(jmem.Levers(token_chunk=16), cfg, batch),
+    ):
+        chex.assert_trees_all_close(llama.loss_fn(params, batch, cfg, levers=lv), ref, rtol=1e-5)
+    metas = jmem.fp8.init_metas(params, llama.LINEAR_NAMES)
+    resolved = jmem.resolve_levers(jmem.Levers(token_chunk=16), cfg, batch)
+    with pytest.raises(ValueError, match="fp8=True"):
+        llama.loss_fn(params, batch, cfg, levers=resolved, fp8=metas)
+
+
+def test_train_step_applies_the_levers_remat():
+    cfg = small_config()
+    lv = jmem.Levers(remat="full")
+    loss = lambda p, b: llama.loss_fn(p, b, cfg, levers=lv)
+    step = jmem.train_step(loss, optax.sgd(0.1), levers=lv)
+    assert step.levers is lv
+    params = llama.init(jax.random.key(0), cfg)
+    batch = token_batch(cfg, seq_len=16)
+    jaxpr = jax.make_jaxpr(step.jitted)(step.init(params), batch)
+    assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+    with pytest.raises(ValueError, match="disagree"):
+        jmem.train_step(loss, optax.sgd(0.1), levers=lv, remat="none")
+
+
+def test_planner_resolves_the_same_levers():
+    """The planner's long-context paths are the resolver's: a GPU target's cuDNN and the
+    CPU's blockwise both hold no [S, T] scores; explicit dense does."""
+    cfg = llama.get_config("llama3_1_8b")
+    kw = dict(remat="full", seq_len=32768, lora=8, quantization="nf4")
+    dense = planner.estimate(cfg, levers=jmem.Levers(attention="dense"), **kw)
+    cpu = planner.estimate(cfg, levers=jmem.Levers(), target="cpu", **kw)
+    gpu = planner.estimate(cfg, levers=jmem.Levers(), target="gpu", **kw)
+    assert cpu.activations == gpu.activations < dense.activations / 4
+    lv = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 32768))
+    assert planner.estimate(cfg, levers=lv, **{**kw, "remat": None}).config["remat"] == (
+        "offload_inputs"
+    )
