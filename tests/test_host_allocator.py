@@ -526,10 +526,11 @@ def test_accelerator_plugin_follows_jax_platforms(monkeypatch):
 
 @pytest.fixture
 def process_spy(monkeypatch):
-    """Records every ``mallopt`` looked up through ctypes and every ``exec*`` call (which
-    it refuses), and the environment before; checks after that nothing changed."""
+    """Records every ``mallopt`` looked up through ctypes, every ``exec*`` call (which it
+    refuses) and every environment change (pytest's own ``PYTEST_CURRENT_TEST`` aside);
+    checks after the test that there were none and that the environment is as before."""
     calls = []
-    real_cdll = ctypes.CDLL
+    real_cdll, real_putenv, real_unsetenv = ctypes.CDLL, os.putenv, os.unsetenv
 
     class _SpyCDLL:
         def __init__(self, *args, **kwargs):
@@ -547,34 +548,82 @@ def process_spy(monkeypatch):
 
         return fn
 
+    def env_spy(name, real):
+        def fn(key, *value):
+            if os.fsdecode(key) != "PYTEST_CURRENT_TEST":
+                calls.append(f"{name} {os.fsdecode(key)}")
+            return real(key, *value)
+
+        return fn
+
     monkeypatch.setattr(ctypes, "CDLL", _SpyCDLL)
-    for name in ("execv", "execve", "execvp", "execvpe", "putenv", "unsetenv"):
+    for name in ("execv", "execve", "execvp", "execvpe"):
         monkeypatch.setattr(os, name, refuse(name))
+    monkeypatch.setattr(os, "putenv", env_spy("putenv", real_putenv))
+    monkeypatch.setattr(os, "unsetenv", env_spy("unsetenv", real_unsetenv))
     monkeypatch.setattr(ha, "_applied", False)
     monkeypatch.setattr(launcher, "_refused", None)
-    before = dict(os.environ)
+    environ = lambda: {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # noqa: E731
+    before = environ()
     yield calls
-    assert calls == [] and dict(os.environ) == before and not ha.retained()
+    assert calls == [] and environ() == before and not ha.retained()
+
+
+def test_the_spy_sees_what_it_guards_against(process_spy):
+    ctypes.CDLL(None).mallopt  # looked up, not called
+    os.environ["JMEM_TEST_SPY"] = "1"
+    del os.environ["JMEM_TEST_SPY"]
+    assert process_spy == ["mallopt", "putenv JMEM_TEST_SPY", "unsetenv JMEM_TEST_SPY"]
+    with pytest.raises(AssertionError, match="os.execv called"):
+        os.execv(sys.executable, [sys.executable])
+    process_spy.clear()
+
+
+def _tiny(tmp_path, choice, **kw):
+    return finetune.FinetuneConfig(
+        config="tiny", steps=1, batch_size=4, seq_len=32, lora_rank=4, remat="none",
+        host_allocator=choice, out=str(tmp_path / choice), no_progress=True, **kw,
+    )  # fmt: skip
+
+
+def _one_note(capsys) -> str:
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("host allocator")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("choice", ["auto", "huge-pages", "retain", "system"])
+def test_run_changes_nothing_in_its_callers_process(
+    process_spy, monkeypatch, tmp_path, capsys, choice
+):
+    """``finetune.run`` without remat (everything but the training loop, which is stubbed
+    here; the slow test below trains) leaves malloc, the process and its environment
+    alone, whatever ``host_allocator`` asks; its one note says how to get the speed."""
+    monkeypatch.setattr(job, "train", lambda *args: {"trained": True})
+    monkeypatch.setattr(ha, "huge_pages_active", lambda: False)
+    monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: None)
+    monkeypatch.setattr(ha, "_start_tunables", lambda: "")
+    monkeypatch.setattr(launcher, "accelerator_plugin", lambda: None)
+    assert finetune.run(_tiny(tmp_path, choice)) == {"trained": True}
+    note = _one_note(capsys)
+    if choice in ("auto", "huge-pages"):
+        assert "start Python with GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in note
+        assert "run the job from the command line" in note and "1.45x" in note
+    elif choice == "retain":
+        assert "call jmem.host.retain_host_allocations() first" in note
+    else:
+        assert note == "host allocator: glibc's defaults (--host-allocator system)"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("choice", ["auto", "retain", "huge-pages"])
-def test_run_changes_nothing_in_its_callers_process(process_spy, tmp_path, capsys, choice):
-    """``finetune.run`` without remat on a tiny config trains one step and leaves malloc's
-    settings, the process and its environment alone; its note says how to get the speed."""
-    config = finetune.FinetuneConfig(
-        config="tiny", steps=1, batch_size=4, seq_len=32, lora_rank=4, remat="none",
-        host_allocator=choice, out=str(tmp_path / choice), no_progress=True,
-    )  # fmt: skip
-    summary = finetune.run(config)
+def test_a_real_run_changes_nothing_in_its_callers_process(process_spy, tmp_path, capsys):
+    """The same with one real training step, asking for ``retain`` (which only the
+    command line applies): ``summary.json`` records that nothing was retained."""
+    summary = finetune.run(_tiny(tmp_path, "retain"))
     assert len(summary["losses"]) == 1
-    assert summary["host_allocator"]["requested"] == choice
+    assert summary["host_allocator"]["requested"] == "retain"
     assert summary["host_allocator"]["retained"] is False
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("host allocator")]
-    assert len(lines) == 1, lines
-    if not ha.huge_pages_active() and ha.huge_pages_unavailable() is None:
-        assert ("GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in lines[0]) or choice == "retain"
-        assert "jmem.host.retain_host_allocations()" in lines[0] or choice != "retain"
+    assert "host allocator: " in _one_note(capsys)
 
 
 _CLI = [sys.executable, "-m", "jmem", "finetune", "--config", "tiny", "--steps", "1"]

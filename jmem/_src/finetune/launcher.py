@@ -21,6 +21,8 @@ from typing import Sequence
 
 from jmem._src import host_allocator
 from jmem._src.cli import CliError
+from jmem._src.finetune.config import parse_args
+from jmem._src.finetune.config import validate
 
 #: The start of the note ``auto`` leaves when a JAX accelerator plugin is installed.
 PLUGIN_NOTE = "host allocator: unchanged ("
@@ -81,9 +83,6 @@ def relaunch_with_huge_pages(argv: Sequence[str], prog: str = "jmem finetune") -
     Source: glibc's ``glibc.malloc.hugetlb`` tunable (see ``jmem.host``).
     """
     global _refused
-    from jmem._src.finetune.config import parse_args  # noqa: PLC0415 - the job's own parser
-    from jmem._src.finetune.config import validate  # noqa: PLC0415
-
     quiet = io.StringIO()  # help and bad input: the job prints them, once
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
@@ -108,7 +107,8 @@ def _active_note(choice: str) -> str:
         how = "GLIBC_TUNABLES set when Python started"
     if choice == "system" or (choice == "auto" and _opts_out()):
         return f"host allocator: huge pages all the same ({how})"
-    return f"host allocator: 2 MiB huge pages ({how})"
+    also = ", freed memory retained too" if host_allocator.retained() else ""
+    return f"host allocator: 2 MiB huge pages ({how}){also}"
 
 
 def _no_huge_pages(remat: str) -> str:
