@@ -34,8 +34,9 @@ in a fresh process of its own (one runtime's threads cannot slow the other's).
 ``--host-allocator`` (default ``huge-pages``, the fine-tuning job's CPU default) sets the
 host allocator for the whole process and every worker, so both sides always run under the
 same one: ``huge-pages`` restarts the process once with glibc's ``glibc.malloc.hugetlb=1``
-(``jmem.host_huge_pages``), ``retain`` calls ``jmem.retain_host_allocations()``,
-``system`` keeps glibc's defaults (docs/performance.md).
+(``jmem.host.restart_with_huge_pages``), ``retain`` calls
+``jmem.host.retain_host_allocations()``, ``system`` keeps glibc's defaults
+(docs/performance.md).
 
 On a GPU the jmem side runs on the GPU and the peer on CUDA when PyTorch has it
 (``--skip-torch`` to time jmem only). Prints a table and writes
@@ -245,8 +246,9 @@ def cpu_info() -> dict:
 HOST_ALLOCATORS = ("huge-pages", "retain", "system")
 HOST_ALLOCATOR_HELP = (
     "huge-pages (default): glibc's glibc.malloc.hugetlb=1 for the whole process and its "
-    "workers, both sides (jmem.host_huge_pages restarts the process once to set it; the "
-    "fine-tuning job's default on CPU); retain: jmem.retain_host_allocations(), both sides; "
+    "workers, both sides (jmem.host.restart_with_huge_pages restarts the process once to set "
+    "it; the fine-tuning job's default on CPU); retain: jmem.host.retain_host_allocations(), "
+    "both sides; "
     "system: glibc's defaults"
 )
 
@@ -256,9 +258,9 @@ def host_allocator(choice: str, restart: bool) -> dict:
     ``restart``, i.e. run from the command line; its workers inherit the environment);
     returns what is in effect, for the JSON."""
     if choice == "huge-pages":
-        status = jmem.host_huge_pages(restart=restart, respect_env=False)
+        status = jmem.host.restart_with_huge_pages(restart=restart, respect_env=False)
     elif choice == "retain":
-        status = jmem.retain_host_allocations(respect_env=False)
+        status = jmem.host.retain_host_allocations(respect_env=False)
     else:
         status = None
     if status is not None and not status.applied:

@@ -28,14 +28,19 @@ A bad input exits with status 2 and one line `error: ...` naming the flag or fil
 `jmem finetune`, which takes `--config-file` too); this script only calls it.
 """
 
+import sys
+
 from jmem import finetune
 
 
 def main(argv=None):
     """Runs the job with this script's flags (``jmem.finetune.main``; ``argv`` None: the
-    command line, which the job may restart once for huge pages); returns the summary."""
+    command line); returns the summary."""
     return finetune.main(argv, prog="qlora_7b.py")
 
 
 if __name__ == "__main__":
+    # The launcher, before JAX starts: on CPU, restarts this script once with glibc's
+    # huge-page tunable (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; faster steps).
+    finetune.relaunch_with_huge_pages(sys.argv[1:], prog="qlora_7b.py")
     main()

@@ -2,14 +2,15 @@
 
 Top level: ``remat``, ``measure``, precision policies and master weights, loss scales, 8-/4-bit
 Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offload``, and
-``train_step`` which composes them; ``host_huge_pages`` and ``retain_host_allocations``
-for CPU steps without per-step page faults.
+``train_step`` which composes them.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
-``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
+``jmem.planner``, ``jmem.tree``, ``jmem.data``, ``jmem.host`` (the host allocator of CPU
+steps); the reference model in ``jmem.models``.
 """
 
 from jmem import data as data
 from jmem import fp8 as fp8
+from jmem import host as host
 from jmem import lora as lora
 from jmem import nf4 as nf4
 from jmem import ops as ops
@@ -19,8 +20,8 @@ from jmem import sharding as sharding
 from jmem import tree as tree
 from jmem._src.checkpointing import Checkpointer
 from jmem._src.decay_mask import decay_mask
-from jmem._src.host_allocator import host_huge_pages
-from jmem._src.host_allocator import retain_host_allocations
+from jmem._src.deprecated import host_huge_pages as host_huge_pages  # -> jmem.host
+from jmem._src.deprecated import retain_host_allocations as retain_host_allocations
 from jmem._src.levers import Levers
 from jmem._src.levers import ResolvedLevers
 from jmem._src.levers import resolve as resolve_levers
@@ -91,7 +92,7 @@ __all__ = (
     "dynamic_map",
     "fp8",
     "get_policy",
-    "host_huge_pages",
+    "host",
     "linear_map",
     "lora",
     "measure",
@@ -105,7 +106,6 @@ __all__ = (
     "qlora",
     "quantize_blockwise",
     "remat",
-    "retain_host_allocations",
     "scale_by_quantized_adam",
     "sharding",
     "to_device",

@@ -19,6 +19,7 @@ from typing import Sequence
 from jmem import planner
 from jmem._src import cli
 from jmem._src.finetune.job import main as finetune_main
+from jmem._src.finetune.launcher import relaunch_with_huge_pages
 from jmem.models import llama
 
 
@@ -257,11 +258,16 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one command. A bad input exits with status 2 and one line ``error: ...``."""
-    command_line = argv is None  # the process's own: the job may restart it (huge pages)
+    """Runs one command. A bad input exits with status 2 and one line ``error: ...``.
+
+    ``argv`` None is the process's own command line: ``finetune`` then restarts the process
+    once with glibc's huge-page tunable where it applies (``relaunch_with_huge_pages``)."""
+    command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["finetune"]:
-        finetune_main(argv[1:], prog="jmem finetune", restart=command_line)
+        if command_line:
+            relaunch_with_huge_pages(argv[1:], prog="jmem finetune")  # may os.execve
+        finetune_main(argv[1:], prog="jmem finetune")
         return 0
     parser = cli.Parser(prog="jmem", description="jmem command line tools")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)

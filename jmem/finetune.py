@@ -14,6 +14,7 @@ from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.dry_run import dry_run
 from jmem._src.finetune.job import main
 from jmem._src.finetune.job import run
+from jmem._src.finetune.launcher import relaunch_with_huge_pages
 from jmem._src.finetune.loop import Evaluator
 from jmem._src.finetune.loop import init_state
 from jmem._src.finetune.loop import train
@@ -44,6 +45,7 @@ __all__ = (
     "prepare_out",
     "quantized_base",
     "read_config_file",
+    "relaunch_with_huge_pages",
     "resolve_defaults",
     "run",
     "save_adapters",

@@ -1,15 +1,19 @@
-"""``jmem.host_huge_pages`` and ``jmem.retain_host_allocations``: host memory for XLA:CPU's
-per-step temporaries.
+"""``jmem.host``: host memory for XLA:CPU's per-step temporaries (huge pages, or glibc
+keeping freed memory), the fine-tuning job's launcher, and that the library itself never
+changes its caller's process.
 
 The unit tests replace ``mallopt``, ``os.execve`` and the machine's facts so the test
-process is left alone; the slow test runs the QLoRA step of the fine-tuning job in fresh
-processes and counts the page faults per step with glibc's defaults and with huge pages
+process is left alone; the slow tests run the QLoRA step of the fine-tuning job in fresh
+processes and count the page faults per step with glibc's defaults and with huge pages
 (the property that matters: XLA:CPU maps and faults in a step's temporaries again every
-step, 4 KiB at a time, with glibc's defaults).
+step, 4 KiB at a time, with glibc's defaults), and run the command line end to end.
 """
 
+import ctypes
 import json
 import os
+import pathlib
+import runpy
 import subprocess
 import sys
 import warnings
@@ -17,7 +21,10 @@ import warnings
 import pytest
 
 import jmem
+from jmem import finetune
 from jmem._src import host_allocator as ha
+from jmem._src.finetune import job
+from jmem._src.finetune import launcher
 
 GLIBC = sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"
 
@@ -52,11 +59,11 @@ def fake_libc(monkeypatch):
 @pytest.mark.skipif(not GLIBC, reason="glibc only (the settings are glibc's mallopt)")
 def test_sets_one_arena_no_mmap_no_trim_once(fake_libc, monkeypatch):
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
-    status = jmem.retain_host_allocations()
+    status = jmem.host.retain_host_allocations()
     assert status == ha.HostAllocatorStatus(True)
     assert fake_libc.calls == [(-8, 1), (-4, 0), (-1, 2**31 - 1)]
     assert ha.retained()
-    assert jmem.retain_host_allocations().applied and len(fake_libc.calls) == 3  # once
+    assert jmem.host.retain_host_allocations().applied and len(fake_libc.calls) == 3  # once
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
@@ -65,15 +72,15 @@ def test_warns_when_jax_already_started(fake_libc):
 
     jax.devices()  # the backends exist in this process
     with pytest.warns(RuntimeWarning, match="before the first JAX computation"):
-        assert jmem.retain_host_allocations().applied
+        assert jmem.host.retain_host_allocations().applied
 
 
 def test_opt_out_and_other_c_libraries_change_nothing(fake_libc, monkeypatch):
     monkeypatch.setenv(ha.ENV_VAR, "system")
-    status = jmem.retain_host_allocations()
+    status = jmem.host.retain_host_allocations()
     assert not status.applied and "JMEM_HOST_ALLOCATOR=system" in status.reason
     monkeypatch.setattr(ha.sys, "platform", "darwin")
-    status = jmem.retain_host_allocations(respect_env=False)
+    status = jmem.host.retain_host_allocations(respect_env=False)
     assert not status.applied and "not glibc" in status.reason
     assert fake_libc.calls == [] and not ha.retained()
 
@@ -84,7 +91,7 @@ def test_refused_setting_is_reported(fake_libc, monkeypatch):
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        status = jmem.retain_host_allocations()
+        status = jmem.host.retain_host_allocations()
     assert not status.applied and "refused" in status.reason and not ha.retained()
 
 
@@ -93,7 +100,7 @@ import json, resource, sys
 import jmem
 mode, remat = sys.argv[1], sys.argv[2]
 if mode == "huge-pages":  # restarts this process with the tunable, once
-    assert jmem.host_huge_pages(respect_env=False).applied
+    assert jmem.host.restart_with_huge_pages(respect_env=False).applied
 import jax.numpy as jnp
 import numpy as np
 from jmem import finetune
@@ -150,7 +157,7 @@ def _huge_pages_possible(monkeypatch, start_tunables="", mode="madvise"):
     and that a restart would not harm (this one is pytest's: the hazard check is faked)."""
     monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: None)
     monkeypatch.setattr(ha, "_thp_mode", lambda: mode)
-    monkeypatch.setattr(ha, "_start_environ", lambda: {"GLIBC_TUNABLES": start_tunables})
+    monkeypatch.setattr(ha, "_start_tunables", lambda: start_tunables)
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
     monkeypatch.setattr(ha, "_restart_hazard", lambda: None)
     monkeypatch.delenv(ha.ENV_VAR, raising=False)
@@ -182,7 +189,7 @@ def test_huge_pages_restart_the_process_once_with_the_tunable(monkeypatch, fake_
     monkeypatch.setattr(ha.sys, "argv", ["/x/jmem/__main__.py", "finetune", "--steps", "3"])
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     with pytest.raises(_Exec):
-        jmem.host_huge_pages()
+        jmem.host.restart_with_huge_pages()
     ((path, argv, env),) = fake_execve
     assert path == sys.executable
     assert argv == [sys.executable, "-m", "jmem", "finetune", "--steps", "3"]
@@ -192,37 +199,38 @@ def test_huge_pages_restart_the_process_once_with_the_tunable(monkeypatch, fake_
     assert not ha.restarted()
     monkeypatch.setenv(ha._RESTARTED, str(os.getpid()))  # restarted, to no effect
     with pytest.warns(RuntimeWarning, match="no effect after a restart"):
-        status = jmem.host_huge_pages()
+        status = jmem.host.restart_with_huge_pages()
     assert not status.applied and "no effect after a restart" in status.reason
     assert len(fake_execve) == 1
 
 
 def test_huge_pages_in_effect_or_impossible_do_not_restart(monkeypatch, fake_execve):
+    restart = jmem.host.restart_with_huge_pages
     _huge_pages_possible(monkeypatch, start_tunables="glibc.malloc.hugetlb=1")
-    assert jmem.host_huge_pages() == ha.HostAllocatorStatus(True)
+    assert restart() == ha.HostAllocatorStatus(True)
     _huge_pages_possible(monkeypatch, mode="always")  # the kernel needs no tunable
-    assert jmem.host_huge_pages() == ha.HostAllocatorStatus(True)
+    assert restart() == ha.HostAllocatorStatus(True)
     _huge_pages_possible(monkeypatch, start_tunables="glibc.malloc.hugetlb=0")  # the user's
-    assert "hugetlb=0: left as set" in jmem.host_huge_pages().reason
+    assert "hugetlb=0: left as set" in restart().reason
     _huge_pages_possible(monkeypatch)
-    status = jmem.host_huge_pages(restart=False)
+    status = restart(restart=False)
     assert not status.applied and "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in status.reason
     monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
     with pytest.warns(RuntimeWarning, match="changed nothing: JAX already started"):
-        assert "JAX already started" in jmem.host_huge_pages().reason
-    assert "JAX already started" in jmem.host_huge_pages(restart=False).reason  # the cause
+        assert "JAX already started" in restart().reason
+    assert "JAX already started" in restart(restart=False).reason  # the cause
     monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
     monkeypatch.setattr(ha, "_restart_hazard", lambda: "3 other threads are running")
     with pytest.warns(RuntimeWarning, match="3 other threads"):
-        assert "unsafe here (3 other threads are running)" in jmem.host_huge_pages().reason
+        assert "unsafe here (3 other threads are running)" in restart().reason
     monkeypatch.setattr(ha.sys, "argv", ["-"])  # python - < script.py
-    assert "standard input" in jmem.host_huge_pages(announce=False).reason
+    assert "standard input" in restart(announce=False).reason
     monkeypatch.setattr(ha.sys, "argv", [""])  # python with no script: interactive
-    assert "interactive" in jmem.host_huge_pages(announce=False).reason
+    assert "interactive" in restart(announce=False).reason
     monkeypatch.setenv(ha.ENV_VAR, "System")
-    assert jmem.host_huge_pages().reason == "JMEM_HOST_ALLOCATOR=system"
+    assert restart().reason == "JMEM_HOST_ALLOCATOR=system"
     monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: "transparent huge pages are off")
-    assert jmem.host_huge_pages(respect_env=False).reason == "transparent huge pages are off"
+    assert restart(respect_env=False).reason == "transparent huge pages are off"
     assert fake_execve == []
 
 
@@ -239,20 +247,63 @@ def test_a_failed_restart_is_reported_not_raised(monkeypatch):
         raise OSError(7, "Argument list too long")
 
     monkeypatch.setattr(ha.os, "execve", execve)
-    status = jmem.host_huge_pages(announce=False)
+    status = jmem.host.restart_with_huge_pages(announce=False)
     assert not status.applied and "restart failed" in status.reason
 
 
 def test_tunables_are_read_as_glibc_applies_them():
     """The last ``glibc.malloc.hugetlb`` wins; a value the user set is kept."""
-    env = ha.huge_pages_environ({"PATH": "/bin"})
+    env = jmem.host.huge_pages_environ({"PATH": "/bin"})
     assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    assert ha.huge_pages_environ(env) == env
+    assert jmem.host.huge_pages_environ(env) == env
     user = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
-    assert ha.huge_pages_environ(user) == user
+    assert jmem.host.huge_pages_environ(user) == user
     assert ha._hugetlb_value("glibc.malloc.hugetlb=1:glibc.malloc.hugetlb=0") == "0"
     assert ha._hugetlb_value("glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=2") == "2"
     assert ha._hugetlb_value("glibc.malloc.arena_max=2") is None
+
+
+def test_the_environ_block_glibc_rewrote_is_read_back(monkeypatch, tmp_path):
+    """glibc 2.36 writes a NUL over each ``:`` of ``GLIBC_TUNABLES`` after a tunable it
+    knows, in the process's own environment block: ``a=2:glibc.malloc.hugetlb=1`` then
+    reads back as two entries, and huge pages are in effect all the same."""
+    blob = b"PATH=/bin\0GLIBC_TUNABLES=glibc.malloc.arena_max=2\0glibc.malloc.hugetlb=1\0HOME=/\0"
+    tunables = ha._environ_tunables(blob)
+    assert tunables == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    two = (
+        b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1\0X=1\0GLIBC_TUNABLES=x.y=1:glibc.malloc.hugetlb=0\0"
+    )
+    assert ha._hugetlb_value(ha._environ_tunables(two)) == "0"  # applied in order: last wins
+    assert ha._environ_tunables(b"PATH=/bin\0glibc.malloc.hugetlb=1\0") == ""  # not a tunable
+    environ = tmp_path / "environ"
+    environ.write_bytes(blob)
+    monkeypatch.setattr(ha, "_ENVIRON", str(environ))
+    monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: None)
+    monkeypatch.setattr(ha, "_thp_mode", lambda: "madvise")
+    assert jmem.host.huge_pages_active()
+    environ.write_bytes(blob.replace(b"hugetlb=1", b"hugetlb=0"))
+    assert not jmem.host.huge_pages_active()
+
+
+@pytest.mark.skipif(
+    ha.huge_pages_unavailable() is not None or ha._thp_mode() != "madvise",
+    reason="needs glibc 2.35+ and transparent huge pages in madvise mode",
+)
+def test_a_fresh_process_with_two_tunables_reports_huge_pages():
+    """The real environment block of a process started with two tunables (the module is
+    loaded on its own: it needs no JAX)."""
+    code = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('ha', sys.argv[1])\n"
+        "ha = sys.modules['ha'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(ha)\n"
+        "print(ha.huge_pages_active())\n"
+    )
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+    out = subprocess.run(
+        [sys.executable, "-c", code, ha.__file__], capture_output=True, text=True, env=env
+    )
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 def test_huge_pages_need_glibc_2_35_and_transparent_huge_pages(monkeypatch, tmp_path):
@@ -272,139 +323,332 @@ def test_huge_pages_need_glibc_2_35_and_transparent_huge_pages(monkeypatch, tmp_
     assert ha._thp_mode() == "always"
 
 
-def _fake_allocators(monkeypatch, huge_pages_apply: bool):
-    calls = []
+def test_a_bad_opt_out_value_is_refused_naming_the_values(fake_libc, monkeypatch, capsys):
+    """``JMEM_HOST_ALLOCATOR`` is ``auto`` or ``system`` (any case, or unset); anything else
+    is a one-line error, from the library and from the job's command line alike."""
+    monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
+    for value, out in (("", False), ("auto", False), (" System ", True)):
+        monkeypatch.setenv(ha.ENV_VAR, value)
+        assert jmem.host.env_opts_out() is out
+    monkeypatch.setenv(ha.ENV_VAR, "garbage")
+    with pytest.raises(ValueError, match=r"JMEM_HOST_ALLOCATOR='garbage' is not one of auto, sys"):
+        jmem.host.env_opts_out()
+    with pytest.raises(ValueError, match="JMEM_HOST_ALLOCATOR"):
+        jmem.host.retain_host_allocations()
+    with pytest.raises(ValueError, match="JMEM_HOST_ALLOCATOR"):
+        jmem.host.restart_with_huge_pages()
+    assert fake_libc.calls == []
+    with pytest.raises(finetune.CliError, match="JMEM_HOST_ALLOCATOR"):
+        launcher.allocator_note("auto", "full", dry_run=False)
+    monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
+    with pytest.raises(SystemExit) as e:
+        job.main(["--config", "tiny", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: JMEM_HOST_ALLOCATOR='garbage' is not one of auto, system")
+
+
+def test_the_old_top_level_names_warn_and_still_work(fake_libc, monkeypatch, fake_execve):
+    monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
+    assert "host_huge_pages" not in jmem.__all__ and "retain_host_allocations" not in jmem.__all__
+    with pytest.warns(DeprecationWarning, match=r"use jmem.host.retain_host_allocations\(\)"):
+        assert jmem.retain_host_allocations().applied
+    assert len(fake_libc.calls) == 3
+    _huge_pages_possible(monkeypatch)
+    monkeypatch.setattr(ha.sys, "argv", ["train.py"])
+    with pytest.warns(DeprecationWarning, match=r"use jmem.host.restart_with_huge_pages\(\)"):
+        with pytest.raises(_Exec):
+            jmem.host_huge_pages(announce=False)
+    with pytest.warns(DeprecationWarning):
+        assert not jmem.host_huge_pages(restart=False).applied
+    assert len(fake_execve) == 1
+
+
+# ------------------------------------------------------------- the job's launcher and note
+
+
+def _launcher_machine(monkeypatch, plugin=None, **kw):
+    """A CPU machine where huge pages work and are not in effect yet (``plugin``: an
+    installed JAX GPU plugin), and this process may be restarted (faked)."""
+    _huge_pages_possible(monkeypatch, **kw)
+    monkeypatch.setattr(launcher, "accelerator_plugin", lambda: plugin)
+    monkeypatch.setattr(launcher, "_refused", None)
     monkeypatch.setattr(ha, "_applied", False)
-    monkeypatch.delenv(ha.ENV_VAR, raising=False)
-    monkeypatch.setattr(
-        ha,
-        "retain_host_allocations",
-        lambda **kw: calls.append(("retain",)) or ha.HostAllocatorStatus(True),
-    )
-
-    def huge(**kw):
-        assert kw["respect_env"] is False  # the job decides the opt-out itself
-        calls.append(("huge-pages", kw["restart"]))
-        return ha.HostAllocatorStatus(huge_pages_apply, "" if huge_pages_apply else "refused")
-
-    monkeypatch.setattr(ha, "host_huge_pages", huge)
-    return calls
+    monkeypatch.setattr(ha.sys, "orig_argv", ["python", "-m", "jmem", "finetune"])
+    monkeypatch.setattr(ha.sys, "argv", ["/x/jmem/__main__.py", "finetune"])
 
 
 @pytest.mark.parametrize(
-    "choice,remat,machine,expected",
+    "argv,plugin,env,restarts",
     [
-        ("auto", "full", "huge", ["huge-pages"]),
-        ("auto", "none", "huge", ["huge-pages"]),
-        ("auto", "none", "refused", ["huge-pages", "retain"]),  # e.g. finetune.run()
-        ("auto", "full", "refused", ["huge-pages"]),
-        ("auto", "none", "gpu", []),
-        ("retain", "full", "huge", ["retain"]),
-        ("huge-pages", "none", "refused", ["huge-pages"]),
-        ("system", "none", "huge", []),
+        ([], None, "", True),
+        (["--host-allocator", "huge-pages"], "jax-cuda12-plugin", "system", True),
+        (["--host-alloc=huge-pages", "--remat", "none"], None, "", True),  # argparse prefix
+        (["--dry-run"], None, "", False),
+        (["--host-allocator", "retain"], None, "", False),
+        (["--host-allocator", "system"], None, "", False),
+        ([], "jax-cuda12-plugin", "", False),
+        ([], None, "system", False),
+        ([], None, "garbage", False),  # the job reports it
+        (["--lora-rank", "0"], None, "", False),  # a bad input: the job reports it
+        (["--help"], None, "", False),
     ],
 )
-def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected):
-    """The job's ``--host-allocator``: ``auto`` is huge pages without a GPU/TPU plugin,
-    retaining as the fallback with ``--remat none`` when huge pages are refused."""
-    from jmem import finetune  # noqa: PLC0415
-    from jmem._src.finetune import job  # noqa: PLC0415
-
-    calls = _fake_allocators(monkeypatch, huge_pages_apply=machine == "huge")
-    monkeypatch.setattr(ha, "huge_pages_active", lambda: False)  # none inherited
-    monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: False)
-    plugin = "jax-cuda12-plugin" if machine == "gpu" else None
-    monkeypatch.setattr(job, "_accelerator_plugin", lambda: plugin)
-    config = finetune.FinetuneConfig(host_allocator=choice, remat=remat)
-    note = job._host_allocator(config, restart=True)
-    assert [c[0] for c in calls] == expected
-    assert all(c[1] is True for c in calls if c[0] == "huge-pages")
-    if machine == "gpu":
-        assert note.startswith(job.PLUGIN_NOTE) and "jax-cuda12-plugin" in note
-    if expected == ["huge-pages", "retain"]:
-        assert "no huge pages (refused); freed memory retained" == note.split(": ", 1)[1]
-    if machine == "huge" and expected == ["huge-pages"]:
-        assert "2 MiB huge pages" in note and "--host-allocator system to skip" in note
-    if choice == "system":
-        assert note == "host allocator: glibc's defaults (--host-allocator system)"
-        monkeypatch.setattr(ha, "huge_pages_active", lambda: True)  # GLIBC_TUNABLES inherited
-        assert "huge pages all the same" in job._host_allocator(config, restart=True)
-    if config.host_allocator != "system":
-        dry = finetune.FinetuneConfig(host_allocator=choice, remat=remat, dry_run=True)
-        n = len(calls)
-        assert job._host_allocator(dry, restart=True) is None and len(calls) == n
+def test_the_launcher_restarts_only_when_huge_pages_are_asked_for(
+    monkeypatch, fake_execve, argv, plugin, env, restarts
+):
+    """``auto`` (no GPU/TPU plugin, no opt-out) and ``huge-pages`` restart the process
+    once; a dry run, another allocator, help or a bad input do not."""
+    _launcher_machine(monkeypatch, plugin)
+    monkeypatch.setenv(ha.ENV_VAR, env)
+    if restarts:
+        with pytest.raises(_Exec):
+            launcher.relaunch_with_huge_pages(argv)
+        assert fake_execve[0][1] == [sys.executable, "-m", "jmem", "finetune"]
+        assert "glibc.malloc.hugetlb=1" in fake_execve[0][2]["GLIBC_TUNABLES"]
+    else:
+        assert launcher.relaunch_with_huge_pages(argv)
+        assert fake_execve == []
 
 
-def test_only_the_jobs_own_command_line_restarts(monkeypatch, fake_execve):
-    """``finetune.main(argv)``, ``python -m jmem``'s ``main(argv)`` and ``finetune.run``
-    never restart the process; ``main()`` with the process's command line does."""
+def test_the_launcher_reads_the_config_file_and_respects_what_is_set(
+    monkeypatch, fake_execve, tmp_path
+):
+    config = tmp_path / "job.toml"
+    config.write_text('host_allocator = "system"\n')
+    _launcher_machine(monkeypatch)
+    assert "system" in launcher.relaunch_with_huge_pages(["--config-file", str(config)])
+    _launcher_machine(monkeypatch, start_tunables="glibc.malloc.hugetlb=1")  # in effect
+    assert launcher.relaunch_with_huge_pages([]) is None
+    _launcher_machine(monkeypatch, start_tunables="glibc.malloc.hugetlb=0")  # the user's
+    assert "hugetlb=0" in launcher.relaunch_with_huge_pages([])
+    assert fake_execve == []
+    _launcher_machine(monkeypatch)
+    monkeypatch.setattr(ha, "_restart_hazard", lambda: "2 other threads are running")
+    assert "2 other threads" in launcher.relaunch_with_huge_pages(["--remat", "none"])
+    note = launcher.allocator_note("auto", "none", dry_run=False)  # the reason is kept
+    assert note.startswith("host allocator: no huge pages (a restart is unsafe here (2 other")
+
+
+def test_only_the_entry_points_restart(monkeypatch, fake_execve):
+    """``finetune.main(argv)``, ``finetune.main()`` and ``python -m jmem``'s
+    ``main(argv)`` never restart the process; ``main()`` of ``python -m jmem`` (the
+    console script) and ``examples/qlora_7b.py`` run as a script do, before the job."""
     import jmem.__main__ as cli_main  # noqa: PLC0415
-    from jmem._src.finetune import job  # noqa: PLC0415
 
-    _huge_pages_possible(monkeypatch)
-    monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
+    _launcher_machine(monkeypatch)
     monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
     monkeypatch.setattr(job, "_run", lambda config, note: "ran")
-    assert job.main(["--steps", "1"]) == "ran"
+    monkeypatch.setattr(sys, "argv", ["qlora_7b.py", "--steps", "1"])
+    assert job.main(["--steps", "1"]) == "ran" and job.main() == "ran"
     assert cli_main.main(["finetune", "--steps", "1"]) == 0
     assert fake_execve == []
-    monkeypatch.setattr(ha.sys, "argv", ["qlora_7b.py", "--steps", "1"])
-    monkeypatch.setattr(ha.sys, "orig_argv", ["python", "qlora_7b.py", "--steps", "1"])
+    monkeypatch.setattr(sys, "argv", ["jmem", "finetune", "--steps", "1"])
     with pytest.raises(_Exec):
-        job.main()
-    assert fake_execve[0][1][1:] == ["qlora_7b.py", "--steps", "1"]
+        cli_main.main()
+    example = pathlib.Path(__file__).parents[1] / "examples" / "qlora_7b.py"
+    monkeypatch.setattr(sys, "argv", [str(example), "--steps", "1"])
+    with pytest.raises(_Exec):
+        runpy.run_path(str(example), run_name="__main__")
+    assert len(fake_execve) == 2
+
+
+def test_the_note_says_what_is_in_effect(monkeypatch, fake_libc):
+    """One line per run; ``run()`` only reports, the command line applies ``retain``."""
+    note = launcher.allocator_note
+    _launcher_machine(monkeypatch, start_tunables="glibc.malloc.hugetlb=1")
+    assert note("auto", "full", False) == (
+        "host allocator: 2 MiB huge pages (GLIBC_TUNABLES set when Python started)"
+    )
+    assert note("system", "full", False).startswith("host allocator: huge pages all the same")
+    assert note("auto", "full", True) is None  # a dry run runs no step
+    monkeypatch.setenv(ha._RESTARTED, str(os.getpid()))
+    assert "set by restarting the process" in note("huge-pages", "none", False)
+    _launcher_machine(monkeypatch)
+    hint = "run the job from the command line (jmem finetune), or start Python with GLIBC"
+    assert hint in note("auto", "full", False) and "1.45x" not in note("auto", "full", False)
+    assert "measured 1.45x faster steps without remat" in note("huge-pages", "none", False)
+    assert (
+        note("system", "none", False)
+        == "host allocator: glibc's defaults (--host-allocator system)"
+    )
+    monkeypatch.setenv(ha.ENV_VAR, "system")
+    assert note("auto", "none", False).endswith("(JMEM_HOST_ALLOCATOR=system)")
+    assert "no huge pages" in note("huge-pages", "none", False)  # an explicit choice
+    monkeypatch.delenv(ha.ENV_VAR)
+    assert "finetune.run() leaves the process's malloc alone" in note("retain", "none", False)
+    assert fake_libc.calls == [] and not ha.retained()
+    _launcher_machine(monkeypatch, plugin="jax-cuda12-plugin")
+    assert note("auto", "none", False).startswith(launcher.PLUGIN_NOTE + "jax-cuda12-plugin")
+    monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: "glibc 2.31 has no tunable")
+    assert (
+        note("huge-pages", "none", False)
+        == "host allocator: no huge pages (glibc 2.31 has no tunable)"
+    )
+
+
+def test_the_command_line_applies_retain_before_jax_starts(monkeypatch, fake_libc):
+    _launcher_machine(monkeypatch)
+    monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
+    note = launcher.apply_allocator("retain", "none", False)
+    assert "not retained (JAX already started" in note and fake_libc.calls == []
+    monkeypatch.setattr(ha, "_backends_initialized", lambda: False)
+    assert launcher.apply_allocator("retain", "none", True) is None and fake_libc.calls == []
+    assert launcher.apply_allocator("auto", "none", False).startswith("host allocator: no huge")
+    assert fake_libc.calls == []  # auto never falls back to mallopt
+    note = launcher.apply_allocator("retain", "none", False)
+    assert note == "host allocator: freed memory retained" and len(fake_libc.calls) == 3
 
 
 def test_accelerator_plugin_follows_jax_platforms(monkeypatch):
     import importlib.metadata  # noqa: PLC0415
-
-    from jmem._src.finetune import job  # noqa: PLC0415
 
     class _Dist:
         def __init__(self, name):
             self.name = name
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert job._accelerator_plugin() is None
+    assert launcher.accelerator_plugin() is None
     monkeypatch.setenv("JAX_PLATFORMS", "cpu,cuda")
-    assert job._accelerator_plugin() is None
+    assert launcher.accelerator_plugin() is None
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-    assert job._accelerator_plugin() == "cuda,cpu"
+    assert launcher.accelerator_plugin() == "cuda,cpu"
     monkeypatch.setenv("JAX_PLATFORMS", "")
     dists = [_Dist("numpy"), _Dist("jax_cuda12_plugin")]
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: dists)
-    assert job._accelerator_plugin() == "jax-cuda12-plugin"
+    assert launcher.accelerator_plugin() == "jax-cuda12-plugin"
     dists[1] = _Dist("jax")
-    assert job._accelerator_plugin() is None
+    assert launcher.accelerator_plugin() is None
 
 
-def test_the_opt_out_turns_auto_off_but_not_an_explicit_choice(monkeypatch):
-    """``JMEM_HOST_ALLOCATOR=system`` leaves glibc's defaults for ``auto`` (saying so); a
-    flag that names an allocator still gets it."""
-    from jmem import finetune  # noqa: PLC0415
-    from jmem._src.finetune import job  # noqa: PLC0415
-
-    calls = _fake_allocators(monkeypatch, huge_pages_apply=True)
-    monkeypatch.setenv(ha.ENV_VAR, "system")
-    monkeypatch.setattr(ha, "huge_pages_active", lambda: False)
-    note = job._host_allocator(finetune.FinetuneConfig(host_allocator="auto"), restart=True)
-    assert note == "host allocator: glibc's defaults (JMEM_HOST_ALLOCATOR=system)"
-    assert calls == []
-    note = job._host_allocator(finetune.FinetuneConfig(host_allocator="huge-pages"), restart=True)
-    assert calls == [("huge-pages", True)] and "huge pages" in note
+# ------------------------------------------------- run() changes nothing in its process
 
 
-def test_a_refused_restart_keeps_its_reason_in_the_fallback_note(monkeypatch):
-    """From Python after JAX started (no restart, no retaining): the note says both why and
-    what to call first."""
-    from jmem import finetune  # noqa: PLC0415
-    from jmem._src.finetune import job  # noqa: PLC0415
+@pytest.fixture
+def process_spy(monkeypatch):
+    """Records every ``mallopt`` looked up through ctypes, every ``exec*`` call (which it
+    refuses) and every environment change (pytest's own ``PYTEST_CURRENT_TEST`` aside);
+    checks after the test that there were none and that the environment is as before."""
+    calls = []
+    real_cdll, real_putenv, real_unsetenv = ctypes.CDLL, os.putenv, os.unsetenv
 
-    _huge_pages_possible(monkeypatch)
+    class _SpyCDLL:
+        def __init__(self, *args, **kwargs):
+            self._lib = real_cdll(*args, **kwargs)
+
+        def __getattr__(self, name):
+            if name == "mallopt":
+                calls.append("mallopt")
+            return getattr(self._lib, name)
+
+    def refuse(name):
+        def fn(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"os.{name} called")
+
+        return fn
+
+    def env_spy(name, real):
+        def fn(key, *value):
+            if os.fsdecode(key) != "PYTEST_CURRENT_TEST":
+                calls.append(f"{name} {os.fsdecode(key)}")
+            return real(key, *value)
+
+        return fn
+
+    monkeypatch.setattr(ctypes, "CDLL", _SpyCDLL)
+    for name in ("execv", "execve", "execvp", "execvpe"):
+        monkeypatch.setattr(os, name, refuse(name))
+    monkeypatch.setattr(os, "putenv", env_spy("putenv", real_putenv))
+    monkeypatch.setattr(os, "unsetenv", env_spy("unsetenv", real_unsetenv))
     monkeypatch.setattr(ha, "_applied", False)
-    monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
-    monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
-    monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: True)
-    note = job._host_allocator(finetune.FinetuneConfig(remat="none"))
-    assert note.startswith("host allocator: no huge pages (JAX already started")
-    assert "freed memory not retained either" in note and "jmem.host_huge_pages()" in note
+    monkeypatch.setattr(launcher, "_refused", None)
+    environ = lambda: {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # noqa: E731
+    before = environ()
+    yield calls
+    assert calls == [] and environ() == before and not ha.retained()
+
+
+def test_the_spy_sees_what_it_guards_against(process_spy):
+    ctypes.CDLL(None).mallopt  # looked up, not called
+    os.environ["JMEM_TEST_SPY"] = "1"
+    del os.environ["JMEM_TEST_SPY"]
+    assert process_spy == ["mallopt", "putenv JMEM_TEST_SPY", "unsetenv JMEM_TEST_SPY"]
+    with pytest.raises(AssertionError, match="os.execv called"):
+        os.execv(sys.executable, [sys.executable])
+    process_spy.clear()
+
+
+def _tiny(tmp_path, choice, **kw):
+    return finetune.FinetuneConfig(
+        config="tiny", steps=1, batch_size=4, seq_len=32, lora_rank=4, remat="none",
+        host_allocator=choice, out=str(tmp_path / choice), no_progress=True, **kw,
+    )  # fmt: skip
+
+
+def _one_note(capsys) -> str:
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("host allocator")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("choice", ["auto", "huge-pages", "retain", "system"])
+def test_run_changes_nothing_in_its_callers_process(
+    process_spy, monkeypatch, tmp_path, capsys, choice
+):
+    """``finetune.run`` without remat (everything but the training loop, which is stubbed
+    here; the slow test below trains) leaves malloc, the process and its environment
+    alone, whatever ``host_allocator`` asks; its one note says how to get the speed."""
+    monkeypatch.setattr(job, "train", lambda *args: {"trained": True})
+    monkeypatch.setattr(ha, "huge_pages_active", lambda: False)
+    monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: None)
+    monkeypatch.setattr(ha, "_start_tunables", lambda: "")
+    monkeypatch.setattr(launcher, "accelerator_plugin", lambda: None)
+    assert finetune.run(_tiny(tmp_path, choice)) == {"trained": True}
+    note = _one_note(capsys)
+    if choice in ("auto", "huge-pages"):
+        assert "start Python with GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in note
+        assert "run the job from the command line" in note and "1.45x" in note
+    elif choice == "retain":
+        assert "call jmem.host.retain_host_allocations() first" in note
+    else:
+        assert note == "host allocator: glibc's defaults (--host-allocator system)"
+
+
+@pytest.mark.slow
+def test_a_real_run_changes_nothing_in_its_callers_process(process_spy, tmp_path, capsys):
+    """The same with one real training step, asking for ``retain`` (which only the
+    command line applies): ``summary.json`` records that nothing was retained."""
+    summary = finetune.run(_tiny(tmp_path, "retain"))
+    assert len(summary["losses"]) == 1
+    assert summary["host_allocator"]["requested"] == "retain"
+    assert summary["host_allocator"]["retained"] is False
+    assert "host allocator: " in _one_note(capsys)
+
+
+_CLI = [sys.executable, "-m", "jmem", "finetune", "--config", "tiny", "--steps", "1"]
+_CLI += ["--batch-size", "4", "--seq-len", "32", "--lora-rank", "4", "--no-progress"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    ha.huge_pages_unavailable() is not None or ha._thp_mode() != "madvise",
+    reason="needs glibc 2.35+ and transparent huge pages in madvise mode",
+)
+def test_the_command_line_keeps_its_cpu_speed(tmp_path):
+    """``python -m jmem finetune`` restarts itself once with the tunable (the note and
+    ``summary.json`` say so); ``--host-allocator retain`` retains instead."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for name in (ha.ENV_VAR, "GLIBC_TUNABLES", ha._RESTARTED):
+        env.pop(name, None)
+    for choice, note, record in (
+        ("auto", "2 MiB huge pages (set by restarting the process", (True, False)),
+        ("retain", "host allocator: freed memory retained", (False, True)),
+    ):
+        out = tmp_path / choice
+        argv = [*_CLI, "--remat", "none", "--host-allocator", choice, "--out", str(out)]
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert note in r.stdout, r.stdout
+        summary = json.loads((out / "summary.json").read_text())["host_allocator"]
+        assert (summary["huge_pages"], summary["retained"]) == record, summary

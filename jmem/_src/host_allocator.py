@@ -11,7 +11,8 @@ tensors go through the same ``malloc``.
 
 Two remedies, both glibc's own settings:
 
-* **Huge pages** (``host_huge_pages``, the fine-tuning job's default on CPU): glibc's
+* **Huge pages** (``restart_with_huge_pages``; the ``jmem finetune`` command line's default
+  on CPU): glibc's
   ``glibc.malloc.hugetlb=1`` tunable makes ``malloc`` ``madvise(MADV_HUGEPAGE)`` each
   large block, so the kernel backs it with 2 MiB transparent huge pages: a step faults
   its temporaries in with far fewer faults (measured 70,527 -> 516 per step without
@@ -20,11 +21,12 @@ Two remedies, both glibc's own settings:
   Needs glibc >= 2.35 and transparent huge pages in ``madvise`` mode
   (``/sys/kernel/mm/transparent_hugepage/enabled``; in ``always`` mode the kernel does it
   without the tunable, in ``never`` not at all); a tunable is read when the
-  process starts, so the setting restarts the Python process once (``os.execve`` with the
-  same command line) unless ``GLIBC_TUNABLES`` already holds it.
+  process starts, so it takes a launcher: ``GLIBC_TUNABLES`` set before Python starts, or
+  ``restart_with_huge_pages``, which restarts the Python process once (``os.execve`` with
+  the same command line). The library itself never restarts its caller's process.
 * **Retaining freed memory** (``retain_host_allocations``): one arena (so XLA's worker
   threads allocate from the main heap), no ``mmap`` for large blocks, and no trimming of
-  the heap's top, applied in-process by ``mallopt``. Faults fall to about 0, but the
+  the heap's top, applied in-process by ``mallopt`` when called. Faults fall to about 0, but the
   threads then share one arena's lock: the same steps took 196 / 176 ms, and the job ran
   3-7% slower than glibc's defaults with remat on two cores, a multi-threaded PyTorch
   step in the same process much slower (docs/performance.md). Opt-in: measure.
@@ -48,25 +50,31 @@ import sys
 import warnings
 
 __all__ = [
+    "ENV_VALUES",
     "ENV_VAR",
     "HUGE_PAGES_TUNABLE",
     "HostAllocatorStatus",
-    "host_huge_pages",
+    "env_opts_out",
     "huge_pages_active",
     "huge_pages_environ",
     "huge_pages_unavailable",
+    "restart_with_huge_pages",
     "restarted",
     "retain_host_allocations",
     "retained",
 ]
 
 #: ``JMEM_HOST_ALLOCATOR=system`` keeps the C library's defaults where jmem would change
-#: them itself (``host_huge_pages``, ``retain_host_allocations``, the fine-tuning job).
+#: them when asked (``restart_with_huge_pages``, ``retain_host_allocations``, the
+#: ``jmem finetune`` command line's ``--host-allocator auto``).
 ENV_VAR = "JMEM_HOST_ALLOCATOR"
+#: The values ``JMEM_HOST_ALLOCATOR`` may take (any case; unset or empty is ``auto``).
+ENV_VALUES = ("auto", "system")
 
 #: The glibc tunable that makes ``malloc`` advise huge pages for its large blocks.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+_ENVIRON = "/proc/self/environ"  # the environment block the process started with
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _TRIM_NEVER = 2**31 - 1  # the largest int mallopt takes: freed heap tops stay mapped
@@ -75,11 +83,26 @@ _applied = False  # set once the settings took effect in this process
 
 @dataclasses.dataclass(frozen=True)
 class HostAllocatorStatus:
-    """What ``host_huge_pages`` or ``retain_host_allocations`` did: ``applied`` and, when
+    """What ``restart_with_huge_pages`` or ``retain_host_allocations`` did: ``applied`` and, when
     not, ``reason``."""
 
     applied: bool
     reason: str = ""
+
+
+def env_opts_out() -> bool:
+    """Whether ``JMEM_HOST_ALLOCATOR`` is ``system`` (keep glibc's defaults).
+
+    Raises:
+      ValueError: for a value other than ``ENV_VALUES`` (any case) or empty, naming them.
+    """
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value not in ("", *ENV_VALUES):
+        raise ValueError(
+            f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of {', '.join(ENV_VALUES)}: "
+            "set system to keep glibc's defaults, or unset it"
+        )
+    return value == "system"
 
 
 def retained() -> bool:
@@ -112,6 +135,9 @@ def retain_host_allocations(*, respect_env: bool = True) -> HostAllocatorStatus:
       than glibc (macOS, musl, Windows: nothing to do there), with the opt-out set, or
       when ``mallopt`` refused a setting.
 
+    Raises:
+      ValueError: ``respect_env`` and ``JMEM_HOST_ALLOCATOR`` holds none of ``ENV_VALUES``.
+
     Warns:
       RuntimeWarning: when JAX's backends already exist (the settings are applied, but
       XLA's existing worker threads keep their own arenas: call it earlier).
@@ -121,7 +147,7 @@ def retain_host_allocations(*, respect_env: bool = True) -> HostAllocatorStatus:
     global _applied
     if _applied:
         return HostAllocatorStatus(True)
-    if respect_env and os.environ.get(ENV_VAR, "").lower() == "system":
+    if respect_env and env_opts_out():
         return HostAllocatorStatus(False, f"{ENV_VAR}=system")
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return HostAllocatorStatus(False, "not glibc (nothing to change)")
@@ -185,15 +211,36 @@ def huge_pages_unavailable() -> str | None:
     return None
 
 
-def _start_environ() -> dict[str, str]:
-    """The environment this process started with: the one glibc read its tunables from."""
+def _environ_tunables(raw: bytes) -> str:
+    """The ``GLIBC_TUNABLES`` of a ``/proc/<pid>/environ`` blob, as glibc applied them.
+
+    glibc (2.36 measured) writes a NUL over the ``:`` after each tunable it recognised, in
+    the environment block itself, so ``GLIBC_TUNABLES=a=1:glibc.malloc.hugetlb=1`` reads
+    back as two entries; entries named ``glibc.*`` after it are its tunables again. Every
+    ``GLIBC_TUNABLES`` entry is applied in turn, so they are joined in order (the last
+    value of a tunable wins)."""
+    found: list[str] = []
+    inside = False
+    for item in raw.split(b"\0"):
+        text = item.decode(errors="replace")
+        key, sep, value = text.partition("=")
+        if key == "GLIBC_TUNABLES" and sep:
+            found.append(value)
+            inside = True
+        elif inside and sep and key.startswith("glibc."):
+            found.append(text)
+        else:
+            inside = False
+    return ":".join(t for t in found if t)
+
+
+def _start_tunables() -> str:
+    """The ``GLIBC_TUNABLES`` this process started with (the ones glibc read)."""
     try:
-        with open("/proc/self/environ", "rb") as f:
-            raw = f.read()
+        with open(_ENVIRON, "rb") as f:
+            return _environ_tunables(f.read())
     except OSError:
-        return dict(os.environ)
-    pairs = (item.partition(b"=") for item in raw.split(b"\0"))
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, sep, v in pairs if sep}
+        return os.environ.get("GLIBC_TUNABLES", "")
 
 
 def _hugetlb_value(tunables: str) -> str | None:
@@ -202,7 +249,7 @@ def _hugetlb_value(tunables: str) -> str | None:
     value = None
     for item in tunables.split(":"):
         key, sep, v = item.partition("=")
-        value = v if sep and key == "glibc.malloc.hugetlb" else value
+        value = v.strip() if sep and key.strip() == "glibc.malloc.hugetlb" else value
     return value
 
 
@@ -213,8 +260,7 @@ def huge_pages_active() -> bool:
     started."""
     if huge_pages_unavailable() is not None:
         return False
-    started = _start_environ().get("GLIBC_TUNABLES", "")
-    return _thp_mode() == "always" or _hugetlb_value(started) == "1"
+    return _thp_mode() == "always" or _hugetlb_value(_start_tunables()) == "1"
 
 
 def huge_pages_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -232,7 +278,7 @@ _RESTARTED = "JMEM_HUGE_PAGES_RESTARTED"  # the restarted process's id: restart 
 
 
 def restarted() -> bool:
-    """Whether ``host_huge_pages`` restarted this process (to set the tunable)."""
+    """Whether ``restart_with_huge_pages`` restarted this process (to set the tunable)."""
     return os.environ.get(_RESTARTED) == str(os.getpid())
 
 
@@ -274,15 +320,15 @@ def _cannot_restart() -> str | None:
 
 
 def _refusal(restart: bool, respect_env: bool) -> tuple[str | None, bool]:
-    """Why ``host_huge_pages`` leaves this process as it is (None: it restarts it), and
+    """Why ``restart_with_huge_pages`` leaves this process as it is (None: it restarts it), and
     whether the reason is this process's state (which the caller can change) rather than
     the machine's or the user's settings."""
-    if respect_env and os.environ.get(ENV_VAR, "").lower() == "system":
+    if respect_env and env_opts_out():
         return f"{ENV_VAR}=system", False
     unavailable = huge_pages_unavailable()
     if unavailable:
         return unavailable, False
-    value = _hugetlb_value(_start_environ().get("GLIBC_TUNABLES", ""))
+    value = _hugetlb_value(_start_tunables())
     if value is not None:
         return f"GLIBC_TUNABLES sets glibc.malloc.hugetlb={value}: left as set", False
     cannot = _cannot_restart()
@@ -290,15 +336,16 @@ def _refusal(restart: bool, respect_env: bool) -> tuple[str | None, bool]:
         return cannot, True
     return (
         f"GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} was not set when Python started: set it, or "
-        "call jmem.host_huge_pages() first in the script",
+        "call jmem.host.restart_with_huge_pages() first in the script",
         True,
     )
 
 
-def host_huge_pages(
+def restart_with_huge_pages(
     *, restart: bool = True, respect_env: bool = True, announce: bool = True
 ) -> HostAllocatorStatus:
-    """Makes glibc back large host allocations with 2 MiB transparent huge pages.
+    """Restarts the Python process (``os.execve``) so that glibc backs its large host
+    allocations with 2 MiB transparent huge pages.
 
     XLA:CPU's per-step temporaries are then faulted in with far fewer page faults (a 2
     MiB page each, not 4 KiB) and read through fewer TLB misses (measured: the
@@ -333,13 +380,16 @@ def host_huge_pages(
       ``jax.distributed`` initialized), or a failed ``execve``. When it restarts the
       process, it does not return.
 
+    Raises:
+      ValueError: ``respect_env`` and ``JMEM_HOST_ALLOCATOR`` holds none of ``ENV_VALUES``.
+
     Source: see the module docstring (glibc's ``glibc.malloc.hugetlb`` tunable).
     """
     if huge_pages_active():
         return HostAllocatorStatus(True)
     reason, process_state = _refusal(restart, respect_env)
     if reason and announce and restart and process_state:
-        warnings.warn(f"jmem.host_huge_pages() changed nothing: {reason}", RuntimeWarning, 2)
+        warnings.warn(f"restart_with_huge_pages() changed nothing: {reason}", RuntimeWarning, 2)
     if reason:
         return HostAllocatorStatus(False, reason)
     if announce:

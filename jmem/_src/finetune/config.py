@@ -152,13 +152,13 @@ def _add_training_flags(p):
     p.add_argument(
         "--host-allocator",
         choices=["auto", "huge-pages", "retain", "system"],
-        help="huge-pages: glibc's glibc.malloc.hugetlb=1 tunable (the job restarts its "
-        "process once to set it), so XLA:CPU's per-step temporaries sit in 2 MiB "
+        help="huge-pages: glibc's glibc.malloc.hugetlb=1 tunable (the command line restarts "
+        "its process once to set it), so XLA:CPU's per-step temporaries sit in 2 MiB "
         "transparent huge pages (measured 1.28x faster with full remat, 1.45x without); "
-        "retain: jmem.retain_host_allocations(), freed memory stays mapped (slower than "
-        "huge pages with two cores); system: the C library's settings; auto (default): "
-        "huge-pages unless a GPU/TPU plugin is installed; retain with --remat none where "
-        "huge pages are unavailable or refused",
+        "retain: jmem.host.retain_host_allocations(), freed memory stays mapped (slower "
+        "than huge pages with two cores); system: the C library's settings; auto "
+        "(default): huge-pages unless a GPU/TPU plugin is installed. finetune.run() from "
+        "Python changes none of them, it only reports",
     )
     p.add_argument(
         "--attention",

@@ -12,14 +12,15 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jmem._src import host_allocator
-from jmem._src import jax_compat
 from jmem._src.cli import CliError
 from jmem._src.finetune.config import FinetuneConfig
 from jmem._src.finetune.config import parse_args
 from jmem._src.finetune.config import validate
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.dry_run import dry_run
+from jmem._src.finetune.launcher import PLUGIN_NOTE
+from jmem._src.finetune.launcher import allocator_note
+from jmem._src.finetune.launcher import apply_allocator
 from jmem._src.finetune.loop import train
 from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
@@ -52,23 +53,27 @@ def run(config: FinetuneConfig) -> dict | None:
       The summary (as written to ``summary.json``; ``dry_run.json``'s content for a dry
       run; the previous summary, or None, when a resumed run has nothing left to do).
 
+    Changes nothing in the calling process (no ``mallopt``, restart or environment
+    variable): its note line says which host allocator is in effect and how to get huge
+    pages on CPU (``jmem finetune`` on the command line, or ``GLIBC_TUNABLES``).
+
     Raises:
       CliError: (a ``ValueError``) for a bad option or input, naming it, before training.
 
     Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
     """
     config = validate(config)
-    return _run(config, _host_allocator(config))
+    return _run(config, allocator_note(config.host_allocator, config.remat, config.dry_run))
 
 
-def _run(config: FinetuneConfig, allocator_note: str | None) -> dict | None:
+def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     """``run`` on a validated config, the host allocator already applied (its note line)."""
     initialize_distributed(config)
     cfg = model_config(config)
     notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
     on_accelerator = jax.default_backend() != "cpu"
-    if allocator_note and not (on_accelerator and allocator_note.startswith(PLUGIN_NOTE)):
-        notes.append(allocator_note)
+    if host_note and not (on_accelerator and host_note.startswith(PLUGIN_NOTE)):
+        notes.append(host_note)
     check_lora_targets(config, cfg)
     mesh, mesh_notes = job_mesh(config)
     if not config.dry_run:
@@ -94,72 +99,6 @@ def _run(config: FinetuneConfig, allocator_note: str | None) -> dict | None:
     return train(config, cfg, tok, ds, held, resume_step, mesh)
 
 
-#: The start of the note ``auto`` leaves when a JAX accelerator plugin is installed.
-PLUGIN_NOTE = "host allocator: unchanged ("
-
-
-def _host_allocator(config, restart: bool = False) -> str | None:
-    """Applies ``--host-allocator`` before JAX starts and returns its note line (None for a
-    dry run, which runs no step and changes nothing). ``auto``: huge pages on a machine
-    without a JAX accelerator plugin, else (huge pages impossible or refused) retaining
-    with ``--remat none``; ``restart`` (the job's own command line) lets huge pages restart
-    the process. ``JMEM_HOST_ALLOCATOR=system`` turns ``auto`` off, not an explicit choice."""
-    wanted = config.host_allocator
-    if config.dry_run:
-        return None
-    if wanted == "system" or (
-        wanted == "auto" and os.environ.get(host_allocator.ENV_VAR, "").lower() == "system"
-    ):
-        if host_allocator.huge_pages_active():
-            return "host allocator: huge pages all the same (GLIBC_TUNABLES or THP always)"
-        why = "--host-allocator system" if wanted == "system" else "JMEM_HOST_ALLOCATOR=system"
-        return f"host allocator: glibc's defaults ({why})"
-    if wanted == "auto" and (plugin := _accelerator_plugin()):
-        return f"{PLUGIN_NOTE}{plugin}: --host-allocator huge-pages to use huge pages anyway)"
-    note = None
-    if wanted in ("auto", "huge-pages"):
-        status = host_allocator.host_huge_pages(
-            restart=restart, respect_env=False, announce=False
-        )  # restarts the process, or returns
-        if status.applied:
-            how = "set by restarting the process; " if host_allocator.restarted() else ""
-            return f"host allocator: 2 MiB huge pages ({how}--host-allocator system to skip)"
-        note = f"host allocator: no huge pages ({status.reason})"
-        if wanted == "huge-pages" or config.remat != "none":
-            return note
-    return _retain(note)
-
-
-def _retain(note: str | None) -> str:
-    """``retain_host_allocations`` (``--host-allocator retain``, or ``auto``'s fallback
-    after ``note``) and its note line."""
-    prefix = f"{note}; " if note else "host allocator: "
-    if host_allocator.retained():
-        return prefix + "freed memory retained"
-    if jax_compat.backends_initialized():
-        return prefix + (
-            "freed memory not retained either (JAX already started in this process: call "
-            "jmem.host_huge_pages() or jmem.retain_host_allocations() first in the script)"
-        )
-    status = host_allocator.retain_host_allocations(respect_env=False)
-    return prefix + ("freed memory retained" if status.applied else f"unchanged ({status.reason})")
-
-
-def _accelerator_plugin() -> str | None:
-    """The name of an installed JAX GPU/TPU plugin (or a ``JAX_PLATFORMS`` without cpu):
-    host temporaries then do not hold the step's activations, so ``auto`` changes nothing."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return None if platforms.split(",")[0].strip() == "cpu" else platforms
-    import importlib.metadata  # noqa: PLC0415
-
-    for dist in importlib.metadata.distributions():
-        name = (dist.name or "").lower().replace("_", "-")
-        if name.startswith(("jax-cuda", "jax-rocm", "libtpu")):
-            return name
-    return None
-
-
 def _agree(resume_step):
     """Process 0's reading of ``--out`` (the step to resume from), for every process, once
     process 0 has prepared the directory (every process checked it first, so a refused
@@ -172,18 +111,16 @@ def _agree(resume_step):
     return None if value < 0 else value
 
 
-def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None) -> dict | None:
+def main(argv=None, prog: str = "jmem finetune") -> dict | None:
     """The command line: flags (and ``--config-file``) -> ``run``. A bad input exits with
     status 2 and one line ``error: ...`` naming the flag or file (``--debug``: the
-    traceback instead).
+    traceback instead). ``argv`` None reads ``sys.argv[1:]``.
 
-    ``argv`` None reads ``sys.argv[1:]``; ``restart`` (default: ``argv is None``, i.e. this
-    is the process's own command line) lets ``--host-allocator`` huge pages restart the
-    process once with glibc's tunable set (``jmem.host_huge_pages``)."""
-    restart = argv is None if restart is None else restart
+    ``--host-allocator retain`` calls ``jmem.host.retain_host_allocations`` here, before
+    JAX starts; huge pages come from the entry point (``relaunch_with_huge_pages``)."""
     config = parse_args(argv, prog=prog, description=DESCRIPTION)
     try:
-        return _run_quietly_off_process_0(config, restart)
+        return _run_quietly_off_process_0(config)
     except CliError as e:
         if config.debug:
             raise
@@ -191,10 +128,10 @@ def main(argv=None, prog: str = "jmem finetune", *, restart: bool | None = None)
         raise SystemExit(2) from None
 
 
-def _run_quietly_off_process_0(config, restart: bool):
+def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
-    config = validate(config)  # a bad input is refused before any restart
-    note = _host_allocator(config, restart)  # before JAX starts; may restart the process
+    config = validate(config)
+    note = apply_allocator(config.host_allocator, config.remat, config.dry_run)  # JAX not started
     initialize_distributed(config)
     if jax.process_index() == 0:
         return _run(config, note)

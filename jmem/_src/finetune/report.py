@@ -68,7 +68,7 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         "losses": losses,
         "learning_rates": lrs,
         "device": jax.devices()[0].device_kind,
-        "host_allocator": {  # asked for, and what was in effect (jmem.host_huge_pages)
+        "host_allocator": {  # asked for, and what was in effect (jmem.host)
             "requested": config.host_allocator,
             "huge_pages": host_allocator.huge_pages_active(),
             "retained": host_allocator.retained(),
