@@ -5,12 +5,13 @@ Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offl
 ``train_step`` which composes them; ``host_huge_pages`` and ``retain_host_allocations``
 for CPU steps without per-step page faults.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
-``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
+``jmem.planner``, ``jmem.tree``, ``jmem.data``, ``jmem.losses``; the reference model in ``jmem.models``.
 """
 
 from jmem import data as data
 from jmem import fp8 as fp8
 from jmem import lora as lora
+from jmem import losses as losses
 from jmem import nf4 as nf4
 from jmem import ops as ops
 from jmem import planner as planner
@@ -88,6 +89,7 @@ __all__ = (
     "host_huge_pages",
     "linear_map",
     "lora",
+    "losses",
     "measure",
     "memory_kinds",
     "mixed_precision",
