@@ -337,15 +337,20 @@ def precompute_reference(logprobs_fn: Callable, base_params: Any, batch: dict) -
     return jnp.reshape(out.sum, (-1, 2))
 
 
+_NEEDS_FROZEN = {
+    "adapters_off": "reference='adapters_off' needs the base params as frozen= (the LoRA/QLoRA "
+    "base: step.init(adapters, frozen=base)); for full fine-tuning use reference='tree' or "
+    "'precomputed'.",
+    "tree": "reference='tree' needs the frozen reference tree as frozen= "
+    "(step.init(params, frozen=reference_params)).",
+}
+
+
 def _policy(logprobs_fn, reference, trainable, frozen, rows, dropout_key) -> SequenceLogprobs:
     """The policy's log-probs: adapters on the frozen base, or full params."""
     if reference == "tree" or frozen is None:
         if reference == "adapters_off":
-            raise ValueError(
-                "reference='adapters_off' needs the base params as frozen= (the LoRA/QLoRA "
-                "base: step.init(adapters, frozen=base)); for full fine-tuning use "
-                "reference='tree' or 'precomputed'."
-            )
+            raise ValueError(_NEEDS_FROZEN[reference])
         return logprobs_fn(trainable, rows)
     kw = {} if dropout_key is None else {"lora_dropout_key": dropout_key}
     return _lora.apply(logprobs_fn)(frozen, trainable, rows, **kw)
@@ -363,9 +368,7 @@ def _reference(logprobs_fn, reference, frozen, rows, batch) -> tuple[jax.Array, 
         ref = jax.lax.stop_gradient(jnp.asarray(ref, jnp.float32))
         return ref[:, 0], ref[:, 1]
     if frozen is None:
-        raise ValueError(
-            f"reference={reference!r} needs frozen= (the base params, or the reference tree)."
-        )
+        raise ValueError(_NEEDS_FROZEN[reference])
     chosen, rejected = _pairs(reference_logprobs(logprobs_fn, frozen, rows))
     return chosen.sum, rejected.sum
 
@@ -373,10 +376,11 @@ def _reference(logprobs_fn, reference, frozen, rows, batch) -> tuple[jax.Array, 
 def _loss(logprobs_fn, objective, reference, hyper, trainable, batch, *, frozen=None, **extras):
     """The built loss: ``(loss, metrics)`` of one preference batch (see ``preference_loss``)."""
     rows = _pairs_to_rows(batch, keep=("ref_logps",))
+    if objective == "dpo":  # the reference first: its errors before the policy's forward
+        ref_chosen, ref_rejected = _reference(logprobs_fn, reference, frozen, rows, batch)
     policy = _policy(logprobs_fn, reference, trainable, frozen, rows, extras.get("dropout_key"))
     chosen, rejected = _pairs(policy)
     if objective == "dpo":
-        ref_chosen, ref_rejected = _reference(logprobs_fn, reference, frozen, rows, batch)
         counts = {"chosen_tokens": chosen.count, "rejected_tokens": rejected.count}
         return dpo(chosen.sum, rejected.sum, ref_chosen, ref_rejected, **counts, **hyper)
     if objective == "orpo":
