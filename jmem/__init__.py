@@ -4,14 +4,15 @@ Top level: ``remat``, ``measure``, precision policies and master weights, loss s
 Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offload``, and
 ``train_step`` which composes them.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
-``jmem.planner``, ``jmem.tree``, ``jmem.data``, ``jmem.host`` (the host allocator of CPU
-steps); the reference model in ``jmem.models``.
+``jmem.planner``, ``jmem.tree``, ``jmem.data``, ``jmem.losses`` (preference losses),
+``jmem.host`` (the host allocator of CPU steps); the reference model in ``jmem.models``.
 """
 
 from jmem import data as data
 from jmem import fp8 as fp8
 from jmem import host as host
 from jmem import lora as lora
+from jmem import losses as losses
 from jmem import nf4 as nf4
 from jmem import ops as ops
 from jmem import planner as planner
@@ -95,6 +96,7 @@ __all__ = (
     "host",
     "linear_map",
     "lora",
+    "losses",
     "measure",
     "memory_kinds",
     "mixed_precision",

@@ -1,15 +1,20 @@
-"""Long-context operations: memory-efficient attention and a chunked cross-entropy."""
+"""Long-context operations: memory-efficient attention, a chunked cross-entropy and chunked
+sequence log-probabilities."""
 
 from jmem._src.attention import IMPLEMENTATIONS
 from jmem._src.attention import attention
 from jmem._src.attention import attention_mask
 from jmem._src.linear_cross_entropy import linear_cross_entropy
 from jmem._src.linear_cross_entropy import token_nll
+from jmem._src.sequence_logprobs import SequenceLogprobs
+from jmem._src.sequence_logprobs import sequence_logprobs
 
 __all__ = (
     "IMPLEMENTATIONS",
+    "SequenceLogprobs",
     "attention",
     "attention_mask",
     "linear_cross_entropy",
+    "sequence_logprobs",
     "token_nll",
 )

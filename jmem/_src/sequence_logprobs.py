@@ -1,0 +1,134 @@
+"""Per-sequence log-probabilities of target tokens under a linear output head, computed over
+token chunks so that the ``[B, S, V]`` logits never exist at once: the chunked loop and
+custom-VJP head matmul of ``linear_cross_entropy`` (after Cut Cross-Entropy, Wijmans et al.
+2024, arXiv:2411.09009), keeping per-token log-probs ``[B, S]`` instead of their mean, as
+the preference losses need (Liger Kernel's chunked preference losses, arXiv:2410.10989).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jmem._src.linear_cross_entropy import _logits
+from jmem._src.linear_cross_entropy import token_nll
+
+__all__ = ("SequenceLogprobs", "sequence_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLogprobs:
+    """Target log-probabilities of each sequence over its masked (response) tokens.
+
+    Attributes:
+      sum: float32 ``[B]``, ``sum_t mask[b, t] * log p(targets[b, t])`` (nats).
+      mean: float32 ``[B]``, ``sum / max(count, 1)``: the length-normalised log-prob
+        (ORPO, SimPO, IPO).
+      count: float32 ``[B]``, ``sum_t mask[b, t]``: the response tokens (weights) counted.
+    """
+
+    sum: jax.Array
+    mean: jax.Array
+    count: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    SequenceLogprobs, data_fields=["sum", "mean", "count"], meta_fields=[]
+)
+
+
+def _token_logprobs(head, logit_softcap, x, targets):
+    """float32 ``[N]`` log-probs of ``targets [N]`` under the logits ``x [N, H] @ head``."""
+    logits = _logits(x, head.astype(x.dtype))
+    return -token_nll(logits, targets, logit_softcap)
+
+
+def _chunk_logprobs(head, logit_softcap, carry, xs):
+    x, targets = xs
+    return carry, _token_logprobs(head, logit_softcap, x, targets)
+
+
+def _check(hidden, head, targets, mask, chunk):
+    if hidden.ndim != 3 or head.ndim != 2 or head.shape[0] != hidden.shape[-1]:
+        raise ValueError(
+            f"sequence_logprobs needs hidden [B, S, H] and head [H, V] (a tied head as "
+            f"embedding.T); got hidden{hidden.shape}, head{head.shape}."
+        )
+    if targets.shape != hidden.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(
+            f"targets must be an integer array [B, S] = {hidden.shape[:2]}; got "
+            f"{targets.dtype}{targets.shape}."
+        )
+    if mask is not None and mask.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"mask must be [B, S] = {hidden.shape[:2]} (1 on response tokens); got {mask.shape}."
+        )
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"chunk must be an int >= 0 (0 = unchunked); got {chunk!r}.")
+
+
+@jax.named_scope("sequence_logprobs")
+def sequence_logprobs(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    chunk: int,
+    logit_softcap: float | None = None,
+) -> SequenceLogprobs:
+    """Per-sequence sum, mean and count of the target log-probs over masked tokens, chunked.
+
+    ``log p(targets[b, t]) = logits[b, t, targets[b, t]] - logsumexp(logits[b, t])`` with
+    ``logits = hidden @ head`` (float32, soft-capped with ``logit_softcap``), summed over the
+    tokens where ``mask`` is nonzero (weighted by it). As ``jmem.ops.linear_cross_entropy``:
+    the ``B * S`` tokens are cut into chunks of ``chunk``; a ``lax.scan`` computes one chunk's
+    float32 logits ``[chunk, V]`` and keeps only the picked log-prob, and (checkpointed, with
+    the head matmul's custom VJP) recomputes that chunk's logits in the backward pass. The
+    largest temporaries are ``[chunk, V]`` float32 instead of ``[B, S, V]``; what is kept is
+    ``[B, S]`` float32. The head is cast to ``hidden``'s dtype and the matmul accumulates in
+    float32. Under ``jmem.qlora.apply`` an NF4 or LoRA head stays implicit (dequantized per
+    chunk).
+
+    Targets where ``mask`` is 0 are never read (they may be ``-100`` or any padding id).
+
+    Args:
+      hidden: ``[B, S, H]`` final hidden states (after the final norm), float32 or 16-bit.
+        For a preference batch, the chosen and rejected answers are rows of one batch.
+      head: ``[H, V]`` output kernel; a tied head is ``embedding.T`` (``embedding [V, H]``).
+      targets: int ``[B, S]``, the next token of each position (already shifted).
+      mask: optional ``[B, S]`` weights (bool, int or float), 1 on the response tokens to
+        count, 0 elsewhere (prompt, padding). Default: every token.
+      chunk: tokens per chunk; 0 (or ``>= B * S``) computes all logits at once.
+      logit_softcap: None or ``c``: logits become ``c * tanh(logits / c)`` (Gemma 2's
+        ``final_logit_softcapping``).
+
+    Returns:
+      ``SequenceLogprobs(sum, mean, count)``, each float32 ``[B]`` (nats; tokens).
+
+    Raises:
+      ValueError: misshaped inputs, non-integer targets, or a negative / non-int ``chunk``.
+
+    Source: the per-sequence log-probs of DPO (Rafailov et al. 2023, arXiv:2305.18290) as
+    TRL's ``get_batch_logps``/``selective_log_softmax`` compute them from dense logits.
+    """
+    _check(hidden, head, targets, mask, chunk)
+    b, s, h = hidden.shape
+    n = b * s
+    weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
+    targets = jnp.where(weight != 0, targets, 0).astype(jnp.int32)
+    if chunk == 0 or chunk >= n:
+        logp = _token_logprobs(head, logit_softcap, hidden.reshape(n, h), targets.reshape(n))
+    else:
+        pad = -n % chunk
+        xs = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
+        ts = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
+        body = jax.checkpoint(lambda c, xs_: _chunk_logprobs(head, logit_softcap, c, xs_))
+        _, logp = lax.scan(body, (), (xs, ts))
+        logp = logp.reshape(-1)[:n]
+    total = jnp.sum(logp.reshape(b, s) * weight, axis=1)
+    count = jnp.sum(weight, axis=1)
+    return SequenceLogprobs(sum=total, mean=total / jnp.maximum(count, 1.0), count=count)
