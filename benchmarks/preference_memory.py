@@ -87,8 +87,9 @@ def measure_step(name: str, variant: str) -> dict:
     """Compiles one DPO step of ``CONFIGS[name]`` and returns its bytes."""
     spec = CONFIGS[name]
     chunk = 0 if variant == "dense" else spec["chunk"]
-    cfg = llama.get_config(spec["model"], loss_chunk=chunk)
-    fn = functools.partial(preference.sequence_logprobs, config=cfg)
+    cfg = llama.get_config(spec["model"])
+    levers = jmem.Levers(loss_chunk=chunk)
+    fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=levers)
     reference = "precomputed" if variant == "precomputed" else "adapters_off"
     loss = jmem.losses.preference_loss(fn, "dpo", reference=reference, beta=0.1)
     step = jmem.train_step(

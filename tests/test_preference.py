@@ -225,6 +225,10 @@ def _pair_batch(cfg, n=2, s=12, prompt=4, seed=0):
     return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "completion_mask": mask}
 
 
+#: 16 tokens of logits at a time.
+LV16 = jmem.Levers(loss_chunk=16)
+
+
 def _qlora_setup(cfg, seed=1):
     qparams = jmem.qlora.quantize_params(llama.init(jax.random.key(0), cfg))
     adapters = jmem.lora.init(jax.random.key(seed), qparams, rank=4)
@@ -233,9 +237,9 @@ def _qlora_setup(cfg, seed=1):
 
 @pytest.mark.slow
 def test_first_dpo_loss_is_ln2_with_zero_adapters():
-    cfg = small_config(loss_chunk=16)
+    cfg = small_config()
     qparams, adapters = _qlora_setup(cfg)
-    fn = functools.partial(preference.sequence_logprobs, config=cfg)
+    fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=LV16)
     loss, metrics = losses.preference_loss(fn, "dpo")(adapters, _pair_batch(cfg), frozen=qparams)
     np.testing.assert_allclose(float(loss), np.log(2.0), rtol=1e-6)
     assert float(metrics["rewards/margins"]) == 0.0
@@ -245,11 +249,11 @@ def test_first_dpo_loss_is_ln2_with_zero_adapters():
 def test_adapters_off_reference_equals_precomputed_and_dense():
     """In-step reference (adapters off) == precomputed reference: loss, metrics and adapter
     gradients; and both equal the dense-logits computation (chunk 0)."""
-    cfg = small_config(loss_chunk=16)
+    cfg = small_config()
     qparams, adapters = _qlora_setup(cfg)
     adapters = jax.tree.map(lambda a: a + 0.05, adapters)  # a policy != the reference
     batch = _pair_batch(cfg)
-    fn = functools.partial(preference.sequence_logprobs, config=cfg)
+    fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=LV16)
     in_step = losses.preference_loss(fn, "dpo", beta=0.5)
     pre = losses.preference_loss(fn, "dpo", reference="precomputed", beta=0.5)
     batch_ref = {**batch, "ref_logps": losses.precompute_reference(fn, qparams, batch)}
@@ -258,8 +262,9 @@ def test_adapters_off_reference_equals_precomputed_and_dense():
     )
     got, want = grad(in_step, batch), grad(pre, batch_ref)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
-    dense_cfg = llama.get_config(cfg, loss_chunk=0)
-    dense_fn = functools.partial(preference.sequence_logprobs, config=dense_cfg)
+    dense_fn = functools.partial(
+        preference.sequence_logprobs, config=cfg, levers=jmem.Levers(loss_chunk=0)
+    )
     dense = grad(losses.preference_loss(dense_fn, "dpo", beta=0.5), batch)
     chex.assert_trees_all_close(got, dense, rtol=1e-4, atol=1e-6)
     assert float(got[0][0]) != pytest.approx(np.log(2.0))
@@ -270,9 +275,9 @@ def test_train_step_raises_dpo_accuracy_and_splits_pairs():
     """train_step(has_aux) with the adapters-off reference: microbatches split whole pairs
     (2 microbatches == 1 on the first step), and a few steps on one toy batch raise the
     reward accuracy above 0.5 and lower the loss below ln 2."""
-    cfg = small_config(loss_chunk=16)
+    cfg = small_config()
     qparams, adapters = _qlora_setup(cfg)
-    fn = functools.partial(preference.sequence_logprobs, config=cfg)
+    fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=LV16)
     loss = losses.preference_loss(fn, "dpo", beta=0.5)
     batch = _pair_batch(cfg, n=4)
     first = {}
@@ -291,9 +296,9 @@ def test_train_step_raises_dpo_accuracy_and_splits_pairs():
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])
 def test_reference_free_objectives_train_full_params(objective):
-    cfg = small_config(loss_chunk=16)
+    cfg = small_config()
     params = llama.init(jax.random.key(0), cfg)
-    fn = functools.partial(preference.sequence_logprobs, config=cfg)
+    fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=LV16)
     loss = losses.preference_loss(fn, objective, reference=None, beta=0.2)
     (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, _pair_batch(cfg))
     assert np.isfinite(float(value)) and set(_METRICS) <= set(metrics)
@@ -304,9 +309,9 @@ def test_reference_free_objectives_train_full_params(objective):
 def test_reference_tree_for_full_fine_tuning():
     """reference="tree": the frozen tree is the reference; at the start (policy == the
     reference) the loss is ln 2, and the gradient reaches the params only."""
-    cfg = small_config(loss_chunk=16)
+    cfg = small_config()
     params = llama.init(jax.random.key(0), cfg)
-    fn = functools.partial(preference.sequence_logprobs, config=cfg)
+    fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=LV16)
     loss = losses.preference_loss(fn, "dpo", reference="tree")
     (value, _), grads = jax.value_and_grad(loss, has_aux=True)(
         params, _pair_batch(cfg), frozen=params
@@ -326,7 +331,9 @@ def test_builder_errors():
     with pytest.raises(ValueError, match="beta must be > 0"):
         losses.preference_loss(fn, "simpo", reference=None, beta=-1.0)
     cfg = small_config()
-    loss = losses.preference_loss(functools.partial(preference.sequence_logprobs, config=cfg))
+    loss = losses.preference_loss(
+        functools.partial(preference.sequence_logprobs, config=cfg, levers=LV16)
+    )
     flat = {k: v[:, 0] for k, v in _pair_batch(cfg).items()}
     with pytest.raises(ValueError, match=r"must be \[B, 2, \.\.\.\]"):
         loss(None, flat, frozen=None)
@@ -349,13 +356,13 @@ def test_compiled_gradient_holds_no_logits(objective):
     97) holds no [4, 40, 97] or [160, 97] array; its only vocabulary-wide arrays are the head
     and [16, 97] chunks. Dense logits (chunk 0) do hold them, so the check can fail."""
     v = 97
-    cfg = small_config(vocab_size=v, loss_chunk=16)
+    cfg = small_config(vocab_size=v)
     qparams, adapters = _qlora_setup(cfg)
     batch = _pair_batch(cfg, n=2, s=40)
     hlos = {}
     for chunk in (16, 0):
         fn = functools.partial(
-            preference.sequence_logprobs, config=llama.get_config(cfg, loss_chunk=chunk)
+            preference.sequence_logprobs, config=cfg, levers=jmem.Levers(loss_chunk=chunk)
         )
         ref = "adapters_off" if objective == "dpo" else None
         loss = losses.preference_loss(fn, objective, reference=ref)

@@ -89,7 +89,7 @@ def test_softcap_and_bfloat16():
 def test_tied_model_head_equals_forward():
     """The tied reference Llama (head = embedding.T): hidden states times the head equals
     llama.forward's log-softmax-gather, values and gradients w.r.t. every param."""
-    cfg = small_config(tie_embeddings=True, loss_chunk=8)
+    cfg = small_config(tie_embeddings=True)
     params = llama.init(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, cfg.vocab_size)
     mask = (jnp.arange(12) >= 5) * jnp.ones((2, 12), jnp.int32)
@@ -100,7 +100,8 @@ def test_tied_model_head_equals_forward():
         picked = jnp.take_along_axis(logp, rows["targets"][..., None], axis=-1)[..., 0]
         return jnp.sum(picked * mask, axis=1)
 
-    chunked = lambda p: preference.sequence_logprobs(p, rows, cfg).sum  # noqa: E731
+    lv = jmem.Levers(loss_chunk=8)
+    chunked = lambda p: preference.sequence_logprobs(p, rows, cfg, levers=lv).sum  # noqa: E731
     chex.assert_trees_all_close(chunked(params), dense(params), rtol=1e-5)
     obj = lambda f: lambda p: jnp.sum(f(p) * jnp.array([1.0, -2.0]))  # noqa: E731
     chex.assert_trees_all_close(
@@ -207,7 +208,7 @@ def test_equals_transformers_log_softmax_gather(tmp_path, family):
     rows = {"inputs": tokens[:, :-1], "targets": labels, "completion_mask": mask}
     rows = {k: jnp.asarray(v, jnp.int32) for k, v in rows.items()}
     fn = functools.partial(
-        preference.sequence_logprobs, config=llama.get_config(cfg, loss_chunk=16)
+        preference.sequence_logprobs, config=cfg, levers=jmem.Levers(loss_chunk=16)
     )
     got = np.asarray(jax.jit(fn)(params, rows).sum)
     # 1e-5 relative to the summed log-probs (about 90 nats here): float32 against float64

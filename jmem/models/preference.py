@@ -5,6 +5,7 @@ without its head, after Rafailov et al. 2023's per-sequence log-probs (arXiv:230
 
 from __future__ import annotations
 
+from typing import Any
 from typing import Callable
 
 import jax
@@ -24,6 +25,7 @@ def hidden_states(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     layer_transform: Callable | None = None,
+    levers: Any = None,
 ) -> jax.Array:
     """The final hidden states of ``llama.forward``, after the final norm, before the head.
 
@@ -31,8 +33,8 @@ def hidden_states(
     config)`` (float32 accumulation), soft-capped with ``config.final_logit_softcap``.
 
     Args:
-      params, tokens, config, positions, segment_ids, layer_transform: as ``llama.forward``
-        (tokens int32 ``[B, S]``).
+      params, tokens, config, positions, segment_ids, layer_transform, levers: as
+        ``llama.forward`` (tokens int32 ``[B, S]``).
 
     Returns:
       ``[B, S, H]`` in the activations' dtype (the embedding's).
@@ -40,7 +42,7 @@ def hidden_states(
     Raises:
       ValueError: as ``llama.forward`` (misshaped tokens, positions or segment ids).
     """
-    x = llama._hidden(
+    x, _ = llama._hidden(
         params,
         tokens,
         config,
@@ -48,6 +50,7 @@ def hidden_states(
         segment_ids=segment_ids,
         layer_transform=layer_transform,
         fp8=None,
+        levers=levers,
     )
     return llama._final_norm(params, x, config)
 
@@ -58,12 +61,16 @@ def head_kernel(params: llama.Params, config: llama.LlamaConfig) -> jax.Array:
 
 
 def sequence_logprobs(
-    params: llama.Params, rows: dict[str, jax.Array], config: llama.LlamaConfig
+    params: llama.Params,
+    rows: dict[str, jax.Array],
+    config: llama.LlamaConfig,
+    *,
+    levers: Any = None,
 ) -> SequenceLogprobs:
     """Per-row summed / mean target log-probs over response tokens, without logits.
 
     ``jmem.ops.sequence_logprobs(hidden_states(...), head_kernel(...), rows["targets"],
-    rows["completion_mask"], chunk=config.loss_chunk,
+    rows["completion_mask"], chunk=levers.loss_chunk,
     logit_softcap=config.final_logit_softcap)``: the ``logprobs_fn`` of
     ``jmem.losses.preference_loss`` (with ``functools.partial(..., config=cfg)``).
 
@@ -71,7 +78,9 @@ def sequence_logprobs(
       params: the (possibly NF4/LoRA-applied) params.
       rows: ``{"inputs": int32[N, S], "targets": int32[N, S], "completion_mask": [N, S]}``
         and optional ``"positions"``, ``"segment_ids"`` (int32 ``[N, S]``).
-      config: the model's ``LlamaConfig`` (``loss_chunk`` tokens per chunk; 0 = dense).
+      config: the model's ``LlamaConfig``.
+      levers: a ``jmem.Levers`` or ``ResolvedLevers`` (None: ``jmem.Levers()``): the
+        model's execution settings, ``loss_chunk`` tokens per chunk (0 = dense logits).
 
     Returns:
       ``jmem.ops.SequenceLogprobs`` with float32 ``[N]`` leaves.
@@ -79,18 +88,21 @@ def sequence_logprobs(
     Raises:
       ValueError: misshaped rows; KeyError: a missing ``inputs``/``targets``/``completion_mask``.
     """
-    x = hidden_states(
+    x, lv = llama._hidden(
         params,
         rows["inputs"],
         config,
         positions=rows.get("positions"),
         segment_ids=rows.get("segment_ids"),
+        layer_transform=None,
+        fp8=None,
+        levers=levers,
     )
     return _sequence_logprobs(
-        x,
+        llama._final_norm(params, x, config),
         head_kernel(params, config),
         rows["targets"],
         rows["completion_mask"],
-        chunk=config.loss_chunk,
+        chunk=lv.loss_chunk,
         logit_softcap=config.final_logit_softcap,
     )
