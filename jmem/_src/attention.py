@@ -428,6 +428,20 @@ def _cudnn(q, k, v, sliding_window, scale):
     )
 
 
+def _check_options(logit_softcap, block_q, block_kv):
+    """ValueError naming a soft-cap or block size ``attention`` cannot use."""
+    if logit_softcap is not None and not (
+        isinstance(logit_softcap, (int, float)) and logit_softcap > 0
+    ):
+        raise ValueError(
+            f"logit_softcap must be None (no cap) or > 0; got {logit_softcap!r} (0 would "
+            "squash every score to 0: uniform attention)."
+        )
+    for name, value in (("block_q", block_q), ("block_kv", block_kv)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1 (tokens per tile); got {value!r}.")
+
+
 def _check_shapes(q, k, v):
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3]:
         raise ValueError(
@@ -516,12 +530,15 @@ def attention(
 
     Raises:
       ValueError: for mismatched shapes, non-integer or misshaped indices, an unknown
-        implementation, or ``"cudnn"`` where it cannot run (the message says why).
+        implementation, ``"cudnn"`` where it cannot run (the message says why), a
+        ``logit_softcap`` that is not None or > 0 (0 would make every score 0: uniform
+        attention), or ``block_q``/``block_kv`` that are not ints >= 1.
 
     Reverse-mode only: the blockwise path and the dense one without soft-cap are custom
     VJPs, so ``jax.jvp`` / ``jax.jacfwd`` through them raise JAX's custom-VJP error.
     """
     _check_shapes(q, k, v)
+    _check_options(logit_softcap, block_q, block_kv)
     b, s, _, d = q.shape
     t = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale

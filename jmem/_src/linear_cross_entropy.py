@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ("linear_cross_entropy", "token_nll")
+__all__ = ("ignore_negative_targets", "linear_cross_entropy", "token_nll")
 
 
 def token_nll(logits: jax.Array, targets: jax.Array, logit_softcap: float | None = None):
@@ -46,6 +46,16 @@ def _logits_bwd(res, g):
 
 
 _logits.defvjp(_logits_fwd, _logits_bwd)
+
+
+def ignore_negative_targets(targets: jax.Array, mask: jax.Array | None):
+    """``(weight, targets)``: float32 ``[B, S]`` loss weights (``mask``, 1 without one) that
+    are 0 where a target is negative (PyTorch's ``ignore_index=-100`` convention), and the
+    targets with those ids set to 0 (a valid index, never read with weight 0): a negative
+    id would otherwise wrap around the vocabulary and be trained on."""
+    weight = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    ignored = targets < 0
+    return jnp.where(ignored, 0.0, weight), jnp.where(ignored, 0, targets)
 
 
 def _chunk_sum(head, logit_softcap, carry, xs):
@@ -101,7 +111,8 @@ def linear_cross_entropy(
     Args:
       x: ``[B, S, H]`` final hidden states (after the final norm).
       head: ``[H, V]`` output kernel.
-      targets: int ``[B, S]``.
+      targets: int ``[B, S]``; a negative id (PyTorch's ``ignore_index=-100``) is
+        ignored, as a 0 in ``mask``.
       mask: optional ``[B, S]`` loss weights (bool, int or float), 0 = ignored.
       chunk: tokens per chunk; 0 (or ``>= B * S``) computes all logits at once.
       logit_softcap: None or ``c``: logits become ``c * tanh(logits / c)`` (Gemma 2's
@@ -116,7 +127,7 @@ def linear_cross_entropy(
     _check(x, head, targets, mask, chunk)
     b, s, h = x.shape
     n = b * s
-    weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
+    weight, targets = ignore_negative_targets(targets, mask)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
     if chunk == 0 or chunk >= n:
         logits = _logits(x.reshape(n, h), head.astype(x.dtype)).reshape(b, s, -1)

@@ -192,13 +192,18 @@ def init(
       ``{path: LoraWeight}``, ordered as the leaves of ``params``.
 
     Raises:
-      ValueError: for rank < 1, a dropout outside ``[0, 1)``, an unknown or contradictory
-        init choice, or when no leaf matches ``targets``.
+      ValueError: for rank < 1, alpha <= 0, a dropout outside ``[0, 1)``, an unknown or
+        contradictory init choice, or when no leaf matches ``targets``.
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int; got {rank!r}.")
     if not 0.0 <= float(dropout) < 1.0:
         raise ValueError(f"dropout must be in [0, 1); got {dropout!r}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(
+            f"alpha must be a number > 0 (the scale is alpha / rank; 0 would make adapters "
+            f"that never change the output, so never learn); got {alpha!r}."
+        )
     how, use_rslora = _init_choice(init_lora_weights, init, use_rslora, rslora)
     scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     pred = _tree.path_predicate(targets)

@@ -607,8 +607,8 @@ def parse_memory(memory: Any) -> int:
         raise TypeError(
             f"memory must be bytes or a string like '24GB'; got {type(memory).__name__}."
         )
-    if value <= 0:
-        raise ValueError(f"memory must be positive; got {memory!r}.")
+    if not math.isfinite(value) or value <= 0 or value > 2**70:
+        raise ValueError(f"memory must be a positive, finite size (< 1 ZiB); got {memory!r}.")
     if isinstance(memory, str) and not re.search(r"[A-Za-z]", memory) and value < 2**20:
         raise ValueError(
             f"memory {memory!r} has no unit and is under 1 MiB; write e.g. "

@@ -54,10 +54,16 @@ def split_microbatches(batch: Any, microbatches: int) -> Any:
 
 
 def mask_count(microbatch: Any) -> jax.Array | None:
-    """The number of unmasked tokens of a batch: float32 ``sum(batch["mask"])``, or None
-    when ``batch`` is not a mapping with a ``"mask"`` (the default ``weight_fn``)."""
+    """The number of unmasked tokens of a batch: float32 ``sum(batch["mask"])`` (less the
+    tokens whose ``batch["targets"]`` is negative, PyTorch's ``ignore_index``, which the
+    losses ignore), or None when ``batch`` is not a mapping with a ``"mask"`` (the default
+    ``weight_fn``)."""
     if isinstance(microbatch, Mapping) and microbatch.get("mask") is not None:
-        return jnp.sum(jnp.asarray(microbatch["mask"], jnp.float32))
+        mask = jnp.asarray(microbatch["mask"], jnp.float32)
+        targets = microbatch.get("targets")
+        if targets is not None and getattr(targets, "shape", None) == mask.shape:
+            mask = jnp.where(jnp.asarray(targets) < 0, 0.0, mask)
+        return jnp.sum(mask)
     return None
 
 

@@ -314,6 +314,9 @@ def _parse_options(unknown: dict, **kw: Any) -> _Options:
     if isinstance(precision, str):
         precision = get_policy(precision)
     resolve_policy(kw["remat"])
+    mb = kw["microbatches"]
+    if isinstance(mb, bool) or not isinstance(mb, int):
+        raise ValueError(f"microbatches must be an int >= 1; got {mb!r}.")
     if kw["microbatches"] < 1:
         raise ValueError(f"microbatches must be >= 1, got {kw['microbatches']}.")
     mode = kw.pop("offload_optimizer")
