@@ -41,7 +41,7 @@ def _loss(cfg):
 def dropout_key(config):
     """The LoRA dropout key of a ``--lora-dropout`` run (from ``--seed``; the train step folds
     in the step and microbatch, and checkpoints it), or None without dropout."""
-    return jax.random.key(config.seed + 2) if config.lora_dropout else None
+    return jax.random.key(config.run.seed + 2) if config.training.lora_dropout else None
 
 
 def build(config, cfg, *, compute_dtype=None, mesh=None):
@@ -51,9 +51,9 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
     Args:
       config: a resolved ``FinetuneConfig`` (``lr`` and ``steps`` set).
       cfg: the model's ``LlamaConfig``.
-      compute_dtype: overrides ``config.precision`` (e.g. float32 for a benchmark).
+      compute_dtype: overrides ``config.levers.precision`` (e.g. float32 for a benchmark).
       mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
-        With ``config.remat == "none"`` the loss runs ``cfg`` with ``scan_unroll=True``
+        With ``config.levers.remat == "none"`` the loss runs ``cfg`` with ``scan_unroll=True``
         (the layers inlined: a layer loop would stack every saved activation).
 
     Returns:
@@ -61,20 +61,20 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
       batch, *, frozen)``, the compute dtype and the optax learning-rate schedule
       (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
     """
-    dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
+    dtype = jnp.float16 if config.levers.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
-    if config.remat == "none":  # no remat: inline the layers (no stacked residuals)
+    if config.levers.remat == "none":  # no remat: inline the layers (no stacked residuals)
         cfg = dataclasses.replace(cfg, scan_unroll=True)
     loss_fn = _loss(cfg)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
-        config.lr,
-        warmup_steps=max(1, config.steps // 20),
-        decay_steps=max(2, config.steps),
-        end_value=config.lr / 10,
+        config.training.lr,
+        warmup_steps=max(1, config.training.steps // 20),
+        decay_steps=max(2, config.training.steps),
+        end_value=config.training.lr / 10,
     )
-    opt = OPTIMIZERS[config.optimizer](
-        schedule, weight_decay=config.weight_decay, mask=jmem.decay_mask
+    opt = OPTIMIZERS[config.training.optimizer](
+        schedule, weight_decay=config.training.weight_decay, mask=jmem.decay_mask
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
@@ -83,9 +83,9 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
         opt,
         precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
         loss_scale=scale,
-        remat=config.remat,
-        microbatches=config.grad_accum,
-        offload_optimizer=config.offload,
+        remat=config.levers.remat,
+        microbatches=config.levers.grad_accum,
+        offload_optimizer=config.levers.offload,
         mesh=mesh,
     )
     return step, loss_fn, dtype, schedule
@@ -93,16 +93,16 @@ def build(config, cfg, *, compute_dtype=None, mesh=None):
 
 def quantized_base(config, cfg, dtype, abstract: bool):
     """NF4 base params: from a checkpoint, or random (quantized on the device, in one jit)."""
-    if config.checkpoint:
+    if config.model.checkpoint:
         if abstract:
             return jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, dtype)))
-        with user_input(f"--checkpoint {config.checkpoint}"):
-            params, _ = hf.load_params(config.checkpoint, cfg, dtype=dtype, quantize="nf4")
+        with user_input(f"--checkpoint {config.model.checkpoint}"):
+            params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=dtype, quantize="nf4")
         return params
     make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))
     if abstract:
-        return jax.eval_shape(make, jax.random.key(config.seed))
-    return jax.jit(make)(jax.random.key(config.seed))
+        return jax.eval_shape(make, jax.random.key(config.run.seed))
+    return jax.jit(make)(jax.random.key(config.run.seed))
 
 
 def base_bytes(frozen) -> tuple[int, int, int]:
@@ -120,4 +120,4 @@ def base_bytes(frozen) -> tuple[int, int, int]:
 
 def model_name(config) -> str:
     """``--config``'s name, or the ``--checkpoint`` directory's."""
-    return config.config or os.path.basename(os.path.normpath(config.checkpoint))
+    return config.model.config or os.path.basename(os.path.normpath(config.model.checkpoint))
