@@ -97,11 +97,13 @@ if mode == "huge-pages":  # restarts this process with the tunable, once
 import jax.numpy as jnp
 import numpy as np
 from jmem import finetune
+from jmem._src.finetune.build import build
+from jmem._src.finetune.loop import init_state
 from jmem.models import llama
 cfg = llama.get_config("tiny")
-config = finetune.FinetuneConfig(steps=10, lr=1e-3, lora_rank=8, lora_alpha=16.0, remat=remat)
-step, *_ = finetune.build(config, cfg, compute_dtype=jnp.float32)
-state = finetune.init_state(config, cfg, step, jnp.float32, None, None)[0]
+config = finetune.FinetuneConfig.from_flat(steps=10, lr=1e-3, lora_rank=8, lora_alpha=16.0, remat=remat)
+step, *_ = build(config, cfg, compute_dtype=jnp.float32)
+state = init_state(config, cfg, step, jnp.float32, None, None)[0]
 tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, 129), np.int32)
 batch = {"inputs": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:])}
 compiled = step.jitted.lower(state, batch).compile()
@@ -315,7 +317,7 @@ def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected
     monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: False)
     plugin = "jax-cuda12-plugin" if machine == "gpu" else None
     monkeypatch.setattr(job, "_accelerator_plugin", lambda: plugin)
-    config = finetune.FinetuneConfig(host_allocator=choice, remat=remat)
+    config = finetune.FinetuneConfig.from_flat(host_allocator=choice, remat=remat)
     note = job._host_allocator(config, restart=True)
     assert [c[0] for c in calls] == expected
     assert all(c[1] is True for c in calls if c[0] == "huge-pages")
@@ -329,8 +331,8 @@ def test_job_host_allocator_choice(monkeypatch, choice, remat, machine, expected
         assert note == "host allocator: glibc's defaults (--host-allocator system)"
         monkeypatch.setattr(ha, "huge_pages_active", lambda: True)  # GLIBC_TUNABLES inherited
         assert "huge pages all the same" in job._host_allocator(config, restart=True)
-    if config.host_allocator != "system":
-        dry = finetune.FinetuneConfig(host_allocator=choice, remat=remat, dry_run=True)
+    if config.run.host_allocator != "system":
+        dry = finetune.FinetuneConfig.from_flat(host_allocator=choice, remat=remat, dry_run=True)
         n = len(calls)
         assert job._host_allocator(dry, restart=True) is None and len(calls) == n
 
@@ -339,19 +341,20 @@ def test_only_the_jobs_own_command_line_restarts(monkeypatch, fake_execve):
     """``finetune.main(argv)``, ``python -m jmem``'s ``main(argv)`` and ``finetune.run``
     never restart the process; ``main()`` with the process's command line does."""
     import jmem.__main__ as cli_main  # noqa: PLC0415
+    from jmem import finetune  # noqa: PLC0415
     from jmem._src.finetune import job  # noqa: PLC0415
 
     _huge_pages_possible(monkeypatch)
     monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
     monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
     monkeypatch.setattr(job, "_run", lambda config, note: "ran")
-    assert job.main(["--steps", "1"]) == "ran"
+    assert finetune.main(["--steps", "1"]) == "ran"
     assert cli_main.main(["finetune", "--steps", "1"]) == 0
     assert fake_execve == []
     monkeypatch.setattr(ha.sys, "argv", ["qlora_7b.py", "--steps", "1"])
     monkeypatch.setattr(ha.sys, "orig_argv", ["python", "qlora_7b.py", "--steps", "1"])
     with pytest.raises(_Exec):
-        job.main()
+        finetune.main()
     assert fake_execve[0][1][1:] == ["qlora_7b.py", "--steps", "1"]
 
 
@@ -387,10 +390,14 @@ def test_the_opt_out_turns_auto_off_but_not_an_explicit_choice(monkeypatch):
     calls = _fake_allocators(monkeypatch, huge_pages_apply=True)
     monkeypatch.setenv(ha.ENV_VAR, "system")
     monkeypatch.setattr(ha, "huge_pages_active", lambda: False)
-    note = job._host_allocator(finetune.FinetuneConfig(host_allocator="auto"), restart=True)
+    note = job._host_allocator(
+        finetune.FinetuneConfig.from_flat(host_allocator="auto"), restart=True
+    )
     assert note == "host allocator: glibc's defaults (JMEM_HOST_ALLOCATOR=system)"
     assert calls == []
-    note = job._host_allocator(finetune.FinetuneConfig(host_allocator="huge-pages"), restart=True)
+    note = job._host_allocator(
+        finetune.FinetuneConfig.from_flat(host_allocator="huge-pages"), restart=True
+    )
     assert calls == [("huge-pages", True)] and "huge pages" in note
 
 
@@ -405,6 +412,6 @@ def test_a_refused_restart_keeps_its_reason_in_the_fallback_note(monkeypatch):
     monkeypatch.setattr(job, "_accelerator_plugin", lambda: None)
     monkeypatch.setattr(ha, "_backends_initialized", lambda: True)
     monkeypatch.setattr(job.jax_compat, "backends_initialized", lambda: True)
-    note = job._host_allocator(finetune.FinetuneConfig(remat="none"))
+    note = job._host_allocator(finetune.FinetuneConfig.from_flat(remat="none"))
     assert note.startswith("host allocator: no huge pages (JAX already started")
     assert "freed memory not retained either" in note and "jmem.host_huge_pages()" in note
