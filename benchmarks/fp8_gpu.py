@@ -173,7 +173,7 @@ def bench_model(model: str, layers: int, batch: int, seq: int, iters: int) -> li
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192, help="matmul N for [N,N]@[N,N]")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per case (median)")
     ap.add_argument("--model", default="llama_1b", help="jmem.models.llama config name")

@@ -90,7 +90,7 @@ def time_row(seq: int, reps: int) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--seqs", default="4096,8192,16384", help="comma list of sequence lengths")
     p.add_argument("--time-max-seq", type=int, default=4096, help="time steps up to this length")
     p.add_argument("--reps", type=int, default=3, help="timed steps per contender")

@@ -121,7 +121,7 @@ def _fmt_gib(x):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--config", default=None, help="llama config (default: llama_1b on GPU/TPU, tiny on CPU)"
     )

@@ -45,7 +45,7 @@ def _commit() -> str | None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--config", default="llama2_7b")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -131,7 +131,7 @@ class _Profiled(_JaxRunner):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--num", type=int, default=4)

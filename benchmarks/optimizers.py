@@ -108,7 +108,7 @@ def _time_torch(make_opt, params, grads, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--num", type=int, default=4)

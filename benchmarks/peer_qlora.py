@@ -4,7 +4,7 @@ The same training step on both sides, with the same shapes (default: the ``tiny`
 hidden 256, intermediate 688, 4 layers, 8 heads / 4 KV heads, vocab 256; batch 16 x seq
 128):
 
-* jmem: the step of the fine-tuning job (``jmem.finetune.build``, with the compute dtype
+* jmem: the step of the fine-tuning job (``jmem._src.finetune.build.build``, with the compute dtype
   chosen here so that float32 can be timed too; ``examples/qlora_7b.py`` runs it): NF4
   base with double quantization (``qlora.quantize_params``), LoRA r=8 alpha=16 on all
   seven projections (``jmem.lora.init``), ``clip_by_global_norm(1.0)`` +
@@ -68,8 +68,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jmem  # noqa: E402
-from jmem import finetune  # noqa: E402
 from jmem._src import host_allocator as host_allocator_lib  # noqa: E402
+from jmem._src.finetune.build import build  # noqa: E402
+from jmem._src.finetune.config import FinetuneConfig  # noqa: E402
+from jmem._src.finetune.loop import init_state  # noqa: E402
 from jmem.models import llama  # noqa: E402
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -83,13 +85,13 @@ def _batch(cfg, batch: int, seq: int, seed: int = 0) -> np.ndarray:
 
 
 class JmemStep:
-    """The QLoRA train step of the fine-tuning job (``jmem.finetune.build``), compiled once."""
+    """The QLoRA train step of the fine-tuning job (``jmem._src.finetune.build.build``), compiled once."""
 
     name = "jmem"
 
     def __init__(self, cfg, dtype: str, tokens: np.ndarray, *, rank=8, lr=1e-3, remat="full"):
         dt = DTYPES[dtype]
-        config = finetune.FinetuneConfig(
+        config = FinetuneConfig.from_flat(
             steps=100,
             lr=lr,
             lora_rank=rank,
@@ -97,8 +99,8 @@ class JmemStep:
             lora_targets=TARGETS,
             remat=remat,
         )
-        step, *_ = finetune.build(config, cfg, compute_dtype=dt)
-        self._compile(step, finetune.init_state(config, cfg, step, dt, None, None)[0], tokens)
+        step, *_ = build(config, cfg, compute_dtype=dt)
+        self._compile(step, init_state(config, cfg, step, dt, None, None)[0], tokens)
 
     def _compile(self, step, state, tokens: np.ndarray) -> None:
         """Keeps ``state`` and the ``[B, S + 1]`` token batch, and compiles ``step`` once."""
@@ -448,7 +450,7 @@ def _print_table(rows: list[dict], speedup: dict, args) -> None:
 
 
 def _parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)

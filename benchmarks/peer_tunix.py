@@ -4,7 +4,7 @@ The same training step on both sides, with the same shapes (default: the ``tiny`
 hidden 256, intermediate 688, 4 layers, 8 heads / 4 KV heads, head dim 32, vocab 256;
 batch 16 x seq 128), both in JAX, both compiled once with ``jax.jit`` (state donated):
 
-* jmem: the fine-tuning job's step builder (``jmem.finetune.build`` with
+* jmem: the fine-tuning job's step builder (``jmem._src.finetune.build.build`` with
   ``optimizer="adamw"``: ``clip_by_global_norm(1.0)`` + float32 ``optax.adamw``, the job's
   warmup-cosine schedule, precision ``p=f32,c=<dtype>``, through ``jmem.train_step``), its
   state built from the public API: NF4 base *without* double quantization
@@ -88,8 +88,9 @@ from peer_qlora import cpu_info
 from peer_qlora import host_allocator
 
 import jmem
-from jmem import finetune
 from jmem import qlora
+from jmem._src.finetune.build import build
+from jmem._src.finetune.config import FinetuneConfig
 from jmem.models import llama
 
 try:
@@ -114,7 +115,7 @@ class JmemEqualStep(JmemStep):
 
     def __init__(self, cfg, dtype: str, tokens: np.ndarray, *, rank=8, lr=1e-3, remat="full"):
         dt = DTYPES[dtype]
-        config = finetune.FinetuneConfig(
+        config = FinetuneConfig.from_flat(
             steps=100,
             lr=lr,
             lora_rank=rank,
@@ -123,11 +124,15 @@ class JmemEqualStep(JmemStep):
             remat=remat,
             optimizer="adamw",
         )
-        step, _, _, self.schedule = finetune.build(config, cfg, compute_dtype=dt)
+        step, _, _, self.schedule = build(config, cfg, compute_dtype=dt)
         make = lambda k: qlora.quantize_params(llama.init(k, cfg, dt), double_quant=False)
-        frozen = jax.jit(make)(jax.random.key(config.seed))
+        frozen = jax.jit(make)(jax.random.key(config.run.seed))
         adapters = jmem.lora.init(
-            jax.random.key(config.seed + 1), frozen, rank=rank, alpha=2.0 * rank, targets=TARGETS
+            jax.random.key(config.run.seed + 1),
+            frozen,
+            rank=rank,
+            alpha=2.0 * rank,
+            targets=TARGETS,
         )
         self._compile(step, step.init(adapters, frozen=frozen), tokens)
 
@@ -342,7 +347,7 @@ def table(rows, args) -> str:
 
 def parse_args(argv=None):
     """The command line; ``--quick`` is 2 rounds x 3 steps and 1 warm-up step."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)

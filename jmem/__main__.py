@@ -16,17 +16,16 @@ import sys
 from typing import Any
 from typing import Sequence
 
-from jmem import planner
 from jmem._src import cli
-from jmem._src.finetune.job import main as finetune_main
-from jmem._src.finetune.launcher import relaunch_with_huge_pages
-from jmem.models import llama
 
 
 def _model(name: str) -> Any:
     """argparse type: a config from ``jmem.models.llama.CONFIGS``, else a parameter count
     (``7e9``, ``7B``) that the planner resolves. An unknown name gets one list of names and
     the closest one."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+    from jmem.models import llama  # noqa: PLC0415
+
     if name in llama.CONFIGS:
         return llama.get_config(name)
     try:
@@ -43,6 +42,8 @@ def _model(name: str) -> Any:
 
 
 def _lora_targets(text: str) -> tuple[str, ...] | str:
+    from jmem.models import llama  # noqa: PLC0415
+
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
         return "all"
@@ -78,8 +79,11 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
     return kw
 
 
-def static_line(ledger: planner.Ledger) -> str:
-    """The static subtotal of a ledger: everything but activations, in GB and GiB."""
+def static_line(ledger) -> str:
+    """The static subtotal of a ``planner.Ledger``: everything but activations, in GB and
+    GiB."""
+    from jmem import planner  # noqa: PLC0415
+
     return (
         f"static (params + grads + optimizer state + master weights): "
         f"{ledger.static / planner.GB:.3f} GB = {ledger.static / 2**30:.3f} GiB"
@@ -88,6 +92,8 @@ def static_line(ledger: planner.Ledger) -> str:
 
 def _estimate(args: argparse.Namespace) -> int:
     """Prints one ledger (or, with ``--memory``, one verdict) per optimizer and remat mode."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+
     if args.quant and not args.lora_rank:
         raise ValueError(
             "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
@@ -110,6 +116,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _max_seq(args: argparse.Namespace) -> int:
     """Prints the longest sequence that fits ``--memory``, without and with offload."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+
     if not args.memory:
         raise ValueError("--max-seq needs --memory (e.g. --memory 24GB).")
     for opt, remat in itertools.product(args.optimizer, args.remat):
@@ -126,13 +134,21 @@ def _max_seq(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_estimate(sub) -> None:
+def _add_estimate(sub, full: bool) -> None:
+    """``estimate``: its flags only when it is the command (they need the planner, which
+    imports JAX; ``jmem --help`` answers without)."""
     p = sub.add_parser(
         "estimate",
         help="memory ledgers of a training configuration",
         description="Estimate the device memory of a training step, ledger by "
         "ledger, and (with --memory) whether it fits.",
+        add_help=full,
     )
+    if not full:
+        return
+    from jmem import planner  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
     p.add_argument(
         "--model",
         required=True,
@@ -190,6 +206,8 @@ def _add_estimate(sub) -> None:
 
 def _add_shape_flags(p) -> None:
     """``estimate``'s flags for the activations and the layout: remat, sizes, shards."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+
     p.add_argument(
         "--remat",
         type=cli.choices_list(planner.REMAT_MODES),
@@ -232,7 +250,7 @@ def _add_shape_flags(p) -> None:
     )
 
 
-def _add_finetune(sub) -> None:
+def _add_finetune(sub, full: bool) -> None:
     """``finetune``: listed here; its flags are parsed by ``jmem.finetune.main``."""
     sub.add_parser(
         "finetune",
@@ -265,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["finetune"]:
+        from jmem._src.finetune.command import main as finetune_main  # noqa: PLC0415
+        from jmem._src.finetune.launcher import relaunch_with_huge_pages  # noqa: PLC0415
+
         if command_line:
             relaunch_with_huge_pages(argv[1:], prog="jmem finetune")  # may os.execve
         finetune_main(argv[1:], prog="jmem finetune")
@@ -272,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.Parser(prog="jmem", description="jmem command line tools")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
     for add in _COMMANDS:
-        add(sub)
+        add(sub, full=argv[:1] == ["estimate"])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -93,7 +93,7 @@ def train(directory: str, steps: int, run: str) -> None:
 
 
 def main(argv):
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("directory")
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill-at", type=int)

@@ -15,6 +15,12 @@ from jmem import data
 from jmem import finetune
 from jmem import planner
 from jmem.__main__ import main as jmem_main
+from jmem._src.cli import CliError
+from jmem._src.finetune.datasets import load_datasets
+from jmem._src.finetune.rundir import prepare_out
+from jmem._src.finetune.setup import check_outputs
+from jmem._src.finetune.setup import model_config
+from jmem._src.finetune.setup import resolve_defaults
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 _EXAMPLE = os.path.join(_ROOT, "examples", "qlora_7b.py")
@@ -137,13 +143,33 @@ def test_export_of_a_model_the_exporter_cannot_write_is_refused_before_training(
 
     cfg = llama.get_config("tiny", biases=("q_proj",))  # no transformers family has it
     args = example.parse_args(["--export-merged", str(tmp_path / "merged")])
-    with pytest.raises(example.CliError, match="--export-merged .*biases"):
-        example.check_outputs(args, cfg, data.ByteTokenizer())
-    example.check_outputs(example.parse_args([]), cfg, data.ByteTokenizer())  # no export: ok
+    with pytest.raises(CliError, match="--export-merged .*biases"):
+        check_outputs(args, cfg, data.ByteTokenizer())
+    check_outputs(example.parse_args([]), cfg, data.ByteTokenizer())  # no export: ok
+
+
+def test_overwrite_replaces_an_earlier_merged_checkpoint_only(example, tmp_path, capsys):
+    """The same command twice: --overwrite replaces the run in --out and the merged
+    checkpoint in --export-merged; a directory that is not a checkpoint is never deleted."""
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    os.makedirs(out / "checkpoints" / "2")
+    os.makedirs(merged)
+    (merged / "config.json").write_text("{}")
+    (merged / "model.safetensors").write_text("")
+    argv = ["--out", str(out), "--export-merged", str(merged)]
+    with pytest.raises(CliError, match="--export-merged .* --overwrite to replace it"):
+        prepare_out(example.parse_args(argv))
+    assert prepare_out(example.parse_args(argv + ["--overwrite"])) is None
+    assert not merged.exists() and not (out / "checkpoints").exists()
+    os.makedirs(merged)
+    (merged / "notes.txt").write_text("mine")
+    with pytest.raises(CliError, match="not a checkpoint; pass a new directory"):
+        prepare_out(example.parse_args(argv + ["--overwrite"]))
+    assert (merged / "notes.txt").read_text() == "mine"
 
 
 def test_debug_keeps_the_traceback(example, tmp_path):
-    with pytest.raises(example.CliError, match="--data"):
+    with pytest.raises(CliError, match="--data"):
         example.main(["--data", str(tmp_path / "missing.txt"), "--debug", "--out", str(tmp_path)])
 
 
@@ -152,18 +178,21 @@ def test_defaults_are_filled_with_is_none_and_sized_for_the_device(example, tmp_
     on a GPU the 7B sizes, capped at the model's max_seq_len; given values are kept."""
     ck = _config_json(tmp_path / "ck", max_position_embeddings=512)
     args = example.parse_args(["--checkpoint", ck])
-    cfg = example.model_config(args)
+    cfg = model_config(args)
     assert (cfg.vocab_size, cfg.num_layers, cfg.max_seq_len) == (128, 2, 512)
-    notes = example.resolve_defaults(args, cfg, on_gpu=False)
-    assert (args.steps, args.batch_size, args.seq_len) == (200, 16, 128)
-    assert args.lr == 2e-4 and args.eval_every == 20 and "CPU-sized" in notes[0]
-    args = example.parse_args(["--checkpoint", ck])
-    example.resolve_defaults(args, cfg, on_gpu=True)
-    assert (args.steps, args.batch_size, args.seq_len) == (20, 1, 512)
+    c, notes = resolve_defaults(args, cfg, on_gpu=False)
+    assert (c.training.steps, c.data.batch_size, c.data.seq_len) == (200, 16, 128)
+    assert c.training.lr == 2e-4 and c.data.eval_every == 20 and "CPU-sized" in notes[0]
+    assert c.model.tokenizer == ck and c.training.lora_alpha == 16.0
+    assert args == example.parse_args(["--checkpoint", ck])  # a new value; the given one kept
+    c, _ = resolve_defaults(args, cfg, on_gpu=True)
+    assert (c.training.steps, c.data.batch_size, c.data.seq_len) == (20, 1, 512)
     args = example.parse_args(["--checkpoint", ck, "--steps", "1", "--seq-len", "1024"])
-    notes = example.resolve_defaults(args, cfg, on_gpu=False)
-    assert (args.steps, args.seq_len, args.eval_every) == (1, 1024, 1)
+    c, notes = resolve_defaults(args, cfg, on_gpu=False)
+    assert (c.training.steps, c.data.seq_len, c.data.eval_every) == (1, 1024, 1)
     assert any("exceeds the model's max_seq_len 512" in n for n in notes)
+    c, _ = resolve_defaults(example.parse_args([]), cfg, on_gpu=False)
+    assert (c.model.config, c.model.tokenizer, c.training.lr) == ("tiny", "byte", 3e-3)
 
 
 def test_example_entry_point_prints_no_traceback(tmp_path):
@@ -183,9 +212,8 @@ def test_instruction_data_trains_on_responses_only(example, tmp_path):
     args = example.parse_args(
         ["--data", sft, "--seq-len", "32", "--batch-size", "4", "--eval-split", "0.2"]
     )
-    cfg = example.model_config(args)
-    example.resolve_defaults(args, cfg, on_gpu=False)
-    train, held = example.load_datasets(args, data.ByteTokenizer())
+    args, _ = resolve_defaults(args, model_config(args), on_gpu=False)
+    train, held = load_datasets(args, data.ByteTokenizer())
     completions = {json.loads(line)["completion"] for line in open(sft)}
     batch = train.batch_at(data.Position())[0]
     assert set(batch) >= {"inputs", "targets", "mask", "segment_ids", "positions"}

@@ -199,9 +199,13 @@ def test_instruction_run_writes_adapters_and_a_merged_checkpoint(example, tmp_pa
     params, _ = hf.load_params(str(merged), cfg, dtype=jax.numpy.bfloat16)
     adapters = hf.load_adapters(str(out / "adapter"), params, cfg)
     assert set(adapters) == {f"layers/{n}/kernel" for n in llama.LINEAR_NAMES}
+    from jmem._src.finetune.datasets import load_datasets  # noqa: PLC0415
+    from jmem._src.finetune.setup import model_config  # noqa: PLC0415
+    from jmem._src.finetune.setup import resolve_defaults  # noqa: PLC0415
+
     args = example.parse_args(argv)
-    example.resolve_defaults(args, example.model_config(args), on_gpu=False)
-    _, held = example.load_datasets(args, data.ByteTokenizer())
+    args, _ = resolve_defaults(args, model_config(args), on_gpu=False)
+    _, held = load_datasets(args, data.ByteTokenizer())
     n = min(2, held.batches_per_epoch)  # as the example's Evaluator (--eval-batches 2)
     batches = [held.batch_at(data.Position(0, i * 4))[0] for i in range(n)]
     losses = [float(llama.loss_fn(params, b, cfg)) for b in batches]

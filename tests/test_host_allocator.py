@@ -23,6 +23,7 @@ import pytest
 import jmem
 from jmem import finetune
 from jmem._src import host_allocator as ha
+from jmem._src.cli import CliError
 from jmem._src.finetune import job
 from jmem._src.finetune import launcher
 
@@ -104,11 +105,13 @@ if mode == "huge-pages":  # restarts this process with the tunable, once
 import jax.numpy as jnp
 import numpy as np
 from jmem import finetune
+from jmem._src.finetune.build import build
+from jmem._src.finetune.loop import init_state
 from jmem.models import llama
 cfg = llama.get_config("tiny")
-config = finetune.FinetuneConfig(steps=10, lr=1e-3, lora_rank=8, lora_alpha=16.0, remat=remat)
-step, *_ = finetune.build(config, cfg, compute_dtype=jnp.float32)
-state = finetune.init_state(config, cfg, step, jnp.float32, None, None)[0]
+config = finetune.FinetuneConfig.from_flat(steps=10, lr=1e-3, lora_rank=8, lora_alpha=16.0, remat=remat)
+step, *_ = build(config, cfg, compute_dtype=jnp.float32)
+state = init_state(config, cfg, step, jnp.float32, None, None)[0]
 tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, 129), np.int32)
 batch = {"inputs": jnp.asarray(tok[:, :-1]), "targets": jnp.asarray(tok[:, 1:])}
 compiled = step.jitted.lower(state, batch).compile()
@@ -338,11 +341,11 @@ def test_a_bad_opt_out_value_is_refused_naming_the_values(fake_libc, monkeypatch
     with pytest.raises(ValueError, match="JMEM_HOST_ALLOCATOR"):
         jmem.host.restart_with_huge_pages()
     assert fake_libc.calls == []
-    with pytest.raises(finetune.CliError, match="JMEM_HOST_ALLOCATOR"):
+    with pytest.raises(CliError, match="JMEM_HOST_ALLOCATOR"):
         launcher.allocator_note("auto", "full", dry_run=False)
     monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
     with pytest.raises(SystemExit) as e:
-        job.main(["--config", "tiny", "--steps", "1"])
+        finetune.main(["--config", "tiny", "--steps", "1"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: JMEM_HOST_ALLOCATOR='garbage' is not one of auto, system")
@@ -440,7 +443,7 @@ def test_only_the_entry_points_restart(monkeypatch, fake_execve):
     monkeypatch.setattr(job, "initialize_distributed", lambda config: None)
     monkeypatch.setattr(job, "_run", lambda config, note: "ran")
     monkeypatch.setattr(sys, "argv", ["qlora_7b.py", "--steps", "1"])
-    assert job.main(["--steps", "1"]) == "ran" and job.main() == "ran"
+    assert finetune.main(["--steps", "1"]) == "ran" and finetune.main() == "ran"
     assert cli_main.main(["finetune", "--steps", "1"]) == 0
     assert fake_execve == []
     monkeypatch.setattr(sys, "argv", ["jmem", "finetune", "--steps", "1"])
@@ -580,7 +583,7 @@ def test_the_spy_sees_what_it_guards_against(process_spy):
 
 
 def _tiny(tmp_path, choice, **kw):
-    return finetune.FinetuneConfig(
+    return finetune.FinetuneConfig.from_flat(
         config="tiny", steps=1, batch_size=4, seq_len=32, lora_rank=4, remat="none",
         host_allocator=choice, out=str(tmp_path / choice), no_progress=True, **kw,
     )  # fmt: skip

@@ -13,6 +13,7 @@ import jmem
 ROOT = pathlib.Path(jmem.__file__).parent
 NAMESPACES = ["jmem", "jmem.lora", "jmem.qlora", "jmem.nf4", "jmem.fp8", "jmem.sharding"]
 NAMESPACES += ["jmem.planner", "jmem.tree", "jmem.data", "jmem.ops", "jmem.losses", "jmem.host"]
+NAMESPACES += ["jmem.finetune"]
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
@@ -36,6 +37,30 @@ def test_top_level_has_a_curated_size():
 def test_no_function_shadows_a_module(name):
     assert callable(getattr(jmem, name))
     assert importlib.util.find_spec(f"jmem.{name}") is None
+
+
+def test_the_job_exports_what_users_call():
+    """``jmem.finetune``: the config, its groups, ``run``, ``main``, ``parse_args``; the
+    pieces (``resolve_defaults``, ``prepare_out``, ``build``...) stay in ``jmem._src``."""
+    from jmem import finetune
+
+    groups = ["DataConfig", "DevicesConfig", "LeversConfig", "ModelConfig", "OutputConfig"]
+    groups += ["RunConfig", "TrainingConfig"]
+    assert sorted(finetune.__all__) == sorted(
+        ["FinetuneConfig", *groups, "main", "parse_args", "run"]
+    )
+    for name in ["resolve_defaults", "check_outputs", "prepare_out", "CliError", "build"]:
+        assert not hasattr(finetune, name), name
+
+
+def test_top_level_names_load_on_first_use():
+    """``jmem`` imports its names lazily (so that ``jmem --help`` needs no JAX): every name
+    of ``__all__`` resolves, and ``dir`` lists them."""
+    for name in jmem.__all__:
+        assert getattr(jmem, name) is not None
+    assert set(jmem.__all__) <= set(dir(jmem))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        jmem.nonexistent  # noqa: B018
 
 
 def test_internal_names_are_not_exported():

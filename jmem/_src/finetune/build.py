@@ -41,15 +41,15 @@ def _loss(cfg, lv):
 def dropout_key(config):
     """The LoRA dropout key of a ``--lora-dropout`` run (from ``--seed``; the train step folds
     in the step and microbatch, and checkpoints it), or None without dropout."""
-    return jax.random.key(config.seed + 2) if config.lora_dropout else None
+    return jax.random.key(config.run.seed + 2) if config.training.lora_dropout else None
 
 
 def job_resolved_levers(config, cfg, dtype, target=None):
     """The job's ``jmem.Levers`` resolved for one microbatch ``[batch / grad_accum,
     seq_len]`` in ``dtype`` on ``target`` (None: the running backend)."""
-    batch = None
-    if config.batch_size is not None and config.seq_len is not None:
-        batch = (max(1, config.batch_size // config.grad_accum), config.seq_len)
+    data, batch = config.data, None
+    if data.batch_size is not None and data.seq_len is not None:
+        batch = (max(1, data.batch_size // config.levers.grad_accum), data.seq_len)
     return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype)
 
 
@@ -60,7 +60,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
     Args:
       config: a resolved ``FinetuneConfig`` (``lr`` and ``steps`` set).
       cfg: the model's ``LlamaConfig``.
-      compute_dtype: overrides ``config.precision`` (e.g. float32 for a benchmark).
+      compute_dtype: overrides ``config.levers.precision`` (e.g. float32 for a benchmark).
       mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
       target: the compile target the levers are resolved for (``jmem.resolve_levers``;
         None: the running backend). The resolved levers are ``step.levers``; with
@@ -72,19 +72,19 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
       batch, *, frozen)``, the compute dtype and the optax learning-rate schedule
       (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
     """
-    dtype = jnp.float16 if config.precision == "fp16" else jnp.bfloat16
+    dtype = jnp.float16 if config.levers.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)
     loss_fn = _loss(cfg, lv)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
-        config.lr,
-        warmup_steps=max(1, config.steps // 20),
-        decay_steps=max(2, config.steps),
-        end_value=config.lr / 10,
+        config.training.lr,
+        warmup_steps=max(1, config.training.steps // 20),
+        decay_steps=max(2, config.training.steps),
+        end_value=config.training.lr / 10,
     )
-    opt = OPTIMIZERS[config.optimizer](
-        schedule, weight_decay=config.weight_decay, mask=jmem.decay_mask
+    opt = OPTIMIZERS[config.training.optimizer](
+        schedule, weight_decay=config.training.weight_decay, mask=jmem.decay_mask
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
@@ -94,8 +94,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
         precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
         loss_scale=scale,
         levers=lv,
-        microbatches=config.grad_accum,
-        offload_optimizer=config.offload,
+        microbatches=config.levers.grad_accum,
+        offload_optimizer=config.levers.offload,
         mesh=mesh,
     )
     return step, loss_fn, dtype, schedule
@@ -103,16 +103,16 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
 
 def quantized_base(config, cfg, dtype, abstract: bool):
     """NF4 base params: from a checkpoint, or random (quantized on the device, in one jit)."""
-    if config.checkpoint:
+    if config.model.checkpoint:
         if abstract:
             return jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, dtype)))
-        with user_input(f"--checkpoint {config.checkpoint}"):
-            params, _ = hf.load_params(config.checkpoint, cfg, dtype=dtype, quantize="nf4")
+        with user_input(f"--checkpoint {config.model.checkpoint}"):
+            params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=dtype, quantize="nf4")
         return params
     make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))
     if abstract:
-        return jax.eval_shape(make, jax.random.key(config.seed))
-    return jax.jit(make)(jax.random.key(config.seed))
+        return jax.eval_shape(make, jax.random.key(config.run.seed))
+    return jax.jit(make)(jax.random.key(config.run.seed))
 
 
 def base_bytes(frozen) -> tuple[int, int, int]:
@@ -130,4 +130,4 @@ def base_bytes(frozen) -> tuple[int, int, int]:
 
 def model_name(config) -> str:
     """``--config``'s name, or the ``--checkpoint`` directory's."""
-    return config.config or os.path.basename(os.path.normpath(config.checkpoint))
+    return config.model.config or os.path.basename(os.path.normpath(config.model.checkpoint))

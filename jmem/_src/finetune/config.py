@@ -1,335 +1,501 @@
-"""The fine-tuning job's options: one dataclass (``FinetuneConfig``), the flags that set it
-(``jmem finetune``, ``examples/qlora_7b.py``) and a config file (YAML or TOML) that flags
-override, as torchtune's ``tune run`` and axolotl's ``config.yml`` do. Every value, from a
-flag, a file or Python, is checked by the same argparse type."""
+"""The fine-tuning job's options: ``FinetuneConfig``, nested frozen groups (``model``,
+``data``, ``levers``, ``training``, ``run``, ``output``, ``devices``) whose fields declare
+their flags (help, checking type, choices), so that the command line (``jmem finetune``,
+``examples/qlora_7b.py``), config files (YAML or TOML, nested the same way) and Python are
+checked by the same code, as levanter's ``TrainLmConfig`` (draccus) generates its command
+line and config files from nested dataclasses. Importing this module does not import JAX:
+``--help`` answers at once."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
+from typing import Any
+from typing import Mapping
 
 from jmem._src import cli
-from jmem._src.attention import IMPLEMENTATIONS
-from jmem._src.finetune.build import OPTIMIZERS
-from jmem._src.finetune.mesh import mesh_spec
-from jmem._src.levers import Levers
-from jmem._src.remat import REMAT_POLICIES
-from jmem.models import llama
+from jmem._src.cli import option
 
 #: Default ``--lora-targets``: the seven projections of every layer (the QLoRA paper's).
 ALL_PROJECTIONS = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
 
-
-@dataclasses.dataclass
-class FinetuneConfig:
-    """Every option of the QLoRA fine-tuning job, named as its flag (``lora_rank`` is
-    ``--lora-rank``); ``None`` means "sized for the model and the device" and is filled in
-    by ``resolve_defaults``. See ``jmem finetune --help`` for each one."""
-
-    # model and data
-    config: str | None = None
-    checkpoint: str | None = None
-    tokenizer: str | None = None
-    data: str | None = None
-    eval_split: float = 0.05
-    eval_every: int | None = None
-    eval_batches: int = 4
-    # training
-    steps: int | None = None
-    batch_size: int | None = None
-    seq_len: int | None = None
-    grad_accum: int = 1
-    remat: str = "full"
-    optimizer: str = "adamw_8bit"
-    lr: float | None = None
-    weight_decay: float = 0.0
-    lora_rank: int = 8
-    lora_alpha: float | None = None
-    lora_dropout: float = 0.0
-    lora_targets: str = ALL_PROJECTIONS
-    precision: str = "bf16"
-    offload: bool = False
-    attention: str = Levers.attention
-    loss_chunk: int = Levers.loss_chunk
-    mlp_chunk: int = Levers.token_chunk
-    seed: int = 0
-    host_allocator: str = "auto"
-    # run
-    out: str = "runs/qlora_7b"
-    save_every: int = 100
-    keep: int = 2
-    resume: bool = False
-    overwrite: bool = False
-    export_merged: str | None = None
-    sample_prompt: str | None = None
-    sample_tokens: int = 32
-    dry_run: bool = False
-    no_progress: bool = False
-    debug: bool = False
-    # devices and hosts
-    mesh: str | None = None
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
+# The names the flags accept, spelled here so that the parser needs no JAX;
+# tests/test_finetune.py checks them against the live tables (llama.CONFIGS,
+# REMAT_POLICIES, attention.IMPLEMENTATIONS, build.OPTIMIZERS, LlamaConfig's defaults).
+MODEL_NAMES = (
+    "gemma2_2b",
+    "gemma2_9b",
+    "gemma3_12b",
+    "gemma3_1b",
+    "gemma3_4b",
+    "llama2_7b",
+    "llama3_1_8b",
+    "llama3_2_1b",
+    "llama3_8b",
+    "llama_1b",
+    "mistral_7b",
+    "olmo2_7b",
+    "phi3_mini",
+    "qwen2_5_7b",
+    "qwen3_0_6b",
+    "qwen3_8b",
+    "tiny",
+)
+REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
+ATTENTION_NAMES = ("auto", "dense", "blockwise", "cudnn")
+OPTIMIZER_NAMES = ("adamw", "adamw_4bit", "adamw_8bit")
+HOST_ALLOCATORS = ("auto", "huge-pages", "retain", "system")
+#: ``jmem.Levers``' defaults for the long-sequence levers (attention, loss_chunk, token_chunk).
+LONG_CONTEXT_DEFAULTS = ("auto", 2048, 2048)
 
 
-def _add_model_and_data_flags(p):
-    which = p.add_mutually_exclusive_group()
-    which.add_argument(
-        "--config",
-        choices=sorted(llama.CONFIGS),
-        help="model shape; unset: llama2_7b on GPU, tiny on CPU",
+def mesh_spec(text: str) -> str:
+    """argparse type: ``data=N,fsdp=M`` (either may be left out; sizes >= 1)."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    sizes = {}
+    for part in parts:
+        m = re.fullmatch(r"(data|fsdp)=([0-9]+)", part)
+        if not m or int(m[2]) < 1 or m[1] in sizes:
+            raise argparse.ArgumentTypeError(
+                f"expected data=N,fsdp=M (positive sizes, each axis once), got {text!r}"
+            )
+        sizes[m[1]] = int(m[2])
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M, got {text!r}")
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+class _Group:
+    """A group's fields are checked (and converted) on construction."""
+
+    def __post_init__(self):
+        cli.check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Group):
+    """The model: a named shape or a Hugging Face checkpoint, and its tokenizer."""
+
+    config: str | None = option(
+        None,
+        "model shape; unset: llama2_7b on GPU, tiny on CPU",
+        choices=MODEL_NAMES,
+        exclusive="model",
     )
-    which.add_argument(
-        "--checkpoint", help="Hugging Face checkpoint directory (config.json + *.safetensors)"
+    checkpoint: str | None = option(
+        None, "Hugging Face checkpoint directory (config.json + *.safetensors)", exclusive="model"
     )
-    p.add_argument(
-        "--tokenizer",
-        help="'byte' (UTF-8 bytes, vocabulary 256) or a directory with tokenizer.json; "
+    tokenizer: str | None = option(
+        None,
+        "'byte' (UTF-8 bytes, vocabulary 256) or a directory with tokenizer.json; "
         "unset: the checkpoint's own, else byte",
     )
-    p.add_argument(
-        "--data",
-        help=".txt (one text) or .jsonl (examples: text, prompt/completion, Alpaca or chat "
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Group):
+    """The data: text or examples, the held-out split, and the shape of a batch."""
+
+    data: str | None = option(
+        None,
+        ".txt (one text) or .jsonl (examples: text, prompt/completion, Alpaca or chat "
         "messages; loss on the responses only); default: pydoc_data.topics (CPython docs)",
     )
-    p.add_argument(
-        "--eval-split",
-        type=cli.fraction,
-        help="fraction of the data held out for evaluation (0: no evaluation); at least one "
+    eval_split: float = option(
+        0.05,
+        "fraction of the data held out for evaluation (0: no evaluation); at least one "
         "row or example is held out when the data allows, else evaluation is skipped",
+        check=cli.fraction,
     )
-    p.add_argument(
-        "--eval-every", type=cli.positive_int, help="steps between evaluations; unset: steps / 10"
+    eval_every: int | None = option(
+        None, "steps between evaluations; unset: steps / 10", check=cli.positive_int
     )
-    p.add_argument("--eval-batches", type=cli.positive_int, help="held-out batches per evaluation")
+    eval_batches: int = option(4, "held-out batches per evaluation", check=cli.positive_int)
+    seq_len: int | None = option(
+        None, "tokens per sequence; unset: 128 small, 2048 large", check=cli.positive_int
+    )
+    batch_size: int | None = option(
+        None, "sequences per step; unset: 16 small, 1 large", check=cli.positive_int
+    )
 
 
-def _add_training_flags(p):
-    p.add_argument(
-        "--steps", type=cli.positive_int, help="optimizer steps; unset: 200 small, 20 large"
+@dataclasses.dataclass(frozen=True)
+class LeversConfig(_Group):
+    """The execution levers: how the step runs (memory against speed), not what it
+    computes."""
+
+    remat: str = option("full", "remat policy", choices=REMAT_NAMES)
+    attention: str = option(
+        LONG_CONTEXT_DEFAULTS[0],
+        "attention implementation (auto: cuDNN on GPU where it can run, else dense up to "
+        "1024 keys and blockwise beyond; jmem.ops.attention)",
+        choices=ATTENTION_NAMES,
     )
-    p.add_argument(
-        "--batch-size", type=cli.positive_int, help="sequences per step; unset: 16 small, 1 large"
+    loss_chunk: int = option(
+        LONG_CONTEXT_DEFAULTS[1],
+        "tokens per chunk of the cross-entropy (no [B, S, V] logits); 0: unchunked",
+        check=cli.nonnegative_int,
     )
-    p.add_argument(
-        "--seq-len", type=cli.positive_int, help="tokens per sequence; unset: 128 small, 2048 large"
+    token_chunk: int = option(
+        LONG_CONTEXT_DEFAULTS[2],
+        "tokens per chunk of each layer's token-local parts: norms, projections, RoPE, "
+        "MLP (tiled; no float32 [S, hidden] temporaries); 0: whole (formerly --mlp-chunk)",
+        check=cli.nonnegative_int,
+        aliases=("mlp_chunk",),
     )
-    p.add_argument("--grad-accum", type=cli.positive_int, help="microbatches per step")
-    p.add_argument("--remat", choices=list(REMAT_POLICIES), help="remat policy")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="optimizer")
-    p.add_argument(
-        "--lr",
-        type=cli.positive_float,
-        help="peak learning rate; unset: 3e-3 for tiny (random init), 2e-4 otherwise",
+    precision: str = option(
+        "bf16", "compute dtype; fp16 turns on dynamic loss scaling", choices=("bf16", "fp16")
     )
-    p.add_argument(
-        "--weight-decay",
-        type=cli.nonnegative_float,
-        help="decoupled weight decay on the adapter matrices (jmem.decay_mask)",
+    offload: bool = option(False, "optimizer state in pinned_host memory", switch=True)
+    grad_accum: int = option(1, "microbatches per step", check=cli.positive_int)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig(_Group):
+    """What is trained, and how long: the optimizer, its schedule, the LoRA adapters."""
+
+    steps: int | None = option(
+        None, "optimizer steps; unset: 200 small, 20 large", check=cli.positive_int
     )
-    p.add_argument("--lora-rank", type=cli.positive_int, help="LoRA rank r")
-    p.add_argument("--lora-alpha", type=cli.positive_float, help="LoRA alpha; unset: 2 * rank")
-    p.add_argument(
-        "--lora-dropout",
-        type=cli.fraction,
-        help="dropout on the adapters' input in training (PEFT's lora_dropout); a key per "
+    optimizer: str = option("adamw_8bit", "optimizer", choices=OPTIMIZER_NAMES)
+    lr: float | None = option(
+        None,
+        "peak learning rate; unset: 3e-3 for tiny (random init), 2e-4 otherwise",
+        check=cli.positive_float,
+    )
+    weight_decay: float = option(
+        0.0,
+        "decoupled weight decay on the adapter matrices (jmem.decay_mask)",
+        check=cli.nonnegative_float,
+    )
+    lora_rank: int = option(8, "LoRA rank r", check=cli.positive_int)
+    lora_alpha: float | None = option(None, "LoRA alpha; unset: 2 * rank", check=cli.positive_float)
+    lora_dropout: float = option(
+        0.0,
+        "dropout on the adapters' input in training (PEFT's lora_dropout); a key per "
         "step and microbatch from --seed, none at evaluation",
+        check=cli.fraction,
     )
-    p.add_argument(
-        "--lora-targets",
-        type=cli.regex,
-        help="regex over weight paths (e.g. '.*(q_proj|v_proj).*' as in the QLoRA seed table)",
+    lora_targets: str = option(
+        ALL_PROJECTIONS,
+        "regex over weight paths (e.g. '.*(q_proj|v_proj).*' as in the QLoRA seed table)",
+        check=cli.regex,
     )
-    p.add_argument(
-        "--precision",
-        choices=["bf16", "fp16"],
-        help="compute dtype; fp16 turns on dynamic loss scaling",
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(_Group):
+    """The run: its directory, checkpoints, seed, and how this invocation behaves."""
+
+    out: str = option("runs/qlora_7b", "output directory")
+    save_every: int = option(100, "steps between checkpoints", check=cli.positive_int)
+    keep: int = option(2, "checkpoints kept", check=cli.positive_int)
+    resume: bool = option(
+        False,
+        "continue the run in --out from its last checkpoint",
+        switch=True,
+        exclusive="again",
+        cli_only=True,
     )
-    p.add_argument("--offload", action="store_true", help="optimizer state in pinned_host memory")
-    p.add_argument(
-        "--host-allocator",
-        choices=["auto", "huge-pages", "retain", "system"],
-        help="huge-pages: glibc's glibc.malloc.hugetlb=1 tunable (the command line restarts "
+    overwrite: bool = option(
+        False,
+        "replace the run in --out (its checkpoints too) and a merged checkpoint in --export-merged",
+        switch=True,
+        exclusive="again",
+        cli_only=True,
+    )
+    seed: int = option(0, None, check=cli.nonnegative_int)
+    dry_run: bool = option(
+        False, "compile only; print memory report and estimate", switch=True, cli_only=True
+    )
+    no_progress: bool = option(False, "plain log lines instead of a progress bar", switch=True)
+    debug: bool = option(
+        False, "a traceback instead of a one-line error", switch=True, cli_only=True
+    )
+    host_allocator: str = option(
+        "auto",
+        "huge-pages: glibc's glibc.malloc.hugetlb=1 tunable (the command line restarts "
         "its process once to set it), so XLA:CPU's per-step temporaries sit in 2 MiB "
         "transparent huge pages (measured 1.28x faster with full remat, 1.45x without); "
         "retain: jmem.host.retain_host_allocations(), freed memory stays mapped (slower "
         "than huge pages with two cores); system: the C library's settings; auto "
         "(default): huge-pages unless a GPU/TPU plugin is installed. finetune.run() from "
         "Python changes none of them, it only reports",
+        choices=HOST_ALLOCATORS,
     )
-    p.add_argument(
-        "--attention",
-        choices=list(IMPLEMENTATIONS),
-        help="attention implementation (auto: cuDNN on GPU where it can run, else dense up to "
-        "1024 keys and blockwise beyond; jmem.ops.attention)",
-    )
-    p.add_argument(
-        "--loss-chunk",
-        type=cli.nonnegative_int,
-        help="tokens per chunk of the cross-entropy (no [B, S, V] logits); 0: unchunked",
-    )
-    p.add_argument(
-        "--mlp-chunk",
-        type=cli.nonnegative_int,
-        help="tokens per chunk of each layer's token-local parts: norms, projections, RoPE, "
-        "MLP (tiled; no float32 [S, hidden] temporaries); 0: whole",
-    )
-    p.add_argument("--seed", type=cli.nonnegative_int)
 
 
-def _add_run_flags(p):
-    p.add_argument("--out", help="output directory")
-    p.add_argument("--save-every", type=cli.positive_int, help="steps between checkpoints")
-    p.add_argument("--keep", type=cli.positive_int, help="checkpoints kept")
-    again = p.add_mutually_exclusive_group()
-    again.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
-    )
-    again.add_argument(
-        "--overwrite", action="store_true", help="replace the run in --out (its checkpoints too)"
-    )
-    p.add_argument(
-        "--export-merged",
-        metavar="DIR",
-        help="after training, write the base with the adapters merged in as a Hugging Face "
+@dataclasses.dataclass(frozen=True)
+class OutputConfig(_Group):
+    """What a run writes besides --out: a merged checkpoint, samples. The adapters are
+    always written to --out/adapter in PEFT format."""
+
+    export_merged: str | None = option(
+        None,
+        "after training, write the base with the adapters merged in as a Hugging Face "
         "checkpoint (the NF4 base dequantized, so its quantization error stays); the adapters "
         "alone are always written to --out/adapter in PEFT format",
+        metavar="DIR",
     )
-    p.add_argument(
-        "--sample-prompt",
-        metavar="TEXT",
-        help="print a greedy continuation of TEXT before and after training",
+    sample_prompt: str | None = option(
+        None, "print a greedy continuation of TEXT before and after training", metavar="TEXT"
     )
-    p.add_argument("--sample-tokens", type=cli.positive_int, help="tokens in each sample")
-    p.add_argument(
-        "--dry-run", action="store_true", help="compile only; print memory report and estimate"
-    )
-    p.add_argument(
-        "--no-progress", action="store_true", help="plain log lines instead of a progress bar"
-    )
-    p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
+    sample_tokens: int = option(32, "tokens in each sample", check=cli.positive_int)
 
 
-def _add_device_flags(p):
-    p.add_argument(
-        "--mesh",
-        type=mesh_spec,
-        help="devices as data=N,fsdp=M (jmem.sharding: the NF4 base, optimizer state and batch "
+@dataclasses.dataclass(frozen=True)
+class DevicesConfig(_Group):
+    """The devices and processes of the run (jmem.sharding, jax.distributed)."""
+
+    mesh: str | None = option(
+        None,
+        "devices as data=N,fsdp=M (jmem.sharding: the NF4 base, optimizer state and batch "
         "split over fsdp, adapters replicated; data: replicas); unset: FSDP over every device",
+        check=mesh_spec,
     )
-    p.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="multi-process run: process 0's address for jax.distributed.initialize "
+    coordinator: str | None = option(
+        None,
+        "multi-process run: process 0's address for jax.distributed.initialize "
         "(unset: auto-detected under SLURM, or a single process)",
+        metavar="HOST:PORT",
     )
-    p.add_argument("--num-processes", type=cli.positive_int, help="processes of the run")
-    p.add_argument("--process-id", type=cli.nonnegative_int, help="this process's index")
+    num_processes: int | None = option(None, "processes of the run", check=cli.positive_int)
+    process_id: int | None = option(None, "this process's index", check=cli.nonnegative_int)
 
 
-def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds every ``FinetuneConfig`` option as a flag (defaults from the dataclass) and
-    ``--config-file``; returns ``p``."""
-    p.add_argument(
-        "--config-file",
-        metavar="FILE",
-        help="a YAML (.yaml/.yml) or TOML (.toml) file of options named as the flags "
-        "(lora_rank: 16 or lora-rank: 16); flags given on the command line override it",
-    )
-    _add_model_and_data_flags(p)
-    _add_training_flags(p)
-    _add_run_flags(p)
-    _add_device_flags(p)
-    p.set_defaults(**dataclasses.asdict(FinetuneConfig()))
-    return p
+#: The groups of ``FinetuneConfig``, in the order of ``--help``.
+GROUPS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "levers": LeversConfig,
+    "training": TrainingConfig,
+    "run": RunConfig,
+    "output": OutputConfig,
+    "devices": DevicesConfig,
+}
+#: Option name (the flag's, ``lora_rank`` for ``--lora-rank``) -> its group's name.
+GROUP_OF = {f.name: g for g, cls in GROUPS.items() for f in cli.options(cls)}
+#: Deprecated option names -> their new names.
+ALIASES = {
+    a: f.name
+    for cls in GROUPS.values()
+    for f in cli.options(cls)
+    for a in f.metadata["option"]["aliases"]
+}
+_FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
 
 
-def make_parser(prog: str, description: str | None = None) -> cli.Parser:
-    """The job's parser: one-line usage errors (status 2), defaults shown in --help."""
-    p = cli.Parser(
-        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    return add_flags(p)
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """Every option of the QLoRA fine-tuning job, in groups: ``model``, ``data``,
+    ``levers``, ``training``, ``run``, ``output``, ``devices``. A field is named as its flag
+    (``training.lora_rank`` is ``--lora-rank``); ``None`` means "sized for the model and the
+    device" (``run`` resolves it into a new value). Frozen: change it with ``replace``.
 
-
-def _actions(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {a.dest: a for a in p._actions if a.dest in _FIELDS}
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(FinetuneConfig))
-
-
-def check_value(action: argparse.Action, key: str, value, where: str = ""):
-    """``value`` checked (and converted) by the flag's own type and choices.
+    ``FinetuneConfig(training=TrainingConfig(steps=20))``, or with the flags' names,
+    ``FinetuneConfig.from_flat(steps=20)``; a group may be given as a dict of its fields.
 
     Raises:
-      CliError: ``"<where><key>: <what was wrong>"`` on one line.
+      CliError: (a ``ValueError``) naming the field, for a value its flag would refuse, for
+        ``config`` and ``checkpoint`` (or ``resume`` and ``overwrite``) both set, or for a
+        ``batch_size`` that ``grad_accum`` does not divide.
+      TypeError: for a group of the wrong type.
     """
-    if action.nargs == 0:  # store_true
-        if not isinstance(value, bool):
-            raise cli.CliError(f"{where}{key}: expected true or false, got {value!r}")
-        return value
-    if value is None:
-        if action.default is not None:
-            raise cli.CliError(f"{where}{key}: must be set (default {action.default!r})")
-        return None
-    if isinstance(value, (bool, list, dict)):
-        raise cli.CliError(f"{where}{key}: expected a single value, got {value!r}")
-    out = str(value)
-    if action.type is not None:
-        try:
-            out = action.type(out)
-        except argparse.ArgumentTypeError as e:
-            raise cli.CliError(f"{where}{key}: {e}") from None
-    if action.choices is not None and out not in action.choices:
-        hint = cli.did_you_mean(out, list(action.choices))
-        raise cli.CliError(f"{where}{key}: {out!r} is not one of {', '.join(action.choices)}{hint}")
-    return out
 
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    levers: LeversConfig = dataclasses.field(default_factory=LeversConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
 
-def validate(config: FinetuneConfig) -> FinetuneConfig:
-    """A copy of ``config`` with every value checked as its flag would be.
+    def __post_init__(self):
+        for name, cls in GROUPS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise TypeError(
+                    f"FinetuneConfig.{name}: expected a {cls.__name__} (or a dict of its "
+                    f"fields), got {type(value).__name__}"
+                )
+        check_combinations(self.flat(), lambda k: k)
 
-    Raises:
-      CliError: naming the field, for a bad value or for ``config`` and ``checkpoint`` (or
-        ``resume`` and ``overwrite``) both set, or a ``batch_size`` that ``grad_accum``
-        does not divide.
-    """
-    if not isinstance(config, FinetuneConfig):
-        raise TypeError(f"expected a jmem.finetune.FinetuneConfig, got {type(config).__name__}")
-    acts = _actions(make_parser("jmem finetune"))
-    values = {k: check_value(acts[k], k, getattr(config, k)) for k in _FIELDS}
-    config = FinetuneConfig(**values)
-    _check_combinations(config, lambda k: k)
-    return config
+    @classmethod
+    def from_flat(cls, **options: Any) -> FinetuneConfig:
+        """A config from options named as the flags (``lora_rank=16``, ``remat="none"``);
+        unset ones keep their defaults.
 
+        Raises:
+          TypeError: for an unknown name (with the closest one).
+        """
+        groups: dict[str, dict] = {g: {} for g in GROUPS}
+        for name, value in options.items():
+            groups[_group_of(name)][ALIASES.get(name, name)] = value
+        return cls(**{g: GROUPS[g](**kw) for g, kw in groups.items()})
 
-def _check_combinations(config: FinetuneConfig, name) -> None:
-    for a, b in (("config", "checkpoint"), ("resume", "overwrite")):
-        if getattr(config, a) and getattr(config, b):
-            raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
-    if config.batch_size is not None and config.batch_size % config.grad_accum:
-        raise cli.CliError(
-            f"{name('batch_size')} {config.batch_size} must be divisible by "
-            f"{name('grad_accum')} {config.grad_accum}"
+    def flat(self) -> dict[str, Any]:
+        """Every option by its flag's name (``{"lora_rank": 8, ...}``), group by group."""
+        return {
+            f.name: getattr(getattr(self, g), f.name)
+            for g, cls in GROUPS.items()
+            for f in cli.options(cls)
+        }
+
+    def replace(self, **options: Any) -> FinetuneConfig:
+        """A copy with ``options`` (named as the flags) changed, checked as on construction."""
+        changes: dict[str, dict] = {}
+        for name, value in options.items():
+            changes.setdefault(_group_of(name), {})[ALIASES.get(name, name)] = value
+        return dataclasses.replace(
+            self, **{g: dataclasses.replace(getattr(self, g), **kw) for g, kw in changes.items()}
         )
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
+def _group_of(name: str) -> str:
+    group = GROUP_OF.get(ALIASES.get(name, name))
+    if group is None:
+        hint = cli.did_you_mean(name, list(GROUP_OF))
+        raise TypeError(f"FinetuneConfig has no option {name!r}{hint}")
+    return group
 
 
-def read_config_file(path: str, p: argparse.ArgumentParser) -> dict:
-    """The options in a YAML or TOML file, each checked by its flag's type.
+def check_combinations(values: Mapping[str, Any], name) -> None:
+    """Options that exclude each other, and ``batch_size`` divisible by ``grad_accum``
+    (``values`` by option name; ``name(key)`` spells a key in the message).
+
+    Raises:
+      CliError: naming both options.
+    """
+    get = lambda k: values.get(k, _FIELDS[k].default)
+    for a, b in (("config", "checkpoint"), ("resume", "overwrite")):
+        if get(a) and get(b):
+            raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
+    if get("batch_size") is not None and get("batch_size") % get("grad_accum"):
+        raise cli.CliError(
+            f"{name('batch_size')} {get('batch_size')} must be divisible by "
+            f"{name('grad_accum')} {get('grad_accum')}"
+        )
+
+
+def validate(config: FinetuneConfig) -> FinetuneConfig:
+    """``config`` checked again, every value as its flag would be (a config is checked on
+    construction; this catches one changed behind the dataclass's back).
+
+    Raises:
+      TypeError: for something other than a ``FinetuneConfig``.
+      CliError: as ``FinetuneConfig``.
+    """
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"expected a jmem.finetune.FinetuneConfig, got {type(config).__name__}")
+    return FinetuneConfig.from_flat(**config.flat())
+
+
+#: What an unknown flag may have meant besides the closest real flag.
+UNKNOWN_FLAG_HINTS = {
+    "--export": "the adapters are always written to --out/adapter in PEFT format; "
+    "--export-merged DIR also writes the merged model",
+    "--mlp-chunk": "renamed --token-chunk",
+}
+
+
+def make_parser(prog: str, description: str | None = None) -> cli.Parser:
+    """The job's parser, generated from the groups' fields (a flag per field, grouped as
+    the config) and ``--config-file``: one-line usage errors (status 2), defaults shown in
+    --help, every default None so that the flags the command line gave can be told apart."""
+    p = cli.Parser(prog=prog, description=description)
+    p.unknown_flag_hints = UNKNOWN_FLAG_HINTS
+    p.add_argument(
+        "--config-file",
+        metavar="FILE",
+        help="a YAML (.yaml/.yml) or TOML (.toml) file of options nested as the config "
+        "(levers: {remat: full}); flags given on the command line override it",
+    )
+    for name, cls in GROUPS.items():
+        cli.add_options(p, cls, name)
+    return p
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The options in a YAML or TOML file, nested by group (``levers: {remat: full}``; the
+    flat ``remat: full`` of earlier versions is read with one deprecation note), each checked
+    by its field's checker. Returns them by option name.
 
     Raises:
       CliError: ``--config-file FILE: ...`` naming the key, for an unreadable file, an
-        unknown key (with the closest name), or a bad value.
+        unknown key (with the closest name), a command-line-only option, or a bad value.
     """
     where = f"--config-file {path}: "
+    raw = _load(path, where)
+    values, flat = {}, []
+    for key, value in raw.items():
+        name = _key(key)
+        if name in GROUPS and isinstance(value, Mapping):
+            for sub, v in value.items():
+                option_name = _option(f"{name}.{_key(sub)}", where, group=name)
+                values[option_name] = _checked(option_name, v, f"{name}.{sub}", where)
+        elif name in GROUPS:
+            raise cli.CliError(
+                f"{where}{key!r} is a group: expected a mapping such as {name}: {{...}}, "
+                f"got {value!r}"
+            )
+        else:
+            option_name = _option(name, where)
+            flat.append(f"{key} -> {GROUP_OF[option_name]}.{option_name}")
+            values[option_name] = _checked(option_name, value, str(key), where)
+    if flat:
+        print(
+            f"note: {where}flat keys are deprecated; nest them by group: {', '.join(flat)}",
+            flush=True,
+        )
+    check_combinations(values, lambda k: f"{where}{k}")
+    return values
+
+
+def _key(key) -> str:
+    return str(key).replace("-", "_")
+
+
+def _option(key: str, where: str, group: str | None = None) -> str:
+    """The option a file's key names (``levers.remat`` or a flat ``remat``), or a CliError
+    with the closest nested key."""
+    name = key.split(".", 1)[1] if group else key
+    new = ALIASES.get(name, name)
+    if new != name:
+        print(f"note: {where}{key} is deprecated; use {GROUP_OF[new]}.{new}", flush=True)
+    if new in _FIELDS and (group is None or GROUP_OF[new] == group):
+        if _FIELDS[new].metadata["option"]["cli_only"]:
+            raise cli.CliError(
+                f"{where}{key!r} is command-line only (it says what to do with this "
+                f"invocation, not what the run is); pass {cli.flag(new)}"
+            )
+        return new
+    if new in _FIELDS:
+        raise cli.CliError(
+            f"{where}unknown key {key!r}: {new} belongs to the {GROUP_OF[new]} group; "
+            f"write {GROUP_OF[new]}.{new}"
+        )
+    nested = [f"{g}.{n}" for n, g in GROUP_OF.items()]
+    hint = cli.did_you_mean(key, nested if group else list(GROUP_OF))
+    if not group and hint:
+        close = hint.split("'")[1]
+        hint = f" (did you mean '{GROUP_OF[close]}.{close}'?)"
+    raise cli.CliError(f"{where}unknown key {key!r}{hint}")
+
+
+def _checked(name: str, value, key: str, where: str):
+    try:
+        return cli.check_field(_FIELDS[name], value, key)
+    except cli.CliError as e:
+        raise cli.CliError(f"{where}{e}") from None
+
+
+def _load(path: str, where: str) -> dict:
+    """The file's mapping (an empty file: none)."""
     if not os.path.isfile(path):
         raise cli.CliError(f"{where}no such file; pass a .yaml, .yml or .toml file")
     ext = os.path.splitext(path)[1].lower()
@@ -342,19 +508,10 @@ def read_config_file(path: str, p: argparse.ArgumentParser) -> dict:
         else:
             raise ValueError(f"unknown extension {ext!r}; pass a .yaml, .yml or .toml file")
     if raw is None:
-        raw = {}
+        return {}
     if not isinstance(raw, dict):
         raise cli.CliError(f"{where}expected a mapping of option: value, got {type(raw).__name__}")
-    acts = _actions(p)
-    values = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in acts or name in ("resume", "overwrite", "debug", "dry_run"):
-            hint = cli.did_you_mean(name, [k for k in acts])
-            raise cli.CliError(f"{where}unknown key {key!r}{hint}")
-        values[name] = check_value(acts[name], str(key), value, where)
-    _check_combinations(FinetuneConfig(**values), lambda k: f"{where}{k}")
-    return values
+    return raw
 
 
 def _read_yaml(path: str):
@@ -371,26 +528,22 @@ def _read_yaml(path: str):
 
 def parse_args(argv=None, prog: str = "jmem finetune", description: str | None = None):
     """``FinetuneConfig`` from flags (and ``--config-file``, which flags override). Unset
-    sizes stay None until ``resolve_defaults`` knows the model and the device. A bad flag
-    or file exits with status 2 and one line ``error: ...``."""
+    sizes stay None until the job resolves them for the model and the device. A bad flag or
+    file exits with status 2 and one line ``error: ...``; no JAX is imported."""
     p = make_parser(prog, description)
     args = p.parse_args(argv)
-    values = {k: getattr(args, k) for k in _FIELDS}
+    given = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
+    values = {}
     if args.config_file is not None:
-        probe = make_parser(prog, description)  # what the command line itself sets
-        probe.set_defaults(**dict.fromkeys(_FIELDS))
-        given = {k: v for k, v in vars(probe.parse_args(argv)).items() if v is not None}
         try:
-            from_file = read_config_file(args.config_file, p)
+            values = read_config_file(args.config_file)
         except cli.CliError as e:
             p.exit(2, f"error: {e}\n")
         if "config" in given or "checkpoint" in given:  # a flag picks the model
-            from_file.pop("config", None), from_file.pop("checkpoint", None)
-        values.update(from_file)
-        values.update((k, v) for k, v in given.items() if k in _FIELDS)
-    config = FinetuneConfig(**values)
+            values.pop("config", None), values.pop("checkpoint", None)
+    values.update(given)
     try:
-        _check_combinations(config, _flag)
+        check_combinations(values, cli.flag)
+        return FinetuneConfig.from_flat(**values)
     except cli.CliError as e:
         p.error(str(e))
-    return config

@@ -31,9 +31,9 @@ def load_datasets(config, tok):
       CliError: for a missing, empty or unreadable file, data smaller than one training
         batch, or examples none of which keeps a response token within ``--seq-len``.
     """
-    if config.data is not None and not os.path.isfile(config.data):
-        raise CliError(f"--data {config.data}: no such file; pass a .txt or .jsonl file")
-    if config.data is not None and config.data.endswith(".jsonl"):
+    if config.data.data is not None and not os.path.isfile(config.data.data):
+        raise CliError(f"--data {config.data.data}: no such file; pass a .txt or .jsonl file")
+    if config.data.data is not None and config.data.data.endswith(".jsonl"):
         train, held, report = _example_datasets(config, tok)
     else:
         train, held, report = _text_datasets(config, tok)
@@ -44,15 +44,15 @@ def load_datasets(config, tok):
 
 
 def _text_datasets(config, tok):
-    flag = f"--data {config.data}" if config.data else "the default corpus"
+    flag = f"--data {config.data.data}" if config.data.data else "the default corpus"
     with user_input(flag):
-        text = jdata.load_text(config.data)
+        text = jdata.load_text(config.data.data)
     if not text.strip():
         raise CliError(f"{flag}: the file holds no text; pass a non-empty .txt or .jsonl file")
     tokens = tok.encode(text)
-    row, need = config.seq_len + 1, config.batch_size * (config.seq_len + 1)
-    n_eval, report = int(len(tokens) * config.eval_split), {}
-    if config.eval_split and n_eval < row:  # hold out one row when the data can spare it
+    row, need = config.data.seq_len + 1, config.data.batch_size * (config.data.seq_len + 1)
+    n_eval, report = int(len(tokens) * config.data.eval_split), {}
+    if config.data.eval_split and n_eval < row:  # hold out one row when the data can spare it
         n_eval = row if len(tokens) - row >= need else 0
         if not n_eval:
             report["eval_skipped"] = (
@@ -62,25 +62,27 @@ def _text_datasets(config, tok):
     if len(tokens) - n_eval < need:
         raise CliError(
             f"{flag}: {len(tokens) - n_eval:,} training tokens, fewer than one batch of "
-            f"--batch-size {config.batch_size} x (--seq-len {config.seq_len} + 1) = {need:,}; "
+            f"--batch-size {config.data.batch_size} x (--seq-len {config.data.seq_len} + 1) = {need:,}; "
             "pass more text or smaller --batch-size/--seq-len"
         )
     cut = len(tokens) - n_eval  # the tail is held out: no window straddles the two
-    train = jdata.PackedDataset(tokens[:cut], config.seq_len, config.batch_size, seed=config.seed)
+    train = jdata.PackedDataset(
+        tokens[:cut], config.data.seq_len, config.data.batch_size, seed=config.run.seed
+    )
     held = None
     if n_eval:
-        rows = min(config.batch_size, n_eval // row)
-        held = jdata.PackedDataset(tokens[cut:], config.seq_len, rows, seed=config.seed)
+        rows = min(config.data.batch_size, n_eval // row)
+        held = jdata.PackedDataset(tokens[cut:], config.data.seq_len, rows, seed=config.run.seed)
     return train, held, report
 
 
 def _split_examples(config, examples):
     """A seeded shuffle of the examples, then the last ``--eval-split`` of them held out (at
     least one when there are two or more)."""
-    order = np.random.default_rng([config.seed, len(examples)]).permutation(len(examples))
+    order = np.random.default_rng([config.run.seed, len(examples)]).permutation(len(examples))
     examples = [examples[i] for i in order]
-    n_eval = int(len(examples) * config.eval_split)
-    if config.eval_split and n_eval == 0 and len(examples) > 1:
+    n_eval = int(len(examples) * config.data.eval_split)
+    if config.data.eval_split and n_eval == 0 and len(examples) > 1:
         n_eval = 1
     cut = len(examples) - n_eval
     return examples[:cut], examples[cut:]
@@ -89,25 +91,25 @@ def _split_examples(config, examples):
 def _example_datasets(config, tok):
     """Examples packed into rows (``jmem.data.pack_examples``), the response-token check,
     and the held-out examples (evaluated in rows fewer than a batch if need be)."""
-    flag = f"--data {config.data}"
+    flag = f"--data {config.data.data}"
     with user_input(flag):
-        examples = jdata.load_examples(config.data)
+        examples = jdata.load_examples(config.data.data)
     train_ex, held_ex = _split_examples(config, examples)
     with user_input(flag):
         rows, counts = jdata.pack_examples(
-            train_ex, tok, config.seq_len, warn=False, return_counts=True
+            train_ex, tok, config.data.seq_len, warn=False, return_counts=True
         )
-    check_response_tokens(counts, flag, config.seq_len)
+    check_response_tokens(counts, flag, config.data.seq_len)
     with user_input(flag):
-        train = jdata.PackedDataset.from_rows(rows, config.batch_size, seed=config.seed)
+        train = jdata.PackedDataset.from_rows(rows, config.data.batch_size, seed=config.run.seed)
     report = {"examples": {"train": counts}}
     held, why = None, None
-    if not config.eval_split:
+    if not config.data.eval_split:
         return train, None, report
     if held_ex:
         try:
             rows, held_counts = jdata.pack_examples(
-                held_ex, tok, config.seq_len, warn=False, return_counts=True
+                held_ex, tok, config.data.seq_len, warn=False, return_counts=True
             )
         except ValueError as e:
             rows, why = None, f"the held-out examples cannot be packed ({e})"
@@ -116,8 +118,8 @@ def _example_datasets(config, tok):
             if held_counts["untrained"] == held_counts["examples"]:
                 why = "no held-out example keeps a response token within --seq-len"
             else:
-                n = min(config.batch_size, len(rows["inputs"]))
-                held = jdata.PackedDataset.from_rows(rows, n, seed=config.seed)
+                n = min(config.data.batch_size, len(rows["inputs"]))
+                held = jdata.PackedDataset.from_rows(rows, n, seed=config.run.seed)
     else:
         why = f"{flag} has {len(examples)} example(s): none to hold out"
     if why:

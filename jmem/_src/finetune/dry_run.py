@@ -36,16 +36,16 @@ def dry_run(config, cfg, mesh=None):
         lambda k: jlora.init(
             k,
             frozen,
-            rank=config.lora_rank,
-            alpha=config.lora_alpha,
-            targets=config.lora_targets,
-            dropout=config.lora_dropout,
+            rank=config.training.lora_rank,
+            alpha=config.training.lora_alpha,
+            targets=config.training.lora_targets,
+            dropout=config.training.lora_dropout,
         ),
         jax.random.key(0),
     )
     state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
     batch = {
-        k: jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+        k: jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32)
         for k in ("inputs", "targets")
     }
     t0 = time.time()
@@ -57,7 +57,7 @@ def dry_run(config, cfg, mesh=None):
     n_adapter = jlora.num_trainable(adapters)
     print(
         f"\n{model_name(config)}: {llama.num_params(cfg) / 1e9:.2f}B params, "
-        f"LoRA r={config.lora_rank} on {targets}: {n_adapter / 1e6:.1f}M trainable; "
+        f"LoRA r={config.training.lora_rank} on {targets}: {n_adapter / 1e6:.1f}M trainable; "
         f"compiled in {time.time() - t0:.0f}s (abstract shapes, nothing allocated)"
     )
     print(
@@ -88,11 +88,11 @@ def dry_run(config, cfg, mesh=None):
         "(a 24 GB card such as an RTX 3090/4090; its CUDA context takes a few hundred MiB)."
     )
     out = {
-        "config": config.config,
-        "checkpoint": config.checkpoint,
+        "config": config.model.config,
+        "checkpoint": config.model.checkpoint,
         "model": dataclasses.asdict(cfg),
-        "seq_len": config.seq_len,
-        "batch_size": config.batch_size,
+        "seq_len": config.data.seq_len,
+        "batch_size": config.data.batch_size,
         "compiled": dataclasses.asdict(report),
         "estimate": est.as_dict(),
         "levers": step.levers.as_dict(),
@@ -102,8 +102,8 @@ def dry_run(config, cfg, mesh=None):
         "per_device": True,
         **mesh_record(mesh),
     }
-    os.makedirs(config.out, exist_ok=True)
-    with open(os.path.join(config.out, "dry_run.json"), "w") as f:
+    os.makedirs(config.run.out, exist_ok=True)
+    with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
 
@@ -115,11 +115,11 @@ def _estimate(config, levers, cfg, dtype, targets, devices: int):
     return planner.estimate(
         cfg,
         param_dtype=jnp.dtype(dtype).name,
-        optimizer=config.optimizer,
-        lora={"rank": config.lora_rank, "targets": targets},
+        optimizer=config.training.optimizer,
+        lora={"rank": config.training.lora_rank, "targets": targets},
         quantization="nf4",
         levers=levers,
-        batch_size=max(1, config.batch_size // devices),
-        seq_len=config.seq_len,
+        batch_size=max(1, config.data.batch_size // devices),
+        seq_len=config.data.seq_len,
         **shards,
     )

@@ -1,5 +1,6 @@
 """The job end to end: ``run(config)`` checks every input, then plans (``dry_run``) or
-trains; ``main(argv)`` is the command line (``jmem finetune``, ``examples/qlora_7b.py``)."""
+trains; ``run_command`` is what the command line (``command.main``: ``jmem finetune``,
+``examples/qlora_7b.py``) runs once its flags are parsed."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from jax.experimental import multihost_utils
 
 from jmem._src.cli import CliError
 from jmem._src.finetune.config import FinetuneConfig
-from jmem._src.finetune.config import parse_args
 from jmem._src.finetune.config import validate
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.dry_run import dry_run
@@ -25,29 +25,23 @@ from jmem._src.finetune.loop import train
 from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
-from jmem._src.finetune.rundir import flags
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
+from jmem._src.finetune.rundir import run_record
 from jmem._src.finetune.setup import check_lora_targets
 from jmem._src.finetune.setup import check_outputs
 from jmem._src.finetune.setup import make_tokenizer
 from jmem._src.finetune.setup import model_config
 from jmem._src.finetune.setup import resolve_defaults
 
-#: The job's one-paragraph description (``--help``).
-DESCRIPTION = (
-    "QLoRA fine-tuning with every jmem memory lever on: NF4 base, LoRA adapters, remat, "
-    "bf16 compute, 8-bit AdamW, gradient accumulation, optional optimizer offload."
-)
-
 
 def run(config: FinetuneConfig) -> dict | None:
     """Runs the fine-tuning job: checks every input (before any weight is read or step
-    compiled), then plans (``dry_run``) or trains, writing under ``config.out``.
+    compiled), then plans (``dry_run``) or trains, writing under ``config.run.out``.
 
     Args:
-      config: a ``FinetuneConfig`` (validated here; unset sizes are filled for the model
-        and the device).
+      config: a ``FinetuneConfig`` (checked again here; unset sizes are resolved for the
+        model and the device into a new value, ``config`` itself is not changed).
 
     Returns:
       The summary (as written to ``summary.json``; ``dry_run.json``'s content for a dry
@@ -63,39 +57,44 @@ def run(config: FinetuneConfig) -> dict | None:
     Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
     """
     config = validate(config)
-    return _run(config, allocator_note(config.host_allocator, config.remat, config.dry_run))
+    return _run(
+        config,
+        allocator_note(config.run.host_allocator, config.levers.remat, config.run.dry_run),
+    )
 
 
 def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     """``run`` on a validated config, the host allocator already applied (its note line)."""
     initialize_distributed(config)
     cfg = model_config(config)
-    notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
+    config, notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
     on_accelerator = jax.default_backend() != "cpu"
     if host_note and not (on_accelerator and host_note.startswith(PLUGIN_NOTE)):
         notes.append(host_note)
     check_lora_targets(config, cfg)
     mesh, mesh_notes = job_mesh(config)
-    if not config.dry_run:
+    dry = config.run.dry_run
+    if not dry:
         tok = make_tokenizer(config, cfg)
         ds, held = load_datasets(config, tok)
         check_outputs(config, cfg, tok)
         resume_step = _agree(prepare_out(config))  # a refusal stops every process
     for line in notes + mesh_notes:
         print(line, flush=True)
-    if config.dry_run:
+    if dry:
         return dry_run(config, cfg, mesh)
-    if resume_step is not None and resume_step >= config.steps:
-        print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {config.steps}.")
-        path = os.path.join(config.out, "summary.json")
+    steps, out = config.training.steps, config.run.out
+    if resume_step is not None and resume_step >= steps:
+        print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {steps}.")
+        path = os.path.join(out, "summary.json")
         if os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
         return None
-    os.makedirs(config.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     if is_writer():
-        with open(os.path.join(config.out, "run.json"), "w") as f:
-            json.dump(flags(config), f, indent=2)
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump(run_record(config), f, indent=2)
     return train(config, cfg, tok, ds, held, resume_step, mesh)
 
 
@@ -111,18 +110,16 @@ def _agree(resume_step):
     return None if value < 0 else value
 
 
-def main(argv=None, prog: str = "jmem finetune") -> dict | None:
-    """The command line: flags (and ``--config-file``) -> ``run``. A bad input exits with
-    status 2 and one line ``error: ...`` naming the flag or file (``--debug``: the
-    traceback instead). ``argv`` None reads ``sys.argv[1:]``.
+def run_command(config: FinetuneConfig) -> dict | None:
+    """The command line's run of a parsed ``config``: a bad input exits with status 2 and
+    one line ``error: ...`` naming the flag or file (``--debug``: the traceback instead).
 
     ``--host-allocator retain`` calls ``jmem.host.retain_host_allocations`` here, before
     JAX starts; huge pages come from the entry point (``relaunch_with_huge_pages``)."""
-    config = parse_args(argv, prog=prog, description=DESCRIPTION)
     try:
         return _run_quietly_off_process_0(config)
     except CliError as e:
-        if config.debug:
+        if config.run.debug:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -131,7 +128,8 @@ def main(argv=None, prog: str = "jmem finetune") -> dict | None:
 def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
     config = validate(config)
-    note = apply_allocator(config.host_allocator, config.remat, config.dry_run)  # JAX not started
+    run = config.run
+    note = apply_allocator(run.host_allocator, config.levers.remat, run.dry_run)  # before JAX
     initialize_distributed(config)
     if jax.process_index() == 0:
         return _run(config, note)

@@ -87,7 +87,7 @@ def relaunch_with_huge_pages(argv: Sequence[str], prog: str = "jmem finetune") -
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             config = validate(parse_args(list(argv), prog=prog))
-        reason = _no_relaunch(config.host_allocator, config.dry_run)
+        reason = _no_relaunch(config.run.host_allocator, config.run.dry_run)
     except (CliError, SystemExit) as e:
         return f"--help, or a bad input ({e})"
     if reason:

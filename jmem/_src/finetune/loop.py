@@ -63,7 +63,7 @@ def _meta(config, pos, losses, evals) -> dict:
         "data": pos.to_dict(),
         "losses": losses,
         "eval_losses": evals,
-        "seed": config.seed,
+        "seed": config.run.seed,
         "args": flags(config),
     }
 
@@ -79,12 +79,12 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
     """
     frozen = quantized_base(config, cfg, dtype, abstract=False)
     adapters = jlora.init(
-        jax.random.key(config.seed + 1),
+        jax.random.key(config.run.seed + 1),
         frozen,
-        rank=config.lora_rank,
-        alpha=config.lora_alpha,
-        targets=config.lora_targets,
-        dropout=config.lora_dropout,
+        rank=config.training.lora_rank,
+        alpha=config.training.lora_alpha,
+        targets=config.training.lora_targets,
+        dropout=config.training.lora_dropout,
     )
     state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
@@ -108,10 +108,12 @@ class Progress:
 
     def __init__(self, config, start: int):
         self.bar = None
-        if not config.no_progress and jax.process_index() == 0:
+        if not config.run.no_progress and jax.process_index() == 0:
             from tqdm.auto import tqdm  # noqa: PLC0415
 
-            self.bar = tqdm(total=config.steps, initial=start, desc="qlora", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=config.training.steps, initial=start, desc="qlora", dynamic_ncols=True
+            )
         self.start = start
 
     def update(self, s, loss, evals, lr, tps, mem):
@@ -155,7 +157,7 @@ def _compile(step, state, batch):
 
 
 def train(config, cfg, tok, ds, held, resume_step, mesh=None):
-    """Trains from step 0 or ``resume_step`` to ``config.steps``: evaluates, samples,
+    """Trains from step 0 or ``resume_step`` to ``config.training.steps``: evaluates, samples,
     checkpoints (collectively across processes), writes the adapters and the report.
 
     Returns:
@@ -164,27 +166,27 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     step, loss_fn, dtype, schedule = build(config, cfg, mesh=mesh)
     print(f"levers:\n{step.levers.describe()}", flush=True)
     ckpt = Checkpointer(
-        os.path.join(os.path.abspath(config.out), "checkpoints"),
-        save_every=config.save_every,
-        keep=config.keep,
+        os.path.join(os.path.abspath(config.run.out), "checkpoints"),
+        save_every=config.run.save_every,
+        keep=config.run.keep,
     )
     state, pos, losses, evals, n_adapter = init_state(config, cfg, step, dtype, ckpt, resume_step)
     evaluate = None
     if held is not None:
-        evaluate = Evaluator(step, loss_fn, held, config.eval_batches, mesh)
+        evaluate = Evaluator(step, loss_fn, held, config.data.eval_batches, mesh)
     start = int(state.step)
     # Compile once; the same executable gives the memory report and runs every step.
     compiled, compiled_peak = _compile(step, state, step_batch(ds.batch_at(pos)[0], mesh))
-    lrs = np.asarray(schedule(jnp.arange(config.steps)), np.float64).tolist()
+    lrs = np.asarray(schedule(jnp.arange(config.training.steps)), np.float64).tolist()
     if evaluate is not None and start == 0:
         evals.append([0, evaluate(state)])
-    sample = Sampler(config, cfg, tok, step) if config.sample_prompt is not None else None
+    sample = Sampler(config, cfg, tok, step) if config.output.sample_prompt is not None else None
     if sample is not None:
         sample(state, f"before (step {start})")
-    tokens_per_step = config.batch_size * config.seq_len
+    tokens_per_step = config.data.batch_size * config.data.seq_len
     progress = Progress(config, start)
     times, it = [], ds.iterate(pos)
-    for s in range(start, config.steps):
+    for s in range(start, config.training.steps):
         batch, pos = next(it)
         batch = step_batch(batch, mesh)
         t0 = time.perf_counter()
@@ -192,17 +194,21 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
         loss = float(metrics["loss"])  # blocks until the step is done
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-        if evaluate is not None and ((s + 1) % config.eval_every == 0 or s + 1 == config.steps):
+        if evaluate is not None and (
+            (s + 1) % config.data.eval_every == 0 or s + 1 == config.training.steps
+        ):
             evals.append([s + 1, evaluate(state)])
         tps = tokens_per_step / np.median(times[1:] or times)  # the first call warms up
         progress.update(s, loss, evals, lrs[s], tps, device_memory() or compiled_peak)
         ckpt.maybe_save(s + 1, state, _meta(config, pos, losses, evals))
     progress.close()
-    if config.steps not in ckpt.all_steps():
-        ckpt.save(config.steps, state, _meta(config, pos, losses, evals))  # always keep the last
+    if config.training.steps not in ckpt.all_steps():
+        ckpt.save(
+            config.training.steps, state, _meta(config, pos, losses, evals)
+        )  # always keep the last
     ckpt.close()
     if sample is not None:
-        sample(state, f"after (step {config.steps})")
+        sample(state, f"after (step {config.training.steps})")
     save_adapters(config, cfg, state)
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
     extra = {**getattr(ds, "report", {}), **mesh_record(mesh)}

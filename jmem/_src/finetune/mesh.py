@@ -5,31 +5,13 @@ rules (``jmem.train_step(mesh=...)``)."""
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
 
 import jax
 from jax.experimental import multihost_utils
 
 from jmem import sharding
 from jmem._src.cli import CliError
-
-
-def mesh_spec(text: str) -> str:
-    """argparse type: ``data=N,fsdp=M`` (either may be left out; sizes >= 1)."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    sizes = {}
-    for part in parts:
-        m = re.fullmatch(r"(data|fsdp)=([0-9]+)", part)
-        if not m or int(m[2]) < 1 or m[1] in sizes:
-            raise argparse.ArgumentTypeError(
-                f"expected data=N,fsdp=M (positive sizes, each axis once), got {text!r}"
-            )
-        sizes[m[1]] = int(m[2])
-    if not sizes:
-        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M, got {text!r}")
-    return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def _sizes(spec: str, n_devices: int) -> tuple[int, int]:
@@ -49,26 +31,26 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     """
     devices = jax.devices()
     n = len(devices)
-    if config.mesh is None:
+    if config.devices.mesh is None:
         if n == 1:
             return None, []
-        d = max(k for k in range(1, n + 1) if config.batch_size % k == 0 and k <= n)
+        d = max(k for k in range(1, n + 1) if config.data.batch_size % k == 0 and k <= n)
         notes = []
         if d < n:
             notes.append(
-                f"note: --batch-size {config.batch_size} is split over {d} of the {n} devices "
+                f"note: --batch-size {config.data.batch_size} is split over {d} of the {n} devices "
                 f"(FSDP); pass a --batch-size that is a multiple of {n} to use them all"
             )
         return sharding.make_mesh(1, d, devices=devices[:d]), notes
-    data, fsdp = _sizes(config.mesh, n)
+    data, fsdp = _sizes(config.devices.mesh, n)
     if data * fsdp > n:
         raise CliError(
-            f"--mesh {config.mesh}: needs {data * fsdp} devices, {n} are visible; pass sizes "
+            f"--mesh {config.devices.mesh}: needs {data * fsdp} devices, {n} are visible; pass sizes "
             f"whose product is at most {n}"
         )
-    if config.batch_size % (data * fsdp):
+    if config.data.batch_size % (data * fsdp):
         raise CliError(
-            f"--mesh {config.mesh}: --batch-size {config.batch_size} is not a multiple of "
+            f"--mesh {config.devices.mesh}: --batch-size {config.data.batch_size} is not a multiple of "
             f"data * fsdp = {data * fsdp}; pass a --batch-size that is"
         )
     return sharding.make_mesh(data, fsdp, devices=devices[: data * fsdp]), []
@@ -100,7 +82,7 @@ def initialize_distributed(config) -> None:
     Raises:
       CliError: for some but not all of the three flags.
     """
-    given = [config.coordinator, config.num_processes, config.process_id]
+    given = [config.devices.coordinator, config.devices.num_processes, config.devices.process_id]
     if any(v is not None for v in given) and not all(v is not None for v in given):
         raise CliError(
             "--coordinator, --num-processes and --process-id go together; pass all three, "
@@ -111,7 +93,9 @@ def initialize_distributed(config) -> None:
     if hasattr(jax.config, "jax_cpu_collectives_implementation"):  # CPU processes: gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if given[0] is not None:
-        jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
+        jax.distributed.initialize(
+            config.devices.coordinator, config.devices.num_processes, config.devices.process_id
+        )
     else:
         jax.distributed.initialize()
 

@@ -24,7 +24,7 @@ class Sampler:
 
     def __init__(self, config, cfg, tok, step):
         self.config, self.cfg, self.tok, self.step = config, cfg, tok, step
-        self.prompt = jnp.asarray(tok.encode(config.sample_prompt), jnp.int32)[None]
+        self.prompt = jnp.asarray(tok.encode(config.output.sample_prompt), jnp.int32)[None]
         self.texts = {}
 
     def __call__(self, state, when: str) -> str:
@@ -35,13 +35,13 @@ class Sampler:
             state.frozen,
             self.prompt,
             self.cfg,
-            max_new_tokens=self.config.sample_tokens,
+            max_new_tokens=self.config.output.sample_tokens,
             adapters=adapters,
             apply=qlora.apply,
         )
         text = self.tok.decode(np.asarray(out[0, self.prompt.shape[1] :]))
         self.texts[when] = text
-        print(f"sample {when}: {self.config.sample_prompt!r} -> {text!r}", flush=True)
+        print(f"sample {when}: {self.config.output.sample_prompt!r} -> {text!r}", flush=True)
         return text
 
 
@@ -49,21 +49,21 @@ def save_adapters(config, cfg, state) -> None:
     """The adapters in PEFT format in --out/adapter; with --export-merged, the merged model
     as a Hugging Face checkpoint (written tensor by tensor, jmem.models.hf.save_params)."""
     params, frozen = _host_values(state.params), state.frozen
-    if config.export_merged:
+    if config.output.export_merged:
         frozen = _host_values(frozen)
     if not is_writer():
         return
-    base = os.path.abspath(config.checkpoint) if config.checkpoint else None
-    path = os.path.join(config.out, "adapter")
+    base = os.path.abspath(config.model.checkpoint) if config.model.checkpoint else None
+    path = os.path.join(config.run.out, "adapter")
     try:
         hf.save_adapters(path, params, cfg, base_model_name_or_path=base)
         print(f"adapters (PEFT format): {path}", flush=True)
     except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
         print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
-    if config.export_merged:
-        with user_input(f"--export-merged {config.export_merged}"):
-            hf.save_params(config.export_merged, frozen, cfg, adapters=params)
-        print(f"merged checkpoint (Hugging Face format): {config.export_merged}", flush=True)
+    if config.output.export_merged:
+        with user_input(f"--export-merged {config.output.export_merged}"):
+            hf.save_params(config.output.export_merged, frozen, cfg, adapters=params)
+        print(f"merged checkpoint (Hugging Face format): {config.output.export_merged}", flush=True)
 
 
 def _host_values(tree):

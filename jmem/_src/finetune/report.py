@@ -15,6 +15,7 @@ from jmem._src import host_allocator
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.rundir import flags
 from jmem._src.finetune.rundir import is_writer
+from jmem._src.finetune.rundir import versions
 from jmem.models import llama
 
 format_bytes = MemoryReport.format_bytes
@@ -50,13 +51,14 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
     """summary.json (with ``extra`` added: the data report, devices and mesh, samples), the
     plot and the closing line; only process 0 writes. Returns the summary."""
     summary = {
-        "config": config.config,
-        "checkpoint": os.path.abspath(config.checkpoint) if config.checkpoint else None,
+        "config": config.model.config,
+        "checkpoint": os.path.abspath(config.model.checkpoint) if config.model.checkpoint else None,
         "model": dataclasses.asdict(cfg),
-        "data": os.path.abspath(config.data) if config.data else "pydoc_data.topics",
-        "tokenizer": config.tokenizer,
+        "data": os.path.abspath(config.data.data) if config.data.data else "pydoc_data.topics",
+        "tokenizer": config.model.tokenizer,
         "args": flags(config),
-        "steps": config.steps,
+        "versions": versions(),
+        "steps": config.training.steps,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "eval_losses": evals,
@@ -69,7 +71,7 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         "learning_rates": lrs,
         "device": jax.devices()[0].device_kind,
         "host_allocator": {  # asked for, and what was in effect (jmem.host)
-            "requested": config.host_allocator,
+            "requested": config.run.host_allocator,
             "huge_pages": host_allocator.huge_pages_active(),
             "retained": host_allocator.retained(),
         },
@@ -77,11 +79,11 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
     }
     peak = peak_flops()
     if summary["tokens_per_s"] and peak:
-        fpt = train_flops_per_token(cfg, config.seq_len, summary["trainable_params"])
+        fpt = train_flops_per_token(cfg, config.data.seq_len, summary["trainable_params"])
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
-    plot = os.path.join(config.out, "loss.png")
+    plot = os.path.join(config.run.out, "loss.png")
     if is_writer():
-        with open(os.path.join(config.out, "summary.json"), "w") as f:
+        with open(os.path.join(config.run.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         plot_losses(losses, evals, lrs, plot, f"QLoRA {model_name(config)}")
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -38,9 +39,30 @@ def is_writer() -> bool:
 
 
 def flags(config) -> dict:
-    """The run's flags as resolved (defaults filled in), for run.json and summary.json."""
+    """The run's flags as resolved (defaults filled in), by flag name (``lora_rank``), for
+    run.json and summary.json."""
     skip = ("resume", "overwrite", "debug", "no_progress", "dry_run")
-    return {k: v for k, v in vars(config).items() if k not in skip}
+    return {k: v for k, v in config.flat().items() if k not in skip}
+
+
+#: The packages whose versions a run records (run.json, summary.json).
+PACKAGES = ("jmem", "jax", "jaxlib", "flax", "optax")
+
+
+def versions() -> dict[str, str | None]:
+    """The installed versions of ``PACKAGES`` (None where one is not installed)."""
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run_record(config) -> dict:
+    """run.json: the resolved flags and, under ``versions``, the packages' versions."""
+    return {**flags(config), "versions": versions()}
 
 
 def _checkpoint_steps(directory: str) -> list[int]:
@@ -52,16 +74,14 @@ def _checkpoint_steps(directory: str) -> list[int]:
 def prepare_out(config) -> int | None:
     """Checks ``--out`` against ``--resume``/``--overwrite``; returns the step to resume
     from (None for a new run). A new run never mixes with another run's checkpoints."""
-    out = config.out
+    out = config.run.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"--out {out} is a file; pass a directory")
-    merged = config.export_merged
-    if merged and os.path.exists(merged) and (not os.path.isdir(merged) or os.listdir(merged)):
-        raise CliError(f"--export-merged {merged} exists and is not empty; pass a new directory")
+    replace_merged = _check_merged(config.output.export_merged, config.run.overwrite)
     ckpt_dir = os.path.join(out, "checkpoints")
     steps = _checkpoint_steps(ckpt_dir)
     record = os.path.join(out, "run.json")
-    if config.resume:
+    if config.run.resume:
         if not steps:
             raise CliError(
                 f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start a run"
@@ -69,12 +89,14 @@ def prepare_out(config) -> int | None:
         _check_same_run(config, record)
         return steps[-1]
     previous = steps or os.path.exists(record) or os.path.exists(os.path.join(out, "summary.json"))
-    if previous and not config.overwrite:
+    if previous and not config.run.overwrite:
         at = f" (checkpoints at steps {steps})" if steps else ""
         raise CliError(
             f"--out {out} already holds a run{at}; pass --resume to continue it, "
             "--overwrite to replace it, or another --out"
         )
+    if replace_merged and is_writer():
+        shutil.rmtree(config.output.export_merged)
     if previous and is_writer():  # every process checks; process 0 alone deletes
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         shutil.rmtree(os.path.join(out, "adapter"), ignore_errors=True)
@@ -82,6 +104,20 @@ def prepare_out(config) -> int | None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
     return None
+
+
+def _check_merged(merged: str | None, overwrite: bool) -> bool:
+    """Whether ``--export-merged`` holds an earlier merged checkpoint to replace
+    (``--overwrite``); a directory that is not empty is refused otherwise."""
+    if not merged or not os.path.exists(merged):
+        return False
+    if os.path.isdir(merged) and not os.listdir(merged):
+        return False
+    is_checkpoint = os.path.isfile(os.path.join(merged, "config.json"))
+    if overwrite and is_checkpoint:
+        return True
+    why = "pass --overwrite to replace it, or" if is_checkpoint else "it is not a checkpoint;"
+    raise CliError(f"--export-merged {merged} exists and is not empty; {why} pass a new directory")
 
 
 def _check_same_run(config, record: str) -> None:
@@ -98,12 +134,12 @@ def _check_same_run(config, record: str) -> None:
     ]
     if diff:
         raise CliError(
-            f"--resume: this run's flags differ from the run in --out {config.out}: "
+            f"--resume: this run's flags differ from the run in --out {config.run.out}: "
             f"{', '.join(diff)}; pass the same flags, or --overwrite to start over"
         )
-    if before.get("steps") != config.steps:
+    if before.get("steps") != config.training.steps:
         print(
-            f"note: --steps {config.steps} (was {before.get('steps')}): the learning-rate "
-            f"schedule now decays over {config.steps} steps.",
+            f"note: --steps {config.training.steps} (was {before.get('steps')}): the learning-rate "
+            f"schedule now decays over {config.training.steps} steps.",
             flush=True,
         )

@@ -12,6 +12,7 @@ import jmem
 from jmem import data as jdata
 from jmem import lora as jlora
 from jmem._src.cli import CliError
+from jmem._src.cli import flag as cli_flag
 from jmem._src.cli import user_input
 from jmem.models import export
 from jmem.models import hf
@@ -28,100 +29,123 @@ DEFAULTS = {
 def model_config(config) -> llama.LlamaConfig:
     """The model (its identity only): its shape from ``--checkpoint``'s config.json, else
     ``--config`` (whose default depends on the device). How it runs is ``job_levers``."""
-    return _model_shape(config)
+    return _model_shape(config.model)
 
 
 def job_levers(config) -> jmem.Levers:
-    """The run's execution settings as one ``jmem.Levers``: ``--remat``, ``--attention``,
-    ``--loss-chunk`` and ``--mlp-chunk`` (resolved per batch and target by ``build``)."""
+    """The run's execution settings as one ``jmem.Levers``: the levers group's
+    ``--remat``, ``--attention``, ``--loss-chunk`` and ``--token-chunk`` (resolved per
+    batch and target by ``build``)."""
+    levers = config.levers
     return jmem.Levers(
-        remat=config.remat,
-        attention=config.attention,
-        loss_chunk=config.loss_chunk,
-        token_chunk=config.mlp_chunk,
+        remat=levers.remat,
+        attention=levers.attention,
+        loss_chunk=levers.loss_chunk,
+        token_chunk=levers.token_chunk,
     )
 
 
-def _model_shape(config) -> llama.LlamaConfig:
+def default_model() -> str:
+    """``--config`` unset: ``llama2_7b`` on a GPU, ``tiny`` elsewhere."""
+    return "llama2_7b" if jax.default_backend() == "gpu" else "tiny"
+
+
+def _model_shape(model) -> llama.LlamaConfig:
     """The model's shape: from ``--checkpoint``'s config.json, else ``--config``."""
-    if config.checkpoint is not None:
-        if not os.path.isdir(config.checkpoint):
+    if model.checkpoint is not None:
+        if not os.path.isdir(model.checkpoint):
             raise CliError(
-                f"--checkpoint {config.checkpoint}: no such directory; pass a Hugging Face "
+                f"--checkpoint {model.checkpoint}: no such directory; pass a Hugging Face "
                 "checkpoint directory (config.json + *.safetensors)"
             )
-        with user_input(f"--checkpoint {config.checkpoint}", (OSError, ValueError, KeyError)):
-            return hf.load_config(config.checkpoint)
-    if config.config is None:
-        config.config = "llama2_7b" if jax.default_backend() == "gpu" else "tiny"
-        if config.config == "tiny":
+        with user_input(f"--checkpoint {model.checkpoint}", (OSError, ValueError, KeyError)):
+            return hf.load_config(model.checkpoint)
+    return llama.get_config(model.config or default_model())
+
+
+def resolve_defaults(config, cfg, *, on_gpu: bool):
+    """``(resolved, notes)``: a new config with every unset option filled (``is None``,
+    never ``or``; ``config`` is not changed): the model name (``default_model``), the
+    tokenizer (the checkpoint's, else ``byte``), sizes CPU-sized for `tiny` and for training
+    on a CPU, 7B-sized on a GPU and for dry-run plans (the sequence length capped at the
+    model's ``max_seq_len``), ``lr``, ``lora_alpha`` and ``eval_every``; notes to print
+    once every input is checked.
+
+    Raises:
+      CliError: for a ``--grad-accum`` that does not divide the default ``--batch-size``.
+    """
+    model, run, t = config.model, config.run, config.training
+    set_ = {}
+    if model.config is None and model.checkpoint is None:
+        set_["config"] = default_model()
+        if set_["config"] == "tiny":
             print(
                 "No GPU found: training the `tiny` config on CPU "
                 "(use --config llama2_7b --dry-run to plan the 7B run).",
                 flush=True,
             )
-    return llama.get_config(config.config)
-
-
-def resolve_defaults(config, cfg, *, on_gpu: bool) -> list[str]:
-    """Fills unset sizes (``is None``, never ``or``): CPU-sized for `tiny` and for training
-    on a CPU, 7B-sized on a GPU and for dry-run plans; the sequence length is capped at the
-    model's ``max_seq_len``. Returns notes to print once every input is checked."""
-    notes = []
-    small = config.config == "tiny" or not (on_gpu or config.dry_run)
-    d = DEFAULTS["small" if small else "large"]
-    unset = [k for k in ("steps", "batch_size", "seq_len") if getattr(config, k) is None]
+    if model.tokenizer is None:
+        set_["tokenizer"] = model.checkpoint or "byte"
+    name = set_.get("config", model.config)
+    d = DEFAULTS["small" if name == "tiny" or not (on_gpu or run.dry_run) else "large"]
+    sizes = {"steps": t.steps, "batch_size": config.data.batch_size, "seq_len": config.data.seq_len}
+    unset = [k for k, v in sizes.items() if v is None]
     for k in unset:
-        setattr(config, k, min(d[k], cfg.max_seq_len) if k == "seq_len" else d[k])
-    if config.lr is None:
-        config.lr = 3e-3 if config.config == "tiny" else 2e-4
-    if config.lora_alpha is None:
-        config.lora_alpha = 2.0 * config.lora_rank
-    if config.eval_every is None:
-        config.eval_every = max(1, config.steps // 10)
-    if config.batch_size % config.grad_accum:
+        set_[k] = sizes[k] = min(d[k], cfg.max_seq_len) if k == "seq_len" else d[k]
+    if t.lr is None:
+        set_["lr"] = 3e-3 if name == "tiny" else 2e-4
+    if t.lora_alpha is None:
+        set_["lora_alpha"] = 2.0 * t.lora_rank
+    if config.data.eval_every is None:
+        set_["eval_every"] = max(1, sizes["steps"] // 10)
+    if sizes["batch_size"] % config.levers.grad_accum:
         raise CliError(
-            f"--grad-accum {config.grad_accum} does not divide the default --batch-size "
-            f"{config.batch_size}; pass a --batch-size that it divides"
+            f"--grad-accum {config.levers.grad_accum} does not divide the default --batch-size "
+            f"{sizes['batch_size']}; pass a --batch-size that it divides"
         )
-    if unset and not on_gpu and not config.dry_run:
+    notes = []
+    if unset and not on_gpu and not run.dry_run:
+        notes.append("CPU-sized defaults: " + ", ".join(f"{cli_flag(k)} {sizes[k]}" for k in unset))
+    if sizes["seq_len"] > cfg.max_seq_len:
         notes.append(
-            "CPU-sized defaults: "
-            + ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)}" for k in unset)
+            f"note: --seq-len {sizes['seq_len']} exceeds the model's max_seq_len "
+            f"{cfg.max_seq_len}; positions past it were never trained."
         )
-    if config.seq_len > cfg.max_seq_len:
-        notes.append(
-            f"note: --seq-len {config.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}; "
-            "positions past it were never trained."
-        )
-    return notes
+    return config.replace(**set_), notes
 
 
 def check_lora_targets(config, cfg) -> None:
     """Fails fast (before any weight is read) when ``--lora-targets`` matches no matrix."""
-    with user_input(f"--lora-targets {config.lora_targets!r}"):
+    t = config.training
+    with user_input(f"--lora-targets {t.lora_targets!r}"):
         jax.eval_shape(
             lambda: jlora.init(
                 jax.random.key(0),
                 llama.abstract_params(cfg),
-                rank=config.lora_rank,
-                alpha=config.lora_alpha,
-                targets=config.lora_targets,
+                rank=t.lora_rank,
+                alpha=t.lora_alpha,
+                targets=t.lora_targets,
             )
         )
 
 
 def make_tokenizer(config, cfg):
-    """``--tokenizer``: 'byte', a directory with tokenizer.json, or (unset) the checkpoint's."""
-    given = config.tokenizer is not None
-    config.tokenizer = config.tokenizer if given else (config.checkpoint or "byte")
-    from_ckpt = not given and config.checkpoint is not None
-    flag = f"--checkpoint {config.checkpoint}" if from_ckpt else f"--tokenizer {config.tokenizer}"
-    if config.tokenizer == "byte":
+    """The tokenizer of a resolved config (``resolve_defaults``): ``--tokenizer`` 'byte' or
+    a directory with tokenizer.json (unset: the checkpoint's).
+
+    Raises:
+      CliError: naming the flag, for a missing directory or tokenizer.json, or a tokenizer
+        larger than the model's vocabulary.
+    """
+    model = config.model
+    path = model.tokenizer
+    from_ckpt = model.checkpoint is not None and path == model.checkpoint
+    flag = f"--checkpoint {model.checkpoint}" if from_ckpt else f"--tokenizer {path}"
+    if path == "byte":
         tok = jdata.ByteTokenizer()
-    elif not os.path.isdir(config.tokenizer):
+    elif not os.path.isdir(path):
         raise CliError(f"{flag}: no such directory; pass 'byte' or a directory with tokenizer.json")
-    elif not os.path.exists(os.path.join(config.tokenizer, "tokenizer.json")):
+    elif not os.path.exists(os.path.join(path, "tokenizer.json")):
         byte = " or --tokenizer byte (UTF-8 bytes, vocabulary 256)" if cfg.vocab_size >= 256 else ""
         raise CliError(
             f"{flag} has no tokenizer.json; pass --tokenizer DIR (a directory with the "
@@ -129,18 +153,16 @@ def make_tokenizer(config, cfg):
         )
     else:
         with user_input(flag, Exception):  # tokenizers raises plain Exception
-            tok = jdata.HFTokenizer(config.tokenizer)
+            tok = jdata.HFTokenizer(path)
     if tok.vocab_size > cfg.vocab_size:
-        model = (
-            f"--checkpoint {config.checkpoint}"
-            if config.checkpoint
-            else f"--config {config.config}"
+        which = (
+            f"--checkpoint {model.checkpoint}" if model.checkpoint else f"--config {model.config}"
         )
         raise CliError(
             f"{flag}: its {tok.vocab_size} tokens exceed the vocabulary of the model "
-            f"({model}: {cfg.vocab_size}); pass the model's own tokenizer with --tokenizer DIR"
+            f"({which}: {cfg.vocab_size}); pass the model's own tokenizer with --tokenizer DIR"
         )
-    if config.checkpoint and config.tokenizer == "byte":
+    if model.checkpoint and path == "byte":
         print("note: byte tokens with a pretrained checkpoint do not match its vocabulary.")
     return tok
 
@@ -148,8 +170,9 @@ def make_tokenizer(config, cfg):
 def check_outputs(config, cfg, tok) -> None:
     """Fails before training for what would fail after it: a model --export-merged cannot
     write, a --sample-prompt with no tokens."""
-    if config.export_merged:
-        with user_input(f"--export-merged {config.export_merged}"):
+    out = config.output
+    if out.export_merged:
+        with user_input(f"--export-merged {out.export_merged}"):
             export.hf_config(cfg)
-    if config.sample_prompt is not None and not len(tok.encode(config.sample_prompt)):
+    if out.sample_prompt is not None and not len(tok.encode(out.sample_prompt)):
         raise CliError("--sample-prompt: the text has no tokens; pass a non-empty prompt")
