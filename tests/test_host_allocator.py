@@ -386,7 +386,8 @@ def _launcher_machine(monkeypatch, plugin=None, **kw):
     [
         ([], None, "", True),
         (["--host-allocator", "huge-pages"], "jax-cuda12-plugin", "system", True),
-        (["--host-alloc=huge-pages", "--remat", "none"], None, "", True),  # argparse prefix
+        (["--host-allocator=huge-pages", "--remat", "none"], None, "", True),
+        (["--host-alloc=huge-pages"], None, "", False),  # abbreviations are refused
         (["--dry-run"], None, "", False),
         (["--host-allocator", "retain"], None, "", False),
         (["--host-allocator", "system"], None, "", False),

@@ -40,14 +40,14 @@ def test_no_function_shadows_a_module(name):
 
 
 def test_the_job_exports_what_users_call():
-    """``jmem.finetune``: the config, its groups, ``run``, ``main``, ``parse_args``; the
-    pieces (``resolve_defaults``, ``prepare_out``, ``build``...) stay in ``jmem._src``."""
+    """``jmem.finetune``: the config, its groups, ``run``, ``main``, ``parse_args`` and the
+    entry points' ``relaunch_with_huge_pages``; the pieces (``resolve_defaults``, ``prepare_out``, ``build``...) stay in ``jmem._src``."""
     from jmem import finetune
 
     groups = ["DataConfig", "DevicesConfig", "LeversConfig", "ModelConfig", "OutputConfig"]
     groups += ["RunConfig", "TrainingConfig"]
     assert sorted(finetune.__all__) == sorted(
-        ["FinetuneConfig", *groups, "main", "parse_args", "run"]
+        ["FinetuneConfig", *groups, "main", "parse_args", "run", "relaunch_with_huge_pages"]
     )
     for name in ["resolve_defaults", "check_outputs", "prepare_out", "CliError", "build"]:
         assert not hasattr(finetune, name), name
