@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem._src import attention as _attention
 from jmem._src import jaxpr as _jaxpr
 from jmem._src import remat_bits as _bits
 from jmem._src import scan_intercept as _si
@@ -63,9 +64,16 @@ def _offload_policy(prim, *avals, **params):
     return _offload_dots(prim, *avals, **params) if decision is _RECOMPUTE else decision
 
 
+#: ``dots``: every matmul output, and the blockwise attention's output and log-sum-exp
+#: (its loop is opaque to policies, so these stand for its tile matmuls).
+_dots = _cp.save_from_both_policies(
+    _cp.dots_saveable,
+    _cp.save_only_these_names(_attention.ATTENTION_OUT, _attention.ATTENTION_LSE),
+)
+
 REMAT_POLICIES = RematPolicies(
     none=None,
-    dots=_cp.dots_saveable,
+    dots=_dots,
     selective=_cp.dots_with_no_batch_dims_saveable,
     full=_cp.nothing_saveable,
     offload=_offload_policy,
