@@ -64,17 +64,17 @@ def _offload_policy(prim, *avals, **params):
     return _offload_dots(prim, *avals, **params) if decision is _RECOMPUTE else decision
 
 
-#: ``dots``: every matmul output, and the blockwise attention's output and log-sum-exp
-#: (its loop is opaque to policies, so these stand for its tile matmuls).
-_dots = _cp.save_from_both_policies(
-    _cp.dots_saveable,
-    _cp.save_only_these_names(_attention.ATTENTION_OUT, _attention.ATTENTION_LSE),
-)
+#: The blockwise attention's output and log-sum-exp (``[S]``-sized, no ``[S, T]`` array):
+#: its loops are opaque to policies, so ``dots`` and ``selective`` save these by name
+#: instead of recomputing the whole forward loop in the backward pass.
+_save_attention = _cp.save_only_these_names(_attention.ATTENTION_OUT, _attention.ATTENTION_LSE)
+_dots = _cp.save_from_both_policies(_cp.dots_saveable, _save_attention)
+_selective = _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _save_attention)
 
 REMAT_POLICIES = RematPolicies(
     none=None,
     dots=_dots,
-    selective=_cp.dots_with_no_batch_dims_saveable,
+    selective=_selective,
     full=_cp.nothing_saveable,
     offload=_offload_policy,
     offload_inputs=_offload_inputs,
