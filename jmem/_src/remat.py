@@ -35,7 +35,9 @@ class RematPolicies(dict):
 
     ``none``: everything saved. ``dots``: every matmul output saved. ``selective``: matmuls
     against weights saved, attention and element-wise work recomputed (Korthikanti et al.
-    2022). ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
+    2022). Both also save the blockwise attention's output and log-sum-exp by name (its
+    loops are opaque to policies); token chunks (``mlp_chunk``) recompute their internals
+    under every policy. ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
     ``offload``: as ``selective`` with the residuals in ``pinned_host`` memory, and the
     value named ``"layer_input"`` (each layer's input in ``jmem.models.llama``) offloaded
     too, so the residual stream leaves the device. ``offload_inputs``: as ``full`` with
