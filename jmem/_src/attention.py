@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
@@ -29,6 +30,13 @@ AUTO_DENSE_MAX_KEYS = 1024
 #: Default query and key/value block sizes of the blockwise path (tokens).
 BLOCK_Q = 512
 BLOCK_KV = 512
+
+#: ``checkpoint_name`` names of the blockwise path's forward outputs, its custom VJP's
+#: residuals besides q, k, v: the output (padded ``[B, Sp, nKV, G, D]``) and the float32
+#: log-sum-exp ``[B, Sp, nKV, G]``. A names policy that saves both (``jmem.remat``'s
+#: ``dots``) keeps the backward pass from recomputing the forward loop.
+ATTENTION_OUT = "attention_out"
+ATTENTION_LSE = "attention_lse"
 
 _NEG = -1e30  # "minus infinity" of a masked score that keeps exp() and max() finite
 
@@ -246,6 +254,27 @@ def _rows(x):
     return jnp.moveaxis(x, 3, 1)
 
 
+def _opaque_loop(n: int, body, init):
+    """``lax.fori_loop(0, n, body, init)`` as a ``while`` loop, never a ``scan``.
+
+    The forward loops are not differentiated (the custom VJP recomputes the tiles), so
+    they need no scan. A ``while`` loop is opaque to remat policies: JAX's partial
+    evaluation of a ``while`` saves nothing inside it and recomputes the whole loop from
+    its inputs when the backward pass needs its outputs, whereas a policy applied inside
+    a scan saves per-iteration values (``dots_saveable`` saved every tile's scores and
+    ``p @ v``: the ``[S, T]`` score matrix again, stacked per tile).
+    """
+
+    def cond(carry):
+        return carry[0] < n
+
+    def step(carry):
+        i, state = carry
+        return i + 1, body(i, state)
+
+    return lax.while_loop(cond, step, (jnp.zeros((), jnp.int32), init))[1]
+
+
 def _fwd_q_block(q, k, v, idx, needed, static, i, carry):
     """Writes query block ``i``'s output (``v``'s dtype) and float32 log-sum-exp into
     ``carry = (out, lse)``."""
@@ -271,7 +300,7 @@ def _fwd_q_block(q, k, v, idx, needed, static, i, carry):
 
     shape = (b, nkv, g, bq)
     init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
-    m, l, acc = lax.fori_loop(0, needed.shape[1], step, init + (jnp.zeros(shape + (d,)),))
+    m, l, acc = _opaque_loop(needed.shape[1], step, init + (jnp.zeros(shape + (d,)),))
     ok = l > 0  # a query with no key to attend (padding) gets a zero output
     ob = jnp.moveaxis(acc / jnp.where(ok, l, 1.0)[..., None], 3, 1)
     lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), 0.0)
@@ -287,7 +316,8 @@ def _flash_fwd_impl(q, k, v, idx, needed, static):
     init = (jnp.zeros(q.shape, v.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
     qkv = (_sliceable(q), _sliceable(k), _sliceable(v))
     body = functools.partial(_fwd_q_block, *qkv, idx, needed, static)
-    return lax.fori_loop(0, needed.shape[0], body, init)
+    out, lse = _opaque_loop(needed.shape[0], body, init)
+    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
 
 
 def _bwd_kv_block(res, static, j, carry):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from jmem._src import attention as _attention
 from jmem._src import jaxpr as _jaxpr
 from jmem._src import remat_bits as _bits
 from jmem._src import scan_intercept as _si
@@ -34,7 +35,9 @@ class RematPolicies(dict):
 
     ``none``: everything saved. ``dots``: every matmul output saved. ``selective``: matmuls
     against weights saved, attention and element-wise work recomputed (Korthikanti et al.
-    2022). ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
+    2022). Both also save the blockwise attention's output and log-sum-exp by name (its
+    loops are opaque to policies); token chunks (``mlp_chunk``) recompute their internals
+    under every policy. ``full``: each layer's input saved, the layer recomputed (Chen et al. 2016).
     ``offload``: as ``selective`` with the residuals in ``pinned_host`` memory, and the
     value named ``"layer_input"`` (each layer's input in ``jmem.models.llama``) offloaded
     too, so the residual stream leaves the device. ``offload_inputs``: as ``full`` with
@@ -63,10 +66,17 @@ def _offload_policy(prim, *avals, **params):
     return _offload_dots(prim, *avals, **params) if decision is _RECOMPUTE else decision
 
 
+#: The blockwise attention's output and log-sum-exp (``[S]``-sized, no ``[S, T]`` array):
+#: its loops are opaque to policies, so ``dots`` and ``selective`` save these by name
+#: instead of recomputing the whole forward loop in the backward pass.
+_save_attention = _cp.save_only_these_names(_attention.ATTENTION_OUT, _attention.ATTENTION_LSE)
+_dots = _cp.save_from_both_policies(_cp.dots_saveable, _save_attention)
+_selective = _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _save_attention)
+
 REMAT_POLICIES = RematPolicies(
     none=None,
-    dots=_cp.dots_saveable,
-    selective=_cp.dots_with_no_batch_dims_saveable,
+    dots=_dots,
+    selective=_selective,
     full=_cp.nothing_saveable,
     offload=_offload_policy,
     offload_inputs=_offload_inputs,

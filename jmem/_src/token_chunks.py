@@ -90,6 +90,40 @@ def _put(out: jax.Array, y: jax.Array, i: jax.Array) -> jax.Array:
     return put(out, y, i)
 
 
+def _recomputed(chunk_fn: Callable, flat: list, sinks: list, i: jax.Array):
+    """``chunk_fn(flat, sinks, i)`` under a custom VJP that saves its inputs (but the
+    sinks, zeros) and recomputes it in the backward pass: what ``jax.checkpoint`` with
+    ``nothing_saveable`` does, but final. JAX's partial evaluation of a checkpoint nested
+    in another applies the *outer* policy inside (``jax.checkpoint``'s own policy is
+    dropped), so under ``jmem.remat(loss, "selective")`` every chunk's matmul outputs were
+    saved, stacked over the chunks: the whole ``[S, F]`` MLP tensors the chunks exist to
+    avoid. A custom VJP's residuals are the ones its ``fwd`` declares, whatever the policy.
+
+    The values ``chunk_fn`` closes over (a layer's weights) become explicit inputs
+    (``jax.closure_convert``) so that they get their gradients. The primal is
+    ``jax.checkpoint(chunk_fn)``: the NF4/LoRA interpreter inlines a custom VJP that
+    receives a weight, and then keeps that checkpoint (the outer policy reaches inside).
+    """
+    run_fn, consts = jax.closure_convert(chunk_fn, flat, sinks, i)
+
+    @jax.custom_vjp
+    def run(consts, flat, sinks, i):
+        return jax.checkpoint(run_fn)(flat, sinks, i, *consts)
+
+    def fwd(consts, flat, sinks, i):
+        return run_fn(flat, sinks, i, *consts), (consts, flat, i)
+
+    def bwd(res, g):
+        consts, flat, i = lax.optimization_barrier(res)  # as jax.checkpoint's prevent_cse
+        # The sinks' values are never read: their cotangents stand in for them.
+        _, vjp = jax.vjp(lambda c, s: run_fn(flat, s, i, *c), consts, list(g[1]))
+        d_consts, d_sinks = vjp(g)
+        return d_consts, None, d_sinks, None
+
+    run.defvjp(fwd, bwd)
+    return run(consts, flat, sinks, i)
+
+
 def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
     """``fn(*arrays)`` computed over chunks of ``chunk`` tokens.
 
@@ -126,17 +160,17 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     flat = [a.reshape(n, *a.shape[2:]) for a in arrays]
     flat = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a for a in flat]
 
-    @jax.checkpoint
     def chunk_fn(flat, sinks, i):
         taken = [_take(a, sink, i, chunk) for a, sink in zip(flat, sinks)]
-        return fn(*(c[None] for c, _ in taken)), [sink for _, sink in taken]
+        return tuple(fn(*(c[None] for c, _ in taken))), [sink for _, sink in taken]
 
     shapes = jax.eval_shape(chunk_fn, flat, flat, 0)[0]
     init = tuple(jnp.zeros((n + pad, *o.shape[2:]), o.dtype) for o in shapes)
+    values = [lax.stop_gradient(a) for a in flat]  # cotangents go through the sinks
 
     def body(i, carry):
         out, sinks = carry
-        ys, sinks = chunk_fn(flat, sinks, i)
+        ys, sinks = _recomputed(chunk_fn, values, sinks, i)
         return tuple(_put(o, y[0], i) for o, y in zip(out, ys)), sinks
 
     sinks = [_grad_sink(a) for a in flat]

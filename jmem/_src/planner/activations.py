@@ -33,15 +33,31 @@ MLP_WORK_PER_TOKEN_F = 24
 LOSS_CHUNK_BUFFERS = 2.5
 
 
-def _saved_per_token(shape: ModelShape, A: int, s: int) -> dict[str, int]:
-    """Bytes one layer saves per token under each remat mode (``A``: activation itemsize)."""
+def _saved_per_token(shape: ModelShape, A: int, s: int, t: int) -> dict[str, int]:
+    """Bytes one layer saves per token under each remat mode (``A``: activation itemsize;
+    ``t``: tokens of the micro-batch).
+
+    With blockwise attention (:func:`is_long_context`) no ``[S, T]`` array is saved: the
+    score term ``A a s`` is its float32 log-sum-exp, ``4 a`` (``dots`` saves it by name,
+    with the output). With the token-local parts in chunks (``mlp_chunk < t``) a chunk's
+    internals are recomputed per chunk under every mode, so a layer keeps what crosses the
+    chunks: its input and mid-layer residual, q, k, v and the attention output.
+    """
     h, F, a = shape.hidden_size, shape.intermediate_size, shape.num_heads
     qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    none = 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + A * a * s + 6 * A * F
+    long = is_long_context(shape, s)
+    scores = 4 * a if long else A * a * s
+    if long and shape.mlp_chunk and shape.mlp_chunk < t:
+        crossing = A * (2 * h + 2 * qd + 2 * kv) + scores
+        none, dots, selective = crossing, crossing, A * (2 * h + qd + 2 * kv)
+    else:
+        none = 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + scores + 6 * A * F
+        dots = A * (2 * h + 2 * qd + 2 * kv + 2 * F) + scores
+        selective = A * (2 * h + qd + 2 * kv + 2 * F)
     return {
         "none": none,
-        "dots": A * (2 * h + 2 * qd + 2 * kv + 2 * F + a * s),
-        "selective": A * (2 * h + qd + 2 * kv + 2 * F),
+        "dots": dots,
+        "selective": selective,
         "full": A * h,
         "offload": 0,
         "offload_inputs": 0,
@@ -91,8 +107,9 @@ def activation_bytes(
 
     ``layers``: the residuals the layer scan saves (per layer and token, ``none`` is
     ``2 (8 + A) h + A (2 qd + 2 kv) + A a s + 6 A F``; ``full`` keeps the layer
-    input ``A h``); ``recompute``: one layer's ``none`` residuals, live while the backward
-    pass recomputes it (any remat); ``logits``: fp32 logits and their gradient
+    input ``A h``); ``recompute``: the ``none`` residuals of one layer that the mode does not
+    save, live while the backward pass recomputes them (so the total ranks the modes as
+    their saved bytes do); ``logits``: fp32 logits and their gradient
     ``8 b s V``; ``other``: the embedding output and the causal mask ``5 b a s^2``;
     ``host_activations``: what ``offload`` keeps in host memory (each layer's input and
     selective's residuals). With the long-context paths (``shape.attention`` blockwise at
@@ -127,18 +144,18 @@ def activation_bytes(
         raise ValueError(f"batch_size and seq_len must be >= 1; got {batch_size}, {seq_len}.")
     A = _dtypes.itemsize(activation_dtype, "activation_dtype")
     L, s, t, h = shape.num_layers, seq_len, batch_size * seq_len, shape.hidden_size
-    saved = _saved_per_token(shape, A, s)
+    saved = _saved_per_token(shape, A, s, t)
     host = {"offload": L * t * _offloaded_per_token(shape, A), "offload_inputs": L * t * A * h}
     host = host.get(remat, 0)
     parts = {
         "layers": L * t * saved[remat],
-        "recompute": 0 if remat == "none" else t * saved["none"],
+        "recompute": t * (saved["none"] - saved[remat]),
         "logits": 2 * 4 * t * shape.vocab_size,
         "other": A * t * shape.hidden_size + 5 * batch_size * shape.num_heads * s * s,
         "host_activations": host,
         "phased": 0,
     }
-    if is_long_context(shape, s) and remat != "none":
+    if is_long_context(shape, s):
         parts.update(_long_context_parts(shape, batch_size, s))
         parts.update(other=A * t * shape.hidden_size, phased=1)
     return parts
