@@ -41,7 +41,8 @@ def test_no_function_shadows_a_module(name):
 
 def test_the_job_exports_what_users_call():
     """``jmem.finetune``: the config, its groups, ``run``, ``main``, ``parse_args`` and the
-    entry points' ``relaunch_with_huge_pages``; the pieces (``resolve_defaults``, ``prepare_out``, ``build``...) stay in ``jmem._src``."""
+    entry points' ``relaunch_with_huge_pages``; the pieces (``resolve_defaults``,
+    ``prepare_out``, ``build``...) stay in ``jmem._src``."""
     from jmem import finetune
 
     groups = ["DataConfig", "DevicesConfig", "LeversConfig", "ModelConfig", "OutputConfig"]

@@ -26,22 +26,18 @@ ORDER = ("none", "dots", "selective", "full")
 MIB = 2**20
 
 
-def _config(attention: str, mlp_chunk: int, seq: int) -> llama.LlamaConfig:
-    """The one place the grid builds its configs: 2 layers, hidden 256 (``tiny``)."""
-    return dataclasses.replace(
-        llama.get_config("tiny"),
-        num_layers=2,
-        max_seq_len=seq,
-        attention=attention,
-        mlp_chunk=mlp_chunk,
-        loss_chunk=1024,
-    )
+def _config(attention: str, mlp_chunk: int, seq: int):
+    """The one place the grid builds its settings: 2 layers, hidden 256 (``tiny``), and
+    the levers ``(cfg, levers)``."""
+    cfg = dataclasses.replace(llama.get_config("tiny"), num_layers=2, max_seq_len=seq)
+    return cfg, jmem.Levers(attention=attention, token_chunk=mlp_chunk, loss_chunk=1024)
 
 
-def _temp(cfg, policy: str, seq: int, dtype) -> int:
+def _temp(setting, policy: str, seq: int, dtype) -> int:
+    cfg, lv = setting
     params = llama.abstract_params(cfg, dtype)
     batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32) for k in ("inputs", "targets")}
-    loss = lambda p, b: llama.loss_fn(p, b, cfg)
+    loss = lambda p, b: llama.loss_fn(p, b, cfg, levers=lv)
     f = loss if policy == "none" else jmem.remat(loss, policy)
     return jmem.measure(jax.grad(f), params, batch).temp_bytes
 
@@ -51,8 +47,9 @@ def _slack(a: int, b: int) -> float:
 
 
 def _check(attention, chunked, seq, dtype, policies=ORDER):
-    cfg = _config(attention, seq // 4 if chunked else 0, seq)
-    temp = {p: _temp(cfg, p, seq, dtype) for p in policies}
+    setting = _config(attention, seq // 4 if chunked else 0, seq)
+    cfg, lv = setting
+    temp = {p: _temp(setting, p, seq, dtype) for p in policies}
     print({p: f"{v / MIB:.1f} MiB" for p, v in temp.items()})
     for hi, lo in zip(ORDER, ORDER[1:]):
         assert temp[lo] <= temp[hi] + _slack(temp[lo], temp[hi]), (hi, lo, temp)
@@ -64,7 +61,7 @@ def _check(attention, chunked, seq, dtype, policies=ORDER):
         )
     act = "bf16" if dtype == jnp.bfloat16 else "fp32"
     plan = {
-        p: jmem.planner.estimate(cfg, remat=p, seq_len=seq, param_dtype=act).activations
+        p: jmem.planner.estimate(cfg, remat=p, seq_len=seq, param_dtype=act, levers=lv).activations
         for p in policies
     }
     assert all(plan[hi] >= plan[lo] for hi, lo in zip(ORDER, ORDER[1:])), plan
@@ -93,8 +90,8 @@ def test_issue_acceptance_blockwise_chunked_bf16():
     """Issue #35: at 1 x 4,096 bf16 tokens, blockwise, ``mlp_chunk=1024``, ``dots`` and
     ``selective`` need no more than ``none`` (measured 88.4 and 78.2 vs 107.9 MiB; they
     were 2,283.6 and 157.0 before the attention loop and the chunks were opaque)."""
-    cfg = _config("blockwise", 1024, 4096)
-    temp = {p: _temp(cfg, p, 4096, jnp.bfloat16) for p in ("none", "dots", "selective")}
+    setting = _config("blockwise", 1024, 4096)
+    temp = {p: _temp(setting, p, 4096, jnp.bfloat16) for p in ("none", "dots", "selective")}
     assert temp["dots"] <= temp["none"] and temp["selective"] <= temp["none"], temp
 
 
@@ -102,13 +99,13 @@ def test_dots_saves_no_blockwise_tile():
     """Under ``dots`` the blockwise attention's loop saves nothing per tile: the saved
     residuals hold no ``[.., bq, bk]`` tile (before, every tile's scores and ``p @ v`` were
     saved, stacked over the tiles)."""
-    cfg = _config("blockwise", 0, 320)  # one 320 x 320 tile
+    cfg, lv = _config("blockwise", 0, 320)  # one 320 x 320 tile
     params = llama.abstract_params(cfg, jnp.float32)
     batch = {k: jax.ShapeDtypeStruct((1, 320), jnp.int32) for k in ("inputs", "targets")}
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         jax.ad_checkpoint.print_saved_residuals(
-            jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg), "dots"), params, batch
+            jmem.remat(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv), "dots"), params, batch
         )
     lines = buf.getvalue().splitlines()
     tiles = [line for line in lines if re.match(r"\w+\[([\d,]*,)?320,320\]", line)]
