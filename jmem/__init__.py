@@ -5,7 +5,7 @@ Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offl
 ``train_step`` which composes them; ``host_huge_pages`` and ``retain_host_allocations``
 for CPU steps without per-step page faults.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
-``jmem.planner``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
+``jmem.planner``, ``jmem.targets``, ``jmem.tree``, ``jmem.data``; the reference model in ``jmem.models``.
 """
 
 from jmem import data as data
@@ -16,6 +16,7 @@ from jmem import ops as ops
 from jmem import planner as planner
 from jmem import qlora as qlora
 from jmem import sharding as sharding
+from jmem import targets as targets
 from jmem import tree as tree
 from jmem._src.checkpointing import Checkpointer
 from jmem._src.decay_mask import decay_mask
@@ -102,6 +103,7 @@ __all__ = (
     "retain_host_allocations",
     "scale_by_quantized_adam",
     "sharding",
+    "targets",
     "to_device",
     "to_host",
     "train_step",

@@ -12,7 +12,7 @@ import jmem
 
 ROOT = pathlib.Path(jmem.__file__).parent
 NAMESPACES = ["jmem", "jmem.lora", "jmem.qlora", "jmem.nf4", "jmem.fp8", "jmem.sharding"]
-NAMESPACES += ["jmem.planner", "jmem.tree", "jmem.data", "jmem.ops"]
+NAMESPACES += ["jmem.planner", "jmem.tree", "jmem.data", "jmem.ops", "jmem.targets"]
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)

@@ -16,6 +16,7 @@ from jax import lax
 
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
+from jmem._src.targets import compile_platform
 
 __all__ = ("IMPLEMENTATIONS", "attention", "attention_mask")
 
@@ -397,10 +398,11 @@ def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
     return out[:, :s].reshape(b, s, nh, d)
 
 
-def _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index) -> str | None:
-    """Why cuDNN's fused attention cannot run these inputs, or None when it can."""
-    if jax.default_backend() != "gpu":
-        return f"it needs a GPU (the backend is {jax.default_backend()!r})"
+def _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index, platform) -> str | None:
+    """Why cuDNN's fused attention cannot run these inputs on ``platform``, or None when it
+    can."""
+    if platform != "gpu":
+        return f"it needs a GPU (compiling for {platform!r})"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 inputs (got {q.dtype})"
     if q.shape[-1] % 8 or q.shape[-1] > 128:
@@ -469,6 +471,7 @@ def attention(
     implementation: str = "auto",
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
+    platform: str | None = None,
 ) -> jax.Array:
     """Causal grouped-query softmax attention (softmax in float32), masked by token indices.
 
@@ -504,6 +507,10 @@ def attention(
       logit_softcap: None or the cap ``c > 0``.
       implementation: one of ``IMPLEMENTATIONS``.
       block_q, block_kv: tile sizes of the blockwise path (tokens).
+      platform: ``"gpu"``, ``"cpu"`` or ``"tpu"``: what ``"auto"`` and ``"cudnn"`` resolve
+        for. None: the platform being compiled for (``jmem.targets.compile_platform``: the
+        default device or mesh of the trace, so ``jmem.measure(..., target="h100_sxm")``
+        gets cuDNN on a machine without a GPU), else ``jax.default_backend()``.
 
     Returns:
       ``[B, S, nH, D]`` in ``v``'s dtype. A query with no key to attend gets zeros
@@ -511,7 +518,8 @@ def attention(
 
     Raises:
       ValueError: for mismatched shapes, non-integer or misshaped indices, an unknown
-        implementation, or ``"cudnn"`` where it cannot run (the message says why).
+        implementation or platform, or ``"cudnn"`` where it cannot run (the message says
+        why).
 
     Reverse-mode only: the blockwise path and the dense one without soft-cap are custom
     VJPs, so ``jax.jvp`` / ``jax.jacfwd`` through them raise JAX's custom-VJP error.
@@ -521,7 +529,10 @@ def attention(
     t = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cap = None if logit_softcap is None else float(logit_softcap)
-    reason = _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index)
+    if platform not in (None, "cpu", "gpu", "tpu"):
+        raise ValueError(f"platform must be None, 'cpu', 'gpu' or 'tpu' (got {platform!r}).")
+    platform = compile_platform() if platform is None else platform
+    reason = _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index, platform)
     impl = _pick(implementation, reason, t)
     window = _window(sliding_window)
     qi = _as_rows(q_index, b, s, "q_index")

@@ -101,10 +101,13 @@ class TrainStep:
         warn_if_norms_decayed(self._user_optimizer, params)
         return self._init(params, frozen, fp8, loss_scale, _key_data(dropout_key))
 
-    def measure(self, state: TrainState, batch: Any) -> MemoryReport:
+    def measure(self, state: TrainState, batch: Any, *, target: Any = None) -> MemoryReport:
         """Compiles the step for ``state``/``batch`` (arrays or ShapeDtypeStructs) and
-        reports its memory (``jmem.measure``); nothing is allocated."""
-        return measure(self.jitted, state, batch)
+        reports its memory (``jmem.measure``); nothing is allocated. ``target``: a
+        ``jmem.targets`` name or ``Target`` to compile for (None: the running backend); a
+        step built with ``mesh=`` needs ``mesh=jmem.targets.mesh(target, ...)`` for a GPU
+        target."""
+        return measure(self.jitted, state, batch, target=target)
 
     def abstract_state(self, params: Any, **kwargs: Any) -> TrainState:
         """``jax.ShapeDtypeStruct``s of the state ``init`` would build from ``params``
