@@ -418,8 +418,28 @@ def _cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index, platform) ->
     return None
 
 
+def _batch_sharded(q, k, v):
+    """q, k, v constrained to one sharding: cuDNN's partitioner refuses q, k and v sharded
+    differently ("Query, key and value should have same sharding"), as GSPMD leaves them under
+    FSDP. On a mesh in context (``jax.set_mesh``; jmem's sharded step sets its mesh), the
+    batch goes over the Auto axes whose sizes divide it, the other dims replicated."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty or m.size == 1:
+        return q, k, v
+    axes, n = [], 1
+    for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
+        if kind == jax.sharding.AxisType.Auto and q.shape[0] % (n * size) == 0:
+            axes.append(name)
+            n *= size
+    if n == 1:
+        return q, k, v
+    spec = jax.sharding.PartitionSpec(tuple(axes))
+    return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
+
+
 def _cudnn(q, k, v, sliding_window, scale):
     window = None if not sliding_window or sliding_window <= 0 else (sliding_window - 1, 0)
+    q, k, v = _batch_sharded(q, k, v)
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
     )
