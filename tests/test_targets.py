@@ -4,6 +4,7 @@ tests/test_gpu_compile.py, ``-m gpu_compile``)."""
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import jmem
@@ -84,7 +85,7 @@ def test_compile_platform_follows_the_default_device():
 
 def test_attention_platform_resolves_cudnn_for_the_platform_given():
     """``platform=`` decides what ``"auto"``/``"cudnn"`` resolve for: on "gpu" cuDNN is
-    chosen (its trace is jax's cuDNN call), on "cpu" it is refused with the reason."""
+    chosen (its trace is jax's cuDNN rule), on "cpu" it is refused with the reason."""
     q = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
     idx = jnp.arange(16)
     with pytest.raises(ValueError, match="compiling for 'cpu'"):
@@ -92,13 +93,13 @@ def test_attention_platform_resolves_cudnn_for_the_platform_given():
     with pytest.raises(ValueError, match="platform must be"):
         attention(q, q, q, q_index=idx, platform="cuda")
     cpu = jax.make_jaxpr(lambda a: attention(a, a, a, q_index=idx, platform="cpu"))(q)
-    assert "cudnn" not in str(cpu)
+    assert "_dot_product_attention" not in str(cpu)
     try:
         gpu = str(jax.make_jaxpr(lambda a: attention(a, a, a, q_index=idx, platform="gpu"))(q))
     except RuntimeError as e:  # without cuDNN installed jax refuses its cuDNN path (chosen)
         assert "cuDNN is not detected" in str(e)
     else:
-        assert "cudnn" in gpu
+        assert "_dot_product_attention_fwd" in gpu  # jax.nn's cuDNN rule
 
 
 def test_measure_reports_device_and_host_apart_on_cpu():
@@ -111,3 +112,10 @@ def test_measure_reports_device_and_host_apart_on_cpu():
     assert "device peak" in str(r)
     with pytest.raises(ValueError, match="unknown"):
         jmem.measure(lambda a: a, x, target="tpu_v9")
+
+
+def test_a_step_on_a_cpu_mesh_says_how_to_measure_it_for_a_gpu():
+    mesh = jmem.sharding.make_mesh(1, 2, devices=jax.devices()[:2])
+    step = jmem.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), mesh=mesh)
+    with pytest.raises(ValueError, match=r"mesh=jmem.targets.mesh\('h100_sxm'"):
+        step.measure(None, None, target="h100_sxm")

@@ -41,9 +41,10 @@ class MemoryReport:
       host_argument_bytes, host_output_bytes, host_temp_bytes, host_alias_bytes: the same for
         buffers in host memory kinds (``pinned_host``), where the backend reports them.
       peak_bytes: the device's peak: the backend's peak figure where it reports a
-        meaningful one (GPU/TPU), less the host buffers it adds in; else ``argument + output
-        + temp - alias`` (an upper bound: XLA may free arguments early). The CPU backend's
-        own peak figure counts arguments only, so it is not used.
+        meaningful one (GPU/TPU) and no buffer is in host memory; else ``argument + output +
+        temp - alias`` (an upper bound: XLA may free arguments early; with host buffers the
+        GPU's peak figure adds them in at their own peak, so the device's cannot be read
+        from it). The CPU backend's own peak figure counts arguments only, so it is not used.
       host_peak_bytes: host-memory buffers at once, ``host argument + output + temp -
         alias`` (an upper bound); 0 without host memory kinds.
       source: where the figures come from: ``"compiler"`` (XLA's buffer assignment) or
@@ -140,10 +141,15 @@ def report_from_compiled(compiled: Any, target: Any = None) -> MemoryReport:
     host_peak = host["argument"] + host["output"] + host["temp"] - host["alias"]
     name, platform = _target_name_platform(target)
     # The CPU backend's peak figure counts arguments only; use the upper bound there. The
-    # GPU's adds the host buffers in: take them out (the device peak).
+    # GPU's is the peak of device and host buffers together: exact for the device without
+    # host buffers; with them, the device's can be neither read off nor subtracted out (the
+    # host buffers need not peak with the device's), so the bound, which it never exceeds.
     reported = get("peak_memory_in_bytes")
     bound = arg + out + temp - alias
-    peak = max(reported - host_peak, 0) if reported and platform != "cpu" else bound
+    if not reported or platform == "cpu":
+        peak = bound
+    else:
+        peak = reported if host_peak == 0 else min(reported, bound)
     return MemoryReport(
         argument_bytes=arg,
         output_bytes=out,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmem._src import targets
 from jmem._src.loss_scale import NoOpLossScale
 from jmem._src.loss_scale import all_finite
 from jmem._src.master_weights import mixed_precision
@@ -106,7 +107,21 @@ class TrainStep:
         reports its memory (``jmem.measure``); nothing is allocated. ``target``: a
         ``jmem.targets`` name or ``Target`` to compile for (None: the running backend); a
         step built with ``mesh=`` needs ``mesh=jmem.targets.mesh(target, ...)`` for a GPU
-        target."""
+        target.
+
+        Raises:
+          ValueError: for a step built on a mesh of another platform's devices than
+            ``target``'s (the message says how to build it).
+        """
+        mesh = getattr(self.jitted, "mesh", None)
+        if target is not None and isinstance(mesh, jax.sharding.Mesh):
+            platform, want = mesh.devices.flat[0].platform, targets.get(target).platform
+            if (platform in ("cuda", "rocm", "gpu")) != (want == "gpu"):
+                raise ValueError(
+                    f"this step was built on a {platform} mesh; to measure it for {target!r} "
+                    f"build it with mesh=jmem.targets.mesh({target!r}, {mesh.axis_sizes}, "
+                    f"{mesh.axis_names})."
+                )
         return measure(self.jitted, state, batch, target=target)
 
     def abstract_state(self, params: Any, **kwargs: Any) -> TrainState:
