@@ -4,7 +4,7 @@ Top level: ``remat``, ``measure``, precision policies and master weights, loss s
 Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offload``, and
 ``train_step`` which composes them.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
-``jmem.planner``, ``jmem.tree``, ``jmem.data``, ``jmem.losses`` (preference losses),
+``jmem.planner``, ``jmem.targets`` (compile targets), ``jmem.tree``, ``jmem.data``, ``jmem.losses`` (preference losses),
 ``jmem.host`` (the host allocator of CPU steps); the reference model in ``jmem.models``.
 """
 
@@ -21,6 +21,7 @@ if typing.TYPE_CHECKING:  # imported on first use (``__getattr__``): ``jmem --he
     from jmem import planner as planner
     from jmem import qlora as qlora
     from jmem import sharding as sharding
+    from jmem import targets as targets
     from jmem import tree as tree
     from jmem._src.checkpointing import Checkpointer
     from jmem._src.decay_mask import decay_mask
@@ -113,6 +114,7 @@ __all__ = (
     "remat",
     "scale_by_quantized_adam",
     "sharding",
+    "targets",
     "to_device",
     "to_host",
     "train_step",

@@ -157,6 +157,9 @@ def test_the_parser_knows_the_live_names_without_importing_jax():
     d = jmem.Levers()
     assert fc.LONG_CONTEXT_DEFAULTS == (d.attention, d.loss_chunk, d.token_chunk)
     assert fc.REMAT_NAMES == jmem._src.levers.REMAT_NAMES
+    from jmem import targets  # noqa: PLC0415
+
+    assert fc.TARGET_NAMES == targets.NAMES
 
 
 def test_help_is_grouped_by_config_group_and_imports_no_jax():

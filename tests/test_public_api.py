@@ -14,6 +14,7 @@ ROOT = pathlib.Path(jmem.__file__).parent
 NAMESPACES = ["jmem", "jmem.lora", "jmem.qlora", "jmem.nf4", "jmem.fp8", "jmem.sharding"]
 NAMESPACES += ["jmem.planner", "jmem.tree", "jmem.data", "jmem.ops", "jmem.losses", "jmem.host"]
 NAMESPACES += ["jmem.finetune"]
+NAMESPACES += ["jmem.targets"]
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
+from jmem._src.targets import compile_platform
 
 __all__ = ("IMPLEMENTATIONS", "attention", "attention_mask")
 
@@ -430,12 +431,13 @@ def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
 def cudnn_reason(
     q, k, segment_ids, sliding_window, cap, kv_index, *, platform: str | None = None
 ) -> str | None:
-    """Why cuDNN's fused attention cannot run these inputs (arrays or ShapeDtypeStructs),
-    or None when it can; ``platform``: the one compiled for (None: the running backend).
-    The one ``"auto"`` rule: ``jmem.Levers`` resolution calls it with the model's facts."""
-    platform = jax.default_backend() if platform is None else platform
+    """Why cuDNN's fused attention cannot run these inputs (arrays or ShapeDtypeStructs)
+    on ``platform`` (None: the platform being compiled for, ``compile_platform``), or None
+    when it can. The one ``"auto"`` rule: ``jmem.resolve_levers`` calls it with the
+    model's facts and the target's platform."""
+    platform = compile_platform() if platform is None else platform
     if platform != "gpu":
-        return f"it needs a GPU (the target is {platform!r})"
+        return f"it needs a GPU (compiling for {platform!r})"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 inputs (got {q.dtype})"
     if q.shape[-1] % 8 or q.shape[-1] > 128:
@@ -451,8 +453,28 @@ def cudnn_reason(
     return None
 
 
+def _batch_sharded(q, k, v):
+    """q, k, v constrained to one sharding: cuDNN's partitioner refuses q, k and v sharded
+    differently ("Query, key and value should have same sharding"), as GSPMD leaves them under
+    FSDP. On a mesh in context (``jax.set_mesh``; jmem's sharded step sets its mesh), the
+    batch goes over the Auto axes whose sizes divide it, the other dims replicated."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty or m.size == 1:
+        return q, k, v
+    axes, n = [], 1
+    for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
+        if kind == jax.sharding.AxisType.Auto and q.shape[0] % (n * size) == 0:
+            axes.append(name)
+            n *= size
+    if n == 1:
+        return q, k, v
+    spec = jax.sharding.PartitionSpec(tuple(axes))
+    return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
+
+
 def _cudnn(q, k, v, sliding_window, scale):
     window = None if not sliding_window or sliding_window <= 0 else (sliding_window - 1, 0)
+    q, k, v = _batch_sharded(q, k, v)
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
     )
@@ -518,6 +540,7 @@ def attention(
     implementation: str = "auto",
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
+    platform: str | None = None,
 ) -> jax.Array:
     """Causal grouped-query softmax attention (softmax in float32), masked by token indices.
 
@@ -553,6 +576,10 @@ def attention(
       logit_softcap: None or the cap ``c > 0``.
       implementation: one of ``IMPLEMENTATIONS``.
       block_q, block_kv: tile sizes of the blockwise path (tokens).
+      platform: ``"gpu"``, ``"cpu"`` or ``"tpu"``: what ``"auto"`` and ``"cudnn"`` resolve
+        for. None: the platform being compiled for (``jmem.targets.compile_platform``: the
+        default device or mesh of the trace, so ``jmem.measure(..., target="h100_sxm")``
+        gets cuDNN on a machine without a GPU), else ``jax.default_backend()``.
 
     Returns:
       ``[B, S, nH, D]`` in ``v``'s dtype. A query with no key to attend gets zeros
@@ -560,9 +587,9 @@ def attention(
 
     Raises:
       ValueError: for mismatched shapes, non-integer or misshaped indices, an unknown
-        implementation, ``"cudnn"`` where it cannot run (the message says why), a
-        ``logit_softcap`` that is not None or > 0 (0 would make every score 0: uniform
-        attention), or ``block_q``/``block_kv`` that are not ints >= 1.
+        implementation or platform, ``"cudnn"`` where it cannot run (the message says
+        why), a ``logit_softcap`` that is not None or > 0 (0 would make every score 0:
+        uniform attention), or ``block_q``/``block_kv`` that are not ints >= 1.
 
     Reverse-mode only: the blockwise path and the dense one without soft-cap are custom
     VJPs, so ``jax.jvp`` / ``jax.jacfwd`` through them raise JAX's custom-VJP error.
@@ -573,7 +600,10 @@ def attention(
     t = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cap = None if logit_softcap is None else float(logit_softcap)
-    reason = cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index)
+    if platform not in (None, "cpu", "gpu", "tpu"):
+        raise ValueError(f"platform must be None, 'cpu', 'gpu' or 'tpu' (got {platform!r}).")
+    platform = compile_platform() if platform is None else platform
+    reason = cudnn_reason(q, k, segment_ids, sliding_window, cap, kv_index, platform=platform)
     impl = pick_implementation(implementation, reason, t)
     window = _window(sliding_window)
     qi = _as_rows(q_index, b, s, "q_index")

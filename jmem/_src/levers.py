@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jmem._src import attention as attention_lib
+from jmem._src import targets as targets_lib
 
 __all__ = ["Levers", "ResolvedLevers", "resolve"]
 
@@ -149,8 +150,6 @@ def _platform(target) -> tuple[str, str]:
         platform = "gpu" if target in ("cuda", "rocm") else target
         return target, platform
     if isinstance(target, str):
-        from jmem._src import targets as targets_lib  # noqa: PLC0415 (optional module)
-
         target = targets_lib.get(target)
     return str(target.name), str(target.platform)
 

@@ -2,7 +2,8 @@
 
 ``jmem.measure(fn, *args)`` lowers and compiles ``fn`` for the given arguments — arrays
 or ``jax.ShapeDtypeStruct``s, so a 7B model is measured on a laptop without allocating
-it — and reads XLA's buffer assignment (``Compiled.memory_analysis()``).
+it — and reads XLA's buffer assignment (``Compiled.memory_analysis()``); with
+``target="h100_sxm"`` it compiles with XLA:GPU for that device (``jmem.targets``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Any
 from typing import Callable
 
 import jax
+import numpy as np
+
+from jmem._src import targets as _targets
 
 
 def format_bytes(n: float) -> str:
@@ -36,9 +40,17 @@ class MemoryReport:
       generated_code_bytes: the executable's code.
       host_argument_bytes, host_output_bytes, host_temp_bytes, host_alias_bytes: the same for
         buffers in host memory kinds (``pinned_host``), where the backend reports them.
-      peak_bytes: the backend's peak figure where it reports a meaningful one (GPU/TPU),
-        else ``argument + output + temp - alias`` (an upper bound: XLA may free arguments
-        early). The CPU backend's own peak figure counts arguments only, so it is not used.
+      peak_bytes: the device's peak: the backend's peak figure where it reports a
+        meaningful one (GPU/TPU) and no buffer is in host memory; else ``argument + output +
+        temp - alias`` (an upper bound: XLA may free arguments early; with host buffers the
+        GPU's peak figure adds them in at their own peak, so the device's cannot be read
+        from it). The CPU backend's own peak figure counts arguments only, so it is not used.
+      host_peak_bytes: host-memory buffers at once, ``host argument + output + temp -
+        alias`` (an upper bound); 0 without host memory kinds.
+      source: where the figures come from: ``"compiler"`` (XLA's buffer assignment) or
+        ``"planner"`` (``jmem.planner``'s analytic model).
+      target: the target compiled for (``jmem.targets`` name, e.g. ``"h100_sxm"``, or the
+        running backend's, e.g. ``"cpu"``).
       state_bytes (property): bytes that persist between steps when the state is donated,
         i.e. ``argument_bytes``.
     """
@@ -53,16 +65,21 @@ class MemoryReport:
     host_alias_bytes: int = 0
     host_temp_bytes: int = 0
     peak_bytes: int = 0
+    host_peak_bytes: int = 0
+    source: str = "compiler"
+    target: str = ""
 
     @classmethod
-    def from_compiled(cls, compiled: Any) -> MemoryReport:
+    def from_compiled(cls, compiled: Any, target: Any = None) -> MemoryReport:
         """The report of a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``): reuse
         the executable that runs the steps instead of compiling again (``jmem.measure``).
+        ``target``: the ``jmem.targets`` name or ``Target`` it was compiled for (default: the
+        running backend's).
 
         Raises:
           RuntimeError: if the backend gives no memory analysis.
         """
-        return report_from_compiled(compiled)
+        return report_from_compiled(compiled, target)
 
     @staticmethod
     def format_bytes(n: float) -> str:
@@ -80,20 +97,32 @@ class MemoryReport:
             ("outputs", self.output_bytes),
             ("aliased (donated)", self.alias_bytes),
             ("temporaries", self.temp_bytes),
-            ("peak", self.peak_bytes),
+            ("device peak", self.peak_bytes),
         ]
         if self.host_argument_bytes or self.host_output_bytes or self.host_temp_bytes:
             rows += [
                 ("host arguments", self.host_argument_bytes),
                 ("host outputs", self.host_output_bytes),
                 ("host temporaries", self.host_temp_bytes),
+                ("host peak", self.host_peak_bytes),
             ]
         w = max(len(r[0]) for r in rows)
-        return "\n".join(f"{name:<{w}}  {format_bytes(v):>12}" for name, v in rows)
+        lines = [f"{name:<{w}}  {format_bytes(v):>12}" for name, v in rows]
+        if self.target:
+            lines.append(f"({self.source}: {self.target})")
+        return "\n".join(lines)
 
 
-def report_from_compiled(compiled: Any) -> MemoryReport:
-    """``MemoryReport`` from a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+def _target_name_platform(target: Any) -> tuple[str, str]:
+    if target is None:
+        return _targets.current().name, jax.default_backend()
+    t = _targets.get(target)
+    return t.name, t.platform
+
+
+def report_from_compiled(compiled: Any, target: Any = None) -> MemoryReport:
+    """``MemoryReport`` from a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
+    for ``target`` (a ``jmem.targets`` name or ``Target``; None: the running backend).
 
     Raises:
       RuntimeError: if the backend gives no memory analysis.
@@ -108,36 +137,114 @@ def report_from_compiled(compiled: Any) -> MemoryReport:
         get("alias_size_in_bytes"),
         get("temp_size_in_bytes"),
     )
-    # The CPU backend's peak figure counts arguments only; use the upper bound there.
+    host = {k: get(f"host_{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    host_peak = host["argument"] + host["output"] + host["temp"] - host["alias"]
+    name, platform = _target_name_platform(target)
+    # The CPU backend's peak figure counts arguments only; use the upper bound there. The
+    # GPU's is the peak of device and host buffers together: exact for the device without
+    # host buffers; with them, the device's can be neither read off nor subtracted out (the
+    # host buffers need not peak with the device's), so the bound, which it never exceeds.
     reported = get("peak_memory_in_bytes")
     bound = arg + out + temp - alias
-    peak = reported if reported and jax.default_backend() != "cpu" else bound
+    if not reported or platform == "cpu":
+        peak = bound
+    else:
+        peak = reported if host_peak == 0 else min(reported, bound)
     return MemoryReport(
         argument_bytes=arg,
         output_bytes=out,
         alias_bytes=alias,
         temp_bytes=temp,
         generated_code_bytes=get("generated_code_size_in_bytes"),
-        host_argument_bytes=get("host_argument_size_in_bytes"),
-        host_output_bytes=get("host_output_size_in_bytes"),
-        host_alias_bytes=get("host_alias_size_in_bytes"),
-        host_temp_bytes=get("host_temp_size_in_bytes"),
+        host_argument_bytes=host["argument"],
+        host_output_bytes=host["output"],
+        host_alias_bytes=host["alias"],
+        host_temp_bytes=host["temp"],
         peak_bytes=peak,
+        host_peak_bytes=host_peak,
+        source="compiler",
+        target=name,
     )
 
 
-def measure(fn: Callable, *args, **kwargs) -> MemoryReport:
+def _sharding_for(s: Any, t: Any, meshes: set) -> Any:
+    """``s`` rebuilt on ``t``'s devices: a ``NamedSharding`` on an ``AbstractMesh`` of the
+    same axes (so memory kinds survive); None for an unsharded device placement."""
+    kind = getattr(s, "memory_kind", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+        key = (tuple(s.mesh.axis_sizes), tuple(s.mesh.axis_names))
+        spec = s.spec
+    elif s is None or len(s.device_set) == 1:
+        if kind in (None, "device"):
+            return None
+        key, spec = ((1,), ("_device",)), jax.sharding.PartitionSpec()
+    else:
+        raise ValueError(
+            f"measure(target=) rebuilds argument shardings for the target: use NamedShardings "
+            f"(got a {type(s).__name__})."
+        )
+    meshes.add(key)
+    return jax.sharding.NamedSharding(_targets.mesh(t, *key), spec, memory_kind=kind)
+
+
+def _abstract_for(x: Any, t: Any, meshes: set) -> Any:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, np.ndarray):
+        return x
+    sharding = _sharding_for(getattr(x, "sharding", None), t, meshes)
+    weak = bool(getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
+
+
+def _compile_for(jitted: Any, t: Any, args: tuple, kwargs: dict) -> Any:
+    """``jitted`` lowered and compiled for target ``t`` (``measure``)."""
+    meshes: set = set()
+    args, kwargs = jax.tree.map(lambda x: _abstract_for(x, t, meshes), (args, kwargs))
+    fn_mesh = getattr(jitted, "mesh", None)  # jmem's ShardedStep
+    if isinstance(fn_mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        meshes.add((tuple(fn_mesh.axis_sizes), tuple(fn_mesh.axis_names)))
+    if len(meshes) > 1:
+        raise ValueError(
+            f"measure(target=) needs one mesh shape for all arguments (got {sorted(meshes)})."
+        )
+    if meshes:
+        ctx = jax.set_mesh(_targets.concrete_mesh(t, *meshes.pop()))
+    else:
+        ctx = jax.default_device(_targets.devices(t, 1)[0])
+    with ctx:
+        return jitted.lower(*args, **kwargs).compile()
+
+
+def measure(fn: Callable, *args, target: Any = None, **kwargs) -> MemoryReport:
     """Compiles ``fn(*args, **kwargs)`` and reports its memory, allocating nothing.
 
     Args:
-      fn: a function, or an already ``jax.jit``-ed one (its shardings and donation are kept).
+      fn: a function, or an already ``jax.jit``-ed one (its shardings and donation are kept;
+        with ``target=``, shardings in it must be on ``jmem.targets.mesh(target, ...)``).
       *args, **kwargs: arrays or ``jax.ShapeDtypeStruct`` pytrees (with shardings if wanted).
+      target: keyword-only and reserved (never passed to ``fn``): a ``jmem.targets`` name
+        (``"h100_sxm"``, ``"a100_sxm_80"``, ``"rtx4090"``, ``"cpu"``, ...) or ``Target`` to
+        compile for; None (default): the running backend. For a GPU target the program is
+        compiled by XLA:GPU for compile-only devices (no GPU needed; ``pip install
+        "jmem[gpu-plan]"``, ``JAX_PLATFORMS=cpu``): arrays become ``ShapeDtypeStruct``s,
+        their ``NamedSharding``s are rebuilt on the target's mesh of the same axes (memory
+        kinds kept), and backend choices made while tracing (attention ``"auto"``) resolve
+        for the target. Per-device figures; not autotuned, so kernel choices may differ
+        from a compile on the real GPU.
 
     Returns:
-      A ``MemoryReport`` (bytes).
+      A ``MemoryReport`` (bytes): device peak and host bytes apart, ``target`` and
+      ``source="compiler"``.
 
     Raises:
-      RuntimeError: if the backend gives no memory analysis.
+      RuntimeError: if the backend gives no memory analysis, or the CUDA plugin is missing
+        for a GPU target.
+      ValueError: for an unknown target, or arguments sharded on meshes of different shapes.
+
+    Source: XLA's buffer assignment (``jax.stages.Compiled.memory_analysis``); the deviceless
+    compile is ``jax.experimental.topologies`` (docs/targets.md).
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return report_from_compiled(jitted.lower(*args, **kwargs).compile())
+    if target is None or _targets.get(target).platform == jax.default_backend():
+        return report_from_compiled(jitted.lower(*args, **kwargs).compile(), target)
+    t = _targets.get(target)
+    return report_from_compiled(_compile_for(jitted, t, args, kwargs), t)

@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 import optax
+from jax.sharding import AbstractMesh
 from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -87,7 +88,7 @@ def make_mesh(data: int = 1, fsdp: int | None = None, devices=None) -> Mesh:
 
 
 def check_mesh(mesh: Any) -> Mesh:
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, Mesh | AbstractMesh):  # AbstractMesh: jmem.targets.mesh
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh (see jmem.sharding.make_mesh), "
             f"got {type(mesh).__name__}."

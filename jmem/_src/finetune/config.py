@@ -48,6 +48,7 @@ REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
 ATTENTION_NAMES = ("auto", "dense", "blockwise", "cudnn")
 OPTIMIZER_NAMES = ("adamw", "adamw_4bit", "adamw_8bit")
 HOST_ALLOCATORS = ("auto", "huge-pages", "retain", "system")
+TARGET_NAMES = ("h100_sxm", "h200", "a100_sxm_80", "a100_sxm_40", "b200", "rtx4090", "cpu")
 #: ``jmem.Levers``' defaults for the long-sequence levers (attention, loss_chunk, token_chunk).
 LONG_CONTEXT_DEFAULTS = ("auto", 2048, 2048)
 
@@ -264,6 +265,13 @@ class DevicesConfig(_Group):
     )
     num_processes: int | None = option(None, "processes of the run", check=cli.positive_int)
     process_id: int | None = option(None, "this process's index", check=cli.nonnegative_int)
+    target: str | None = option(
+        None,
+        "with --dry-run: compile for this machine instead of the one running (a GPU target "
+        "is XLA:GPU's deviceless compile, no GPU needed: pip install 'jmem[gpu-plan]'; "
+        "--mesh data=N,fsdp=M then counts the target's devices); see jmem.targets",
+        choices=TARGET_NAMES,
+    )
 
 
 #: The groups of ``FinetuneConfig``, in the order of ``--help``.

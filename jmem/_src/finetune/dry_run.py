@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jmem import MemoryReport
 from jmem import lora as jlora
 from jmem import planner
+from jmem import targets as jtargets
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
@@ -26,11 +27,18 @@ from jmem.models import llama
 format_bytes = MemoryReport.format_bytes
 
 
-def dry_run(config, cfg, mesh=None):
+def dry_run(config, cfg, mesh=None, target=None):
     """``--dry-run``: compiles the train step from abstract shapes (nothing allocated), prints
     its memory (per device on a mesh) next to the planner's estimate and writes
-    ``dry_run.json``. Returns that record."""
-    step, _, dtype, _ = build(config, cfg, mesh=mesh)
+    ``dry_run.json``. Returns that record.
+
+    ``target``: a ``jmem.targets`` name or ``Target`` to compile for (``"h100_sxm"``: XLA:GPU,
+    no GPU needed; attention ``"auto"`` resolves to cuDNN), None for the running backend. The
+    mesh is rebuilt on the target's devices with the same axes, and the verdict is against
+    the target's memory."""
+    if target is not None and mesh is not None:
+        mesh = jtargets.mesh(target, tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+    step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target)
     frozen = quantized_base(config, cfg, dtype, abstract=True)
     adapters = jax.eval_shape(
         lambda k: jlora.init(
@@ -49,7 +57,7 @@ def dry_run(config, cfg, mesh=None):
         for k in ("inputs", "targets")
     }
     t0 = time.time()
-    report = step.measure(state, batch)
+    report = step.measure(state, batch, target=target)
     q_bytes, q_count, frozen_bytes = base_bytes(frozen)
     targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
     devices = 1 if mesh is None else int(mesh.size)
@@ -82,11 +90,7 @@ def dry_run(config, cfg, mesh=None):
     print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
-    print(
-        f"\nverdict: peak {format_bytes(report.peak_bytes)} "
-        f"{'fits' if report.peak_bytes <= 24 * 2**30 else 'does not fit'} in 24 GiB "
-        "(a 24 GB card such as an RTX 3090/4090; its CUDA context takes a few hundred MiB)."
-    )
+    _verdict(report, target)
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
@@ -102,10 +106,33 @@ def dry_run(config, cfg, mesh=None):
         "per_device": True,
         **mesh_record(mesh),
     }
+    if target is not None:
+        t = jtargets.get(target)
+        out.update(target=t.name, device=t.description or t.name)
     os.makedirs(config.run.out, exist_ok=True)
     with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+def _verdict(report, target) -> None:
+    """The fit line: against 24 GiB, or the target's device memory when one is given."""
+    peak = format_bytes(report.peak_bytes)
+    host = f", host {format_bytes(report.host_peak_bytes)}" if report.host_peak_bytes else ""
+    t = None if target is None else jtargets.get(target)
+    if t is None or t.memory_bytes is None:
+        fits = "fits" if report.peak_bytes <= 24 * 2**30 else "does not fit"
+        print(
+            f"\nverdict: peak {peak}{host} {fits} in 24 GiB (a 24 GB card such as an RTX "
+            "3090/4090; its CUDA context takes a few hundred MiB)."
+        )
+        return
+    fits = "fits" if report.peak_bytes <= t.memory_bytes else "does not fit"
+    print(
+        f"\nverdict: device peak {peak}{host} {fits} in {t.name}'s "
+        f"{format_bytes(t.memory_bytes)} (XLA:GPU compile for {t.name}, no GPU; not "
+        "autotuned; the CUDA context takes a few hundred MiB more)."
+    )
 
 
 def _estimate(config, levers, cfg, dtype, targets, devices: int):

@@ -25,6 +25,7 @@ from jmem._src.finetune.loop import train
 from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
+from jmem._src.finetune.mesh import target_mesh
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
 from jmem._src.finetune.rundir import run_record
@@ -72,7 +73,8 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     if host_note and not (on_accelerator and host_note.startswith(PLUGIN_NOTE)):
         notes.append(host_note)
     check_lora_targets(config, cfg)
-    mesh, mesh_notes = job_mesh(config)
+    target = _check_target(config)
+    mesh, mesh_notes = (target_mesh(config), []) if target else job_mesh(config)
     dry = config.run.dry_run
     if not dry:
         tok = make_tokenizer(config, cfg)
@@ -82,7 +84,7 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     for line in notes + mesh_notes:
         print(line, flush=True)
     if dry:
-        return dry_run(config, cfg, mesh)
+        return dry_run(config, cfg, mesh, target=target)
     steps, out = config.training.steps, config.run.out
     if resume_step is not None and resume_step >= steps:
         print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {steps}.")
@@ -96,6 +98,24 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
         with open(os.path.join(out, "run.json"), "w") as f:
             json.dump(run_record(config), f, indent=2)
     return train(config, cfg, tok, ds, held, resume_step, mesh)
+
+
+def _check_target(config) -> str | None:
+    """``--target``, checked: only with ``--dry-run`` (the machine running is not the
+    target), and a GPU target needs the ``gpu-plan`` extra (one line naming it)."""
+    target = config.devices.target
+    if target is None:
+        return None
+    if not config.run.dry_run:
+        raise CliError(
+            f"--target {target} compiles only (this machine is not a {target}): add --dry-run"
+        )
+    from jmem import targets  # noqa: PLC0415
+
+    reason = targets.unavailable_reason(target)
+    if reason:
+        raise CliError(f"--target {target}: {reason}")
+    return target
 
 
 def _agree(resume_step):

@@ -56,6 +56,28 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     return sharding.make_mesh(data, fsdp, devices=devices[: data * fsdp]), []
 
 
+def target_mesh(config):
+    """``--target`` with ``--mesh data=N,fsdp=M``: the mesh on ``N * M`` of the target's
+    compile-only devices (``jmem.targets.mesh``), or None without ``--mesh``.
+
+    Raises:
+      CliError: for a ``--mesh`` without both sizes, or a batch it does not divide.
+    """
+    from jmem import targets  # noqa: PLC0415
+
+    spec = config.devices.mesh
+    if spec is None:
+        return None
+    sizes = dict(part.split("=") for part in spec.split(","))
+    data, fsdp = int(sizes.get("data", 1)), int(sizes.get("fsdp", 1))
+    if config.data.batch_size % (data * fsdp):
+        raise CliError(
+            f"--mesh {spec}: --batch-size {config.data.batch_size} is not a multiple of "
+            f"data * fsdp = {data * fsdp}; pass a --batch-size that is"
+        )
+    return targets.mesh(config.devices.target, (data, fsdp), ("data", "fsdp"))
+
+
 def mesh_record(mesh) -> dict:
     """What ``summary.json`` records of the devices: kind, count, processes, mesh axes."""
     return {

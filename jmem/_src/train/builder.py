@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from jmem._src import levers as _levers
+from jmem._src import targets
 from jmem._src.loss_scale import NoOpLossScale
 from jmem._src.loss_scale import all_finite
 from jmem._src.master_weights import mixed_precision
@@ -104,10 +105,27 @@ class TrainStep:
         warn_if_norms_decayed(self._user_optimizer, params)
         return self._init(params, frozen, fp8, loss_scale, _key_data(dropout_key))
 
-    def measure(self, state: TrainState, batch: Any) -> MemoryReport:
+    def measure(self, state: TrainState, batch: Any, *, target: Any = None) -> MemoryReport:
         """Compiles the step for ``state``/``batch`` (arrays or ShapeDtypeStructs) and
-        reports its memory (``jmem.measure``); nothing is allocated."""
-        return measure(self.jitted, state, batch)
+        reports its memory (``jmem.measure``); nothing is allocated. ``target``: a
+        ``jmem.targets`` name or ``Target`` to compile for (None: the running backend); a
+        step built with ``mesh=`` needs ``mesh=jmem.targets.mesh(target, ...)`` for a GPU
+        target.
+
+        Raises:
+          ValueError: for a step built on a mesh of another platform's devices than
+            ``target``'s (the message says how to build it).
+        """
+        mesh = getattr(self.jitted, "mesh", None)
+        if target is not None and isinstance(mesh, jax.sharding.Mesh):
+            platform, want = mesh.devices.flat[0].platform, targets.get(target).platform
+            if (platform in ("cuda", "rocm", "gpu")) != (want == "gpu"):
+                raise ValueError(
+                    f"this step was built on a {platform} mesh; to measure it for {target!r} "
+                    f"build it with mesh=jmem.targets.mesh({target!r}, {mesh.axis_sizes}, "
+                    f"{mesh.axis_names})."
+                )
+        return measure(self.jitted, state, batch, target=target)
 
     def abstract_state(self, params: Any, **kwargs: Any) -> TrainState:
         """``jax.ShapeDtypeStruct``s of the state ``init`` would build from ``params``

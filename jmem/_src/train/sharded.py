@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from typing import Callable
 
@@ -138,11 +139,21 @@ class ShardedStep:
             self._cache[key] = fn
         return fn
 
+    def _mesh_context(self):
+        """The mesh in context while tracing (``jax.set_mesh``), so that code inside the step
+        can read it (cuDNN attention constrains q, k, v by it); an ``AbstractMesh``
+        (``jmem.targets.mesh``) is bound by ``jmem.measure(target=)`` instead."""
+        if isinstance(self.mesh, Mesh):
+            return jax.set_mesh(self.mesh)
+        return contextlib.nullcontext()
+
     def __call__(self, state: Any, batch: Any):
         fn = self._jitted(state, batch)
         # Host / single-device batches (and, across processes, host values) are placed here.
         batch = shard_state(batch, batch_shardings_of(batch, self.mesh))
-        return fn(state, batch)
+        with self._mesh_context():
+            return fn(state, batch)
 
     def lower(self, state: Any, batch: Any):
-        return self._jitted(state, batch).lower(state, batch)
+        with self._mesh_context():
+            return self._jitted(state, batch).lower(state, batch)
