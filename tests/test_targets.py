@@ -119,3 +119,20 @@ def test_a_step_on_a_cpu_mesh_says_how_to_measure_it_for_a_gpu():
     step = jmem.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1), mesh=mesh)
     with pytest.raises(ValueError, match=r"mesh=jmem.targets.mesh\('h100_sxm'"):
         step.measure(None, None, target="h100_sxm")
+
+
+def test_the_job_refuses_target_without_dry_run(capsys):
+    """``jmem finetune --target`` compiles only: without ``--dry-run`` one line, status 2;
+    a GPU target without the extra names it (skipped where the extra is installed)."""
+    from jmem import finetune
+
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--config", "tiny", "--target", "h100_sxm", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "add --dry-run" in err
+    if jmem.targets.unavailable_reason("h100_sxm") is None:
+        pytest.skip("the gpu-plan extra is installed here")
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--config", "tiny", "--target", "h100_sxm", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "jmem[gpu-plan]" in err and err.count("\n") == 1
