@@ -82,10 +82,11 @@ def dry_run(config, cfg, mesh=None):
     print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
+    memory, fit = verdict(report.peak_bytes, config.run.memory)
     print(
-        f"\nverdict: peak {format_bytes(report.peak_bytes)} "
-        f"{'fits' if report.peak_bytes <= 24 * 2**30 else 'does not fit'} in 24 GiB "
-        "(a 24 GB card such as an RTX 3090/4090; its CUDA context takes a few hundred MiB)."
+        f"\nverdict: peak {format_bytes(report.peak_bytes)} + {planner.DEFAULT_RESERVE / 1e9:g} GB "
+        f"reserve {'fits' if fit else 'does not fit'} in {format_bytes(memory)} (--memory; "
+        "the reserve and the rule are jmem estimate --memory's)."
     )
     out = {
         "config": config.model.config,
@@ -95,6 +96,9 @@ def dry_run(config, cfg, mesh=None):
         "batch_size": config.data.batch_size,
         "compiled": dataclasses.asdict(report),
         "estimate": est.as_dict(),
+        "memory": memory,
+        "reserve": planner.DEFAULT_RESERVE,
+        "fits": fit,
         "levers": step.levers.as_dict(),
         "nf4_bytes_per_param": q_bytes / q_count,
         "trainable_params": n_adapter,
@@ -106,6 +110,18 @@ def dry_run(config, cfg, mesh=None):
     with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+#: ``--memory`` unset: a 24 GiB card (RTX 3090/4090).
+DEFAULT_MEMORY = 24 * 2**30
+
+
+def verdict(peak: int, memory: int | None) -> tuple[int, bool]:
+    """``(memory, fits)``: the compiled ``peak`` judged as ``jmem estimate --memory`` judges
+    its estimate (``planner.fits``: ``peak + planner.DEFAULT_RESERVE <= memory``);
+    ``memory`` None is ``DEFAULT_MEMORY``."""
+    memory = DEFAULT_MEMORY if memory is None else int(memory)
+    return memory, planner.fits(peak, memory, planner.DEFAULT_RESERVE)
 
 
 def _estimate(config, levers, cfg, dtype, targets, devices: int):
