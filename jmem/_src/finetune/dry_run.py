@@ -82,12 +82,7 @@ def dry_run(config, cfg, mesh=None):
     print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
-    memory, fit = verdict(report.peak_bytes, config.run.memory)
-    print(
-        f"\nverdict: peak {format_bytes(report.peak_bytes)} + {planner.DEFAULT_RESERVE / 1e9:g} GB "
-        f"reserve {'fits' if fit else 'does not fit'} in {format_bytes(memory)} (--memory; "
-        "the reserve and the rule are jmem estimate --memory's)."
-    )
+    memory, fit = _print_verdict(report.peak_bytes, config.run.memory)
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
@@ -122,6 +117,16 @@ def verdict(peak: int, memory: int | None) -> tuple[int, bool]:
     ``memory`` None is ``DEFAULT_MEMORY``."""
     memory = DEFAULT_MEMORY if memory is None else int(memory)
     return memory, planner.fits(peak, memory, planner.DEFAULT_RESERVE)
+
+
+def _print_verdict(peak: int, memory: int | None) -> tuple[int, bool]:
+    memory, fit = verdict(peak, memory)
+    print(
+        f"\nverdict: peak {format_bytes(peak)} + {planner.DEFAULT_RESERVE / 1e9:g} GB reserve "
+        f"{'fits' if fit else 'does not fit'} in {format_bytes(memory)} (--memory; the "
+        "reserve and the rule are jmem estimate --memory's)."
+    )
+    return memory, fit
 
 
 def _estimate(config, levers, cfg, dtype, targets, devices: int):
