@@ -10,6 +10,7 @@ adding a command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import re
 import sys
@@ -26,8 +27,9 @@ def _model(name: str) -> Any:
     from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
     from jmem.models import llama  # noqa: PLC0415
 
-    if name in llama.CONFIGS:
-        return llama.get_config(name)
+    if name in llama.CONFIGS:  # its shape, under its own name (llama3_1_8b, not llama3_8b)
+        shape, _ = planner.resolve_shape(llama.get_config(name))
+        return dataclasses.replace(shape, name=name)
     try:
         planner.resolve_shape(name)
     except ValueError:
@@ -55,19 +57,43 @@ def _lora(args: argparse.Namespace) -> tuple[int, Any] | None:
     return (args.lora_rank, args.lora_targets) if args.lora_rank else None
 
 
+def _quant(args: argparse.Namespace) -> str | None:
+    """``--quant``: unset, NF4 with adapters (QLoRA, as the job) and none for full
+    fine-tuning (``--lora-rank 0``)."""
+    if args.quant is None:
+        return "nf4" if args.lora_rank else None
+    return None if args.quant == "none" else args.quant
+
+
+def _levers(remat: str) -> Any:
+    """The job's execution settings (``jmem finetune``'s defaults: attention, loss and token
+    chunks) with ``remat``, resolved by the planner per sequence length as the job does."""
+    import jmem  # noqa: PLC0415 (JAX: only once a command runs)
+    from jmem._src.finetune.config import FinetuneConfig  # noqa: PLC0415
+
+    job = FinetuneConfig().levers
+    return jmem.Levers(
+        remat=remat,
+        attention=job.attention,
+        loss_chunk=job.loss_chunk,
+        token_chunk=job.token_chunk,
+    )
+
+
 def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> dict[str, Any]:
     """Keywords of ``planner.estimate`` for one optimizer/remat combination."""
     kw = dict(
         param_dtype=args.param_dtype,
         optimizer=optimizer,
         remat=remat,
+        levers=_levers(remat),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         num_shards=args.shards,
         zero_stage=args.zero_stage,
         offload=args.offload or False,
         lora=_lora(args),
-        quantization=args.quant,
+        quantization=_quant(args),
         accounting=args.accounting,
         master_weights=args.master_weights,
     )
@@ -94,7 +120,7 @@ def _estimate(args: argparse.Namespace) -> int:
     """Prints one ledger (or, with ``--memory``, one verdict) per optimizer and remat mode."""
     from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
 
-    if args.quant and not args.lora_rank:
+    if _quant(args) and not args.lora_rank:
         raise ValueError(
             "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
             "adapters (QLoRA)."
@@ -130,8 +156,32 @@ def _max_seq(args: argparse.Namespace) -> int:
             f"with each layer's input offloaded to host (remat offload_inputs): "
             f"{offloaded:,} tokens"
         )
+        if not plain:
+            print(_why_nothing_fits(args, kw))
         print()
     return 0
+
+
+def _why_nothing_fits(args: argparse.Namespace, kw: dict) -> str:
+    """Why not even 1,024 tokens fit: the states alone (or with the shortest sequence)
+    exceed ``--memory`` less the reserve, and the first lever that would make them fit."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+
+    advice = planner.advise(
+        args.memory, args.model, reserve=args.reserve, **{**kw, "seq_len": 1024}
+    )
+    need = (advice.ledger.static + args.reserve) / planner.GB
+    lever = next((lv for lv in advice.levers if lv.fits), None)
+    help_ = (
+        f"{lever.name} would fit ({lever.total / planner.GB:.2f} GB)"
+        if lever
+        else "none of the levers alone fits; see jmem estimate --memory for a cumulative plan"
+    )
+    return (
+        f"why 0: the {advice.short or 'step'} alone need {need:.2f} GB with the "
+        f"{args.reserve / planner.GB:g} GB reserve, more than {args.memory / planner.GB:g} GB "
+        f"even at 1,024 tokens; {help_}"
+    )
 
 
 def _add_estimate(sub, full: bool) -> None:
@@ -167,8 +217,8 @@ def _add_estimate(sub, full: bool) -> None:
     p.add_argument(
         "--optimizer",
         type=cli.choices_list(sorted(planner.OPTIMIZERS)),
-        default="adamw",
-        help="comma list, e.g. adamw,adamw_8bit (default adamw)",
+        default="adamw_8bit",
+        help="comma list, e.g. adamw,adamw_8bit (default adamw_8bit, as jmem finetune)",
     )
     p.add_argument(
         "--master-weights",
@@ -184,14 +234,14 @@ def _add_estimate(sub, full: bool) -> None:
     p.add_argument(
         "--lora-rank",
         type=cli.nonnegative_int,
-        default=0,
-        help="LoRA rank r (default 0: full fine-tuning)",
+        default=8,
+        help="LoRA rank r (default 8, as jmem finetune; 0: full fine-tuning)",
     )
     p.add_argument(
         "--lora-targets",
         type=_lora_targets,
-        default="q_proj,v_proj",
-        help="comma list or 'all' (default q_proj,v_proj)",
+        default="all",
+        help="comma list or 'all' (default all seven projections, as jmem finetune)",
     )
     p.add_argument(
         "--max-seq",
@@ -199,7 +249,13 @@ def _add_estimate(sub, full: bool) -> None:
         help="print the longest --seq-len that fits --memory, without and with offload",
     )
     p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
-    p.add_argument("--quant", choices=["nf4"], default=None, help="quantization of the frozen base")
+    p.add_argument(
+        "--quant",
+        choices=["nf4", "none"],
+        default=None,
+        help="quantization of the frozen base (default: nf4 with --lora-rank > 0, as jmem "
+        "finetune; none for full fine-tuning)",
+    )
     _add_shape_flags(p)
     p.set_defaults(func=_estimate)
 
@@ -211,8 +267,8 @@ def _add_shape_flags(p) -> None:
     p.add_argument(
         "--remat",
         type=cli.choices_list(planner.REMAT_MODES),
-        default="none",
-        help="comma list of none,dots,selective,full,offload (default none)",
+        default="full",
+        help=f"comma list of {','.join(planner.REMAT_MODES)} (default full, as jmem finetune)",
     )
     p.add_argument(
         "--seq-len", type=cli.positive_int, default=2048, help="tokens per sequence (default 2048)"

@@ -2,9 +2,11 @@
 
 from jmem._src.planner.activations import REMAT_MODES
 from jmem._src.planner.activations import activation_bytes
+from jmem._src.planner.advice import DEFAULT_RESERVE
 from jmem._src.planner.advice import Advice
 from jmem._src.planner.advice import Lever
 from jmem._src.planner.advice import advise
+from jmem._src.planner.advice import fits
 from jmem._src.planner.ledger import GB
 from jmem._src.planner.ledger import OPTIMIZERS
 from jmem._src.planner.ledger import Ledger
@@ -20,6 +22,7 @@ from jmem._src.planner.shapes import resolve_shape
 from jmem._src.planner.shapes import standard_shape
 
 __all__ = (
+    "DEFAULT_RESERVE",
     "GB",
     "MODEL_SHAPES",
     "OPTIMIZERS",
@@ -31,6 +34,7 @@ __all__ = (
     "activation_bytes",
     "advise",
     "estimate",
+    "fits",
     "largest_batch",
     "largest_model",
     "largest_seq_len",

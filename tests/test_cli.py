@@ -243,7 +243,10 @@ BAD_ESTIMATE_INPUTS = {
     "empty optimizer list": (["--model", "7B", "--optimizer", ","], ["--optimizer"]),
     "unknown remat": (["--model", "7B", "--remat", "most"], ["--remat", "most"]),
     "param dtype": (["--model", "7B", "--param-dtype", "int8"], ["--param-dtype", "nf4"]),
-    "quant without lora": (["--model", "7B", "--quant", "nf4"], ["--quant", "--lora-rank"]),
+    "quant without lora": (
+        ["--model", "7B", "--lora-rank", "0", "--quant", "nf4"],
+        ["--quant", "--lora-rank"],
+    ),
     "hidden size 0": (["--model", "7B", "--hidden-size", "0"], ["--hidden-size"]),
     "shape for a config": (["--model", "tiny", "--num-layers", "3"], ["--num-layers"]),
 }
@@ -267,14 +270,14 @@ def test_estimate_unknown_model_lists_names_once_with_a_suggestion(capsys):
 
 def test_estimate_debug_keeps_the_traceback():
     with pytest.raises(ValueError, match="lora"):
-        jmem_main(["estimate", "--model", "7B", "--quant", "nf4", "--debug"])
+        jmem_main(["estimate", "--model", "7B", "--lora-rank", "0", "--quant", "nf4", "--debug"])
 
 
 @pytest.mark.parametrize("optimizer, static_gb", [("adamw", 112.0), ("adamw_8bit", 70.0)])
 def test_estimate_prints_the_static_subtotal(capsys, optimizer, static_gb):
     """params + grads + optimizer state + masters: the seeds' 112 GB / 70 GB for 7B."""
     argv = ["--model", "7B", "--accounting", "nominal", "--optimizer", optimizer]
-    assert jmem_main(["estimate", *argv]) == 0
+    assert jmem_main(["estimate", *argv, "--lora-rank", "0"]) == 0  # full fine-tuning
     out = capsys.readouterr().out
     m = re.search(
         r"static \(params \+ grads \+ optimizer state \+ master weights\): ([\d.]+) GB", out

@@ -68,3 +68,59 @@ def test_too_short_corpus_and_bad_sizes_are_clear_errors():
 def test_byte_tokenizer_round_trip():
     tok = data.ByteTokenizer()
     assert tok.decode(tok.encode("héllo")) == "héllo"
+
+
+def test_default_corpus_documents_are_shuffled_not_sorted():
+    """The default corpus holds every pydoc topic once, in a fixed shuffled order (sorted
+    keys end with the typesseq tables and the last statements, an unrepresentative tail)."""
+    from pydoc_data import topics
+
+    text = data.load_text()
+    assert text == data.load_text()  # fixed
+    starts = sorted((text.index(topics.topics[k]), k) for k in topics.topics)
+    order = [k for _, k in starts]
+    assert sorted(order) == sorted(topics.topics)
+    assert order != sorted(topics.topics)
+    last = sorted(topics.topics)[-len(order) // 10 :]  # the sorted tail: spread, not at the end
+    where = [order.index(k) / len(order) for k in last]
+    assert min(where) < 0.3 and max(where) > 0.7, where
+
+
+def test_held_out_indices_are_drawn_across_the_data():
+    from jmem._src.data.dataset import held_out_indices
+
+    train, held = held_out_indices(1000, 50, seed=0)
+    assert len(held) == 50 and len(train) == 950
+    np.testing.assert_array_equal(np.sort(np.concatenate([train, held])), np.arange(1000))
+    assert held.min() < 100 and held.max() > 900  # across the data, not a tail
+    assert np.histogram(held, bins=4, range=(0, 1000))[0].min() >= 5
+    np.testing.assert_array_equal(held, held_out_indices(1000, 50, seed=0)[1])  # seeded
+    assert not np.array_equal(held, held_out_indices(1000, 50, seed=1)[1])
+    with pytest.raises(ValueError, match="n_held"):
+        held_out_indices(3, 4, seed=0)
+
+
+def test_batches_without_a_trained_on_slot_are_skipped_and_counted():
+    """Rows built by hand where some batches have mask 0 everywhere: iterate never yields
+    them (their loss would read 0), counts them, and warns once; the position stays exact."""
+    import warnings
+
+    n, s = 8, 4
+    mask = np.zeros((n, s), np.float32)
+    mask[::2, 1] = 1.0  # rows 0, 2, 4, 6 train; 1, 3, 5, 7 do not
+    rows = {"inputs": np.arange(n * s).reshape(n, s), "targets": np.ones((n, s)), "mask": mask}
+    ds = data.PackedDataset.from_rows(rows, batch_size=1, seed=3)
+    it = ds.iterate()
+    with pytest.warns(UserWarning, match="no trained-on token"):
+        got = [next(it) for _ in range(12)]
+    assert all(b["mask"].sum() > 0 for b, _ in got)
+    last = got[-1][1]
+    assert ds.skipped_batches == last.epoch * n + last.index - 12 >= 8  # every row visited
+    assert ds.report["skipped_batches"] == ds.skipped_batches
+    # the same batches again from a saved position (exact resume)
+    again = ds.batch_at(got[4][1])[0]
+    np.testing.assert_array_equal(again["inputs"], got[5][0]["inputs"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="No row has a trained-on slot"):
+            data.PackedDataset.from_rows({**rows, "mask": np.zeros_like(mask)}, batch_size=1)

@@ -147,19 +147,6 @@ def checkpoints(tmp_path_factory):
     return {f: (str(root / f), save_family(root / f, f)) for f in FAMILIES}
 
 
-def _with_token_ids(directory, source):
-    """Copies the source checkpoint's token ids into an export's config.json (jmem's
-    configs do not hold them; transformers' Phi-3 default pad id 32000 is outside a
-    97-token vocabulary)."""
-    with open(f"{source}/config.json") as f:
-        ids = {k: v for k, v in json.load(f).items() if k.endswith("token_id")}
-    with open(f"{directory}/config.json") as f:
-        c = json.load(f)
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump({**c, **ids}, f)
-    return directory
-
-
 def _logits(model, tokens=LONG):
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.numpy()
@@ -243,20 +230,107 @@ def test_merged_export_loads_in_transformers(checkpoints, family, tmp_path):
     logits (1e-4)."""
     path, model = checkpoints[family]
     params, cfg = hf.load_params(path, dtype=jnp.float32)
-    hf.save_params(str(tmp_path / "dense"), params, cfg)
+    hf.save_params(str(tmp_path / "dense"), params, cfg, source=path)
     assert hf.load_config(str(tmp_path / "dense")) == cfg
-    back = test_hf_adapters._base(_with_token_ids(tmp_path / "dense", path))
+    back = test_hf_adapters._base(str(tmp_path / "dense"))
     assert type(back).__name__ == f"{FAMILIES[family][1]}ForCausalLM"
     assert _max_diff(_logits(back), _logits(model)) <= 1e-4
 
     q, _ = hf.load_params(path, dtype=jnp.float32, quantize="nf4")
     ad = test_hf_adapters._perturb(lora.init(jax.random.key(2), q, rank=4))
-    hf.save_params(str(tmp_path / "qlora"), q, cfg, adapters=ad, dtype=jnp.float32)
+    hf.save_params(str(tmp_path / "qlora"), q, cfg, adapters=ad, dtype=jnp.float32, source=path)
     want = np.asarray(
         lora.apply(lambda p, t: llama.forward(p, t, cfg))(q, ad, jnp.asarray(LONG, jnp.int32))
     )
-    got = _logits(test_hf_adapters._base(_with_token_ids(tmp_path / "qlora", path)))
+    got = _logits(test_hf_adapters._base(str(tmp_path / "qlora")))
     assert _max_diff(got, want) <= 1e-4, _max_diff(got, want)
+
+
+def _word_tokenizer(directory, vocab_size=97):
+    """A word-level tokenizer of ``vocab_size`` tokens (``t0`` ...), written as the source
+    checkpoint's tokenizer files."""
+    tokenizers = pytest.importorskip("tokenizers", reason="writes the source's tokenizer")
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t5"}, f)
+
+
+def _with_eos(model, source, prompt):
+    """Edits ``source`` so that its eos is a token the model's greedy continuation of
+    ``prompt`` reaches (the latest one not generated before it: a random tiny model may
+    repeat one token); returns ``(eos, steps to it)``."""
+    with torch.no_grad():
+        free = model.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+        ).numpy()[0, prompt.shape[1] :]
+    k = max(i for i in range(len(free)) if free[i] not in free[:i])
+    eos = int(free[k])
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(source, name)) as f:
+            c = json.load(f)
+        c.update(eos_token_id=[eos], pad_token_id=0, bos_token_id=1)
+        with open(os.path.join(source, name), "w") as f:
+            json.dump(c, f)
+    return eos, k + 1
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_merged_export_is_self_contained(checkpoints, family, tmp_path):
+    """save_params(source=checkpoint): the export keeps the source's token ids and dtype,
+    holds its tokenizer and generation config, loads with from_pretrained (Phi-3's default
+    pad id 32000 would not), and transformers' generate stops at the source's eos."""
+    path, model = checkpoints[family]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as f, open(src / name, "wb") as g:
+            g.write(f.read())
+    _word_tokenizer(src)
+    prompt = LONG[:1, :6]
+    eos, steps = _with_eos(model, src, prompt)
+    params, cfg = hf.load_params(str(src), dtype=jnp.float32)
+    out = tmp_path / "merged"
+    hf.save_params(str(out), params, cfg, adapters={}, source=str(src))
+    with open(src / "config.json") as f:
+        source = json.load(f)
+    with open(out / "config.json") as f:
+        written = json.load(f)
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+        assert written[field] == source[field], field
+    assert written["torch_dtype"] == "float32" and hf.load_config(str(out)) == cfg
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    merged = test_hf_adapters._base(str(out))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.convert_tokens_to_ids("t7") == 7
+    with torch.no_grad():
+        got = merged.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+        ).numpy()[0, prompt.shape[1] :]
+    assert len(got) == steps and got[-1] == eos, (got, eos)
+
+
+def test_export_carries_only_fields_that_do_not_set_the_computation():
+    source = {
+        "model_type": "qwen3",
+        "eos_token_id": 151645,
+        "hidden_size": 8,
+        "rope_theta": 1.0,
+        "torch_dtype": "bfloat16",
+        "some_new_field": 3,
+    }
+    assert families.carried_fields(source, "qwen3") == {"eos_token_id": 151645, "some_new_field": 3}
+    assert families.carried_fields(source, "llama") == {"eos_token_id": 151645}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -287,7 +287,7 @@ def test_a_fraction_of_untrained_examples_is_counted(tmp_path, capsys):
     """Some examples lose their response: a notice and the counts (train.report, which
     summary.json records)."""
     long = {"prompt": "x" * 60, "completion": "y"}
-    rows = [long] * 4 + [{"prompt": "q", "completion": "a"}] * 12
+    rows = [long] * 4 + [{"prompt": "q" * 12, "completion": "a" * 4}] * 12  # 6 rows
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = finetune.FinetuneConfig.from_flat(
@@ -324,6 +324,34 @@ def test_small_text_and_example_files_hold_out_what_they_can(tmp_path, capsys):
     c = finetune.FinetuneConfig.from_flat(data=sft, seq_len=32, batch_size=2, eval_split=0.1)
     train, held = load_datasets(c, tok)
     assert held is not None and train.report["examples"]["held_out"]["examples"] == 1
+
+
+def _first_full_line(row) -> int:
+    """The number of the first line that starts inside a window of byte tokens."""
+    return int(bytes(np.asarray(row, np.uint8)).decode().split("\n")[1][:5])
+
+
+def test_held_out_windows_and_examples_come_from_across_the_data(tmp_path):
+    """--eval-split holds out windows (text) or examples drawn at random across the file,
+    never its tail: a file sorted by topic is evaluated on all of its parts."""
+    tok = __import__("jmem").data.ByteTokenizer()
+    text = tmp_path / "sorted.txt"
+    text.write_text("".join(f"{i:05d} the quick brown fox jumps over it.\n" for i in range(3000)))
+    c = finetune.FinetuneConfig.from_flat(data=str(text), seq_len=63, batch_size=4, eval_split=0.1)
+    train, held = load_datasets(c, tok)
+    held_lines = [_first_full_line(r) for r in held.rows["inputs"]]
+    train_lines = {_first_full_line(r) for r in train.rows["inputs"]}
+    assert len(held.rows["inputs"]) == int(len(text.read_bytes()) * 0.1) // 64
+    assert min(held_lines) < 300 and max(held_lines) > 2700, held_lines
+    assert not set(held_lines) & train_lines  # disjoint windows
+    sft = helpers.sft_jsonl(tmp_path / "sft.jsonl", n=200)
+    c = finetune.FinetuneConfig.from_flat(data=sft, seq_len=32, batch_size=2, eval_split=0.1)
+    prompts = [json.loads(x)["prompt"] for x in open(sft)]
+    held_ex = __import__("jmem._src.finetune.datasets", fromlist=["x"])._split_examples(c, prompts)[
+        1
+    ]
+    where = sorted(prompts.index(p) for p in held_ex)
+    assert len(where) == 20 and where[0] < 40 and where[-1] > 160, where
 
 
 @pytest.mark.slow

@@ -316,12 +316,22 @@ def test_truncation_and_untrained_examples_warn_and_errors_are_clear():
     with pytest.warns(UserWarning, match="1 of 2 examples are longer"):
         rows = data.pack_examples([{"text": "abcdefgh"}, {"text": "xy"}], tok, seq_len=4)
     np.testing.assert_array_equal(rows["targets"], [list(b"bcde"), [ord("y"), 0, 0, 0]])
-    with pytest.warns(UserWarning, match="1 of 1 examples have no response token"):
-        with pytest.warns(UserWarning, match="1 of 1 examples are longer"):
-            data.pack_examples([{"prompt": "abcdefgh", "completion": "x"}], tok, seq_len=4)
-    with warnings.catch_warnings(), pytest.raises(ValueError, match="No example has 2 tokens"):
+    with pytest.warns(UserWarning, match="1 of 2 examples have no response token"):
+        with pytest.warns(UserWarning, match="1 of 2 examples are longer"):
+            rows = data.pack_examples(
+                [{"prompt": "abcdefgh", "completion": "x"}, {"prompt": "a", "completion": "b"}],
+                tok,
+                seq_len=4,
+            )
+    # the untrained example is left out: every row has a trained-on slot (no fake 0 loss)
+    np.testing.assert_array_equal(rows["mask"], [[1, 0, 0, 0]])
+    assert (rows["mask"].sum(axis=1) > 0).all()
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="None of the 1 examples"):
         warnings.simplefilter("ignore")
         data.pack_examples([{"text": "a"}], tok, seq_len=4)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="None of the 1 examples"):
+        warnings.simplefilter("ignore")
+        data.pack_examples([{"prompt": "abcdefgh", "completion": "x"}], tok, seq_len=4)
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         data.pack_examples([{"text": "ab"}], tok, seq_len=0)
     with pytest.raises(ValueError, match=r"example 1: got keys \['body'\]"):

@@ -433,7 +433,8 @@ def test_cli_estimate(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("== optimizer=") == 2 and "verdict: FITS" in out
-    main(["estimate", "--model", "7B", "--accounting", "nominal", "--activation-budget", "0"])
+    argv = ["--model", "7B", "--accounting", "nominal", "--activation-budget", "0"]
+    main(["estimate", *argv, "--lora-rank", "0", "--optimizer", "adamw"])  # full fine-tuning
     out = capsys.readouterr().out
     assert re.search(r"total \(device\)\s+112\.000", out)
     with pytest.raises(SystemExit):
@@ -588,3 +589,79 @@ def test_cli_max_seq():
         assert main(argv.split()) == 0
     numbers = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) tokens", out.getvalue())]
     assert len(numbers) == 2 and numbers[0] < 80_000 <= numbers[1]
+
+
+@pytest.mark.parametrize("seq_len", [2048, 8192, 16384, 32768, 41984, 43008, 49152, 65536])
+def test_dry_run_and_estimate_agree_on_fit_for_the_8b_qlora_job(capsys, seq_len):
+    """`jmem estimate --model llama3_1_8b --memory 24GiB` with its defaults (the job's: NF4,
+    LoRA r=8 on all seven projections, 8-bit AdamW, full remat, the job's chunks) prints
+    the ledger the job's --dry-run compares with, and both judge fit by one rule
+    (planner.fits: peak + 2 GB reserve <= memory). Compile-free: the planner's side."""
+    import jax.numpy as jnp
+
+    from jmem import finetune
+    from jmem._src.finetune import dry_run
+    from jmem._src.finetune.setup import job_levers
+    from jmem.models import llama
+
+    config = finetune.FinetuneConfig.from_flat(
+        config="llama3_1_8b", seq_len=seq_len, batch_size=1, lora_alpha=16.0
+    )
+    cfg = llama.get_config("llama3_1_8b")
+    led = dry_run._estimate(
+        config, job_levers(config), cfg, jnp.bfloat16, list(llama.LINEAR_NAMES), devices=1
+    )
+    memory, fits = dry_run.verdict(led.total, None)
+    assert memory == 24 * 2**30
+    main(["estimate", "--model", "llama3_1_8b", "--memory", "24GiB", "--seq-len", str(seq_len)])
+    out = capsys.readouterr().out
+    assert "model=llama3_1_8b" in out and "optimizer=adamw_8bit remat=full" in out
+    total = float(re.search(r"total \(device\)\s+([\d.]+)", out).group(1))
+    assert total == pytest.approx(led.total / planner.GB, abs=1e-3)
+    assert ("verdict: FITS" in out) == fits, out
+
+
+def test_estimate_max_seq_answers_the_job_figure_and_explains_zero(capsys):
+    main(["estimate", "--model", "llama3_1_8b", "--memory", "24GB", "--max-seq"])
+    out = capsys.readouterr().out
+    longest = int(re.search(r"in 24 GB: ([\d,]+) tokens", out).group(1).replace(",", ""))
+    assert longest >= 32768 and "why 0" not in out
+    from jmem import finetune
+    from jmem._src.finetune.setup import job_levers
+
+    job = {**_JOB, "levers": job_levers(finetune.FinetuneConfig())}
+    fit = planner.advise("24GB", "llama3_8b", seq_len=longest, **job)
+    over = planner.advise("24GB", "llama3_8b", seq_len=longest + 1024, **job)
+    assert fit.fits and not over.fits
+    # a longer request's advice offers the longest sequence that fits, never a shorter one
+    shorter = [lv for lv in over.levers if lv.name.startswith("shorter")]
+    assert shorter and shorter[0].changes["seq_len"] == longest
+    main(
+        ["estimate", "--model", "llama3_1_8b", "--memory", "12GB", "--max-seq", "--lora-rank", "0"]
+    )
+    out = capsys.readouterr().out
+    assert "0 tokens" in out and "why 0: the states alone need" in out and "would fit" in out
+
+
+_JOB = dict(
+    optimizer="adamw_8bit",
+    remat="full",
+    lora=(8, "all"),
+    quantization="nf4",
+    param_dtype="bf16",
+)
+
+
+@pytest.mark.slow
+def test_compiled_dry_run_and_estimate_agree_on_fit(tmp_path, capsys):
+    """One compiled point: the 8B QLoRA job's --dry-run at 4,096 tokens (abstract shapes,
+    nothing allocated) and jmem estimate at the same --memory give the same verdict."""
+    from jmem import finetune
+
+    argv = ["--config", "llama3_1_8b", "--dry-run", "--seq-len", "4096", "--batch-size", "1"]
+    out = finetune.main(argv + ["--memory", "24GiB", "--out", str(tmp_path / "d")])
+    assert out["memory"] == 24 * 2**30 and out["reserve"] == planner.DEFAULT_RESERVE
+    peak = out["compiled"]["peak_bytes"]
+    assert out["fits"] == (peak + planner.DEFAULT_RESERVE <= 24 * 2**30)
+    main(["estimate", "--model", "llama3_1_8b", "--memory", "24GiB", "--seq-len", "4096"])
+    assert out["fits"] == ("verdict: FITS" in capsys.readouterr().out)

@@ -166,3 +166,102 @@ def test_parse_and_name_roundtrip():
         assert precision.parse_dtype(precision.dtype_name(d)) == d
     with pytest.raises(TypeError):
         precision.parse_dtype(32)
+
+
+# --- the policy reaches the matmuls, or a warning -----------------------------------------
+
+
+def _nnx_step(dtype):
+    """A Flax NNX model (Embed -> Linear -> relu -> Linear head) trained with
+    precision='p=f32,c=bf16,o=f32'; ``dtype`` is what Embed and Linear are built with."""
+    import optax
+    from flax import nnx
+
+    import jmem
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(97, 32, dtype=dtype, rngs=rngs)
+            self.up = nnx.Linear(32, 64, dtype=dtype, rngs=rngs)
+            self.head = nnx.Linear(64, 97, dtype=dtype, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.head(jax.nn.relu(self.up(self.embed(tokens))))
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["inputs"]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+
+    step = jmem.train_step(loss_fn, optax.adam(1e-3), precision="p=f32,c=bf16,o=f32")
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 97)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return step, step.init(params), batch, loss_fn
+
+
+def _dot_dtypes(step, state, batch) -> list[str]:
+    """The operand dtypes of every dot_general in the step's jaxpr (forward and backward)."""
+    from jax.extend import core as jcore
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append({str(v.aval.dtype) for v in eqn.invars})
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(step.jitted)(state, batch).jaxpr)
+    return found
+
+
+def test_nnx_embed_pinned_to_float32_gets_the_precision_warning():
+    """nnx.Embed without dtype= computes in float32 and every Linear after it promotes: all
+    matmuls are float32 under a bf16 policy, and the step warns once naming how many."""
+    step, state, batch, loss_fn = _nnx_step(None)
+    with pytest.warns(UserWarning, match=r"2 of the 2 matmuls .* float32.*nnx.Embed"):
+        step.jitted.lower(state, batch)
+    dots = _dot_dtypes(step, state, batch)
+    assert dots and all(d == {"float32"} for d in dots), dots  # the policy did not apply
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per loss function
+        step.jitted.lower(state, batch)
+
+
+def test_nnx_recipe_gives_bf16_matmuls_and_no_warning():
+    """The documented recipe (Embed and Linear built with dtype=jnp.bfloat16, params kept
+    float32): every matmul of the step, forward and backward, takes bf16 operands."""
+    import warnings
+
+    step, state, batch, _ = _nnx_step(jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.jitted.lower(state, batch)
+    dots = _dot_dtypes(step, state, batch)
+    assert len(dots) >= 6 and all(d == {"bfloat16"} for d in dots), dots
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+
+
+def test_jmem_llama_under_bf16_does_not_warn():
+    import warnings
+
+    import optax
+
+    import jmem
+    from jmem.models import llama
+
+    cfg = llama.get_config("tiny")
+    params = llama.init(jax.random.key(0), cfg)
+    loss_fn = lambda p, b: llama.loss_fn(p, b, cfg)  # noqa: E731
+    step = jmem.train_step(loss_fn, optax.adam(1e-3), precision="p=f32,c=bf16,o=f32")
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.eval_shape(
+            step.jitted, step.init(params), {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        )

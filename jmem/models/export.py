@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -27,7 +28,13 @@ from jmem._src.implicit.weight import flatten_params
 from jmem.models import families as _families
 from jmem.models.llama import LlamaConfig
 
-__all__ = ["ARCHITECTURES", "DEFAULT_MAX_SHARD_BYTES", "hf_config", "save_params"]
+__all__ = [
+    "ARCHITECTURES",
+    "COPIED_FILES",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "hf_config",
+    "save_params",
+]
 
 #: Default shard size, as transformers' ``save_pretrained(max_shard_size="5GB")``.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -76,6 +83,53 @@ def hf_config(config: LlamaConfig, dtype=jnp.float32) -> dict[str, Any]:
 
 
 _LLAMA_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
+
+
+#: Files ``save_params(source=...)`` copies beside the weights when the source has them:
+#: the tokenizer (every format transformers' ``AutoTokenizer`` reads, the chat template) and
+#: the generation settings (eos ids, sampling defaults).
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _source_config(source: str | None) -> dict:
+    """The parsed ``config.json`` of ``source`` (``{}`` for None)."""
+    if source is None:
+        return {}
+    path = os.path.join(source, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(
+            f"source={source!r} has no config.json; pass the Hugging Face checkpoint "
+            "directory the params were loaded from, or source=None."
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def _copy_files(directory: str, source: str | None, tokenizer: str | None) -> list[str]:
+    """Copies ``COPIED_FILES``: the generation config from ``source``, the tokenizer's from
+    ``tokenizer`` (default: ``source``). Returns the names copied."""
+    tokenizer = source if tokenizer is None else tokenizer
+    copied = []
+    for name in COPIED_FILES:
+        origin = source if name == "generation_config.json" else tokenizer
+        if origin is None or not os.path.isfile(os.path.join(origin, name)):
+            continue
+        dest = os.path.join(directory, name)
+        if os.path.abspath(os.path.join(origin, name)) != os.path.abspath(dest):
+            shutil.copyfile(os.path.join(origin, name), dest)
+        copied.append(name)
+    return copied
 
 
 def _default(field: dataclasses.Field):
@@ -178,6 +232,8 @@ def save_params(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     adapters: dict[str, _lora.LoraWeight] | None = None,
     dtype=None,
+    source: str | None = None,
+    tokenizer: str | None = None,
 ) -> None:
     """Writes ``params`` as a Hugging Face checkpoint of its family (``hf_config`` picks
     it: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2), LoRA merged in, tensor by tensor.
@@ -203,12 +259,21 @@ def save_params(
         (``W + scale * a @ b`` in float32, then the weight's dtype, as ``jmem.lora.merge``).
       dtype: dtype of every written tensor; ``None`` keeps each leaf's (an ``NF4Array``'s
         original) dtype. ``config.json``'s ``dtype`` is the embedding's.
+      source: the Hugging Face checkpoint directory the params were loaded from, or None.
+        Its ``config.json`` fields that jmem reads but does not compute with (token ids,
+        ``max_position_embeddings``, ``use_cache``, fields unknown to jmem; see
+        ``jmem.models.families.carried_fields``) are written back unchanged, and its
+        ``generation_config.json`` is copied, so that ``generate`` on the export stops at the
+        source's eos (as PEFT's ``merge_and_unload`` + ``save_pretrained``).
+      tokenizer: a directory whose tokenizer files (``COPIED_FILES``) are copied beside the
+        weights; default ``source``. Without either, the export has no token ids and no
+        tokenizer (transformers then takes its family's defaults).
 
     Raises:
       ValueError: params not in the ``jmem.models.llama`` layout of ``config`` (e.g. bias
         leaves ``config.biases`` does not declare, or missing ones), an adapter naming no
-        leaf, a config ``hf_config`` cannot write (see there), or
-        ``max_shard_bytes < 1``.
+        leaf, a config ``hf_config`` cannot write (see there), a ``source`` with no
+        ``config.json``, or ``max_shard_bytes < 1``.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
 
@@ -221,6 +286,7 @@ def save_params(
         raise ValueError(f"Adapters {stray} name no leaf of params.")
     plan = _plan(leaves, config, dtype)
     hf = hf_config(config, plan[0].dtype)
+    hf.update(_families.carried_fields(_source_config(source), hf["model_type"]))
     shards = _shards(plan, max_shard_bytes)
     os.makedirs(directory, exist_ok=True)
     weight_map = {}
@@ -235,3 +301,4 @@ def save_params(
         json.dump(index, f, indent=2)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    _copy_files(directory, source, tokenizer)

@@ -26,6 +26,7 @@ __all__ = [
     "HANDLED_FIELDS",
     "IGNORED_FIELDS",
     "Family",
+    "carried_fields",
     "config_from_dict",
     "family_of",
     "hf_config",
@@ -420,6 +421,33 @@ IGNORED_FIELDS = frozenset(
         "return_dict",
     }
 )
+
+#: IGNORED_FIELDS an export writes from what it computes (its family, its tensors' dtype),
+#: never from the source checkpoint.
+_WRITTEN_FIELDS = frozenset(
+    {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version"}
+)
+
+
+def carried_fields(source: dict, model_type: str) -> dict:
+    """The fields of a source ``config.json`` an export of it writes back unchanged: what
+    jmem reads but does not compute with (``IGNORED_FIELDS``: token ids, ``use_cache``,
+    ``max_position_embeddings``, ...) and, when the export has the source's ``model_type``,
+    fields unknown to jmem. Fields that set the computation (``HANDLED_FIELDS``, the
+    family's own) are written from the ``LlamaConfig`` instead, as are the architecture and
+    the dtype (those of the written tensors).
+
+    Args:
+      source: the parsed ``config.json`` of the checkpoint the model was loaded from.
+      model_type: the export's family (``family_of``).
+
+    Returns:
+      ``{field: value}`` to merge over the written config.
+    """
+    same = source.get("model_type", "llama") == model_type
+    computed = HANDLED_FIELDS | set(FAMILIES[model_type].fields) | _WRITTEN_FIELDS
+    return {k: v for k, v in source.items() if k not in computed and (k in IGNORED_FIELDS or same)}
+
 
 #: config.json fields every family reads (implemented, or refused for values jmem does not
 #: implement); each ``Family`` adds its own ``fields``.

@@ -88,22 +88,26 @@ def pack_examples(
       warn: warn about truncated and untrained examples (below).
       return_counts: also return ``{"examples", "truncated", "untrained", "max_tokens"}``:
         how many examples there were, were cut at ``seq_len + 1`` tokens, have no trained-on
-        target left (an empty response, or one cut off), and the longest one's tokens.
+        target left (an empty response, or one cut off: left out of the rows), and the
+        longest one's tokens. Then no packable example gives rows of 0 rows, not an error,
+        so that the caller can report the counts.
 
     Returns:
       ``{"inputs", "targets", "segment_ids", "positions"}`` int32 and ``"mask"`` float32, each
       ``[n_rows, seq_len]`` (see the module docstring). ``mask`` is 1 exactly on the slots
       whose target is a response token: a prompt of 5 tokens and a response of 3 give
-      ``mask`` 1 at slots 4, 5 and 6. Padding slots are 0 everywhere (token id 0). With
-      ``return_counts``, ``(rows, counts)``.
+      ``mask`` 1 at slots 4, 5 and 6. Padding slots are 0 everywhere (token id 0). Examples
+      with no trained-on target are left out, so every row has a trained-on slot (a row of
+      them alone would train on nothing and report a loss of 0). With ``return_counts``,
+      ``(rows, counts)``.
 
     Warns:
       UserWarning: with the count of examples longer than ``seq_len + 1`` tokens (truncated,
         their end is lost) and of examples left without any trained-on target.
 
     Raises:
-      ValueError: for ``seq_len < 1``, a bad example (naming its index), or when no example
-        has the two tokens one slot needs.
+      ValueError: for ``seq_len < 1``, a bad example (naming its index), or (without
+        ``return_counts``) when no example has a trained-on target.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1; got {seq_len}.")
@@ -120,14 +124,18 @@ def pack_examples(
             truncated += 1
             ids, response = ids[: seq_len + 1], response[: seq_len + 1]
         if len(ids) < 2 or not response[1:].any():
-            untrained += 1
-        if len(ids) >= 2:
+            untrained += 1  # left out: a row of it alone would log a loss of 0
+        else:
             tokenized.append((ids, response))
-    if not tokenized:
-        raise ValueError("No example has 2 tokens (one input and one target) to pack.")
     if warn:
         _warn(truncated, untrained, total, seq_len)
-    placement, row, offset, segment = [], 0, 0, 0
+    if not tokenized and not return_counts:
+        raise ValueError(
+            f"None of the {total} examples has a trained-on target within seq_len = "
+            f"{seq_len} (2 tokens at least, a response among the targets); raise seq_len or "
+            "check the examples' responses."
+        )
+    placement, row, offset, segment = [], (0 if tokenized else -1), 0, 0
     for ids, _ in tokenized:
         if offset + len(ids) - 1 > seq_len:
             row, offset, segment = row + 1, 0, 0
@@ -154,6 +162,6 @@ def _warn(truncated: int, untrained: int, total: int, seq_len: int) -> None:
         warnings.warn(
             f"{untrained} of {total} examples have no response token among their targets "
             f"within seq_len = {seq_len} (empty response, or cut off by truncation): they "
-            "add no loss.",
+            "are left out.",
             stacklevel=3,
         )

@@ -1,7 +1,9 @@
 """Plain text for language-model training: the default corpus, ``.txt`` and ``.jsonl`` files.
 
 The default corpus ships with every CPython: ``pydoc_data.topics`` (the Python language
-reference, ~0.47 MB of English prose and code). ``load_text(path)`` also reads ``.txt``
+reference, ~0.47 MB of English prose and code), its topics in a fixed shuffled order (sorted
+keys put the typesseq tables and the last statements at the end, an unrepresentative tail).
+``load_text(path)`` also reads ``.txt``
 files and ``.jsonl`` files with a ``text`` field (joined with blank lines: one stream; for
 documents kept apart, with segment ids, use ``load_examples`` and ``pack_examples``).
 """
@@ -13,13 +15,19 @@ import os
 from typing import Any
 from typing import Iterator
 
+import numpy as np
+
+#: The seed of the default corpus's document order (fixed: the corpus is one text).
+DEFAULT_CORPUS_SEED = 0
+
 
 def load_text(path: str | None = None) -> str:
     """Returns the training text.
 
     Args:
-      path: None for the default corpus (``pydoc_data.topics``), a ``.txt`` file, or a
-        ``.jsonl`` file whose lines are objects with a ``"text"`` field.
+      path: None for the default corpus (``pydoc_data.topics``, its documents in a fixed
+        seeded order, ``DEFAULT_CORPUS_SEED``), a ``.txt`` file, or a ``.jsonl`` file whose
+        lines are objects with a ``"text"`` field.
 
     Raises:
       FileNotFoundError: if ``path`` does not exist.
@@ -28,7 +36,9 @@ def load_text(path: str | None = None) -> str:
     if path is None:
         from pydoc_data import topics  # noqa: PLC0415
 
-        return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+        keys = sorted(topics.topics)
+        order = np.random.default_rng(DEFAULT_CORPUS_SEED).permutation(len(keys))
+        return "\n\n".join(topics.topics[keys[i]] for i in order)
     if not os.path.exists(path):
         raise FileNotFoundError(f"Data file {path!r} does not exist.")
     if path.endswith(".txt"):

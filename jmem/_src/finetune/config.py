@@ -212,6 +212,13 @@ class RunConfig(_Group):
     dry_run: bool = option(
         False, "compile only; print memory report and estimate", switch=True, cli_only=True
     )
+    memory: int | None = option(
+        None,
+        "device memory for --dry-run's verdict (24GB, 80GiB, bytes; unset: 24 GiB); a 2 GB "
+        "reserve is kept free, as jmem estimate --memory does",
+        check=cli.memory(False),
+        metavar="SIZE",
+    )
     no_progress: bool = option(False, "plain log lines instead of a progress bar", switch=True)
     debug: bool = option(
         False, "a traceback instead of a one-line error", switch=True, cli_only=True

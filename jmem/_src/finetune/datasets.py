@@ -1,5 +1,6 @@
 """The job's data: text packed into rows, or instruction/chat examples packed with response
-masks (``jmem.data``), with ``--eval-split`` held out.
+masks (``jmem.data``), with ``--eval-split`` held out: windows of the text, or examples,
+drawn at random (seeded by ``--seed``) across the data, never its tail.
 
 A held-out part smaller than a batch is evaluated as it is (fewer rows); when the data
 cannot spare even one row (text) or one example (examples) beside a training batch,
@@ -16,12 +17,15 @@ import numpy as np
 from jmem import data as jdata
 from jmem._src.cli import CliError
 from jmem._src.cli import user_input
+from jmem._src.data import dataset as _data
 
 
 def load_datasets(config, tok):
     """``(train, eval or None)`` from ``--data``: a .jsonl file of examples (text,
     prompt/completion, Alpaca or chat messages; loss on the responses only), else text (a
-    .txt file or the default corpus) as one token stream. ``--eval-split`` is held out.
+    .txt file or the default corpus) as one token stream cut into windows of
+    ``--seq-len + 1`` tokens. ``--eval-split`` of the windows (or examples) is held out, drawn
+    at random across the data (``held_out_indices``, seeded by ``--seed``).
 
     ``train.report`` holds what ``summary.json`` records of the data: ``eval_skipped`` (why,
     when evaluation was asked for and is skipped) and, for examples, ``examples`` (counts of
@@ -65,27 +69,34 @@ def _text_datasets(config, tok):
             f"--batch-size {config.data.batch_size} x (--seq-len {config.data.seq_len} + 1) = {need:,}; "
             "pass more text or smaller --batch-size/--seq-len"
         )
-    cut = len(tokens) - n_eval  # the tail is held out: no window straddles the two
-    train = jdata.PackedDataset(
-        tokens[:cut], config.data.seq_len, config.data.batch_size, seed=config.run.seed
+    rows = _data.windows(tokens, config.data.seq_len)
+    train_idx, held_idx = _data.held_out_indices(
+        len(rows["inputs"]), n_eval // row, config.run.seed
+    )
+    train = jdata.PackedDataset.from_rows(
+        _take(rows, train_idx), config.data.batch_size, seed=config.run.seed
     )
     held = None
-    if n_eval:
-        rows = min(config.data.batch_size, n_eval // row)
-        held = jdata.PackedDataset(tokens[cut:], config.data.seq_len, rows, seed=config.run.seed)
+    if len(held_idx):
+        n = min(config.data.batch_size, len(held_idx))
+        held = jdata.PackedDataset.from_rows(_take(rows, held_idx), n, seed=config.run.seed)
     return train, held, report
 
 
+def _take(rows: dict, idx) -> dict:
+    return {k: v[idx] for k, v in rows.items()}
+
+
 def _split_examples(config, examples):
-    """A seeded shuffle of the examples, then the last ``--eval-split`` of them held out (at
-    least one when there are two or more)."""
-    order = np.random.default_rng([config.run.seed, len(examples)]).permutation(len(examples))
-    examples = [examples[i] for i in order]
+    """``--eval-split`` of the examples held out (at least one when there are two or more),
+    drawn at random across the file (``held_out_indices``); the training examples in a
+    seeded shuffled order."""
     n_eval = int(len(examples) * config.data.eval_split)
     if config.data.eval_split and n_eval == 0 and len(examples) > 1:
         n_eval = 1
-    cut = len(examples) - n_eval
-    return examples[:cut], examples[cut:]
+    train_idx, held_idx = _data.held_out_indices(len(examples), n_eval, config.run.seed)
+    order = np.random.default_rng([config.run.seed, len(examples)]).permutation(train_idx)
+    return [examples[i] for i in order], [examples[i] for i in held_idx]
 
 
 def _example_datasets(config, tok):
@@ -146,7 +157,7 @@ def check_response_tokens(counts: dict, flag: str, seq_len: int) -> None:
     if untrained:
         print(
             f"note: {untrained} of {n} training examples keep no response token within "
-            f"--seq-len {seq_len} ({cut} cut at the end): they add no loss; a longer "
+            f"--seq-len {seq_len} ({cut} cut at the end): they are left out; a longer "
             "--seq-len keeps them.",
             flush=True,
         )

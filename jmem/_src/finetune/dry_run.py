@@ -90,15 +90,15 @@ def dry_run(config, cfg, mesh=None, target=None):
     print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
-    _verdict(report, target)
+    memory, fit = _print_verdict(report, config.run.memory, target)
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
         "model": dataclasses.asdict(cfg),
-        "seq_len": config.data.seq_len,
-        "batch_size": config.data.batch_size,
+        **dict(seq_len=config.data.seq_len, batch_size=config.data.batch_size),
         "compiled": dataclasses.asdict(report),
         "estimate": est.as_dict(),
+        **dict(memory=memory, reserve=planner.DEFAULT_RESERVE, fits=fit),
         "levers": step.levers.as_dict(),
         "nf4_bytes_per_param": q_bytes / q_count,
         "trainable_params": n_adapter,
@@ -115,24 +115,31 @@ def dry_run(config, cfg, mesh=None, target=None):
     return out
 
 
-def _verdict(report, target) -> None:
-    """The fit line: against 24 GiB, or the target's device memory when one is given."""
-    peak = format_bytes(report.peak_bytes)
+#: ``--memory`` unset and no ``--target``: a 24 GiB card (RTX 3090/4090).
+DEFAULT_MEMORY = 24 * 2**30
+
+
+def verdict(peak: int, memory: int | None, target=None) -> tuple[int, bool]:
+    """``(memory, fits)``: the compiled ``peak`` judged as ``jmem estimate --memory`` judges
+    its estimate (``planner.fits``: ``peak + planner.DEFAULT_RESERVE <= memory``);
+    ``memory`` None is the target's device memory, else ``DEFAULT_MEMORY``."""
+    if memory is None:
+        t = None if target is None else jtargets.get(target)
+        memory = DEFAULT_MEMORY if t is None or t.memory_bytes is None else t.memory_bytes
+    return int(memory), planner.fits(peak, int(memory), planner.DEFAULT_RESERVE)
+
+
+def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
+    memory, fit = verdict(report.peak_bytes, memory, target)
     host = f", host {format_bytes(report.host_peak_bytes)}" if report.host_peak_bytes else ""
-    t = None if target is None else jtargets.get(target)
-    if t is None or t.memory_bytes is None:
-        fits = "fits" if report.peak_bytes <= 24 * 2**30 else "does not fit"
-        print(
-            f"\nverdict: peak {peak}{host} {fits} in 24 GiB (a 24 GB card such as an RTX "
-            "3090/4090; its CUDA context takes a few hundred MiB)."
-        )
-        return
-    fits = "fits" if report.peak_bytes <= t.memory_bytes else "does not fit"
+    where = "" if target is None else f" (XLA:GPU compile for {target}, no GPU; not autotuned)"
     print(
-        f"\nverdict: device peak {peak}{host} {fits} in {t.name}'s "
-        f"{format_bytes(t.memory_bytes)} (XLA:GPU compile for {t.name}, no GPU; not "
-        "autotuned; the CUDA context takes a few hundred MiB more)."
+        f"\nverdict: device peak {format_bytes(report.peak_bytes)}{host} + "
+        f"{planner.DEFAULT_RESERVE / 1e9:g} GB reserve {'fits' if fit else 'does not fit'} in "
+        f"{format_bytes(memory)}{where} (--memory, default the target's memory or 24 GiB; "
+        "the reserve and the rule are jmem estimate --memory's)."
     )
+    return memory, fit
 
 
 def _estimate(config, levers, cfg, dtype, targets, devices: int):

@@ -47,7 +47,9 @@ class Sampler:
 
 def save_adapters(config, cfg, state) -> None:
     """The adapters in PEFT format in --out/adapter; with --export-merged, the merged model
-    as a Hugging Face checkpoint (written tensor by tensor, jmem.models.hf.save_params)."""
+    as a self-contained Hugging Face checkpoint (written tensor by tensor,
+    jmem.models.hf.save_params: --checkpoint's token ids, generation config and tokenizer
+    files carried over)."""
     params, frozen = _host_values(state.params), state.frozen
     if config.output.export_merged:
         frozen = _host_values(frozen)
@@ -62,8 +64,21 @@ def save_adapters(config, cfg, state) -> None:
         print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
     if config.output.export_merged:
         with user_input(f"--export-merged {config.output.export_merged}"):
-            hf.save_params(config.output.export_merged, frozen, cfg, adapters=params)
+            hf.save_params(
+                config.output.export_merged,
+                frozen,
+                cfg,
+                adapters=params,
+                source=config.model.checkpoint,
+                tokenizer=_tokenizer_dir(config.model.tokenizer),
+            )
         print(f"merged checkpoint (Hugging Face format): {config.output.export_merged}", flush=True)
+
+
+def _tokenizer_dir(tokenizer: str | None) -> str | None:
+    """``--tokenizer`` as the directory the export copies the tokenizer from (None for
+    ``byte``, which has no files)."""
+    return tokenizer if tokenizer and os.path.isdir(tokenizer) else None
 
 
 def _host_values(tree):

@@ -15,6 +15,7 @@ from jmem._src.planner.activations import REMAT_MODES
 from jmem._src.planner.ledger import GB
 from jmem._src.planner.ledger import Ledger
 from jmem._src.planner.ledger import estimate
+from jmem._src.planner.ledger import largest_seq_len
 from jmem._src.planner.ledger import parse_memory
 
 __all__ = ["Advice", "Lever", "advise"]
@@ -172,8 +173,9 @@ _REMAT_COSTS = {
 }
 
 
-def _activation_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
-    """Gradient accumulation, stronger remat, shorter sequences."""
+def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
+    """Gradient accumulation, stronger remat, and the longest shorter sequence (a multiple
+    of 1,024 tokens, as ``max_seq_len``) that fits ``avail`` bytes: never a shorter one."""
     cands = []
     b = config.get("batch_size", 1)
     if b > 1:
@@ -189,12 +191,14 @@ def _activation_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]
         if REMAT_MODES.index(r) > REMAT_MODES.index(cur):
             cands.append((f"remat '{r}'", cost, {"remat": r}))
     s = config.get("seq_len", 2048)
-    if s > 256:
+    rest = {k: v for k, v in config.items() if k != "seq_len"}
+    longest = largest_seq_len(avail, model, reserve=0, multiple_of=1024, max_seq_len=s - 1, **rest)
+    if longest:
         cands.append(
             (
-                f"shorter sequences ({s // 2})",
+                f"shorter sequences ({longest}, the longest that fits)",
                 "changes the training data layout",
-                {"seq_len": s // 2},
+                {"seq_len": longest},
             )
         )
     return cands
@@ -216,7 +220,19 @@ def _priced(
     return tuple(levers)
 
 
-def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice:
+#: Bytes ``advise``, ``jmem estimate --memory`` and the job's ``--dry-run`` keep free of the
+#: device memory (fragmentation, workspace, the runtime's context).
+DEFAULT_RESERVE = 2 * 10**9
+
+
+def fits(peak: int, memory: Any, reserve: float = DEFAULT_RESERVE) -> bool:
+    """``peak + reserve <= memory``: the one rule ``advise`` (on the estimate) and the job's
+    dry run (on the compiled peak) decide fit by."""
+    mem, reserve = _check_reserve(memory, reserve)
+    return int(peak) + reserve <= mem
+
+
+def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **config) -> Advice:
     """Does ``model`` train in ``memory``? If not, which ledger is short and what helps.
 
     States short (params + grads + optimizer + masters + reserve > memory): remat cannot
@@ -241,14 +257,14 @@ def advise(memory: Any, model: Any, *, reserve: float = 2e9, **config) -> Advice
     mem, reserve = _check_reserve(memory, reserve)
     led = estimate(model, **config)
     avail = mem - reserve
-    if led.total <= avail:
+    if fits(led.total, mem, reserve):
         return Advice(True, None, 0, mem, reserve, led, ())
     short = "states" if led.static > avail else "activations"
     if short == "states":
         cands = _optimizer_levers(config) + _sharding_lever(model, config, avail)
         cands += _lora_levers(config)
     else:
-        cands = _activation_levers(config)
+        cands = _activation_levers(model, config, avail)
     levers = _priced(model, config, cands, led.total, avail)
     plan = _plan(model, config, avail)
     return Advice(False, short, led.total - avail, mem, reserve, led, levers, plan)

@@ -29,6 +29,7 @@ from jmem._src.sharding import check_strategy
 from jmem._src.sharding import constrain_gradients
 from jmem._src.train.accumulation import accumulate_gradients
 from jmem._src.train.decay_warning import warn_if_norms_decayed
+from jmem._src.train.precision_check import warn_if_precision_ignored
 from jmem._src.train.sharded import ShardedInit
 from jmem._src.train.sharded import ShardedStep
 from jmem._src.train.sharded import sharded_init
@@ -207,7 +208,11 @@ def train_step(
         retry of that step number draws the same masks.
       optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
       precision: a ``jmem.Policy`` or its string form (``"p=f32,c=bf16,o=f32"``): params are
-        stored in ``param_dtype`` and cast to ``compute_dtype`` inside the loss.
+        stored in ``param_dtype`` and cast to ``compute_dtype`` inside the loss. With a
+        16-bit compute dtype the traced loss is checked once (per loss function): matmuls
+        whose operands are all float32 (a module that pinned its dtype at construction,
+        e.g. ``flax.nnx.Embed`` without ``dtype=``) give one ``UserWarning`` naming how many
+        (see ``docs/mixed_precision.md``).
       master_weights: wrap the optimizer in ``jmem.mixed_precision``: params live in the
         precision's param dtype (e.g. bf16), fp32 masters in the optimizer state.
       loss_scale: initial ``NoOpLossScale`` (default), ``StaticLossScale`` or
@@ -268,6 +273,8 @@ def train_step(
     user_optimizer = optimizer
     optimizer, stepper = _optimizers(optimizer, o)
     step = functools.partial(_step, _differentiable_loss(loss_fn, o), stepper, o)
+    if o.precision is not None:
+        step = functools.partial(_precision_checked, loss_fn, o, step)
     init = functools.partial(_init_state, optimizer, o)
     jitted, init = _jit(step, init, o)
     return TrainStep(
@@ -408,6 +415,24 @@ def _scaled_loss(loss_fn, o: _Options, diff, batch, frozen, scale, dropout_key=N
     loss, aux = out if o.has_aux else (out, None)
     loss = jnp.asarray(loss, jnp.float32)
     return scale.scale(loss), (loss, aux)
+
+
+def _precision_checked(loss_fn: Callable, o: _Options, step: Callable, state, batch):
+    """``step(state, batch)``, the loss's matmul dtypes checked against the precision
+    policy first (once per loss function and process; a trace of one microbatch's loss on
+    shapes only: ``precision_check``)."""
+    m = o.microbatches
+    mb = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype), batch
+    )
+
+    def loss(diff, mb, frozen, scale, key_data):
+        key = None if key_data is None else jax.random.wrap_key_data(key_data)
+        return _scaled_loss(loss_fn, o, diff, mb, frozen, scale, key)[1][0]
+
+    args = ((state.params, state.fp8), mb, state.frozen, state.loss_scale, state.dropout_key)
+    warn_if_precision_ignored(loss_fn, o.precision.compute_dtype, loss, *args)
+    return step(state, batch)
 
 
 def _key_data(key: Any) -> Any:
