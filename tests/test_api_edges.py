@@ -13,6 +13,7 @@ import jmem
 from jmem import ops
 from jmem import planner
 from jmem._src.train.accumulation import mask_count
+from jmem.models import llama
 
 
 def _qkv(s=8):
@@ -70,6 +71,8 @@ def test_negative_targets_are_ignored_as_masked():
         chex.assert_trees_all_close(jax.value_and_grad(loss)(x, padded), want, rtol=1e-6)
         both = jax.value_and_grad(loss)(x, padded, jnp.ones_like(mask))
         chex.assert_trees_all_close(both, want, rtol=1e-6)
+    dense = llama.cross_entropy(x @ head, padded)
+    chex.assert_trees_all_close(dense, want[0], rtol=1e-5)
 
 
 def test_accumulation_weights_count_only_trained_tokens():

@@ -272,7 +272,7 @@ def test_hugging_face_logits_with_blockwise_tiles(tmp_path, monkeypatch, family)
     params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
     lv = jmem.Levers(attention="blockwise")
     tiled = functools.partial(ops.attention, block_q=16, block_kv=8)
-    monkeypatch.setattr(llama, "attention", tiled)
+    monkeypatch.setattr(llama.block, "attention", tiled)  # the block's attention call
     tokens = np.random.default_rng(0).integers(0, 97, size=(2, 40))
     with torch.no_grad():
         ref = model(torch.tensor(tokens)).logits.numpy()

@@ -709,3 +709,46 @@ def test_long_context_paths_match_dense_with_family_features(checkpoints, family
     grad = jax.jit(jax.grad(lambda p, b, lv: llama.loss_fn(p, b, cfg, levers=lv)), static_argnums=2)
     g_block, g_dense = grad(params, batch, blockwise), grad(params, batch, dense)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_block, g_dense)
+
+
+# ------------------------------------------------------- one table of model knowledge
+
+
+def test_presets_family_options_and_linear_names_come_from_one_table():
+    from jmem._src import model_table
+
+    assert list(llama.CONFIGS) == list(model_table.PRESETS)
+    assert llama.LINEAR_NAMES is model_table.LINEAR_NAMES
+    assert llama.FUSED_LINEAR_NAMES is model_table.FUSED_LINEAR_NAMES
+    for model_type, fam in families.FAMILIES.items():
+        assert dict(fam.options) == model_table.FAMILY_OPTIONS[model_type], model_type
+    for name, preset in model_table.PRESETS.items():
+        cfg = llama.get_config(name)
+        # the family a preset names is the one the family table finds for its config
+        assert families.family_of(cfg) == preset["family"], name
+        for option, value in model_table.FAMILY_OPTIONS[preset["family"]].items():
+            assert getattr(cfg, option) == value, (name, option)
+
+
+def test_llama_shaped_families_are_chosen_by_their_rejects_entries():
+    small = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    assert families.family_of(llama.get_config("tiny", **small)) == "llama"
+    assert families.family_of(llama.get_config("tiny", sliding_window=8, **small)) == "mistral"
+    qkv = ("q_proj", "k_proj", "v_proj")
+    assert families.family_of(llama.get_config("tiny", biases=qkv, **small)) == "qwen2"
+    softcapped = llama.get_config("tiny", final_logit_softcap=30.0, **small)
+    with pytest.raises(ValueError, match="Llama has no per-layer attention types or soft-caps"):
+        families.family_of(softcapped)
+    for name in ("llama", "mistral", "qwen2"):
+        assert families.FAMILIES[name].rejects(softcapped), name
+    # a Windows entry writes what it reads back: layer types from its own rule
+    six = {**small, "num_layers": 6}
+    for model_type in ("qwen2", "gemma2", "gemma3_text"):
+        fam = families.FAMILIES[model_type]
+        types = fam.windows.layer_types({"max_window_layers": 1}, 6)
+        assert len(set(types)) == 2, (model_type, types)
+        cfg = llama.get_config("tiny", sliding_window=8, layer_types=tuple(types), **six)
+        written = families.write_windows(cfg, model_type)
+        del written["layer_types"]  # placed by the rule alone
+        read = families.layer_windows({"num_hidden_layers": 6, **written}, fam)
+        assert read == (8, tuple(types)), (model_type, read)

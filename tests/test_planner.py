@@ -5,6 +5,7 @@ compiler findings are summarised in docs/planner.md)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import re
@@ -665,3 +666,15 @@ def test_compiled_dry_run_and_estimate_agree_on_fit(tmp_path, capsys):
     assert out["fits"] == (peak + planner.DEFAULT_RESERVE <= 24 * 2**30)
     main(["estimate", "--model", "llama3_1_8b", "--memory", "24GiB", "--seq-len", "4096"])
     assert out["fits"] == ("verdict: FITS" in capsys.readouterr().out)
+
+
+def test_planner_shapes_are_the_model_presets():
+    from jmem._src import model_table
+
+    assert list(planner.MODEL_SHAPES) == list(llama.CONFIGS) == list(model_table.PRESETS)
+    # Qwen2.5's q/k/v biases are counted: 28 layers x (3584 + 2 x 512) elements
+    s = planner.MODEL_SHAPES["qwen2_5_7b"]
+    assert s.biases == ("q_proj", "k_proj", "v_proj")
+    assert s.n_params - dataclasses.replace(s, biases=()).n_params == 28 * (3584 + 2 * 512)
+    # the name does not take part in comparisons: Llama 3.1 8B has Llama 3 8B's shape
+    assert planner.MODEL_SHAPES["llama3_1_8b"] == planner.MODEL_SHAPES["llama3_8b"]

@@ -3,7 +3,9 @@
 
 One table, ``FAMILIES``, read by ``jmem.models.hf`` (``config.json`` -> ``LlamaConfig``)
 and ``jmem.models.export`` (the inverse); ``tensor_names`` maps every params leaf to its
-Hugging Face tensor name. A new Llama-like family is one ``Family`` entry here (see
+Hugging Face tensor name. Every family rule is a field of its entry (the options it implies,
+from ``jmem._src.model_table.FAMILY_OPTIONS``; how it places windows; which configs it
+computes), so a new Llama-like family is one ``Family`` entry here (see
 ``docs/families.md``). Sources: transformers' ``modeling_<family>.py`` and
 ``configuration_<family>.py`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2).
 """
@@ -15,6 +17,7 @@ import warnings
 from typing import Any
 from typing import Callable
 
+from jmem._src import model_table
 from jmem.models.llama import ACTIVATIONS
 from jmem.models.llama import LlamaConfig
 from jmem.models.llama import RopeScaling
@@ -25,8 +28,10 @@ __all__ = [
     "FAMILY_OPTIONS",
     "HANDLED_FIELDS",
     "IGNORED_FIELDS",
+    "NOT_LOADED",
     "Family",
     "carried_fields",
+    "Windows",
     "config_from_dict",
     "family_of",
     "hf_config",
@@ -116,6 +121,13 @@ def _write_gemma(config: LlamaConfig) -> dict:
     }
 
 
+def _qwen2(c: dict) -> dict:
+    """Qwen2: q/k/v biases built in, so no ``attention_bias``/``mlp_bias`` fields."""
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        refuse("attention_bias/mlp_bias", True, "absent for qwen2 (q/k/v biases are built in)")
+    return {"biases": _QKV}
+
+
 def _phi3(c: dict) -> dict:
     """Phi-3: no dropout; no biases (its fused projections have none)."""
     _no_dropout(c, "resid_pdrop", "embd_pdrop")
@@ -124,18 +136,147 @@ def _phi3(c: dict) -> dict:
     return {}
 
 
+def _all_full(c: dict, n: int) -> list[str]:
+    return ["full_attention"] * n
+
+
+def _all_sliding(c: dict, n: int) -> list[str]:
+    return ["sliding_attention"] * n
+
+
+def _qwen_types(c: dict, n: int) -> list[str]:
+    """Qwen2/3: sliding from layer ``max_window_layers`` on."""
+    start = c.get("max_window_layers", n)
+    return ["full_attention" if i < start else "sliding_attention" for i in range(n)]
+
+
+def _alternate_types(c: dict, n: int) -> list[str]:
+    """Gemma 2: even layers local, odd layers global."""
+    return list(model_table.periodic_layer_types(n, 2))
+
+
+def _pattern_types(c: dict, n: int) -> list[str]:
+    """Gemma 3: every ``sliding_window_pattern``-th layer global (default 6)."""
+    pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
+    return list(model_table.periodic_layer_types(n, int(pattern)))
+
+
+def _always(c: dict) -> bool:
+    return True
+
+
+def _never(c: dict) -> bool:
+    return False
+
+
+def _use_sliding_window(c: dict) -> bool:
+    return bool(c.get("use_sliding_window", False))  # as transformers' Qwen2/Qwen3 configs
+
+
+def _write_no_windows(config: LlamaConfig, types: list[str]) -> dict:
+    return {}
+
+
+def _write_window(config: LlamaConfig, types: list[str]) -> dict:
+    return {"sliding_window": config.sliding_window}
+
+
+def _write_layer_types(config: LlamaConfig, types: list[str]) -> dict:
+    return {"sliding_window": config.sliding_window, "layer_types": types}
+
+
+def _write_qwen_windows(config: LlamaConfig, types: list[str]) -> dict:
+    """``layer_types`` and Qwen's ``use_sliding_window``/``max_window_layers``."""
+    c = config
+    sliding = c.sliding_window is not None
+    out = {"sliding_window": c.sliding_window, "layer_types": types}
+    out.update(use_sliding_window=sliding, max_window_layers=0 if sliding else c.num_layers)
+    if sliding and types[0] == "full_attention":
+        out["max_window_layers"] = types.index("sliding_attention")
+    return out
+
+
+def _write_gemma_windows(config: LlamaConfig, types: list[str]) -> dict:
+    """``layer_types`` with a window always set (unused when no layer slides)."""
+    return {"sliding_window": config.sliding_window or 4096, "layer_types": types}
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """How a family's ``config.json`` places sliding-window layers.
+
+    Attributes:
+      enabled: ``config.json`` dict -> whether its ``sliding_window`` applies at all (not
+        for Llama; Qwen's ``use_sliding_window``).
+      layer_types: ``(config.json dict, num_layers)`` -> each layer's type, for a file with
+        a window and no ``layer_types`` field.
+      write: ``(LlamaConfig, each layer's type)`` -> the window fields the family writes.
+    """
+
+    enabled: Callable[[dict], bool]
+    layer_types: Callable[[dict, int], list[str]]
+    write: Callable[[LlamaConfig, list[str]], dict]
+
+
+#: No sliding window (Llama, OLMo 2).
+NO_WINDOWS = Windows(_never, _all_full, _write_no_windows)
+#: A window in every layer when ``sliding_window`` is set (Mistral, Phi-3).
+EVERY_LAYER = Windows(_always, _all_sliding, _write_window)
+#: Qwen2/3: ``use_sliding_window`` from ``max_window_layers`` on.
+QWEN_WINDOWS = Windows(_use_sliding_window, _qwen_types, _write_qwen_windows)
+#: Gemma 2: alternating local and global layers.
+ALTERNATING = Windows(_always, _alternate_types, _write_gemma_windows)
+#: Gemma 3: every ``sliding_window_pattern``-th layer global.
+PATTERN = Windows(_always, _pattern_types, _write_gemma_windows)
+
+
+def _computes_any(config: LlamaConfig) -> str | None:
+    return None
+
+
+def _llama_shaped(config: LlamaConfig, family: str) -> str | None:
+    """Why Llama, Mistral and Qwen2 (``family``) cannot compute ``config``, if they cannot."""
+    if config.layer_types is not None or config.attn_logit_softcap or config.final_logit_softcap:
+        return f"{family} has no per-layer attention types or soft-caps"
+    return None
+
+
+def _llama_rejects(config: LlamaConfig) -> str | None:
+    """Llama: all attention and/or all MLP projections biased, no window."""
+    llama_sets = (set(), set(_ATTN_BIASES), set(_MLP_BIASES), set(_ATTN_BIASES + _MLP_BIASES))
+    if set(config.biases) not in llama_sets:
+        return "Llama biases all attention projections and/or all MLP projections"
+    if config.sliding_window is not None:
+        return "Llama has no sliding window"
+    return _llama_shaped(config, "Llama")
+
+
+def _mistral_rejects(config: LlamaConfig) -> str | None:
+    """Mistral: a window, no biases."""
+    if config.sliding_window is None:
+        return "Mistral has a sliding window"
+    if config.biases:
+        return "Mistral has no biases"
+    return _llama_shaped(config, "Mistral")
+
+
+def _qwen2_rejects(config: LlamaConfig) -> str | None:
+    """Qwen2: biases on q/k/v."""
+    if set(config.biases) != set(_QKV):
+        return "Qwen2 has biases on q/k/v only"
+    return _llama_shaped(config, "Qwen2")
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """How one transformers ``model_type`` maps onto ``LlamaConfig``.
 
     Attributes:
       architecture: transformers' class (``config.json``'s ``architectures``).
-      options: the ``LlamaConfig`` family options the model type implies (as pairs).
-      windows: how its ``config.json`` places sliding-window layers when it has no
-        ``layer_types``: ``"none"`` (never), ``"all"`` (every layer when ``sliding_window``
-        is set), ``"qwen"`` (``use_sliding_window`` from ``max_window_layers`` on),
-        ``"alternate"`` (Gemma 2: even layers local) or ``"pattern"`` (Gemma 3: every
-        ``sliding_window_pattern``-th layer global).
+      options: the ``LlamaConfig`` family options the model type implies (as pairs;
+        ``model_table.FAMILY_OPTIONS``, which the presets read too).
+      windows: how its ``config.json`` places sliding-window layers (a ``Windows``:
+        ``NO_WINDOWS``, ``EVERY_LAYER``, ``QWEN_WINDOWS``, ``ALTERNATING``, ``PATTERN``).
       fields: the family's own ``config.json`` fields, read by ``read``.
       read: ``config.json`` dict -> ``LlamaConfig`` keyword arguments (biases, soft-caps,
         ...); refuses values it does not implement.
@@ -143,19 +284,30 @@ class Family:
       per_layer_rope: ``rope_parameters`` is ``{layer type: parameters}`` (Gemma 3).
       defaults: the transformers config class's defaults of fields a ``config.json`` may
         omit (Gemma's ``tie_word_embeddings=True``, soft-caps, ...), as pairs.
+      activation_field: the ``config.json`` field naming the MLP activation
+        (``hidden_activation`` for Gemma).
+      rejects: ``LlamaConfig`` -> None when the family computes it, else why not
+        (``family_of`` chooses among the families with the config's options by it:
+        Llama, Mistral and Qwen2 share Llama's options and differ in biases and window).
     """
 
     architecture: str
     options: tuple[tuple[str, Any], ...] = ()
-    windows: str = "none"
+    windows: Windows = NO_WINDOWS
     fields: tuple[str, ...] = ()
     read: Callable[[dict], dict] = _no_fields
     write: Callable[[LlamaConfig], dict] = _no_output
     per_layer_rope: bool = False
     defaults: tuple[tuple[str, Any], ...] = ()
+    activation_field: str = "hidden_act"
+    rejects: Callable[[LlamaConfig], str | None] = _computes_any
 
 
-_GEMMA = (("norm_offset", 1.0), ("norm_placement", "sandwich"), ("scale_embeddings", True))
+def _implied(model_type: str) -> tuple[tuple[str, Any], ...]:
+    """The family options of ``model_type`` as pairs (``model_table.FAMILY_OPTIONS``)."""
+    return tuple(model_table.FAMILY_OPTIONS[model_type].items())
+
+
 _GEMMA_DEFAULTS = (
     ("tie_word_embeddings", True),
     ("head_dim", 256),
@@ -176,16 +328,31 @@ _GEMMA_FIELDS = (
 FAMILIES: dict[str, Family] = {
     "llama": Family(
         "LlamaForCausalLM",
+        options=_implied("llama"),
         fields=("attention_bias", "mlp_bias"),
         read=_llama_biases,
         write=_write_llama_biases,
+        rejects=_llama_rejects,
     ),
-    "mistral": Family("MistralForCausalLM", windows="all", defaults=(("sliding_window", 4096),)),
-    "qwen2": Family("Qwen2ForCausalLM", windows="qwen", read=lambda c: {"biases": _QKV}),
+    "mistral": Family(
+        "MistralForCausalLM",
+        options=_implied("mistral"),
+        windows=EVERY_LAYER,
+        defaults=(("sliding_window", 4096),),
+        rejects=_mistral_rejects,
+    ),
+    "qwen2": Family(
+        "Qwen2ForCausalLM",
+        options=_implied("qwen2"),
+        windows=QWEN_WINDOWS,
+        fields=("attention_bias", "mlp_bias"),  # refused when set: q/k/v biases are built in
+        read=_qwen2,
+        rejects=_qwen2_rejects,
+    ),
     "qwen3": Family(
         "Qwen3ForCausalLM",
-        options=(("qk_norm", "head"),),
-        windows="qwen",
+        options=_implied("qwen3"),
+        windows=QWEN_WINDOWS,
         fields=("attention_bias",),
         read=_attention_bias,
         write=_write_attention_bias,
@@ -193,8 +360,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "gemma2": Family(
         "Gemma2ForCausalLM",
-        options=_GEMMA,
-        windows="alternate",
+        options=_implied("gemma2"),
+        windows=ALTERNATING,
         fields=_GEMMA_FIELDS,
         read=_gemma,
         write=_write_gemma,
@@ -203,11 +370,12 @@ FAMILIES: dict[str, Family] = {
             ("attn_logit_softcapping", 50.0),
             ("final_logit_softcapping", 30.0),
         ),
+        activation_field="hidden_activation",
     ),
     "gemma3_text": Family(
         "Gemma3ForCausalLM",
-        options=(*_GEMMA, ("qk_norm", "head")),
-        windows="pattern",
+        options=_implied("gemma3_text"),
+        windows=PATTERN,
         fields=(
             *_GEMMA_FIELDS,
             "rope_local_base_freq",
@@ -218,11 +386,12 @@ FAMILIES: dict[str, Family] = {
         write=_write_gemma,
         per_layer_rope=True,
         defaults=_GEMMA_DEFAULTS,
+        activation_field="hidden_activation",
     ),
     "phi3": Family(
         "Phi3ForCausalLM",
-        options=(("fused_projections", True),),
-        windows="all",
+        options=_implied("phi3"),
+        windows=EVERY_LAYER,
         # original_max_position_embeddings only matters to longrope, which is refused
         fields=("resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "attention_bias"),
         read=_phi3,
@@ -230,11 +399,19 @@ FAMILIES: dict[str, Family] = {
     ),
     "olmo2": Family(
         "Olmo2ForCausalLM",
-        options=(("qk_norm", "proj"), ("norm_placement", "post")),
+        options=_implied("olmo2"),
         fields=("attention_bias",),
         read=_attention_bias,
         write=_write_attention_bias,
         defaults=(("rms_norm_eps", 1e-5),),
+    ),
+}
+
+#: ``model_type``s jmem does not load -> what to load instead.
+NOT_LOADED: dict[str, str] = {
+    "gemma3": (
+        "gemma3 is the multimodal Gemma 3 (vision tower, language_model.* tensors): load a "
+        "text-only gemma3_text checkpoint (Gemma 3 1B) instead"
     ),
 }
 
@@ -253,54 +430,33 @@ def _options(config: LlamaConfig) -> dict:
 
 
 def family_of(config: LlamaConfig) -> str:
-    """The ``model_type`` of the one transformers family that computes ``config``.
+    """The ``model_type`` of the first transformers family that computes ``config``: its
+    options are the config's and its ``rejects`` finds no reason against it.
 
     Raises:
-      ValueError: no family has ``config``'s options, or (for the Llama-shaped ones)
-        its biases and window (Qwen2: q/k/v biases; Mistral: a window, no biases; Llama:
-        all attention and/or all MLP biases, no window); the message says why.
+      ValueError: no family has ``config``'s options, or each that has rejects it (for the
+        Llama-shaped ones, its biases and window: Qwen2 q/k/v biases; Mistral a window, no
+        biases; Llama all attention and/or all MLP biases, no window); the message says why.
     """
     default = _options(LlamaConfig(num_layers=1))
     opts = _options(config)
-    matches = [
-        name
-        for name, fam in FAMILIES.items()
-        if {**default, **dict(fam.options)} == opts and name not in ("llama", "mistral", "qwen2")
-    ]
-    if matches:
-        return matches[0]
-    if opts != default:
+    candidates = {
+        name: fam for name, fam in FAMILIES.items() if {**default, **dict(fam.options)} == opts
+    }
+    if not candidates:
         raise ValueError(
             f"The family options {opts} of {config} match no transformers family "
             f"({sorted(FAMILIES)}); the export could not be loaded."
         )
-    return _llama_shaped(config)
-
-
-def _llama_shaped(config: LlamaConfig) -> str:
-    """Llama, Mistral or Qwen2 for a config with Llama's family options."""
-    biases = set(config.biases)
-    if config.layer_types is not None or config.attn_logit_softcap or config.final_logit_softcap:
-        raise ValueError(
-            f"{config} has per-layer attention types or soft-caps, which Llama, Mistral and "
-            "Qwen2 lack; no transformers family computes it."
-        )
-    if biases == set(_QKV):
-        return "qwen2"
-    llama_sets = (set(), set(_ATTN_BIASES), set(_MLP_BIASES), set(_ATTN_BIASES + _MLP_BIASES))
-    if biases not in llama_sets:
-        raise ValueError(
-            f"biases={config.biases} match no transformers family (Qwen2: q/k/v; Llama: all "
-            "attention projections and/or all MLP projections); the export cannot be loaded."
-        )
-    if config.sliding_window is not None:
-        if biases:
-            raise ValueError(
-                f"sliding_window={config.sliding_window} with biases={config.biases}: Mistral "
-                "has no biases and Llama no sliding window; no transformers family computes it."
-            )
-        return "mistral"
-    return "llama"
+    reasons = {name: fam.rejects(config) for name, fam in candidates.items()}
+    accepted = [name for name, reason in reasons.items() if reason is None]
+    if accepted:
+        return accepted[0]
+    raise ValueError(
+        f"biases={config.biases}, sliding_window={config.sliding_window} and the attention "
+        f"types of {config} match no transformers family ({'; '.join(reasons.values())}); "
+        "the export cannot be loaded."
+    )
 
 
 def _layer_norm_names(config: LlamaConfig) -> dict[str, str]:
@@ -347,25 +503,16 @@ def tensor_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
 
 def layer_windows(c: dict, family: Family) -> tuple[int | None, tuple[str, ...] | None]:
     """``(sliding_window, layer_types)`` of a ``config.json`` in ``LlamaConfig``'s normal
-    form: no window when no layer slides, ``layer_types`` only when layers differ."""
+    form: no window when no layer slides, ``layer_types`` only when layers differ.
+    ``family.windows`` says where the windows are when the file has no ``layer_types``."""
     n = c["num_hidden_layers"]
-    window = c.get("sliding_window")
-    rule = family.windows
-    if rule == "qwen" and not c.get("use_sliding_window", False):
-        window = None  # as transformers' Qwen2/Qwen3 configs
-    if rule == "none" or window is None:
+    window = c.get("sliding_window") if family.windows.enabled(c) else None
+    if window is None:
         types = ["full_attention"] * n
     elif c.get("layer_types") is not None:
         types = list(c["layer_types"])
-    elif rule == "all":
-        types = ["sliding_attention"] * n
-    elif rule == "qwen":
-        start = c.get("max_window_layers", n)
-        types = ["full_attention" if i < start else "sliding_attention" for i in range(n)]
     else:
-        pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
-        period = 2 if rule == "alternate" else int(pattern)
-        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+        types = family.windows.layer_types(c, n)
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown or len(types) != n:
         refuse("layer_types", types, f"{n} entries of full_attention, sliding_attention")
@@ -382,20 +529,7 @@ def write_windows(config: LlamaConfig, model_type: str) -> dict:
     if not types:
         kind = "full_attention" if c.sliding_window is None else "sliding_attention"
         types = [kind] * c.num_layers
-    rule = FAMILIES[model_type].windows
-    if rule == "none":
-        return {}
-    if rule == "all":
-        return {"sliding_window": c.sliding_window}
-    out = {"sliding_window": c.sliding_window, "layer_types": types}
-    if rule == "qwen":
-        sliding = c.sliding_window is not None
-        out.update(use_sliding_window=sliding, max_window_layers=0 if sliding else c.num_layers)
-        if sliding and types[0] == "full_attention":
-            out["max_window_layers"] = types.index("sliding_attention")
-    if rule == "pattern" or rule == "alternate":
-        out["sliding_window"] = c.sliding_window or 4096  # unused when no layer slides
-    return out
+    return FAMILIES[model_type].windows.write(c, types)
 
 
 #: config.json fields that do not change the computation (token ids, init, bookkeeping).
@@ -572,14 +706,11 @@ def _check_fields(c: dict, family: Family) -> None:
             method,
             "unquantized checkpoints; use load_params(quantize='nf4') to quantize on load",
         )
-    if "hidden_activation" not in family.fields and c.get("hidden_act", "silu") not in ACTIVATIONS:
-        refuse("hidden_act", c.get("hidden_act"), ", ".join(sorted(ACTIVATIONS)))
-    if c.get("hidden_activation", "gelu_pytorch_tanh") not in ACTIVATIONS:
-        refuse("hidden_activation", c["hidden_activation"], ", ".join(sorted(ACTIVATIONS)))
+    field = family.activation_field
+    if c.get(field) is not None and c[field] not in ACTIVATIONS:
+        refuse(field, c[field], ", ".join(sorted(ACTIVATIONS)))
     if c.get("attention_dropout", 0.0):
         refuse("attention_dropout", c["attention_dropout"], "0.0 (jmem applies no dropout)")
-    if family.architecture == "Qwen2ForCausalLM" and (c.get("attention_bias") or c.get("mlp_bias")):
-        refuse("attention_bias/mlp_bias", True, "absent for qwen2 (q/k/v biases are built in)")
     known = IGNORED_FIELDS | HANDLED_FIELDS | set(family.fields)
     unknown = sorted(k for k in set(c) - known if c[k] is not None)
     if unknown:
@@ -595,12 +726,7 @@ def config_from_dict(c: dict) -> LlamaConfig:
     type. See ``jmem.models.hf.load_config``."""
     model_type = c.get("model_type", "llama")
     if model_type not in FAMILIES:
-        hint = ""
-        if model_type == "gemma3":
-            hint = (
-                "; gemma3 is the multimodal Gemma 3 (vision tower, language_model.* "
-                "tensors): load a text-only gemma3_text checkpoint (Gemma 3 1B) instead"
-            )
+        hint = f"; {NOT_LOADED[model_type]}" if model_type in NOT_LOADED else ""
         refuse("model_type", model_type, ", ".join(FAMILIES) + hint)
     family = FAMILIES[model_type]
     c = {**dict(family.defaults), **c}  # fields the file omits take the family's defaults
@@ -716,7 +842,5 @@ def hf_config(config: LlamaConfig, dtype_name: str = "float32") -> dict[str, Any
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    if model_type == "qwen2":  # q/k/v biases are built in; Qwen2 has no such fields
-        out.pop("attention_bias", None)
     _check_round_trip(c, out)
     return out

@@ -1,7 +1,8 @@
 """Model shapes for the memory planner: Llama-family dimensions from a config, a name or a count.
 
-Mirrors ``jmem.models.llama.CONFIGS`` (tests check they agree) so the planner imports no
-model code; see ``docs/planner.md``.
+The named shapes are the presets of ``jmem._src.model_table`` (the table
+``jmem.models.llama.CONFIGS`` is built from too), so the planner imports no model code; see
+``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import re
 import types
 from typing import Any
 
+from jmem._src import model_table
+
 __all__ = [
     "LINEAR_NAMES",
     "MODEL_SHAPES",
@@ -21,8 +24,8 @@ __all__ = [
     "standard_shape",
 ]
 
-#: Linear weights of one decoder layer (the names of ``jmem.models.llama.LINEAR_NAMES``).
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Linear weights of one decoder layer (``model_table.LINEAR_NAMES``, as ``jmem.models.llama``).
+LINEAR_NAMES = model_table.LINEAR_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +37,9 @@ class ModelShape:
     ``fused_projections`` (Phi-3): ``leaf_sizes`` has one ``qkv_proj`` and one
     ``gate_up_proj`` leaf; ``linear_shapes`` still lists the separate projections (the
     same elements), so LoRA on a fused module is counted as on its parts (``2 r H`` more
-    adapter elements per layer than PEFT's one adapter on the fused module)."""
+    adapter elements per layer than PEFT's one adapter on the fused module). ``biases``: the
+    projections with a bias ``[L, out]`` (as ``LlamaConfig.biases``). ``name`` does not take
+    part in comparisons (Llama 3.1 8B has Llama 3 8B's shape)."""
 
     vocab_size: int
     hidden_size: int
@@ -44,9 +49,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     tie_embeddings: bool = False
-    name: str | None = None
+    name: str | None = dataclasses.field(default=None, compare=False)
     norm_widths: tuple[int, ...] | None = None
     fused_projections: bool = False
+    biases: tuple[str, ...] = ()
     #: The long-context paths as resolved from the step's ``jmem.Levers`` (attention,
     #: ``loss_chunk``, ``token_chunk``; set by ``estimate``): how the step computes, not the
     #: shape, so they do not take part in comparisons.
@@ -98,30 +104,23 @@ class ModelShape:
                 **lin,
             }
         sizes += list(lin.values())
+        sizes += list(self._bias_sizes().values())
         if not self.tie_embeddings:
             sizes.append(h * self.vocab_size)
         return sizes
 
+    def _bias_sizes(self) -> dict[str, int]:
+        """Elements of each bias leaf ``[L, out]`` (``biases``; fused names for Phi-3's)."""
+        outs = {k: o for k, (_, o) in self.linear_shapes().items()}
+        outs["qkv_proj"] = outs["q_proj"] + outs["k_proj"] + outs["v_proj"]
+        outs["gate_up_proj"] = outs["gate_proj"] + outs["up_proj"]
+        return {name: self.num_layers * outs[name] for name in self.biases}
+
     @property
     def n_params(self) -> int:
         """Total parameters; equals ``jmem.models.llama.num_params(config)``."""
-        return self.linear_params + self.embedding_params + self.norm_params
-
-
-def _shape(name, V, H, F, L, nH, nKV, tie=False):
-    return ModelShape(V, H, F, L, nH, nKV, H // nH, tie, name)
-
-
-def _family(name, V, H, F, L, nH, nKV, D, tie, norms, qk):
-    """A family preset's shape: ``norms`` per-layer norms of H (2, or 4 for Gemma's
-    sandwich) and QK-norm ``qk`` (None, ``"head"`` or ``"proj"``), as ``LlamaConfig``."""
-    placement = "sandwich" if norms == 4 else "pre"
-    options = types.SimpleNamespace(
-        hidden_size=H, num_heads=nH, num_kv_heads=nKV, head_dim=D, norm_placement=placement,
-        qk_norm=qk,
-    )  # fmt: skip
-    fused = name.startswith("phi3")
-    return ModelShape(V, H, F, L, nH, nKV, D, tie, name, norm_widths_of(options), fused)
+        biases = sum(self._bias_sizes().values())
+        return self.linear_params + self.embedding_params + self.norm_params + biases
 
 
 def norm_widths_of(model: Any) -> tuple[int, ...] | None:
@@ -135,21 +134,30 @@ def norm_widths_of(model: Any) -> tuple[int, ...] | None:
     return widths if widths != (H, H) else None
 
 
-#: Shapes of ``jmem.models.llama.CONFIGS`` (tests check they agree).
+def _of_config(model: Any, name: str | None) -> ModelShape:
+    """The ``ModelShape`` of a ``LlamaConfig``-like object (its attributes; absent optional
+    ones take ``LlamaConfig``'s defaults)."""
+    hd = getattr(model, "head_dim", None) or model.hidden_size // model.num_heads
+    return ModelShape(
+        int(model.vocab_size),
+        int(model.hidden_size),
+        int(model.intermediate_size),
+        int(model.num_layers),
+        int(model.num_heads),
+        int(model.num_kv_heads),
+        int(hd),
+        bool(getattr(model, "tie_embeddings", False)),
+        name,
+        norm_widths_of(model),
+        bool(getattr(model, "fused_projections", False)),
+        tuple(getattr(model, "biases", ())),
+    )
+
+
+#: Shapes of the presets (``model_table.PRESETS``, as ``jmem.models.llama.CONFIGS``).
 MODEL_SHAPES: dict[str, ModelShape] = {
-    "tiny": _shape("tiny", 256, 256, 688, 4, 8, 4),
-    "llama_1b": _shape("llama_1b", 32000, 2048, 5632, 22, 32, 4),
-    "llama2_7b": _shape("llama2_7b", 32000, 4096, 11008, 32, 32, 32),
-    "llama3_8b": _shape("llama3_8b", 128256, 4096, 14336, 32, 32, 8),
-    "gemma2_2b": _family("gemma2_2b", 256000, 2304, 9216, 26, 8, 4, 256, True, 4, None),
-    "gemma2_9b": _family("gemma2_9b", 256000, 3584, 14336, 42, 16, 8, 256, True, 4, None),
-    "gemma3_1b": _family("gemma3_1b", 262144, 1152, 6912, 26, 4, 1, 256, True, 4, "head"),
-    "gemma3_4b": _family("gemma3_4b", 262208, 2560, 10240, 34, 8, 4, 256, True, 4, "head"),
-    "gemma3_12b": _family("gemma3_12b", 262208, 3840, 15360, 48, 16, 8, 256, True, 4, "head"),
-    "qwen3_0_6b": _family("qwen3_0_6b", 151936, 1024, 3072, 28, 16, 8, 128, True, 2, "head"),
-    "qwen3_8b": _family("qwen3_8b", 151936, 4096, 12288, 36, 32, 8, 128, False, 2, "head"),
-    "phi3_mini": _family("phi3_mini", 32064, 3072, 8192, 32, 32, 32, 96, False, 2, None),
-    "olmo2_7b": _family("olmo2_7b", 100352, 4096, 11008, 32, 32, 32, 128, False, 2, "proj"),
+    name: _of_config(types.SimpleNamespace(**model_table.preset_fields(name)), name)
+    for name in model_table.PRESETS
 }
 
 
@@ -275,23 +283,10 @@ def resolve_shape(model: Any, **shape_kwargs) -> tuple[ModelShape, float]:
             f"model {type(model).__name__} lacks {missing}; pass a LlamaConfig-like object, a "
             f"name from {sorted(MODEL_SHAPES)}, or a parameter count."
         )
-    hd = getattr(model, "head_dim", None) or model.hidden_size // model.num_heads
-    s = ModelShape(
-        int(model.vocab_size),
-        int(model.hidden_size),
-        int(model.intermediate_size),
-        int(model.num_layers),
-        int(model.num_heads),
-        int(model.num_kv_heads),
-        int(hd),
-        bool(getattr(model, "tie_embeddings", False)),
-        getattr(model, "name", None),
-        norm_widths_of(model),
-        bool(getattr(model, "fused_projections", False)),
-    )
+    s = _of_config(model, getattr(model, "name", None))
     if s.name is None:  # name a config that matches a known shape
         for known in MODEL_SHAPES.values():
-            if dataclasses.replace(known, name=None) == s:
+            if known == s:
                 s = dataclasses.replace(s, name=known.name)
                 break
     return s, s.n_params

@@ -1,0 +1,190 @@
+"""One residual block, written plainly, ``x += attn(norm x)`` then ``x += mlp(norm x)``
+(with the family's extra norms), with token chunking as a transform over its token-local
+steps: everything but attention runs ``lv.token_chunk`` tokens at a time (``_over_tokens``,
+``jmem._src.token_chunks``), as Liu et al. 2024's blockwise feed-forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jmem._src import levers as levers_lib
+from jmem._src.attention import attention
+from jmem._src.token_chunks import over_tokens
+from jmem.models.llama.config import LlamaConfig
+from jmem.models.llama.config import Params
+from jmem.models.llama.layers import _mlp
+from jmem.models.llama.layers import _norm
+from jmem.models.llama.layers import _proj
+from jmem.models.llama.layers import _qkv
+from jmem.models.llama.layers import apply_rope
+
+
+def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None, lv=None):
+    """One residual block, ``[B, S, H]`` -> ``([B, S, H], cache)``, as Llama's::
+
+        x = x + attn(norm(x))   # _attn_in (norm, q/k/v, RoPE) | _attend | _attn_out
+        x = x + mlp(norm(x))    # _mlp_block
+
+    with the family's extra norms (``post_attn_norm``/``post_mlp_norm`` after each
+    sublayer for ``norm_placement`` sandwich or post, which has no pre-norms; QK-norm).
+    Token chunking is a transform over the token-local steps: ``local(fn, *arrays)`` runs
+    ``fn`` over chunks of ``lv.token_chunk`` tokens (``_over_tokens``); only attention,
+    which mixes tokens, sees every token at once.
+
+    ``rope``: ``(cos, sin)``; ``attn``: ``_attend``'s index arguments; ``cache``: None, or
+    a pair ``[B, T, nKV, D]`` into which this call's keys/values are written at row index
+    ``index``, attention then running over the whole cache (returned updated). ``lv``: the
+    ``ResolvedLevers`` (None: decoding, ``_DECODE``)."""
+    lv = _DECODE if lv is None else lv
+    local = functools.partial(_local, lv=lv, fp8=fp8, layer=layer, config=config)
+    b, s, _ = x.shape
+    cos, sin = (jnp.broadcast_to(t, (b, s, t.shape[-1])) for t in rope)
+    q, k, v = local(_attn_in, x, cos, sin)
+    k, v, cache = _write_cache(cache, k, v, index)
+    ctx = checkpoint_name(_attend(q, k, v, config, attn, lv).reshape(b, s, -1), "attn_context")
+    (x,) = local(_residuals, x, ctx)
+    return x, cache
+
+
+def _residuals(x, ctx, *, layer, config, fp8):
+    """The block after attention, token-local: ``x += attn_out(ctx)``, ``x += mlp(norm x)``;
+    ``x [B, S, H]``, ``ctx [B, S, nH * D]`` -> ``(x,)``."""
+    x = x + _attn_out(ctx, layer, config, fp8)
+    return (x + _mlp_block(x, layer, config, fp8),)
+
+
+def _attn_in(x, cos, sin, *, layer, config, fp8):
+    """The attention sublayer's token-local input: pre-norm, q/k/v projections
+    (QK-norm) and RoPE; ``[B, S, H]`` -> q ``[B, S, nH, D]``, k/v ``[B, S, nKV, D]``."""
+    h = x if config.norm_placement == "post" else _norm(x, layer, "attn_norm", config)
+    q, k, v = _qkv(h, layer, config, fp8)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _attn_out(ctx, layer, config: LlamaConfig, fp8) -> jax.Array:
+    """``o_proj(ctx)``, then ``post_attn_norm`` unless ``norm_placement="pre"``."""
+    out = checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
+    return out if config.norm_placement == "pre" else _norm(out, layer, "post_attn_norm", config)
+
+
+def _mlp_block(x, layer, config: LlamaConfig, fp8) -> jax.Array:
+    """The MLP sublayer without its residual: ``mlp_norm`` (not with ``"post"``), the gated
+    MLP, ``post_mlp_norm`` (not with ``"pre"``)."""
+    h = x if config.norm_placement == "post" else _norm(x, layer, "mlp_norm", config)
+    out = _mlp(h, layer, config, fp8)
+    return out if config.norm_placement == "pre" else _norm(out, layer, "post_mlp_norm", config)
+
+
+def _write_cache(cache, k, v, index):
+    """``(k, v, cache)``: without a cache the inputs; else the cache pair with ``k``/``v``
+    written at row ``index`` (axis 1), returned as the keys/values to attend and the cache."""
+    if cache is None:
+        return k, v, None
+    cache = tuple(
+        jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), index, axis=1)
+        for full, new in zip(cache, (k, v))
+    )
+    return *cache, cache
+
+
+def _local(fn, *arrays, lv, fp8, layer, config):
+    """``fn(*arrays, layer=, config=, fp8=)`` as a token-local step (``_over_tokens``)."""
+    return _over_tokens(
+        functools.partial(fn, layer=layer, config=config, fp8=fp8), lv, fp8, *arrays
+    )
+
+
+def _over_tokens(fn, lv, fp8, *arrays):
+    """``fn(*arrays)``, token-local, over chunks of ``lv.token_chunk`` tokens
+    (``jmem._src.token_chunks.over_tokens``: its ``[chunk, F]`` MLP tensors and float32
+    norms and projections exist for one chunk at a time and are recomputed per chunk in
+    the backward pass); ``arrays`` are ``[B, S, ...]``, returns ``fn``'s tuple of
+    ``[B, S, ...]`` outputs. Whole (no loop) when the tokens fit one chunk or with
+    ``token_chunk=0`` (the resolver sets 0 with FP8, whose scaling state is a per-call
+    gradient). Checkpoint names inside a chunk are not seen by an outer remat policy."""
+    if not lv.token_chunk:
+        return tuple(fn(*arrays))
+    return over_tokens(fn, lv.token_chunk, *arrays)
+
+
+def _attend(q, k, v, config: LlamaConfig, attn: dict, lv) -> jax.Array:
+    """``attention`` with the config's scale and soft-cap and the resolved levers'
+    implementation (``lv.attention``); ``attn`` holds
+    the index arguments (``q_index``, optional ``kv_index``, ``segment_ids``) and this
+    layer's ``sliding_window`` (default: the config's, for every layer)."""
+    attn = {"sliding_window": _uniform_window(config), **attn}
+    return attention(
+        q,
+        k,
+        v,
+        **attn,
+        scale=config.attn_scale,
+        logit_softcap=config.attn_logit_softcap,
+        implementation=lv.attention,
+    )
+
+
+def _uniform_window(config: LlamaConfig) -> int | None:
+    """The window of every layer when layers do not differ (see ``decoder._is_local``)."""
+    c = config
+    if c.layer_types is not None and "sliding_attention" not in c.layer_types:
+        return None
+    return c.sliding_window
+
+
+#: The levers of a KV-cache decoding step: attention picked per call (a cache is not
+#: self-attention, so never cuDNN), no token chunks, one layer loop.
+_DECODE = levers_lib.ResolvedLevers("none", "auto", 0, 0, 1, False, "any", None)
+
+
+def _resolved(levers, config, shape, dtype, fp8, segment_ids) -> levers_lib.ResolvedLevers:
+    """``levers`` resolved for this call's batch ``shape`` ``(B, S)`` on the running
+    backend, unless already resolved (for a compile target: ``jmem.resolve_levers``).
+    FP8 metas make the levers FP8 (token chunks off, named in the reason).
+
+    Raises:
+      ValueError: FP8 metas with levers already resolved with token chunks on.
+    """
+    if isinstance(levers, levers_lib.ResolvedLevers):
+        if fp8 is not None and levers.token_chunk:
+            raise ValueError(
+                "fp8 metas were given but the levers were resolved without fp8=True (token "
+                f"chunks of {levers.token_chunk}); resolve jmem.Levers(fp8=True, ...)."
+            )
+        return levers
+    levers = levers_lib.Levers() if levers is None else levers
+    if fp8 is not None and not levers.fp8:
+        levers = dataclasses.replace(levers, fp8=True)
+    batch = {"inputs": jax.ShapeDtypeStruct(tuple(shape), jnp.int32)}
+    if segment_ids is not None:
+        batch["segment_ids"] = segment_ids
+    return levers_lib.resolve(levers, config, batch, dtype=dtype)
+
+
+def decoder_layer(
+    x: jax.Array,
+    layer: Params,
+    config: LlamaConfig,
+    cos,
+    sin,
+    attn: dict,
+    fp8: Params | None = None,
+    levers: Any = None,
+) -> jax.Array:
+    """One decoder layer. x ``[B, S, H]`` -> ``[B, S, H]``, same dtype.
+
+    ``cos``/``sin`` from ``rope_tables``; ``attn``: the index keyword arguments of
+    ``jmem.ops.attention`` (``q_index`` int ``[S]`` or ``[B, S]``, optional
+    ``kv_index`` and ``segment_ids``), from which the mask is built inside attention, and
+    optionally this layer's ``sliding_window`` (needed with mixed ``layer_types``);
+    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None); ``levers``:
+    a ``jmem.Levers`` or ``ResolvedLevers`` (None: ``jmem.Levers()``)."""
+    lv = _resolved(levers, config, x.shape[:2], x.dtype, fp8, attn.get("segment_ids"))
+    return _layer(x, layer, config, (cos, sin), attn, fp8, lv=lv)[0]

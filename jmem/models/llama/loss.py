@@ -1,0 +1,67 @@
+"""The language-model loss: mean next-token cross-entropy, computed over token chunks
+(``jmem.ops.linear_cross_entropy``) so that the ``[B, S, V]`` logits are never held.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmem._src.linear_cross_entropy import ignore_negative_targets
+from jmem._src.linear_cross_entropy import linear_cross_entropy
+from jmem._src.linear_cross_entropy import token_nll
+from jmem.models.llama.config import LlamaConfig
+from jmem.models.llama.config import Params
+from jmem.models.llama.decoder import _hidden
+from jmem.models.llama.layers import _final_norm
+from jmem.models.llama.layers import _head_kernel
+
+
+@jax.named_scope("cross_entropy")
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Mean token cross-entropy (nats). logits ``[B,S,V]`` float, targets int ``[B,S]``;
+    ``mask`` optional ``[B, S]`` weights. A negative target (PyTorch's ``ignore_index=-100``)
+    weighs 0, as in ``linear_cross_entropy``."""
+    weight, targets = ignore_negative_targets(targets, mask)
+    nll = token_nll(logits, targets)
+    return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
+def loss_fn(
+    params: Params,
+    batch: dict[str, jax.Array],
+    config: LlamaConfig,
+    *,
+    levers: Any = None,
+    **kwargs,
+) -> jax.Array:
+    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``.
+
+    Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
+    ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
+    keyword arguments go to ``forward``. ``levers``: as ``forward``'s (None:
+    ``jmem.Levers()``). The loss is computed ``levers.loss_chunk`` tokens at a time
+    (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
+    ``[B, S, V]`` logits unless ``loss_chunk=0``."""
+    kwargs = {"layer_transform": None, "fp8": None, **kwargs}
+    x, lv = _hidden(
+        params,
+        batch["inputs"],
+        config,
+        positions=batch.get("positions"),
+        segment_ids=batch.get("segment_ids"),
+        levers=levers,
+        **kwargs,
+    )
+    return linear_cross_entropy(
+        _final_norm(params, x, config),
+        _head_kernel(params, config),
+        batch["targets"],
+        batch.get("mask"),
+        chunk=lv.loss_chunk,
+        logit_softcap=config.final_logit_softcap,
+    )
