@@ -127,6 +127,8 @@ def _estimate(args: argparse.Namespace) -> int:
         )
     if args.max_seq:
         return _max_seq(args)
+    if args.target:
+        return _estimate_compiled(args)
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         print(f"== optimizer={opt} remat={remat} ==")
@@ -146,6 +148,8 @@ def _max_seq(args: argparse.Namespace) -> int:
 
     if not args.memory:
         raise ValueError("--max-seq needs --memory (e.g. --memory 24GB).")
+    if args.target:
+        return _max_seq_compiled(args)
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         found = planner.max_seq_len(args.memory, args.model, reserve=args.reserve, **kw)
@@ -158,6 +162,74 @@ def _max_seq(args: argparse.Namespace) -> int:
         )
         if not plain:
             print(_why_nothing_fits(args, kw))
+        print()
+    return 0
+
+
+def _compiled_flags(args: argparse.Namespace, opt: str, remat: str) -> dict:
+    """The job's flags for ``--target``'s compiles (``compiled_plan.job_flags``)."""
+    from jmem._src.finetune import compiled_plan  # noqa: PLC0415
+
+    return compiled_plan.job_flags(
+        getattr(args.model, "name", None),
+        lora_rank=args.lora_rank,
+        quant=_quant(args),
+        lora_targets=args.lora_targets,
+        offload=args.offload,
+        optimizer=opt,
+        remat=remat,
+        batch_size=args.batch_size,
+    )
+
+
+def _estimate_compiled(args: argparse.Namespace) -> int:
+    """``--target``: the job's step compiled for the target at ``--seq-len``: device peak
+    and host bytes from XLA's buffer assignment (and, with ``--memory``, the verdict)."""
+    from jmem import planner  # noqa: PLC0415
+    from jmem._src.finetune import compiled_plan  # noqa: PLC0415
+
+    for opt, remat in itertools.product(args.optimizer, args.remat):
+        step = compiled_plan.compile_step(
+            _compiled_flags(args, opt, remat), args.target, args.seq_len
+        )
+        print(f"== optimizer={opt} remat={remat} ==")
+        print(
+            f"compiled for {args.target} ({_compiler(args.target)}; source: compiler): "
+            f"{args.seq_len:,} tokens, device peak {step.peak_bytes / 2**30:.2f} GiB, "
+            f"host {step.host_bytes / 2**30:.2f} GiB"
+        )
+        if args.memory:
+            fits = planner.fits(step.peak_bytes, args.memory, args.reserve)
+            print(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {args.memory / 2**30:g} GiB")
+        print()
+    return 0
+
+
+def _compiler(target: str) -> str:
+    """How ``target`` is compiled for, as the printouts label it."""
+    from jmem import targets  # noqa: PLC0415
+
+    if targets.get(target).platform == "gpu":
+        return "XLA:GPU compile, no GPU; not autotuned"
+    return "XLA:CPU compile"
+
+
+def _max_seq_compiled(args: argparse.Namespace) -> int:
+    """``--max-seq --target``: the longest sequence (multiples of 8,192 tokens) whose
+    compiled device peak fits, with ``--remat`` and with the layer inputs offloaded."""
+    from jmem._src.finetune import compiled_plan  # noqa: PLC0415
+
+    for opt, remat in itertools.product(args.optimizer, args.remat):
+        print(f"== optimizer={opt} remat={remat} (compiled for {args.target}) ==")
+        for mode in dict.fromkeys(["full" if remat == "none" else remat, "offload_inputs"]):
+            flags = _compiled_flags(args, opt, mode)
+            got = compiled_plan.longest(
+                flags, args.target, args.memory, args.reserve, args.search_limit
+            )
+            print(
+                f"remat {mode}: longest sequence {got.seq_len:,} tokens (device peak "
+                f"{got.peak_bytes / 2**30:.2f} GiB, host {got.host_bytes / 2**30:.2f} GiB)"
+            )
         print()
     return 0
 
@@ -249,6 +321,7 @@ def _add_estimate(sub, full: bool) -> None:
         help="print the longest --seq-len that fits --memory, without and with offload",
     )
     p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
+    _add_target_flags(p)
     p.add_argument(
         "--quant",
         choices=["nf4", "none"],
@@ -258,6 +331,25 @@ def _add_estimate(sub, full: bool) -> None:
     )
     _add_shape_flags(p)
     p.set_defaults(func=_estimate)
+
+
+def _add_target_flags(p) -> None:
+    """``estimate``'s flags that answer from the compiler (``--target``)."""
+    from jmem import targets  # noqa: PLC0415 (JAX: only once a command runs)
+
+    p.add_argument(
+        "--target",
+        choices=targets.NAMES,
+        help="answer from the compiler: compile the job's QLoRA step for this target (XLA:GPU "
+        "deviceless compile, pip install 'jmem[gpu-plan]' and JAX_PLATFORMS=cpu); with "
+        "--max-seq, a bisection over multiples of 8,192 tokens (minutes for an 8B model)",
+    )
+    p.add_argument(
+        "--search-limit",
+        type=cli.positive_int,
+        default=1 << 19,
+        help="with --max-seq --target: the longest sequence tried (default 524,288)",
+    )
 
 
 def _add_shape_flags(p) -> None:

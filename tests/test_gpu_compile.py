@@ -234,3 +234,26 @@ def test_qlora_step_with_the_offload_remat_policy(tmp_path):
     `offload` compiles too)."""
     argv = ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1", "--remat", "offload"]
     _qlora_dry_run(tmp_path, argv)
+
+
+@pytest.mark.slow
+def test_estimate_answers_from_the_compiler(capsys):
+    """``jmem estimate --target h100_sxm``: the job's step compiled at --seq-len (device
+    peak and host bytes from XLA:GPU), and ``--max-seq`` bisects over compiles (tiny, up to
+    32,768 tokens: the layer inputs offloaded fit at least as long as full remat)."""
+    import re
+
+    from jmem.__main__ import main
+
+    main(["estimate", "--model", "tiny", "--target", TARGET, "--seq-len", "4096"])
+    out = capsys.readouterr().out
+    assert "XLA:GPU compile" in out and "source: compiler" in out
+    peak = float(re.search(r"device peak ([\d.]+) GiB", out).group(1))
+    assert 0 < peak < 1
+    argv = ["estimate", "--model", "tiny", "--target", TARGET, "--max-seq", "--memory", "2.1GB"]
+    main(argv + ["--search-limit", "32768"])
+    out = capsys.readouterr().out
+    full, offloaded = (
+        int(n.replace(",", "")) for n in re.findall(r"longest sequence ([\d,]+)", out)
+    )
+    assert 0 < full <= offloaded <= 32768 and full % 8192 == 0

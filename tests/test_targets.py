@@ -136,3 +136,15 @@ def test_the_job_refuses_target_without_dry_run(capsys):
         finetune.main(["--config", "tiny", "--target", "h100_sxm", "--dry-run"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "jmem[gpu-plan]" in err and err.count("\n") == 1
+
+
+def test_estimate_target_refuses_what_the_job_does_not_compile(capsys):
+    """``jmem estimate --target`` compiles the job's QLoRA step: a parameter count or full
+    fine-tuning gets one line, status 2."""
+    from jmem.__main__ import main
+
+    for argv in (["--model", "7B"], ["--model", "tiny", "--lora-rank", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["estimate", *argv, "--target", "cpu"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "--target compiles" in err

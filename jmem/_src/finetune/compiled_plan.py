@@ -1,0 +1,86 @@
+"""``jmem estimate --target``: the answers from the compiler instead of the planner.
+
+The job's QLoRA step (``jmem finetune --dry-run --target NAME``: abstract shapes, nothing
+allocated, XLA:GPU's deviceless compile for a GPU target) is compiled at the requested
+length, or at the lengths a bisection needs for ``--max-seq``; its device peak and host
+bytes are XLA's own buffer assignment (``jmem.measure(..., target=)``), not a model of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import tempfile
+
+from jmem._src.cli import CliError
+
+#: ``--max-seq --target`` searches multiples of this many tokens.
+SEARCH_MULTIPLE = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """One compile of the job's step: ``seq_len`` tokens, device peak and host bytes."""
+
+    seq_len: int
+    peak_bytes: int
+    host_bytes: int
+
+
+def _lora_regex(targets) -> str | None:
+    """The job's ``--lora-targets`` regex for ``estimate``'s names (None: the default, all)."""
+    if targets in (None, "all"):
+        return None
+    return ".*(" + "|".join(targets) + ").*"
+
+
+def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -> dict:
+    """``jmem finetune`` flags for ``estimate``'s options (``model``: a preset's name, or
+    None for a parameter count), or a one-line ``CliError`` for what the job does not run
+    (full fine-tuning, no NF4, a parameter count)."""
+    from jmem._src.finetune.config import MODEL_NAMES  # noqa: PLC0415
+
+    if model not in MODEL_NAMES:
+        raise CliError(
+            "--target compiles the job's step: --model must be a preset name (jmem finetune "
+            "--config), not a parameter count or shape"
+        )
+    if not lora_rank or quant is None:
+        raise CliError(
+            "--target compiles the QLoRA job's step (NF4 base, LoRA adapters): pass "
+            "--lora-rank >= 1 and no --quant none"
+        )
+    regex = _lora_regex(lora_targets)
+    extra = {} if regex is None else {"lora_targets": regex}
+    return dict(config=model, lora_rank=lora_rank, offload=bool(offload), **extra, **flags)
+
+
+def compile_step(flags: dict, target: str, seq_len: int) -> CompiledStep:
+    """Compiles the job's step for ``target`` at ``seq_len`` (``jmem finetune --dry-run
+    --target``), its printout silenced; ``flags``: ``job_flags``'s."""
+    from jmem import finetune  # noqa: PLC0415 (JAX: only once a command runs)
+
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+        config = finetune.FinetuneConfig.from_flat(
+            **flags, seq_len=seq_len, dry_run=True, target=target, out=out
+        )
+        record = finetune.run(config)
+    compiled = record["compiled"]
+    host = int(compiled.get("host_peak_bytes") or 0)
+    return CompiledStep(seq_len, int(compiled["peak_bytes"]), host)
+
+
+def longest(flags: dict, target: str, memory: int, reserve: int, limit: int) -> CompiledStep:
+    """The longest multiple of ``SEARCH_MULTIPLE`` tokens up to ``limit`` whose compiled
+    device peak plus ``reserve`` fits ``memory`` (bisection: about log2(limit / 8192)
+    compiles), or a ``CompiledStep`` of 0 tokens when none does."""
+    lo, hi, best = 1, max(1, limit // SEARCH_MULTIPLE), CompiledStep(0, 0, 0)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        step = compile_step(flags, target, mid * SEARCH_MULTIPLE)
+        if step.peak_bytes + reserve <= memory:
+            best, lo = step, mid + 1
+        else:
+            hi = mid - 1
+    return best
