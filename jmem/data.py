@@ -12,6 +12,7 @@ from jmem._src.data.dataset import PackedDataset
 from jmem._src.data.dataset import Position
 from jmem._src.data.examples import load_examples
 from jmem._src.data.examples import render_example
+from jmem._src.data.examples import render_prompt
 from jmem._src.data.packing import pack_examples
 from jmem._src.data.packing import tokenize_example
 from jmem._src.data.text import load_text
@@ -29,5 +30,6 @@ __all__ = (
     "pack_examples",
     "render_chat",
     "render_example",
+    "render_prompt",
     "tokenize_example",
 )

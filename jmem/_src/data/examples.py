@@ -28,6 +28,7 @@ from typing import Any
 
 from jmem._src.data.chat_template import PLAIN_CHAT_TEMPLATE
 from jmem._src.data.chat_template import assistant_spans
+from jmem._src.data.chat_template import render_chat
 from jmem._src.data.text import read_jsonl
 
 #: What a line / an example may be, for error messages.
@@ -151,3 +152,34 @@ def render_example(example: dict, tokenizer: Any) -> tuple[str, list[tuple[int, 
     prompt = start + ex["prompt"]
     text = _with_eos(prompt + ex["completion"], eos)
     return text, [(len(prompt), len(text))]
+
+
+def render_prompt(prompt: str, tokenizer: Any) -> str:
+    """A prompt as a chat model is asked: one user turn with the text that opens the
+    assistant's turn, rendered as ``render_example`` renders conversations (the tokenizer's
+    chat template, else ``PLAIN_CHAT_TEMPLATE``; its ``bos_token``/``eos_token``).
+
+    Tokenize the result as the training examples are, with the template's special tokens
+    as written (``tokenizer.encode_with_offsets``; no second BOS): its ids are then those a
+    training conversation's first user turn and generation prompt would have.
+
+    Args:
+      prompt: the user's message.
+      tokenizer: as for ``render_example``.
+
+    Returns:
+      The text, e.g. ``"### User:\\n{prompt}\\n\\n### Assistant:\\n"`` with the plain
+      template, ``"<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n"``
+      with ChatML.
+
+    Raises:
+      ValueError: for a chat template that fails on a single user turn.
+    """
+    template = getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE
+    return render_chat(
+        [{"role": "user", "content": prompt}],
+        template,
+        bos_token=getattr(tokenizer, "bos_token", None),
+        eos_token=getattr(tokenizer, "eos_token", None),
+        add_generation_prompt=True,
+    )

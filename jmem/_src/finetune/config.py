@@ -112,7 +112,10 @@ class DataConfig(_Group):
         check=cli.fraction,
     )
     eval_every: int | None = option(
-        None, "steps between evaluations; unset: steps / 10", check=cli.positive_int
+        None,
+        "steps between evaluations (and one before the first update); unset: "
+        "max(steps // 10, min(steps, 10))",
+        check=cli.positive_int,
     )
     eval_batches: int = option(4, "held-out batches per evaluation", check=cli.positive_int)
     seq_len: int | None = option(

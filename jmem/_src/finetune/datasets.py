@@ -113,7 +113,7 @@ def _example_datasets(config, tok):
     check_response_tokens(counts, flag, config.data.seq_len)
     with user_input(flag):
         train = jdata.PackedDataset.from_rows(rows, config.data.batch_size, seed=config.run.seed)
-    report = {"examples": {"train": counts}}
+    report = {"examples": {"train": counts}, "chat": all("messages" in ex for ex in examples)}
     held, why = None, None
     if not config.data.eval_split:
         return train, None, report

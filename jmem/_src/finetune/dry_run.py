@@ -22,6 +22,7 @@ from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
+from jmem._src.units import format_count
 from jmem.models import llama
 
 format_bytes = MemoryReport.format_bytes
@@ -64,12 +65,12 @@ def dry_run(config, cfg, mesh=None, target=None):
     est = _estimate(config, step.levers, cfg, dtype, targets, devices)
     n_adapter = jlora.num_trainable(adapters)
     print(
-        f"\n{model_name(config)}: {llama.num_params(cfg) / 1e9:.2f}B params, "
-        f"LoRA r={config.training.lora_rank} on {targets}: {n_adapter / 1e6:.1f}M trainable; "
+        f"\n{model_name(config)}: {format_count(llama.num_params(cfg))} params, "
+        f"LoRA r={config.training.lora_rank} on {targets}: {format_count(n_adapter)} trainable; "
         f"compiled in {time.time() - t0:.0f}s (abstract shapes, nothing allocated)"
     )
     print(
-        f"NF4 base: {format_bytes(q_bytes)} for {q_count / 1e9:.2f}B weights = "
+        f"NF4 base: {format_bytes(q_bytes)} for {format_count(q_count)} weights = "
         f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}"
     )
     print(f"levers (resolved for {step.levers.target}):\n{step.levers.describe()}\n")

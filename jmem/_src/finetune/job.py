@@ -4,7 +4,6 @@ trains; ``run_command`` is what the command line (``command.main``: ``jmem finet
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
 from jmem._src.finetune.mesh import target_mesh
+from jmem._src.finetune.report import quiet_stdout
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
 from jmem._src.finetune.rundir import run_record
@@ -153,5 +153,5 @@ def _run_quietly_off_process_0(config):
     initialize_distributed(config)
     if jax.process_index() == 0:
         return _run(config, note)
-    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+    with quiet_stdout():  # gloo's connection lines too (C++ std::cout)
         return _run(config, note)

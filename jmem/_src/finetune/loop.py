@@ -180,7 +180,8 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     lrs = np.asarray(schedule(jnp.arange(config.training.steps)), np.float64).tolist()
     if evaluate is not None and start == 0:
         evals.append([0, evaluate(state)])
-    sample = Sampler(config, cfg, tok, step) if config.output.sample_prompt is not None else None
+    chat = getattr(ds, "report", {}).get("chat", False)  # sample in the chat template
+    sample = None if config.output.sample_prompt is None else Sampler(config, cfg, tok, step, chat)
     if sample is not None:
         sample(state, f"before (step {start})")
     tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -213,5 +214,5 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
     extra = {**getattr(ds, "report", {}), **mesh_record(mesh)}
     if sample is not None:
-        extra["samples"] = sample.texts
+        extra.update(sample.record())
     return finish(config, cfg, losses, evals, lrs, tps, n_adapter, compiled_peak, extra)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem import data as jdata
 from jmem import qlora
 from jmem._src.cli import one_line
 from jmem._src.cli import user_input
@@ -20,12 +21,22 @@ from jmem.models import llama
 
 class Sampler:
     """``--sample-prompt``: the greedy continuation under the current adapters (NF4 base and
-    adapters through ``jmem.qlora.apply``, as in training; ``jmem.models.llama.generate``)."""
+    adapters through ``jmem.qlora.apply``, as in training; ``jmem.models.llama.generate``).
 
-    def __init__(self, config, cfg, tok, step):
+    On chat data (``chat``: the data set's ``report["chat"]``, every example a
+    conversation) the prompt is a user turn rendered with the generation prompt by the
+    tokenizer's chat template (``prompt_text``), as the model saw its training prompts, and
+    the answer is cut at the end-of-turn ``eos_token``; on other data it is the raw text.
+    ``tokens[when]`` holds each sample's ids (prompt and continuation, int32 ``[P + n]``).
+    """
+
+    def __init__(self, config, cfg, tok, step, chat: bool = False):
         self.config, self.cfg, self.tok, self.step = config, cfg, tok, step
-        self.prompt = jnp.asarray(tok.encode(config.output.sample_prompt), jnp.int32)[None]
-        self.texts = {}
+        self.chat = chat
+        self.rendered = prompt_text(config.output.sample_prompt, tok, chat)
+        ids = tok.encode_with_offsets(self.rendered)[0] if chat else tok.encode(self.rendered)
+        self.prompt = jnp.asarray(ids, jnp.int32)[None]
+        self.texts, self.tokens = {}, {}
 
     def __call__(self, state, when: str) -> str:
         adapters = state.params
@@ -39,10 +50,29 @@ class Sampler:
             adapters=adapters,
             apply=qlora.apply,
         )
-        text = self.tok.decode(np.asarray(out[0, self.prompt.shape[1] :]))
+        self.tokens[when] = np.asarray(out[0])
+        text = self.tok.decode(self.tokens[when][self.prompt.shape[1] :])
+        eos = getattr(self.tok, "eos_token", None)
+        if self.chat and eos and eos in text:  # the end of the assistant's turn
+            text = text[: text.index(eos)]
         self.texts[when] = text
-        print(f"sample {when}: {self.config.output.sample_prompt!r} -> {text!r}", flush=True)
+        how = " (chat template)" if self.chat else ""
+        print(f"sample {when}{how}: {self.config.output.sample_prompt!r} -> {text!r}", flush=True)
         return text
+
+    def record(self) -> dict:
+        """What ``summary.json`` records: ``samples`` (the texts by when) and
+        ``sample_prompt`` (the prompt as given, as rendered for the model, and which)."""
+        form = "chat template, user turn" if self.chat else "raw text"
+        prompt = {"text": self.config.output.sample_prompt, "rendered": self.rendered}
+        return {"samples": self.texts, "sample_prompt": {**prompt, "form": form}}
+
+
+def prompt_text(prompt: str, tok, chat: bool) -> str:
+    """``--sample-prompt`` as the model is to see it: on chat data, one user turn followed by
+    the generation prompt, rendered by the tokenizer's chat template
+    (``jmem.data.render_prompt``, the plain template when it has none); else ``prompt``."""
+    return jdata.render_prompt(prompt, tok) if chat else prompt
 
 
 def save_adapters(config, cfg, state) -> None:

@@ -3,22 +3,32 @@ line; model FLOPs utilization where the device's peak is known."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 
 from jmem import MemoryReport
 from jmem._src import host_allocator
-from jmem._src.finetune.build import model_name
 from jmem._src.finetune.rundir import flags
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import versions
+from jmem._src.units import format_count
 from jmem.models import llama
 
 format_bytes = MemoryReport.format_bytes
+
+#: What the job trains for: supervised fine-tuning (next-token loss on the text, or on the
+#: responses of instruction and chat examples).
+OBJECTIVE = "SFT"
+
+#: The x axis of the plot and the steps of ``summary.json``'s ``losses`` and
+#: ``eval_losses``: one count of optimizer updates for both.
+STEP_AXIS = "step s: the adapters after s updates (train loss: on step s's batch)"
 
 #: Dense bf16 peak FLOP/s by device kind (vendor specs), for model FLOPs utilization.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -47,6 +57,28 @@ def device_memory() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+@contextlib.contextmanager
+def quiet_stdout():
+    """The block's standard output discarded, at the file descriptor (``sys.stdout`` and fd 1
+    to ``os.devnull``, restored after; standard error is kept): for the processes other
+    than process 0 of a multi-process run, whose prints would repeat process 0's.
+
+    At the descriptor because C++ writes there too: gloo prints its ``[Gloo] Rank r is
+    connected to n peer ranks`` lines with ``std::cout`` on each CPU collective's first
+    use (``gloo::Context::printConnectivityInfo``), with no log level or environment
+    variable that turns them off; process 0 still prints its own."""
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        with open(os.devnull, "w") as f, contextlib.redirect_stdout(f):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None):
     """summary.json (with ``extra`` added: the data report, devices and mesh, samples), the
     plot and the closing line; only process 0 writes. Returns the summary."""
@@ -58,7 +90,9 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         "tokenizer": config.model.tokenizer,
         "args": flags(config),
         "versions": versions(),
+        "objective": OBJECTIVE,
         "steps": config.training.steps,
+        "step_axis": "losses[s] and eval_losses' [s, loss]: " + STEP_AXIS,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "eval_losses": evals,
@@ -85,7 +119,7 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
     if is_writer():
         with open(os.path.join(config.run.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        plot_losses(losses, evals, lrs, plot, f"QLoRA {model_name(config)}")
+        plot_losses(losses, evals, lrs, plot, run_title(config, cfg))
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
     print(
         f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "
@@ -96,9 +130,30 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
     return summary
 
 
+def model_label(config, cfg) -> str:
+    """The run's model in words: ``--config``'s name, or the ``--checkpoint``'s
+    ``model_type`` (its directory's name when config.json has none), and its size in
+    human units: ``"tiny, 1.4M params"``, ``"qwen3, 596M params"``."""
+    name = config.model.config
+    if config.model.checkpoint:
+        with open(os.path.join(config.model.checkpoint, "config.json")) as f:
+            name = json.load(f).get("model_type")
+        name = name or os.path.basename(os.path.normpath(config.model.checkpoint))
+    return f"{name}, {format_count(llama.num_params(cfg))} params"
+
+
+def run_title(config, cfg) -> str:
+    """The plot's title: the objective, the method and the model (``model_label``):
+    ``"SFT with QLoRA (r=8): qwen3, 596M params"``."""
+    return f"{OBJECTIVE} with QLoRA (r={config.training.lora_rank}): {model_label(config, cfg)}"
+
+
 def plot_losses(losses, evals, lrs, path, title):
     """Training loss per step, held-out loss at its steps, learning rate on a second axis;
-    integer step ticks."""
+    one axis of optimizer steps (``STEP_AXIS``): ``losses[s]`` (step ``s``'s batch, before
+    its update) and an evaluation at ``s`` both measure the adapters after ``s`` updates,
+    so the train curve starts at 0 with the evaluation before the first update; integer
+    step ticks."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -106,12 +161,12 @@ def plot_losses(losses, evals, lrs, path, title):
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    steps = np.arange(1, len(losses) + 1)
+    steps = np.arange(len(losses))  # losses[s]: the adapters after s updates
     lines = ax.plot(steps, losses, label="train loss")
     if evals:
         e = np.asarray(evals, np.float64)
         lines += ax.plot(e[:, 0], e[:, 1], "o-", label="eval loss (held out)")
-    ax.set_xlabel("step")
+    ax.set_xlabel(STEP_AXIS, fontsize=9)
     ax.set_ylabel("loss (nats/token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)

@@ -97,7 +97,7 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     if t.lora_alpha is None:
         set_["lora_alpha"] = 2.0 * t.lora_rank
     if config.data.eval_every is None:
-        set_["eval_every"] = max(1, sizes["steps"] // 10)
+        set_["eval_every"] = default_eval_every(sizes["steps"])
     if sizes["batch_size"] % config.levers.grad_accum:
         raise CliError(
             f"--grad-accum {config.levers.grad_accum} does not divide the default --batch-size "
@@ -106,12 +106,40 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     notes = []
     if unset and not on_gpu and not run.dry_run:
         notes.append("CPU-sized defaults: " + ", ".join(f"{cli_flag(k)} {sizes[k]}" for k in unset))
+    offload = offload_note(config)
+    if offload:
+        notes.append(offload)
     if sizes["seq_len"] > cfg.max_seq_len:
         notes.append(
             f"note: --seq-len {sizes['seq_len']} exceeds the model's max_seq_len "
             f"{cfg.max_seq_len}; positions past it were never trained."
         )
     return config.replace(**set_), notes
+
+
+def default_eval_every(steps: int) -> int:
+    """``--eval-every`` unset: ``max(steps // 10, min(steps, 10))``: about ten evaluations
+    in a long run (every 20 steps of 200), never more often than every 10 steps, and a run
+    of 10 steps or fewer is evaluated before its first update and after its last only
+    (``--steps 4``: at steps 0 and 4, not every step)."""
+    return max(steps // 10, min(steps, 10), 1)
+
+
+def offload_note(config) -> str | None:
+    """The note for host offload (``--offload``, ``--remat offload*``) measured by XLA:CPU,
+    where host and device are one memory: the compiled figures count offloaded buffers
+    (and their copies) as device bytes, so offload cannot show a saving there."""
+    levers = config.levers
+    if not (levers.offload or levers.remat.startswith("offload")):
+        return None
+    if config.devices.target is not None or jax.default_backend() != "cpu":
+        return None
+    what = "--offload" if levers.offload else f"--remat {levers.remat}"
+    return (
+        f"note: {what} moves buffers to host memory, which is the device's own memory on "
+        "CPU: XLA:CPU's memory figures cannot show the saving (they may even grow by the "
+        "copies); see it with --dry-run --target h100_sxm (an XLA:GPU compile, no GPU)."
+    )
 
 
 def check_lora_targets(config, cfg) -> None:

@@ -21,6 +21,7 @@ from jmem._src.planner.shapes import LINEAR_NAMES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import is_count
 from jmem._src.planner.shapes import resolve_shape
+from jmem._src.units import format_count
 
 __all__ = [
     "GB",
@@ -134,7 +135,7 @@ class Ledger:
     def __str__(self) -> str:
         cfg = ", ".join(f"{k}={v}" for k, v in self.config.items() if v not in (None, False))
         head = (
-            f"{self.n_params / 1e9:.3g}B params ({self.trainable_params / 1e6:.4g}M trainable)"
+            f"{format_count(self.n_params)} params ({format_count(self.trainable_params)} trainable)"
             + (f"; {cfg}" if cfg else "")
         )
         rows = [(k.replace("_", " "), getattr(self, k)) for k in self.LEDGERS]
@@ -285,9 +286,11 @@ def _frozen_base(
     q_n = n if (count_given or quantize_embeddings) else shape.linear_params
     if quantize_embeddings and not count_given:
         q_n = shape.linear_params + shape.embedding_params
-    rest = "" if q_n == n else f"; {(n - q_n) / 1e6:.4g}M embedding/norm weights stay {param_dtype}"
+    rest = (
+        "" if q_n == n else f"; {format_count(n - q_n)} embedding/norm weights stay {param_dtype}"
+    )
     notes = [
-        f"NF4 base at {nf4:.4g} B/weight over {q_n / 1e9:.3g}B weights" + rest,
+        f"NF4 base at {nf4:.4g} B/weight over {format_count(q_n)} weights" + rest,
         "a layer's weights are dequantized to the compute dtype during its "
         "matmuls (transient, not counted)",
     ]
