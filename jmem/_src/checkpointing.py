@@ -144,15 +144,8 @@ class Checkpointer:
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def _legacy(self) -> bool:
-        """A directory written by jmem <= 0.2 (no ``MARKER``): its steps have no hashes."""
-        return not os.path.exists(os.path.join(self.directory, MARKER))
-
     def _committed(self, step: int) -> bool:
-        path = self._step_dir(step)
-        if os.path.isfile(os.path.join(path, HASHES)):
-            return True
-        return self._legacy() and os.path.isdir(os.path.join(path, "state"))
+        return _is_committed(self.directory, step)
 
     def _write_hashes(self) -> None:
         """orbax's post-finalization callback (process 0, every process's files written,
@@ -356,6 +349,27 @@ class Checkpointer:
         """Waits for pending saves, then releases orbax's resources."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+
+def _is_committed(directory: str, step: int) -> bool:
+    """Step ``step`` of ``directory`` is committed: renamed by orbax, with ``HASHES`` (or,
+    in a directory of jmem <= 0.2 without ``MARKER``, with its ``state`` item)."""
+    path = os.path.join(directory, str(step))
+    if os.path.isfile(os.path.join(path, HASHES)):
+        return True
+    legacy = not os.path.exists(os.path.join(directory, MARKER))
+    return legacy and os.path.isdir(os.path.join(path, "state"))
+
+
+def committed_steps(directory: str) -> list[int]:
+    """The committed steps in a checkpoint directory, ascending, read from the directory
+    alone (no orbax manager is made; ``Checkpointer.all_steps`` is the same list): step
+    directories with ``hashes.json``, not orbax's temporary ones, not a stray empty ``9/``.
+    """
+    if not os.path.isdir(directory):
+        return []
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+    return sorted(s for s in steps if _is_committed(directory, s))
 
 
 def _check_frozen(target: Any) -> None:
