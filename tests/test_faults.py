@@ -6,8 +6,12 @@ result is damaged or replaced."""
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import chex
+import helpers
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -17,6 +21,10 @@ import jmem
 from jmem import Checkpointer
 from jmem import DynamicLossScale
 from jmem import TrainState
+from jmem import finetune  # noqa: F401 (jmem.finetune.main)
+
+SMALL = ["--config", "tiny", "--batch-size", "4", "--seq-len", "16", "--lora-rank", "4"]
+SMALL += ["--no-progress", "--lr", "3e-3", "--eval-split", "0", "--save-every", "2"]
 
 
 def _state(v, bad=False):
@@ -148,3 +156,132 @@ def test_hashes_are_written_before_the_commit(tmp_path):
         np.asarray(Checkpointer(str(tmp_path)).restore(_state(0))[0].params["w"]),
         np.full((4, 4), 1, np.float32),
     )
+
+
+# ------------------------------------------------------------- weights and configs at load
+
+
+def _hf_checkpoint(path, cfg=None, seed=0):
+    """A Hugging Face checkpoint of a small model (jmem's exporter), float32."""
+    from jmem.models import hf
+    from jmem.models import llama
+
+    cfg = cfg or llama.get_config("tiny", num_layers=2, hidden_size=64, intermediate_size=128)
+    params = llama.init(jax.random.key(seed), cfg, jnp.float32)
+    hf.save_params(str(path), params, cfg)
+    return cfg
+
+
+def _edit_tensor(path, name, edit):
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file
+
+    file = str(path / WEIGHTS)
+    tensors = load_file(file)
+    tensors[name] = edit(tensors[name])
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+WEIGHTS = "model-00001-of-00001.safetensors"  # the exporter's one shard
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda w: w.astype(np.int8), "is int8, not floating point"),
+        (
+            lambda w: np.where(np.arange(w.size).reshape(w.shape) == 7, np.inf, w),
+            "holds 1 non-finite",
+        ),
+    ],
+)
+def test_weights_that_would_train_wrongly_are_refused_naming_the_tensor(tmp_path, edit, match):
+    from jmem.models import hf
+
+    _hf_checkpoint(tmp_path)
+    _edit_tensor(tmp_path, Q_PROJ, edit)
+    with pytest.raises(ValueError, match=f"{WEIGHTS}: tensor '{Q_PROJ}' {match}"):
+        hf.load_params(str(tmp_path), dtype=jnp.float32)
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
+    from jmem.models import hf
+
+    _hf_checkpoint(tmp_path)
+    file = tmp_path / WEIGHTS
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"{WEIGHTS}: .*(truncated|readable)") as e:
+        hf.load_params(str(tmp_path), dtype=jnp.float32)
+    assert "\n" not in str(e.value)
+    file.write_bytes(b"\x08")  # not even a header
+    with pytest.raises(ValueError, match=f"{WEIGHTS}: not a readable safetensors"):
+        hf.load_params(str(tmp_path), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("num_hidden_layers", "2", "num_hidden_layers must be a positive integer, got '2'"),
+        ("hidden_size", 0, "hidden_size must be a positive integer, got 0"),
+        (None, "{not json", "not valid JSON"),
+    ],
+)
+def test_bad_config_json_is_one_line_naming_the_file(tmp_path, field, value, match):
+    from jmem.models import hf
+
+    _hf_checkpoint(tmp_path)
+    config = tmp_path / "config.json"
+    if field is None:
+        config.write_text(value)
+    else:
+        raw = json.loads(config.read_text())
+        raw[field] = value
+        config.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"config.json: {match}"):
+        hf.load_config(str(tmp_path))
+
+
+# ------------------------------------------------------------------ the run directory's lock
+
+
+def _lock_holder(out):
+    """A process that holds ``out/.lock`` as a run would, until killed."""
+    code = (
+        "import fcntl, os, socket, sys, time\n"
+        f"fd = os.open({str(out / '.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.pwrite(fd, f'{os.getpid()} {socket.gethostname()}'.encode(), 0)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_locked_out_is_refused_and_a_dead_holders_lock_taken_over(tmp_path, capsys):
+    from jmem._src.finetune.runlock import RunLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text('{"steps": 2}')
+    holder = _lock_holder(out)
+    try:
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            with pytest.raises(SystemExit) as e:
+                jmem.finetune.main(SMALL + ["--steps", "2", "--out", str(out), *extra])
+            line = helpers.one_line_error(capsys, e, "--out", "in use by another run")
+            assert f"pid {holder.pid}" in line
+        assert (out / "summary.json").read_text() == '{"steps": 2}'  # --overwrite: kept
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(str(out))
+    notes = lock.acquire()  # the kernel released the dead process's lock
+    assert len(notes) == 1 and f"took over the lock of pid {holder.pid}" in notes[0]
+    assert (out / ".lock").read_text().split()[0] == str(os.getpid())
+    lock.release()
+    assert (out / ".lock").read_text() == ""
+    with RunLock(str(out)) as again:
+        assert again.acquire() == []  # released cleanly: no note
