@@ -285,3 +285,70 @@ def test_a_locked_out_is_refused_and_a_dead_holders_lock_taken_over(tmp_path, ca
     assert (out / ".lock").read_text() == ""
     with RunLock(str(out)) as again:
         assert again.acquire() == []  # released cleanly: no note
+
+
+# ------------------------------------------------------------- --resume checks what it resumes
+
+
+def _recorded_run(tmp_path, **flags):
+    """``--out`` holding run.json (with fingerprints) of a run on a checkpoint and data file,
+    as a run writes it; returns ``(config, out)``."""
+    from jmem._src.finetune.rundir import run_record
+    from jmem._src.finetune.rundir import write_json
+
+    ckpt, data, out = tmp_path / "model", tmp_path / "data.txt", tmp_path / "run"
+    _hf_checkpoint(ckpt)
+    data.write_text("hello world, " * 200)
+    out.mkdir()
+    config = jmem.finetune.FinetuneConfig.from_flat(
+        checkpoint=str(ckpt), data=str(data), out=str(out), tokenizer="byte", steps=4, **flags
+    )
+    write_json(str(out / "run.json"), run_record(config))
+    return config, out
+
+
+def _resume_refusal(config, **changes):
+    from jmem._src.finetune.rundir import prepare_out
+
+    with pytest.raises(jmem._src.cli.CliError) as e:
+        prepare_out(config.replace(resume=True, **changes))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_resume_refuses_another_base_model_or_data_by_content(tmp_path, monkeypatch):
+    config, out = _recorded_run(tmp_path)
+    record = (out / "run.json").read_bytes()
+    ckpt, data = tmp_path / "model", tmp_path / "data.txt"
+    # the same files by another spelling are the same run (no checkpoint yet: that error)
+    monkeypatch.chdir(tmp_path)
+    line = _resume_refusal(config, data="./data.txt", checkpoint="model/")
+    assert "no committed checkpoint" in line
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "rope_theta": 1234.0}))
+    line = _resume_refusal(config)
+    assert f"--checkpoint {ckpt}: config.json changed" in line
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    _hf_checkpoint(ckpt, seed=1)  # another model of the same shapes at the same path
+    assert f"{WEIGHTS} changed" in _resume_refusal(config)
+    _hf_checkpoint(ckpt, seed=0)
+    data.write_text("hello world, " * 100)  # halved
+    line = _resume_refusal(config)
+    assert f"--data {data}: size 1300 bytes (was 2600)" in line
+    data.write_text("HELLO WORLD, " * 200)  # same size, other text
+    assert "content changed" in _resume_refusal(config)
+    assert (out / "run.json").read_bytes() == record  # a refused resume keeps run.json
+
+
+def test_resume_refuses_a_flag_that_changes_the_state_tree(tmp_path):
+    config, out = _recorded_run(tmp_path)
+    line = _resume_refusal(config, lora_dropout=0.1)
+    assert "--lora-dropout 0.1 (was 0.0)" in line and "--overwrite" in line
+
+
+@pytest.mark.parametrize("name", ["run.json"])
+def test_damaged_run_record_is_one_line_naming_it(tmp_path, name):
+    config, out = _recorded_run(tmp_path)
+    (out / name).write_text('{"lora_rank": 8, "trunc')
+    line = _resume_refusal(config)
+    assert f"{out / name}: cannot be read" in line and "--overwrite" in line

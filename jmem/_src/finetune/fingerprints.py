@@ -1,5 +1,7 @@
 """What a run trained on, by content: fingerprints of ``--checkpoint`` (its config.json
-and tokenizer files hashed, each safetensors file's header hashed and its size) and of
+and tokenizer files hashed; each safetensors file's size, header and ``SAMPLES`` blocks
+of its data spread over the file hashed, so that another model of the same shapes is
+told apart without reading 13 GB at every start) and of
 ``--data`` (its size and SHA-256), with paths resolved. ``run.json`` records them and
 ``--resume`` compares them, so that a base model replaced at the same path, a changed
 ``rope_theta`` or a halved data file is refused, and the same file by another path is not."""
@@ -12,6 +14,8 @@ import struct
 
 from jmem._src.cli import CliError
 
+#: Blocks of each safetensors file's data hashed besides its header, and their bytes.
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16
 #: The small files of a checkpoint hashed whole (those that exist).
 WHOLE_FILES = (
     "config.json",
@@ -21,33 +25,35 @@ WHOLE_FILES = (
 )
 
 
-def _sha256(path: str, limit: int | None = None) -> str:
+def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    left = limit
     with open(path, "rb") as f:
-        while left is None or left > 0:
-            chunk = f.read(1 << 22 if left is None else min(1 << 22, left))
-            if not chunk:
-                break
+        while chunk := f.read(1 << 22):
             h.update(chunk)
-            if left is not None:
-                left -= len(chunk)
     return h.hexdigest()
 
 
-def _safetensors_header(path: str) -> str:
+def _safetensors_print(path: str) -> str:
     """SHA-256 of a safetensors file's header (its 8-byte length and the JSON of every
-    tensor's name, dtype, shape and offsets), not of its data."""
+    tensor's name, dtype, shape and offsets) and of ``SAMPLES`` blocks of its data."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
     with open(path, "rb") as f:
         head = f.read(8)
-    if len(head) < 8:
-        return "truncated"
-    (n,) = struct.unpack("<Q", head)
-    return _sha256(path, 8 + min(n, os.path.getsize(path)))
+        if len(head) < 8:
+            return "truncated"
+        (n,) = struct.unpack("<Q", head)
+        h.update(head + f.read(min(n, size)))
+        start = 8 + n
+        span = max(0, size - start - SAMPLE_BYTES)
+        for i in range(SAMPLES):
+            f.seek(start + span * i // max(1, SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def checkpoint_fingerprint(directory: str) -> dict:
-    """``{"path": realpath, "files": {name: "sha256:..." | "header:...; size N"}}``."""
+    """``{"path": realpath, "files": {name: "sha256:..." | "sampled:...; size N"}}``."""
     files = {}
     for name in WHOLE_FILES:
         path = os.path.join(directory, name)
@@ -57,7 +63,7 @@ def checkpoint_fingerprint(directory: str) -> dict:
         if name.endswith(".safetensors"):
             path = os.path.join(directory, name)
             size = os.path.getsize(path)
-            files[name] = f"header:{_safetensors_header(path)}; size {size}"
+            files[name] = f"sampled:{_safetensors_print(path)}; size {size}"
     return {"path": os.path.realpath(directory), "files": files}
 
 
