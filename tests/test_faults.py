@@ -352,3 +352,225 @@ def test_damaged_run_record_is_one_line_naming_it(tmp_path, name):
     (out / name).write_text('{"lora_rank": 8, "trunc')
     line = _resume_refusal(config)
     assert f"{out / name}: cannot be read" in line and "--overwrite" in line
+
+
+# ------------------------------------------------ unwritable, read-only or full --out (fast)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size, ro=False)``: a tmpfs of ``size`` bytes (root and mount(8) needed; the
+    test is skipped otherwise). Unmounted at the end."""
+    mounted = []
+
+    def mount(size, ro=False):
+        path = tmp_path / f"mnt{len(mounted)}"
+        path.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True
+        )
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _refused_before_training(capsys, argv, *words):
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(SMALL + ["--steps", "2", *argv])
+    line = helpers.one_line_error(capsys, e, *words)
+    assert "compiled the train step" not in capsys.readouterr().out
+    return line
+
+
+def test_out_under_a_regular_file_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "run"
+    _refused_before_training(capsys, ["--out", str(out)], "--out", "Not a directory")
+    line = _refused_before_training(
+        capsys,
+        ["--out", str(tmp_path / "run"), "--export-merged", str(out)],
+        "--export-merged",
+        "cannot write",
+    )
+    assert "Not a directory" in line
+    assert not (tmp_path / "run" / "run.json").exists()  # nothing blocks a retry
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_read_only_or_full_out_is_refused_before_training(tmp_path, tmpfs, capsys):
+    ro = tmpfs("1m", ro=True)
+    _refused_before_training(capsys, ["--out", str(ro / "run")], "--out", "Read-only file system")
+    merged = ro / "merged"
+    line = _refused_before_training(
+        capsys, ["--out", str(tmp_path / "run"), "--export-merged", str(merged)], "--export-merged"
+    )
+    assert "Read-only file system" in line
+    full = tmpfs("32k")
+    line = _refused_before_training(capsys, ["--out", str(full / "run")], "--out", "disk is full")
+    assert "No space left on device" in line
+
+
+# ------------------------------------------------------- runs broken on purpose (slow: train)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 4-step run (checkpoints 2 and 4): ``(out, summary)``."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    summary = jmem.finetune.main(SMALL + ["--steps", "4", "--out", str(out)])
+    return out, summary
+
+
+def _copy_run(reference, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    return out
+
+
+def _results(out):
+    """The bytes of a run's results (summary, plot, adapters)."""
+    files = [out / "summary.json", out / "loss.png", *sorted((out / "adapter").iterdir())]
+    return {str(p): p.read_bytes() for p in files}
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_resumes_from_the_intact_one_bitwise(reference, tmp_path, capsys):
+    """Checkpoint 4 byte-flipped and the outputs gone (killed while writing them): the
+    resume names the damaged file, restores step 2 and trains steps 3-4 again, bit for bit."""
+    out = _copy_run(reference, tmp_path)
+    name = _damage("flip", out / "checkpoints" / "4")
+    os.remove(out / "summary.json")
+    summary = jmem.finetune.main(SMALL + ["--steps", "4", "--out", str(out), "--resume"])
+    printed = capsys.readouterr().out
+    assert f"note: checkpoint step 4 in '{out / 'checkpoints'}' is damaged: {name}" in printed
+    assert "Resumed at step 2" in printed
+    assert summary["losses"] == reference[1]["losses"]  # steps 3-4 again, bitwise
+    ck = Checkpointer(str(out / "checkpoints"))
+    assert ck.all_steps() == [2, 4] and ck.verify(4) == []
+    assert (out / "checkpoints" / "4.damaged").is_dir()  # set aside, not deleted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_nonfinite_loss_stops_with_one_line_and_keeps_the_results(
+    reference, tmp_path, capsys, precision
+):
+    """--lr 1e30 from step 5 on: the run stops at its first non-finite loss, names the last
+    good checkpoint, writes no checkpoint after it and leaves the earlier results as
+    they were."""
+    out = _copy_run(reference, tmp_path)
+    before = _results(out)
+    argv = SMALL + ["--steps", "8", "--out", str(out), "--resume", "--lr", "1e30"]
+    if precision == "fp16":  # a new fp16 run: its checkpoints hold a dynamic loss scale
+        out = tmp_path / "fp16"
+        argv = SMALL + ["--steps", "8", "--out", str(out), "--lr", "1e30", "--precision", "fp16"]
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(argv)
+    line = helpers.one_line_error(capsys, e, "step ", "stopped without writing")
+    if precision == "bf16":
+        assert "the loss is nan" in line or "the loss is inf" in line
+        assert f"the last good checkpoint is step 4 in {out / 'checkpoints'}" in line
+        assert Checkpointer(str(out / "checkpoints")).all_steps() == [2, 4]
+        assert _results(out) == before
+    else:
+        assert "last good checkpoint" in line or "no checkpoint was written" in line
+        assert not (out / "summary.json").exists() and not (out / "adapter").exists()
+
+
+@pytest.mark.slow
+def test_inf_in_the_base_weights_is_refused_naming_the_tensor(tmp_path, capsys):
+    from jmem._src.finetune.rundir import prepare_out
+
+    ckpt = tmp_path / "model"
+    _hf_checkpoint(ckpt)
+    _edit_tensor(ckpt, Q_PROJ, lambda w: np.where(w == w.flat[3], np.inf, w))
+    argv = [a for a in SMALL if a not in ("--config", "tiny")]
+    argv += ["--checkpoint", str(ckpt), "--tokenizer", "byte", "--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(argv + ["--steps", "2"])
+    helpers.one_line_error(capsys, e, "--checkpoint", Q_PROJ, "non-finite")
+    assert not (tmp_path / "run" / "run.json").exists()  # the retry is not refused
+    assert prepare_out(jmem.finetune.parse_args(argv + ["--steps", "2"])) is None
+
+
+def _killed(phase, argv):
+    worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, worker, phase, *argv], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.rstrip().endswith("killed")
+    return proc.pid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["save:4", "outputs"])
+def test_a_run_killed_at_each_phase_resumes_to_the_same_results(reference, tmp_path, capsys, phase):
+    """kill -9 while checkpoint 4 is saved (its files written, before orbax's rename) or
+    after the last checkpoint (before the adapters): --resume takes over the dead run's
+    lock, continues from the last committed checkpoint (or only writes the outputs) and
+    gives the uninterrupted run's losses bit for bit."""
+    out = tmp_path / "run"
+    argv = SMALL + ["--steps", "4", "--out", str(out)]
+    pid = _killed(phase, argv)
+    assert not (out / "summary.json").exists()
+    summary = jmem.finetune.main(argv + ["--resume"])
+    printed = capsys.readouterr().out
+    assert f"took over the lock of pid {pid}" in printed
+    assert ("Resumed at step 2" if phase == "save:4" else "Resumed at step 4") in printed
+    assert "Nothing to do" not in printed
+    assert summary["losses"] == reference[1]["losses"]
+    assert (out / "adapter" / "adapter_config.json").exists()
+    assert Checkpointer(str(out / "checkpoints")).all_steps() == [2, 4]
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_names_the_last_good_checkpoint(tmp_path, tmpfs, capsys):
+    """A 700 KiB tmpfs: checkpoint 2 (about 490 KiB) fits, checkpoint 4 does not."""
+    out = tmpfs("700k") / "run"
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(SMALL + ["--steps", "4", "--out", str(out)])
+    line = helpers.one_line_error(capsys, e, "could not be written")
+    assert f"the last good checkpoint is step 2 in {out / 'checkpoints'}" in line
+    ck = Checkpointer(str(out / "checkpoints"))
+    assert ck.all_steps() == [2] and ck.verify(2) == []
+
+
+@pytest.mark.slow
+def test_fp16_run_with_skipped_steps_resumes_bitwise_on_one_step_counter(
+    tmp_path, capsys, monkeypatch
+):
+    """A loss scale that starts too high (2^22) makes the first fp16 steps overflow and be
+    skipped, as a calibrating scale does. Checkpoints, losses and resume count attempted
+    steps (skipped ones included), and a run resumed after the skips gives the same losses
+    and skips bit for bit."""
+    import jmem._src.finetune.build as build
+
+    monkeypatch.setattr(
+        build, "DynamicLossScale", lambda scale, period: DynamicLossScale(2.0**22, period=period)
+    )
+    out = tmp_path / "run"
+    argv = SMALL + ["--steps", "6", "--precision", "fp16", "--out", str(out)]
+    full = jmem.finetune.main(argv)
+    assert full["skipped_steps"], "no step was skipped: the test needs a higher scale"
+    assert len(full["losses"]) == 6
+    ck = Checkpointer(str(out / "checkpoints"))
+    assert ck.all_steps() == [4, 6]
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "6")
+    capsys.readouterr()
+    resumed = jmem.finetune.main(argv + ["--resume"])
+    assert "Resumed at step 4" in capsys.readouterr().out
+    assert resumed["losses"] == full["losses"]
+    assert resumed["skipped_steps"] == full["skipped_steps"]
+    assert resumed["learning_rates"] == full["learning_rates"]

@@ -76,9 +76,10 @@ class Evaluator:
         return float(np.average(losses, weights=weights)) if sum(weights) else float("nan")
 
 
-def _meta(config, step, pos, losses, evals, lrs) -> dict:
+def _meta(config, step, pos, losses, evals, lrs, skipped) -> dict:
     return {
         "step": step,  # steps attempted; TrainState.step counts the updates applied
+        "skipped_steps": skipped,
         "data": pos.to_dict(),
         "losses": losses,
         "eval_losses": evals,
@@ -97,7 +98,8 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
 
     Returns:
       ``(state, position, losses, eval_losses, trainable parameter count, history)``:
-      ``history`` holds ``start`` (the steps attempted so far) and ``learning_rates``.
+      ``history`` holds ``start`` (the steps attempted so far), ``learning_rates`` and
+      ``skipped_steps`` (those whose update was skipped for non-finite gradients).
 
     Raises:
       CliError: when every checkpoint is damaged, or the state does not match it.
@@ -112,7 +114,8 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         dropout=config.training.lora_dropout,
     )
     state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
-    pos, losses, evals, history = jdata.Position(), [], [], {"start": 0, "learning_rates": []}
+    pos, losses, evals = jdata.Position(), [], []
+    history = {"start": 0, "learning_rates": [], "skipped_steps": []}
     if resume_step is not None:
         note = lambda line: print(f"note: {line}; trying the previous checkpoint", flush=True)
         with user_input("--resume", (CheckpointDamagedError, ValueError)):
@@ -123,6 +126,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         history = {
             "start": int(meta.get("step", int(state.step))),
             "learning_rates": list(meta.get("learning_rates", [])),
+            "skipped_steps": list(meta.get("skipped_steps", [])),
         }
         print(
             f"Resumed at step {history['start']} (data epoch {pos.epoch}, index {pos.index}).",
@@ -291,6 +295,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     run = _Run(config, ckpt, compiled, evaluate, schedule, mesh)
     lrs = history["learning_rates"][:start]  # a checkpoint of jmem <= 0.2 has none
     run.losses, run.evals, run.lrs = losses, evals, lrs + run.schedule[len(lrs) : start]
+    run.skipped = history["skipped_steps"]
     state, pos, times = run.steps(state, pos, ds, start, compiled_peak)
     ckpt.close()
     if sample is not None:
@@ -298,7 +303,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     save_adapters(config, cfg, state)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
-    extra = {**getattr(ds, "report", {}), **mesh_record(mesh)}
+    extra = {**getattr(ds, "report", {}), **mesh_record(mesh), "skipped_steps": run.skipped}
     if sample is not None:
         extra["samples"] = sample.texts
     return finish(config, cfg, losses, evals, run.lrs, tps, n_adapter, compiled_peak, extra)
@@ -313,7 +318,7 @@ class _Run:
         steps = config.training.steps
         # the learning rate of the n-th applied update (skipped steps apply none)
         self.schedule = np.asarray(schedule(jnp.arange(steps + 1)), np.float64).tolist()
-        self.losses, self.evals, self.lrs = [], [], []
+        self.losses, self.evals, self.lrs, self.skipped = [], [], [], []
 
     def steps(self, state, pos, ds, start, compiled_peak):
         """Runs steps ``start..--steps``; returns ``(state, position, step times)``."""
@@ -332,6 +337,8 @@ class _Run:
             guard(s, loss, bool(metrics["grads_finite"]))
             self.losses.append(loss)
             self.lrs.append(self.schedule[min(applied, total)])
+            if int(metrics["step"]) == applied:  # no update: skipped (fp16 loss scaling)
+                self.skipped.append(s + 1)
             applied = int(metrics["step"])
             if self.evaluate is not None and (
                 (s + 1) % config.data.eval_every == 0 or s + 1 == total
@@ -355,4 +362,4 @@ class _Run:
         return state, pos, times
 
     def _meta(self, n, pos):
-        return _meta(self.config, n, pos, self.losses, self.evals, self.lrs)
+        return _meta(self.config, n, pos, self.losses, self.evals, self.lrs, self.skipped)
