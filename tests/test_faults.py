@@ -504,11 +504,16 @@ def test_inf_in_the_base_weights_is_refused_naming_the_tensor(tmp_path, capsys):
 def _killed(phase, argv):
     worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, worker, phase, *argv], capture_output=True, text=True, env=env, timeout=600
+    proc = subprocess.Popen(
+        [sys.executable, worker, phase, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
-    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.rstrip().endswith("killed")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == -9, stdout[-2000:] + stderr[-2000:]
+    assert stdout.rstrip().endswith("killed")
     return proc.pid
 
 

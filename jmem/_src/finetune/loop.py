@@ -6,6 +6,7 @@ log lines, losses and resume all count it."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -240,14 +241,12 @@ def last_good(ckpt) -> str:
     return f"the last good checkpoint is step {steps[-1]} in {ckpt.directory}"
 
 
-def _save(ckpt, n: int, state, meta: dict, always: bool = False) -> None:
-    """A checkpoint (every ``save_every`` steps, or ``always``); a failed write (a full
-    disk; orbax reports an asynchronous one at the next save) names the last good one."""
+@contextlib.contextmanager
+def _writing(ckpt, n: int):
+    """Checkpoint ``n`` written (or waited for) inside; a failed write (a full disk; orbax
+    reports an asynchronous one at the next save or wait) names the last good one."""
     try:
-        if always:
-            ckpt.save(n, state, meta)
-        else:
-            ckpt.maybe_save(n, state, meta)
+        yield
     except (OSError, ValueError, RuntimeError) as e:
         raise TrainingStopped(
             f"checkpoint step {n} (or the one before) could not be written "
@@ -348,17 +347,13 @@ class _Run:
             progress.update(
                 s, loss, self.evals, self.lrs[-1], tps, device_memory() or compiled_peak
             )
-            _save(self.ckpt, s + 1, state, self._meta(s + 1, pos))
+            with _writing(self.ckpt, s + 1):
+                self.ckpt.maybe_save(s + 1, state, self._meta(s + 1, pos))
         progress.close()
-        if total not in self.ckpt.all_steps():  # always keep the last
-            _save(self.ckpt, total, state, self._meta(total, pos), always=True)
-        try:
+        with _writing(self.ckpt, total):
+            if total not in self.ckpt.all_steps():  # always keep the last
+                self.ckpt.save(total, state, self._meta(total, pos))
             self.ckpt.wait()
-        except (OSError, ValueError, RuntimeError) as e:
-            raise TrainingStopped(
-                f"checkpoint step {total} could not be written ({one_line(e)[:200]}); "
-                f"{last_good(self.ckpt)}"
-            ) from e
         return state, pos, times
 
     def _meta(self, n, pos):
