@@ -579,3 +579,28 @@ def test_fp16_run_with_skipped_steps_resumes_bitwise_on_one_step_counter(
     assert resumed["losses"] == full["losses"]
     assert resumed["skipped_steps"] == full["skipped_steps"]
     assert resumed["learning_rates"] == full["learning_rates"]
+
+
+# --------------------------------------------------------------------- multi-process flags
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--num-processes", "2", "--process-id", "5"], ["--process-id 5", "below"]),
+        (["--num-processes", "2", "--process-id", "2"], ["--process-id 2", "0 to 1"]),
+    ],
+)
+def test_process_flags_are_checked_in_one_line(capsys, flags, words):
+    argv = ["--coordinator", "127.0.0.1:1234", *flags, "--out", "unused"]
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(SMALL + argv)
+    helpers.one_line_error(capsys, e, *words)
+
+
+@pytest.mark.parametrize("address", ["nohostport", "host:", ":1234", "host:99999", "host:x"])
+def test_coordinator_must_be_host_and_port(capsys, address):
+    argv = ["--coordinator", address, "--num-processes", "2", "--process-id", "0"]
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(SMALL + argv + ["--out", "unused"])
+    helpers.one_line_error(capsys, e, f"--coordinator {address}", "HOST:PORT")
