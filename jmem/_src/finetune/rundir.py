@@ -129,7 +129,7 @@ def prepare_out(config) -> int | None:
         if not committed:
             found = f" (only uncommitted step directories {steps})" if steps else ""
             raise CliError(
-                f"--resume: no committed checkpoint in {ckpt_dir}{found}; run without "
+                f"--resume: no checkpoint in {ckpt_dir}{found}; run without "
                 "--resume (--overwrite) to start a run"
             )
         return committed[-1]

@@ -60,10 +60,12 @@ class RunLock:
         self.out = out
         self.path = os.path.join(out, LOCK)
         self._fd: int | None = None
+        self._created = False  # --out made by acquire: removed again if left empty
 
     def acquire(self) -> list[str]:
         """Takes the lock; returns notes (a stale lock taken over)."""
         try:
+            self._created = not os.path.exists(self.out)
             os.makedirs(self.out, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -100,11 +102,16 @@ class RunLock:
         return notes
 
     def release(self) -> None:
-        """Clears the recorded pid and releases the lock (idempotent)."""
+        """Clears the recorded pid and releases the lock (idempotent). An ``--out`` that
+        ``acquire`` created and the run left empty (refused at start) is removed."""
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
+        with contextlib.suppress(OSError):
+            if self._created and os.listdir(self.out) == [LOCK]:
+                os.remove(self.path)
+                os.rmdir(self.out)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
