@@ -323,7 +323,7 @@ def test_resume_refuses_another_base_model_or_data_by_content(tmp_path, monkeypa
     # the same files by another spelling are the same run (no checkpoint yet: that error)
     monkeypatch.chdir(tmp_path)
     line = _resume_refusal(config, data="./data.txt", checkpoint="model/")
-    assert "no committed checkpoint" in line
+    assert "--resume: no checkpoint in" in line
     raw = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**raw, "rope_theta": 1234.0}))
     line = _resume_refusal(config)
