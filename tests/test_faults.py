@@ -604,3 +604,21 @@ def test_coordinator_must_be_host_and_port(capsys, address):
     with pytest.raises(SystemExit) as e:
         jmem.finetune.main(SMALL + argv + ["--out", "unused"])
     helpers.one_line_error(capsys, e, f"--coordinator {address}", "HOST:PORT")
+
+
+def test_damaged_summary_and_a_stray_step_directory(tmp_path, capsys):
+    """A run whose last committed checkpoint is at --steps: a stray empty ``checkpoints/9``
+    is no checkpoint, and a damaged summary.json is one line naming it."""
+    from jmem._src.finetune.rundir import prepare_out
+
+    out = tmp_path / "run"
+    ck = Checkpointer(str(out / "checkpoints"), save_every=1)
+    ck.save(2, _state(2))
+    ck.close()
+    (out / "checkpoints" / "9").mkdir()
+    argv = SMALL + ["--steps", "2", "--out", str(out), "--resume"]
+    assert prepare_out(jmem.finetune.parse_args(argv)) == 2
+    (out / "summary.json").write_text('{"steps": 2, "loss')
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(argv)
+    helpers.one_line_error(capsys, e, f"{out / 'summary.json'}: cannot be read", "--overwrite")
