@@ -295,7 +295,12 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     lrs = history["learning_rates"][:start]  # a checkpoint of jmem <= 0.2 has none
     run.losses, run.evals, run.lrs = losses, evals, lrs + run.schedule[len(lrs) : start]
     run.skipped = history["skipped_steps"]
-    state, pos, times = run.steps(state, pos, ds, start, compiled_peak)
+    try:
+        state, pos, times = run.steps(state, pos, ds, start, compiled_peak)
+    except TrainingStopped:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            ckpt.close()  # orbax's threads end; nothing more is written
+        raise
     ckpt.close()
     if sample is not None:
         sample(state, f"after (step {config.training.steps})")
