@@ -23,6 +23,7 @@ if typing.TYPE_CHECKING:  # imported on first use (``__getattr__``): ``jmem --he
     from jmem import sharding as sharding
     from jmem import targets as targets
     from jmem import tree as tree
+    from jmem._src.checkpointing import CheckpointDamagedError
     from jmem._src.checkpointing import Checkpointer
     from jmem._src.decay_mask import decay_mask
     from jmem._src.deprecated import host_huge_pages as host_huge_pages  # -> jmem.host
@@ -73,6 +74,7 @@ __all__ = (
     "ResolvedLevers",
     "resolve_levers",
     "Checkpointer",
+    "CheckpointDamagedError",
     "DynamicLossScale",
     "MemoryReport",
     "MixedPrecisionState",

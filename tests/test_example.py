@@ -93,7 +93,8 @@ def test_a_second_run_into_the_same_out_replaces_or_resumes_never_mixes(example,
     second = example.main(
         SMALL + ["--steps", "2", "--save-every", "100", "--overwrite", "--out", out]
     )
-    assert sorted(int(p) for p in os.listdir(os.path.join(out, "checkpoints"))) == [2]
+    steps = [int(p) for p in os.listdir(os.path.join(out, "checkpoints")) if p.isdigit()]
+    assert steps == [2]
     summary = json.loads(open(os.path.join(out, "summary.json")).read())
     assert summary["config"] == "tiny" and summary["model"]["vocab_size"] == 256
     assert summary["data"] == "pydoc_data.topics" and summary["tokenizer"] == "byte"

@@ -385,6 +385,8 @@ def restart_with_huge_pages(
 
     Source: see the module docstring (glibc's ``glibc.malloc.hugetlb`` tunable).
     """
+    if respect_env:
+        env_opts_out()  # a value other than auto/system is refused, huge pages on or not
     if huge_pages_active():
         return HostAllocatorStatus(True)
     reason, process_state = _refusal(restart, respect_env)

@@ -43,6 +43,38 @@ __all__ = [
 #: The ``model_type`` values ``load_config`` reads (``jmem.models.families.FAMILIES``).
 MODEL_TYPES = tuple(FAMILIES)
 
+#: config.json fields that must be positive integers where present (and not null).
+INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def read_json(path: str) -> Any:
+    """The JSON in ``path``; a ValueError naming the file when it is not valid JSON."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _check_int_fields(raw: dict, path: str) -> None:
+    for name in INT_FIELDS:
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{path}: {name} must be a positive integer, got {value!r}; fix config.json"
+            )
+
 
 def load_config(directory: str) -> LlamaConfig:
     """``LlamaConfig`` from a checkpoint's ``config.json``.
@@ -63,8 +95,9 @@ def load_config(directory: str) -> LlamaConfig:
 
     Raises:
       FileNotFoundError: no ``config.json`` in ``directory``.
-      ValueError: a field value this loader does not implement; the message names the
-        field, its value and what is supported.
+      ValueError: naming config.json: invalid JSON, not an object, an ``INT_FIELDS`` field
+        that is not a positive integer (``"2"``, ``0``), or a field value this loader does
+        not implement (the message names the field, its value and what is supported).
 
     Warns:
       UserWarning: non-null fields unknown to this loader (neither handled nor ignored).
@@ -75,16 +108,24 @@ def load_config(directory: str) -> LlamaConfig:
             f"{directory!r} has no config.json: pass a Hugging Face checkpoint "
             "directory (config.json plus *.safetensors)."
         )
-    with open(path) as f:
-        return config_from_dict(json.load(f))
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    _check_int_fields(raw, path)
+    try:
+        return config_from_dict(raw)
+    except (TypeError, ZeroDivisionError, KeyError) as e:
+        raise ValueError(f"{path}: {type(e).__name__}: {e}") from None
 
 
 def _weight_files(directory: str) -> dict[str, str]:
     """Maps each tensor name to its safetensors file."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            weight_map = read_json(index)["weight_map"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{index}: has no weight_map object") from None
         missing = {v for v in weight_map.values() if not os.path.exists(os.path.join(directory, v))}
         if missing:
             raise FileNotFoundError(
@@ -113,9 +154,16 @@ def _shard_keys(directory: str, files: list[str]) -> dict[str, list[str]]:
     out = {}
     for fn in files:
         path = os.path.join(directory, fn)
-        with safe_open(path, framework="numpy") as f:
-            out[path] = list(f.keys())
+        try:
+            with safe_open(path, framework="numpy") as f:
+                out[path] = list(f.keys())
+        except Exception as e:  # SafetensorError (truncated, not safetensors) is no ValueError
+            raise ValueError(f"{path}: not a readable safetensors file ({_one_line(e)})") from e
     return out
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 def _stack_nf4(parts: list[nf4.NF4Array]) -> nf4.NF4Array:
@@ -151,6 +199,16 @@ class _TensorReader:
         path = self.files[name]
         self.read.add(name)
         try:
+            arr = self._get(safe_open, path, name)
+        except Exception as e:  # SafetensorError (truncated data) is no ValueError
+            raise ValueError(
+                f"{path}: tensor {name!r} cannot be read ({_one_line(e)}); the file is "
+                "damaged or truncated"
+            ) from e
+        return _check_values(name, path, arr)
+
+    def _get(self, safe_open, path: str, name: str) -> np.ndarray:
+        try:
             return self._handle(safe_open, path, "numpy").get_tensor(name)
         except TypeError:  # bfloat16 (most checkpoints): numpy has no such dtype
             # read as a JAX array on the host CPU, then a zero-copy ml_dtypes numpy view
@@ -171,6 +229,25 @@ class _TensorReader:
     def close(self) -> None:
         for h in self.handles.values():
             h.__exit__(None, None, None)
+
+
+def _check_values(name: str, path: str, arr: np.ndarray) -> np.ndarray:
+    """``arr`` if it is floating point with finite values; else a ValueError naming the
+    tensor and its file (an int8 weight would be cast and trained, an ``inf`` gives NaN
+    losses from the first step)."""
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise ValueError(
+            f"{path}: tensor {name!r} is {arr.dtype}, not floating point (a quantized "
+            "checkpoint?); pass a checkpoint with float16/bfloat16/float32 weights"
+        )
+    finite = np.isfinite(arr)
+    if not finite.all():
+        bad = int(arr.size - np.count_nonzero(finite))
+        raise ValueError(
+            f"{path}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); "
+            "the weights are damaged: pass an intact checkpoint"
+        )
+    return arr
 
 
 def _check(name: str, arr: np.ndarray, shape, config: LlamaConfig) -> np.ndarray:
@@ -300,8 +377,10 @@ def load_params(
     Raises:
       FileNotFoundError: missing config, weight files or tensors.
       ValueError: a config field jmem does not implement (see ``load_config``), a tensor
-        whose shape does not match the config, tensors left unread (unless
-        ``allow_unused``), or an unknown ``quantize``.
+        whose shape does not match the config, that is not floating point (an int8
+        ``q_proj``), holds a NaN or inf, or cannot be read (a truncated file), each naming
+        the tensor and its file; tensors left unread (unless ``allow_unused``), or an
+        unknown ``quantize``.
     """
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4'; got {quantize!r}.")

@@ -188,6 +188,13 @@ class TrainingConfig(_Group):
         "regex over weight paths (e.g. '.*(q_proj|v_proj).*' as in the QLoRA seed table)",
         check=cli.regex,
     )
+    nonfinite_patience: int = option(
+        10,
+        "a non-finite loss stops the run at once; under --precision fp16 (dynamic loss "
+        "scaling, where a step skipped for non-finite gradients is normal while the scale "
+        "calibrates) this many skipped steps in a row stop it",
+        check=cli.positive_int,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ trains; ``run_command`` is what the command line (``command.main``: ``jmem finet
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import sys
 
@@ -28,7 +28,9 @@ from jmem._src.finetune.mesh import target_mesh
 from jmem._src.finetune.report import quiet_stdout
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
-from jmem._src.finetune.rundir import run_record
+from jmem._src.finetune.rundir import read_json
+from jmem._src.finetune.runlock import RunLock
+from jmem._src.finetune.runlock import probe_writable
 from jmem._src.finetune.setup import check_lora_targets
 from jmem._src.finetune.setup import check_outputs
 from jmem._src.finetune.setup import make_tokenizer
@@ -75,29 +77,67 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     check_lora_targets(config, cfg)
     target = _check_target(config)
     mesh, mesh_notes = (target_mesh(config), []) if target else job_mesh(config)
-    dry = config.run.dry_run
-    if not dry:
-        tok = make_tokenizer(config, cfg)
-        ds, held = load_datasets(config, tok)
-        check_outputs(config, cfg, tok)
-        resume_step = _agree(prepare_out(config))  # a refusal stops every process
-    for line in notes + mesh_notes:
-        print(line, flush=True)
-    if dry:
+    if config.run.dry_run:
+        for line in notes + mesh_notes:
+            print(line, flush=True)
         return dry_run(config, cfg, mesh, target=target)
-    steps, out = config.training.steps, config.run.out
-    if resume_step is not None and resume_step >= steps:
-        print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {steps}.")
-        path = os.path.join(out, "summary.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                return json.load(f)
-        return None
-    os.makedirs(out, exist_ok=True)
+    tok = make_tokenizer(config, cfg)
+    ds, held = load_datasets(config, tok)
+    check_outputs(config, cfg, tok)
+    with _locked(config) as lock_notes:
+        resume_step = _agree(prepare_out(config))  # a refusal stops every process
+        for line in notes + mesh_notes + lock_notes:
+            print(line, flush=True)
+        steps = config.training.steps
+        if resume_step is not None and (
+            resume_step > steps or (resume_step == steps and _outputs_written(config))
+        ):
+            print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {steps}.")
+            path = os.path.join(config.run.out, "summary.json")
+            return read_json(path) if os.path.exists(path) else None
+        return train(config, cfg, tok, ds, held, resume_step, mesh)
+
+
+def _outputs_written(config) -> bool:
+    """Whether a run finished its outputs: summary.json for its ``--steps`` (written last,
+    after the adapters) and the merged checkpoint it asked for."""
+    path = os.path.join(config.run.out, "summary.json")
+    if not os.path.exists(path):
+        return False
+    if read_json(path, "; pass --overwrite to start over").get("steps") != config.training.steps:
+        return False
+    merged = config.output.export_merged
+    return not merged or os.path.isfile(os.path.join(merged, "config.json"))
+
+
+@contextlib.contextmanager
+def _locked(config):
+    """Process 0 holds ``--out``'s lock for the run (``RunLock``) and probes ``--out`` and
+    ``--export-merged`` by writing; every process learns whether it could. Yields notes."""
+    out, notes, error = config.run.out, [], None
+    lock = RunLock(out)
     if is_writer():
-        with open(os.path.join(out, "run.json"), "w") as f:
-            json.dump(run_record(config), f, indent=2)
-    return train(config, cfg, tok, ds, held, resume_step, mesh)
+        try:
+            if os.path.exists(out) and not os.path.isdir(out):
+                raise CliError(f"--out {out} is a file; pass a directory")
+            notes = lock.acquire()
+            probe_writable("--out", out)
+            merged = config.output.export_merged
+            if merged and not os.path.isfile(os.path.join(merged, "config.json")):
+                probe_writable("--export-merged", merged)
+        except CliError as e:
+            lock.release()
+            error = e
+    if jax.process_count() > 1:
+        failed = np.asarray(error is not None, np.int32)
+        if int(multihost_utils.broadcast_one_to_all(failed)) and error is None:
+            error = CliError(f"--out {out}: process 0 could not lock or write it (see its error)")
+    if error is not None:
+        raise error
+    try:
+        yield notes
+    finally:
+        lock.release()
 
 
 def _check_target(config) -> str | None:
@@ -143,6 +183,12 @@ def run_command(config: FinetuneConfig) -> dict | None:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except OSError as e:  # a file the run writes: full disk, read-only, removed under it
+        if config.run.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _run_quietly_off_process_0(config):

@@ -1,8 +1,13 @@
 """The training loop: state (new or resumed), evaluation on held-out batches, progress,
-checkpoints every ``--save-every`` steps."""
+checkpoints every ``--save-every`` steps, and a stop at the first non-finite loss (or after
+``--nonfinite-patience`` steps skipped in a row under fp16's dynamic loss scaling). One
+step counter: step ``s`` is the ``s``-th step attempted, skipped ones included; checkpoints,
+log lines, losses and resume all count it."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import time
 
@@ -17,6 +22,11 @@ from jmem import MemoryReport
 from jmem import data as jdata
 from jmem import lora as jlora
 from jmem import sharding
+from jmem._src.checkpointing import CheckpointDamagedError
+from jmem._src.checkpointing import committed_steps
+from jmem._src.cli import CliError
+from jmem._src.cli import one_line
+from jmem._src.cli import user_input
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import quantized_base
@@ -26,8 +36,17 @@ from jmem._src.finetune.outputs import save_adapters
 from jmem._src.finetune.report import device_memory
 from jmem._src.finetune.report import finish
 from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.rundir import is_writer
+from jmem._src.finetune.rundir import run_record
+from jmem._src.finetune.rundir import write_json
 
 format_bytes = MemoryReport.format_bytes
+
+
+class TrainingStopped(CliError):
+    """A run stopped at a non-finite loss (or after ``--nonfinite-patience`` skipped steps),
+    or because a checkpoint could not be written; the message names the step and the last
+    good checkpoint. Nothing is written after it: no checkpoint, adapters or summary."""
 
 
 class Evaluator:
@@ -58,24 +77,33 @@ class Evaluator:
         return float(np.average(losses, weights=weights)) if sum(weights) else float("nan")
 
 
-def _meta(config, pos, losses, evals) -> dict:
+def _meta(config, step, pos, losses, evals, lrs, skipped) -> dict:
     return {
+        "step": step,  # steps attempted; TrainState.step counts the updates applied
+        "skipped_steps": skipped,
         "data": pos.to_dict(),
         "losses": losses,
         "eval_losses": evals,
+        "learning_rates": lrs,
         "seed": config.run.seed,
         "args": flags(config),
     }
 
 
 def init_state(config, cfg, step, dtype, ckpt, resume_step):
-    """The train state (restored with ``--resume``), the data position and the histories.
+    """The train state (restored with ``--resume``: the newest intact checkpoint, a damaged
+    newer one named in a note), the data position and the histories.
 
     On a mesh (``step`` built with one) the state is born sharded; a checkpoint is restored
     collectively onto this run's mesh, whatever mesh wrote it.
 
     Returns:
-      ``(state, position, losses, eval_losses, trainable parameter count)``.
+      ``(state, position, losses, eval_losses, trainable parameter count, history)``:
+      ``history`` holds ``start`` (the steps attempted so far), ``learning_rates`` and
+      ``skipped_steps`` (those whose update was skipped for non-finite gradients).
+
+    Raises:
+      CliError: when every checkpoint is damaged, or the state does not match it.
     """
     frozen = quantized_base(config, cfg, dtype, abstract=False)
     adapters = jlora.init(
@@ -88,13 +116,24 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
     )
     state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
+    history = {"start": 0, "learning_rates": [], "skipped_steps": []}
     if resume_step is not None:
-        state, meta = ckpt.restore(state)
+        note = lambda line: print(f"note: {line}; trying the previous checkpoint", flush=True)
+        with user_input("--resume", (CheckpointDamagedError, ValueError)):
+            state, meta = ckpt.restore(state, on_damaged=note)
         pos = jdata.Position.from_dict(meta["data"])
         losses = list(meta.get("losses", []))
         evals = [list(e) for e in meta.get("eval_losses", [])]
-        print(f"Resumed at step {int(state.step)} (data epoch {pos.epoch}, index {pos.index}).")
-    return state, pos, losses, evals, jlora.num_trainable(adapters)
+        history = {
+            "start": int(meta.get("step", int(state.step))),
+            "learning_rates": list(meta.get("learning_rates", [])),
+            "skipped_steps": list(meta.get("skipped_steps", [])),
+        }
+        print(
+            f"Resumed at step {history['start']} (data epoch {pos.epoch}, index {pos.index}).",
+            flush=True,
+        )
+    return state, pos, losses, evals, jlora.num_trainable(adapters), history
 
 
 def step_batch(batch: dict, mesh=None) -> dict:
@@ -156,12 +195,78 @@ def _compile(step, state, batch):
     return compiled, peak
 
 
+class _Guard:
+    """The stop at a non-finite step: a non-finite loss stops at once; non-finite gradients
+    with a finite loss are a skipped step, normal under fp16's dynamic loss scaling while
+    the scale calibrates, so there ``--nonfinite-patience`` of them in a row stop the run
+    (under bf16, one does)."""
+
+    def __init__(self, config, ckpt):
+        self.dynamic = config.levers.precision == "fp16"
+        self.patience = config.training.nonfinite_patience
+        self.ckpt, self.skipped = ckpt, 0
+
+    def __call__(self, s: int, loss: float, grads_finite: bool) -> None:
+        if math.isfinite(loss) and grads_finite:
+            self.skipped = 0
+            return
+        if self.dynamic and math.isfinite(loss):
+            self.skipped += 1
+            if self.skipped < self.patience:
+                return
+            why = (
+                f"{self.skipped} steps in a row skipped for non-finite gradients under "
+                f"dynamic loss scaling (--nonfinite-patience {self.patience})"
+            )
+        elif not math.isfinite(loss):
+            why = f"the loss is {loss}"
+        else:
+            why = "the gradients are not finite"
+        raise TrainingStopped(
+            f"step {s + 1}: {why}; stopped without writing a checkpoint, adapters or summary; "
+            f"{last_good(self.ckpt)} (--resume continues from it; lower --lr first)"
+        )
+
+
+def last_good(ckpt) -> str:
+    """``the last good checkpoint is step N in DIR`` (committed, on disk), or none."""
+    with_errors = (OSError, ValueError, RuntimeError)
+    try:
+        ckpt.wait()
+    except with_errors:
+        pass
+    steps = committed_steps(ckpt.directory)
+    if not steps:
+        return f"no checkpoint was written in {ckpt.directory}"
+    return f"the last good checkpoint is step {steps[-1]} in {ckpt.directory}"
+
+
+@contextlib.contextmanager
+def _writing(ckpt, n: int):
+    """Checkpoint ``n`` written (or waited for) inside; a failed write (a full disk; orbax
+    reports an asynchronous one at the next save or wait) names the last good one."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as e:
+        raise TrainingStopped(
+            f"checkpoint step {n} (or the one before) could not be written "
+            f"({one_line(e)[:200]}); {last_good(ckpt)}"
+        ) from e
+
+
 def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     """Trains from step 0 or ``resume_step`` to ``config.training.steps``: evaluates, samples,
     checkpoints (collectively across processes), writes the adapters and the report.
+    ``run.json`` is written once the state is built (restored): a refused resume leaves
+    the previous one. A resumed run whose checkpoint is already at ``--steps`` (killed
+    after its last checkpoint) trains nothing and writes the outputs.
 
     Returns:
       The summary (``summary.json``).
+
+    Raises:
+      TrainingStopped: at a non-finite step or a checkpoint that cannot be written; the
+        previous adapters, summary and plot are left as they were.
     """
     step, loss_fn, dtype, schedule = build(config, cfg, mesh=mesh)
     print(f"levers:\n{step.levers.describe()}", flush=True)
@@ -170,49 +275,92 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
         save_every=config.run.save_every,
         keep=config.run.keep,
     )
-    state, pos, losses, evals, n_adapter = init_state(config, cfg, step, dtype, ckpt, resume_step)
+    state, pos, losses, evals, n_adapter, history = init_state(
+        config, cfg, step, dtype, ckpt, resume_step
+    )
+    if is_writer():
+        write_json(os.path.join(config.run.out, "run.json"), run_record(config))
     evaluate = None
     if held is not None:
         evaluate = Evaluator(step, loss_fn, held, config.data.eval_batches, mesh)
-    start = int(state.step)
+    start = history["start"]
     # Compile once; the same executable gives the memory report and runs every step.
     compiled, compiled_peak = _compile(step, state, step_batch(ds.batch_at(pos)[0], mesh))
-    lrs = np.asarray(schedule(jnp.arange(config.training.steps)), np.float64).tolist()
     if evaluate is not None and start == 0:
         evals.append([0, evaluate(state)])
     chat = getattr(ds, "report", {}).get("chat", False)  # sample in the chat template
     sample = None if config.output.sample_prompt is None else Sampler(config, cfg, tok, step, chat)
     if sample is not None:
         sample(state, f"before (step {start})")
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    progress = Progress(config, start)
-    times, it = [], ds.iterate(pos)
-    for s in range(start, config.training.steps):
-        batch, pos = next(it)
-        batch = step_batch(batch, mesh)
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        loss = float(metrics["loss"])  # blocks until the step is done
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-        if evaluate is not None and (
-            (s + 1) % config.data.eval_every == 0 or s + 1 == config.training.steps
-        ):
-            evals.append([s + 1, evaluate(state)])
-        tps = tokens_per_step / np.median(times[1:] or times)  # the first call warms up
-        progress.update(s, loss, evals, lrs[s], tps, device_memory() or compiled_peak)
-        ckpt.maybe_save(s + 1, state, _meta(config, pos, losses, evals))
-    progress.close()
-    if config.training.steps not in ckpt.all_steps():
-        ckpt.save(
-            config.training.steps, state, _meta(config, pos, losses, evals)
-        )  # always keep the last
+    run = _Run(config, ckpt, compiled, evaluate, schedule, mesh)
+    lrs = history["learning_rates"][:start]  # a checkpoint of jmem <= 0.2 has none
+    run.losses, run.evals, run.lrs = losses, evals, lrs + run.schedule[len(lrs) : start]
+    run.skipped = history["skipped_steps"]
+    try:
+        state, pos, times = run.steps(state, pos, ds, start, compiled_peak)
+    except TrainingStopped:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            ckpt.close()  # orbax's threads end; nothing more is written
+        raise
     ckpt.close()
     if sample is not None:
         sample(state, f"after (step {config.training.steps})")
     save_adapters(config, cfg, state)
+    tokens_per_step = config.data.batch_size * config.data.seq_len
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
-    extra = {**getattr(ds, "report", {}), **mesh_record(mesh)}
+    extra = {**getattr(ds, "report", {}), **mesh_record(mesh), "skipped_steps": run.skipped}
     if sample is not None:
         extra.update(sample.record())
-    return finish(config, cfg, losses, evals, lrs, tps, n_adapter, compiled_peak, extra)
+    return finish(config, cfg, losses, evals, run.lrs, tps, n_adapter, compiled_peak, extra)
+
+
+class _Run:
+    """The steps of a run, from ``start`` to ``--steps``, with their histories."""
+
+    def __init__(self, config, ckpt, compiled, evaluate, schedule, mesh):
+        self.config, self.ckpt, self.compiled = config, ckpt, compiled
+        self.evaluate, self.mesh = evaluate, mesh
+        steps = config.training.steps
+        # the learning rate of the n-th applied update (skipped steps apply none)
+        self.schedule = np.asarray(schedule(jnp.arange(steps + 1)), np.float64).tolist()
+        self.losses, self.evals, self.lrs, self.skipped = [], [], [], []
+
+    def steps(self, state, pos, ds, start, compiled_peak):
+        """Runs steps ``start..--steps``; returns ``(state, position, step times)``."""
+        config, total = self.config, self.config.training.steps
+        tokens_per_step = config.data.batch_size * config.data.seq_len
+        progress, guard = Progress(config, start), _Guard(config, self.ckpt)
+        times, it = [], ds.iterate(pos)
+        applied = int(state.step)  # the updates applied so far (the schedule's count)
+        for s in range(start, total):
+            batch, pos = next(it)
+            batch = step_batch(batch, self.mesh)
+            t0 = time.perf_counter()
+            state, metrics = self.compiled(state, batch)
+            loss = float(metrics["loss"])  # blocks until the step is done
+            times.append(time.perf_counter() - t0)
+            guard(s, loss, bool(metrics["grads_finite"]))
+            self.losses.append(loss)
+            self.lrs.append(self.schedule[min(applied, total)])
+            if int(metrics["step"]) == applied:  # no update: skipped (fp16 loss scaling)
+                self.skipped.append(s + 1)
+            applied = int(metrics["step"])
+            if self.evaluate is not None and (
+                (s + 1) % config.data.eval_every == 0 or s + 1 == total
+            ):
+                self.evals.append([s + 1, self.evaluate(state)])
+            tps = tokens_per_step / np.median(times[1:] or times)  # the first call warms up
+            progress.update(
+                s, loss, self.evals, self.lrs[-1], tps, device_memory() or compiled_peak
+            )
+            with _writing(self.ckpt, s + 1):
+                self.ckpt.maybe_save(s + 1, state, self._meta(s + 1, pos))
+        progress.close()
+        with _writing(self.ckpt, total):
+            if total not in self.ckpt.all_steps():  # always keep the last
+                self.ckpt.save(total, state, self._meta(total, pos))
+            self.ckpt.wait()
+        return state, pos, times
+
+    def _meta(self, n, pos):
+        return _meta(self.config, n, pos, self.losses, self.evals, self.lrs, self.skipped)

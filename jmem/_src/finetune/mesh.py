@@ -102,7 +102,8 @@ def initialize_distributed(config) -> None:
     nothing. CPU processes use the gloo collectives.
 
     Raises:
-      CliError: for some but not all of the three flags.
+      CliError: for some but not all of the three flags, a ``--process-id`` not below
+        ``--num-processes``, or a ``--coordinator`` that is not ``HOST:PORT``.
     """
     given = [config.devices.coordinator, config.devices.num_processes, config.devices.process_id]
     if any(v is not None for v in given) and not all(v is not None for v in given):
@@ -110,6 +111,8 @@ def initialize_distributed(config) -> None:
             "--coordinator, --num-processes and --process-id go together; pass all three, "
             "or none (auto-detected under SLURM)"
         )
+    if given[0] is not None:
+        check_processes(*given)
     if jax.distributed.is_initialized() or not (given[0] is not None or auto_distributed()):
         return
     if hasattr(jax.config, "jax_cpu_collectives_implementation"):  # CPU processes: gloo
@@ -120,6 +123,26 @@ def initialize_distributed(config) -> None:
         )
     else:
         jax.distributed.initialize()
+
+
+def check_processes(coordinator: str, num_processes: int, process_id: int) -> None:
+    """``--coordinator HOST:PORT`` (a port in 1..65535; ``[::1]:1234`` for IPv6) and a
+    ``--process-id`` in ``0..--num-processes - 1``.
+
+    Raises:
+      CliError: naming the flag and what it takes.
+    """
+    if not 0 <= process_id < num_processes:
+        raise CliError(
+            f"--process-id {process_id}: must be below --num-processes {num_processes} "
+            f"(0 to {num_processes - 1})"
+        )
+    host, sep, port = coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(
+            f"--coordinator {coordinator}: expected HOST:PORT (process 0's address and a "
+            "free port in 1..65535, e.g. 10.0.0.1:1234)"
+        )
 
 
 def sync(name: str) -> None:

@@ -1,5 +1,6 @@
-"""The run directory: ``run.json`` (the flags), the rules of ``--resume`` and
-``--overwrite``, and what a run records of its flags."""
+"""The run directory: ``run.json`` (the flags and the fingerprints of what the run trained
+on), the rules of ``--resume`` and ``--overwrite``, and what a run records of its flags.
+Only committed checkpoints count (``jmem._src.checkpointing.committed_steps``)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import shutil
 
 import jax
 
+from jmem._src.checkpointing import committed_steps
 from jmem._src.cli import CliError
+from jmem._src.cli import one_line
+from jmem._src.finetune.fingerprints import differences
+from jmem._src.finetune.fingerprints import fingerprints
 
-#: Flags that must match the run in --out for --resume (they shape the state or the data).
+#: Flags naming a file or directory: compared by resolved path (and content, by
+#: ``fingerprints``), not by spelling.
+PATH_FLAGS = ("checkpoint", "data", "tokenizer")
+#: Flags that must match the run in --out for --resume (they shape the state's tree, the
+#: data or what is trained), besides ``PATH_FLAGS``.
 RESUME_FLAGS = (
     "config",
-    "checkpoint",
-    "data",
-    "tokenizer",
     "seq_len",
     "batch_size",
     "grad_accum",
@@ -27,6 +33,7 @@ RESUME_FLAGS = (
     "lora_rank",
     "lora_alpha",
     "lora_targets",
+    "lora_dropout",
     "eval_split",
     "seed",
 )
@@ -60,12 +67,47 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def run_record(config) -> dict:
-    """run.json: the resolved flags and, under ``versions``, the packages' versions."""
-    return {**flags(config), "versions": versions()}
+def run_record(config, prints: dict | None = None) -> dict:
+    """run.json: the resolved flags, under ``versions`` the packages' versions, under
+    ``fingerprints`` those of ``--checkpoint`` and ``--data`` (``fingerprints``)."""
+    prints = fingerprints(config) if prints is None else prints
+    return {**flags(config), "versions": versions(), "fingerprints": prints}
 
 
-def _checkpoint_steps(directory: str) -> list[int]:
+def read_json(path: str, what: str = "") -> dict:
+    """A JSON object from ``path``.
+
+    Raises:
+      CliError: naming the file, for one that cannot be read or is not a JSON object.
+    """
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CliError(f"{path}: cannot be read ({one_line(e)}){what}") from None
+    if not isinstance(value, dict):
+        raise CliError(f"{path}: expected a JSON object, got {type(value).__name__}{what}")
+    return value
+
+
+def write_json(path: str, value: dict) -> None:
+    """Writes ``value`` to ``path`` atomically (a temporary file renamed): a kill or a
+    full disk leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _step_dirs(directory: str) -> list[int]:
+    """Every step-named directory, committed or not (what makes ``--out`` hold a run)."""
     if not os.path.isdir(directory):
         return []
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
@@ -79,15 +121,18 @@ def prepare_out(config) -> int | None:
         raise CliError(f"--out {out} is a file; pass a directory")
     replace_merged = _check_merged(config.output.export_merged, config.run.overwrite)
     ckpt_dir = os.path.join(out, "checkpoints")
-    steps = _checkpoint_steps(ckpt_dir)
+    steps = _step_dirs(ckpt_dir)
     record = os.path.join(out, "run.json")
     if config.run.resume:
-        if not steps:
-            raise CliError(
-                f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start a run"
-            )
         _check_same_run(config, record)
-        return steps[-1]
+        committed = committed_steps(ckpt_dir)
+        if not committed:
+            found = f" (only uncommitted step directories {steps})" if steps else ""
+            raise CliError(
+                f"--resume: no checkpoint in {ckpt_dir}{found}; run without "
+                "--resume (--overwrite) to start a run"
+            )
+        return committed[-1]
     previous = steps or os.path.exists(record) or os.path.exists(os.path.join(out, "summary.json"))
     if previous and not config.run.overwrite:
         at = f" (checkpoints at steps {steps})" if steps else ""
@@ -121,21 +166,30 @@ def _check_merged(merged: str | None, overwrite: bool) -> bool:
 
 
 def _check_same_run(config, record: str) -> None:
-    """--resume: the flags that shape the state and the data must match run.json's."""
+    """--resume: the flags that shape the state and the data must match run.json's, and
+    the files ``--checkpoint``/``--data`` name must hold what they held (fingerprints)."""
     if not os.path.exists(record):
         return
-    with open(record) as f:
-        before = json.load(f)
+    before = read_json(record, "; pass --overwrite to start over")
     now = flags(config)
     diff = [
         f"--{k.replace('_', '-')} {now[k]} (was {before[k]})"
         for k in RESUME_FLAGS
         if k in before and before[k] != now.get(k)
     ]
+    if "fingerprints" in before:
+        diff += differences(before["fingerprints"], fingerprints(config))
+    else:  # a run.json of jmem <= 0.2: paths compared resolved
+        real = lambda v: os.path.realpath(v) if isinstance(v, str) and v != "byte" else v
+        diff += [
+            f"--{k} {now[k]} (was {before[k]})"
+            for k in PATH_FLAGS
+            if k in before and real(before[k]) != real(now.get(k))
+        ]
     if diff:
         raise CliError(
-            f"--resume: this run's flags differ from the run in --out {config.run.out}: "
-            f"{', '.join(diff)}; pass the same flags, or --overwrite to start over"
+            f"--resume: this run differs from the run in --out {config.run.out}: "
+            f"{'; '.join(diff)}; pass the same flags and files, or --overwrite to start over"
         )
     if before.get("steps") != config.training.steps:
         print(

@@ -180,6 +180,10 @@ def make_tokenizer(config, cfg):
             f"model's tokenizer.json){byte}"
         )
     else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # a bad one named
+            if os.path.exists(os.path.join(path, name)):
+                with user_input(flag):
+                    hf.read_json(os.path.join(path, name))
         with user_input(flag, Exception):  # tokenizers raises plain Exception
             tok = jdata.HFTokenizer(path)
     if tok.vocab_size > cfg.vocab_size:
