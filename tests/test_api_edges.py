@@ -56,6 +56,7 @@ def test_memory_sizes_are_finite_and_positive(memory):
         planner.parse_memory(memory)
 
 
+@pytest.mark.slow
 def test_negative_targets_are_ignored_as_masked():
     """-100 targets (and any negative id) weigh 0: the loss equals the one with those
     tokens masked out, chunked or not, and so do the gradients."""

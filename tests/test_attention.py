@@ -235,6 +235,7 @@ def test_auto_picks_dense_short_and_blockwise_long_on_cpu():
     assert attention_lib.pick_implementation("auto", "no GPU", 4096) == "blockwise"
 
 
+@pytest.mark.slow
 def test_blockwise_equals_dense_quick():
     """The fast run's check (the full matrix is marked slow): GQA, packed rows and a
     window, values and gradients, jitted, with a partial last tile."""
@@ -294,6 +295,7 @@ def _autodiff_dense(q, k, v, mask, scale):
     return attention_lib._from_groups(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_saves_the_probabilities_once_in_the_compute_dtype(dtype):
     """The dense path's custom VJP keeps one ``[.., S, T]`` residual, in ``v``'s dtype:

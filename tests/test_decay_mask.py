@@ -41,6 +41,7 @@ def test_reference_llama_mask_by_name_not_ndim(tied):
     assert jmem.decay_mask(params)["layers"]["q_proj"] == {"kernel": True, "bias": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make_tx, as_function",
     [
@@ -68,6 +69,7 @@ def test_optimizers_decay_only_the_masked_params(make_tx, as_function):
     jax.tree.map(check, mask, params, new)
 
 
+@pytest.mark.slow
 def test_flax_linen_variables():
     nn = pytest.importorskip("flax.linen")
 
@@ -196,6 +198,7 @@ def _sum_loss(p, batch):
     return sum(jnp.sum(x) for x in jax.tree.leaves(p)) * batch["x"].mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [

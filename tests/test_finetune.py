@@ -371,6 +371,7 @@ def test_first_run_on_a_60_line_text_file_trains_and_evaluates(tmp_path):
     assert [s for s, _ in summary["eval_losses"]] == [0, 2]  # before and after: 2 steps
 
 
+@pytest.mark.slow
 def test_long_context_flags_reach_the_model_and_train_as_dense(tmp_path):
     """--attention/--loss-chunk/--token-chunk set the run's levers (not the model config),
     and a run with blockwise attention and chunked loss/MLP trains to the dense run's
@@ -403,6 +404,7 @@ def test_long_context_flags_reach_the_model_and_train_as_dense(tmp_path):
 # ---------------------------------------------------------------------------- LoRA dropout
 
 
+@pytest.mark.slow
 def test_lora_dropout_key_per_step_and_none_at_evaluation():
     """--lora-dropout: the state carries the run's dropout key (from --seed), the train step
     gives the loss a key per step (same step: same loss; another step: another), and the
@@ -548,6 +550,7 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     assert all(np.isfinite(second["losses"])) and np.isfinite(second["last_eval_loss"])
 
 
+@pytest.mark.slow
 def test_no_remat_inlines_the_layers():
     """--remat none: the job's loss runs the model with ``scan_unroll=True`` (a layer loop
     would stack every saved activation, issue #30), with the loss of the layer loop."""

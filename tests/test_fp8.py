@@ -152,6 +152,7 @@ def _numpy_delayed_scaling(amaxes, history_len, algo, margin, fp8_max):
     return np.array(used, np.float32), hist
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 1, 3])
 def test_scale_update_follows_formula_and_history_rolls(algo, margin):
@@ -253,6 +254,7 @@ class NumericsTest(chex.TestCase):
         self.assertGreater(_rel(y, x @ w), 1e-3)
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_mixed_precision_dtypes(self):
         x, w = _data()
         m = fp8.init_meta(4)

@@ -144,6 +144,7 @@ def test_peft_adapter_runs_in_jmem(tmp_path):
     helpers.assert_bitwise_equal(hf.load_adapters(str(tmp_path / "ad"), q, cfg), ad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_save_load_round_trip_is_bitwise(tmp_path, dtype):
     cfg = helpers.small_config()
@@ -274,6 +275,7 @@ def test_save_params_nf4_one_matrix_at_a_time(tmp_path, monkeypatch):
     helpers.assert_bitwise_equal(back, lora.merge(q, ad))
 
 
+@pytest.mark.slow
 def test_hf_config_refuses_fields_it_does_not_write(tmp_path):
     cfg = helpers.small_config()
     c = export.hf_config(cfg)

@@ -75,6 +75,7 @@ def test_fp8_turns_token_chunks_off_with_a_reason_and_unroll_follows_remat():
     assert jmem.resolve_levers(jmem.Levers(scan_unroll=2), cfg, (1, 8)).scan_unroll == 2
 
 
+@pytest.mark.slow
 def test_loss_fn_reads_the_levers():
     """The same loss through every path the levers choose (float32, 1e-5), and an FP8
     conflict refused instead of silently dropping chunks."""

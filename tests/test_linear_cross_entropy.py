@@ -40,6 +40,7 @@ def _dense(x, head, targets, mask, cap=None):
     return llama.cross_entropy(logits, targets, mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 8, 16, 74, 500])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 def test_equals_dense_loss_and_gradients(chunk, mask_kind):
@@ -51,6 +52,7 @@ def test_equals_dense_loss_and_gradients(chunk, mask_kind):
     chex.assert_trees_all_close(got, want, rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_softcap_and_bfloat16():
     x, head, targets, mask = _inputs(jnp.bfloat16)
     f = lambda x, h: ops.linear_cross_entropy(x, h, targets, mask, chunk=16, logit_softcap=3.0)
@@ -69,6 +71,7 @@ def test_softcap_and_bfloat16():
     )
 
 
+@pytest.mark.slow
 def test_token_weighted_microbatches():
     """Accumulated over 2 microbatches (weighted by unmasked tokens), the gradient is the
     whole batch's: the chunked loss is a token mean as the dense one."""
@@ -99,6 +102,7 @@ def test_model_loss_chunked_equals_unchunked(tie):
     chex.assert_trees_all_close(out[10][0], ref, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_qlora_nf4_head_stays_implicit():
     """An NF4-quantized, LoRA-adapted head under qlora.apply: chunked equals unchunked
     (loss and adapter gradients), and nothing materializes the head (no ImplicitWeightError)."""
@@ -158,6 +162,7 @@ def test_errors():
         ops.linear_cross_entropy(x, head, targets[:, 1:], chunk=8)
 
 
+@pytest.mark.slow
 def test_tiled_mlp_equals_whole():
     """The token-chunked layer parts (``mlp_chunk``: norms, projections, RoPE, MLP; a
     partial last chunk) give the whole layer's loss and gradients."""

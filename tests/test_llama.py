@@ -38,6 +38,7 @@ class ForwardTest(chex.TestCase):
     """Properties of ``llama.forward`` that hold with and without jit."""
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_shapes_and_dtype_follow_params(self):
         p, cfg = _params(jnp.bfloat16)
         logits = self.variant(lambda p, t: llama.forward(p, t, cfg))(
@@ -48,6 +49,7 @@ class ForwardTest(chex.TestCase):
         assert jax.tree.structure(p) == jax.tree.structure(llama.abstract_params(cfg))
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_causality(self):
         p, cfg = _params()
         forward = self.variant(lambda p, t: llama.forward(p, t, cfg))
@@ -57,6 +59,7 @@ class ForwardTest(chex.TestCase):
         assert not jnp.allclose(la[:, 10:], lb[:, 10:])
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_tied_embeddings_have_no_head(self):
         p, cfg = _params(tie_embeddings=True)
         assert "lm_head" not in p
@@ -66,6 +69,7 @@ class ForwardTest(chex.TestCase):
         chex.assert_shape(logits, (1, 4, 256))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"norm_placement": "sandwich", "qk_norm": "head"}])
 def test_checkpoint_names_are_visible_to_policies(options):
     """Every name of CHECKPOINT_NAMES tags its intermediate (Gemma 3's sandwich norms and
@@ -93,6 +97,7 @@ class PackingTest(chex.TestCase):
     """Packed rows (``segment_ids`` + ``positions``) give each example its logits alone."""
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_packed_example_equals_example_alone(self):
         p, cfg = _params(num_layers=2)
         first = jax.random.randint(jax.random.key(1), (1, 5), 0, 256, jnp.int32)
@@ -112,6 +117,7 @@ class PackingTest(chex.TestCase):
         assert float(jnp.max(jnp.abs(leaky[:, 5:] - alone(p, second)))) > 1e-3
 
 
+@pytest.mark.slow
 def test_loss_fn_reads_positions_and_segment_ids():
     p, cfg = _params(num_layers=2)
     tokens = jax.random.randint(jax.random.key(3), (2, 13), 0, 256, jnp.int32)
@@ -218,6 +224,7 @@ def test_family_options_are_validated(options, match):
         llama.get_config("tiny", num_layers=2, **options)
 
 
+@pytest.mark.slow
 def test_family_weights_follow_the_options():
     """Which leaves a layer has: sandwich norms, QK-norms per head or per projection, fused
     kernels (Phi-3), and no pre-norms with post placement (OLMo 2)."""
@@ -237,6 +244,7 @@ def test_family_weights_follow_the_options():
 
 class ScanUnrollTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_inlined_layers_equal_the_layer_loop(self):
         """``Levers(scan_unroll=True)`` inlines every layer (no ``while`` over layers in the
         compiled step, so no stacked residuals without remat) and computes the same loss

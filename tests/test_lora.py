@@ -114,6 +114,7 @@ def test_grads_match_merged_and_only_adapters():
     walk(jaxpr)
 
 
+@pytest.mark.slow
 def test_token_axes_grads_and_name_scopes():
     """x with two token axes ([B, S, in], flattened inside the LoRA path): values and factor
     gradients equal the merged weight's; the model's named scopes reach the compiled ops."""
@@ -335,6 +336,7 @@ def test_llama_fp8_lora():
     assert rel(out, bf16(lora.merge(p, adn), batch["inputs"])) < 0.1
 
 
+@pytest.mark.slow
 def test_lora_weight_survives_jit_and_orbax(tmp_path):
     ad = _nonzero(lora.init(jax.random.key(1), _params(), rank=R, alpha=8.0, targets=r".*kernel"))
     out = jax.jit(lambda t: t)(ad)
@@ -404,6 +406,7 @@ def _dropout_case(n=16, rate=0.3):
 
 class DropoutTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_dropout_is_peft_dropout_on_the_adapter_input(self):
         """With a key: y = x·W + s·((m⊙x/(1-p))·a)·b, m ~ Bernoulli(1-p) (the mask read off an
         identity adapter); the base sees x unchanged. Without a key: bitwise no dropout."""

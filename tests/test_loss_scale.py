@@ -83,6 +83,7 @@ def test_dynamic_growth_never_overflows_float32():
     assert ls.loss_scale.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_agrees_with_jmp_when_min_loss_scale_is_one():
     jmp = pytest.importorskip("jmp")
     flags = np.random.default_rng(7).random(400) < 0.85

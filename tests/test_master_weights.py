@@ -101,6 +101,7 @@ def test_corner_case_crossing_zero_is_bounded_and_params_from_masters_exact():
 
 class JitTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_float32_params_match_plain_optimizer(self):
         """With float32 params the wrapper is the inner optimizer up to float32 rounding, and
         the optax path equals the masters bitwise wherever the step changes a weight by less

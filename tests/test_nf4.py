@@ -108,6 +108,7 @@ def test_double_quant_matches_bitsandbytes(shape):
     np.testing.assert_allclose(ours, ref.numpy(), atol=0.02 * np.abs(w).max())
 
 
+@pytest.mark.slow
 def test_bytes_per_param():
     q = nf4.quantize(jnp.ones((4096, 4096), jnp.bfloat16))
     assert nf4.bytes_per_param(q) <= 0.52
@@ -120,6 +121,7 @@ def test_bytes_per_param():
 
 class NF4Test(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_round_trip_error_bound(self):
         w = jnp.asarray(_weights((64, 256), seed=2))
         q = self.variant(nf4.quantize)(w)
@@ -132,6 +134,7 @@ class NF4Test(chex.TestCase):
         assert bool(jnp.all(err <= 0.153 * absmax + 0.01))
 
 
+@pytest.mark.slow
 def test_all_zero_and_constant():
     z = nf4.quantize(jnp.zeros((8, 64)))
     np.testing.assert_array_equal(np.asarray(z.packed), 0x77)
@@ -140,6 +143,7 @@ def test_all_zero_and_constant():
     chex.assert_trees_all_close(nf4.dequantize(c, jnp.float32), jnp.full((4, 128), 0.5), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_stacked_is_per_layer_and_sliceable():
     w = jnp.asarray(_weights((3, 40, 72), seed=3))  # 2880 = 45 blocks per layer
     q = nf4.quantize(w)

@@ -429,6 +429,7 @@ def test_leaf_by_leaf_training_bitwise_identical_and_state_on_host(factory, dtyp
     assert float(losses[-1]) < float(losses[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", [True, False])
 def test_leaf_by_leaf_skip_keeps_old_state(skip):
     params = _params(jax.random.key(8))
@@ -513,6 +514,7 @@ def test_leaf_by_leaf_hlo_loads_each_leaf_after_the_previous_store(monkeypatch):
     assert len(_load_after_store_problems(text, arg_paths, names)) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [
@@ -587,6 +589,7 @@ def test_leaf_by_leaf_keeps_name_stacks():
     chex.assert_trees_all_close(upd, jax.tree.map(lambda g: -0.01 * g, grads), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_leaf_by_leaf_eager_extra_args_and_bad_flag():
     params = _params(jax.random.key(12))
     grads = jax.tree.map(lambda p: p * 0.1, params)

@@ -53,6 +53,7 @@ def _run(tx, params, grads):
     return params, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [opt_lib.adamw_8bit, opt_lib.adamw_4bit])
 def test_jitted_step_is_traced_once(factory):
     # The state that comes out of a step has the structure (static fields included) of the
@@ -539,6 +540,7 @@ def test_unchunkable_tensor_warns():
         tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, size_arg",
     [

@@ -320,6 +320,7 @@ def test_reference_tree_for_full_fine_tuning():
     assert float(optax.tree.norm(grads)) > 0
 
 
+@pytest.mark.slow
 def test_builder_errors():
     fn = lambda p, rows: None  # noqa: E731
     with pytest.raises(ValueError, match="objective must be one of"):

@@ -53,6 +53,7 @@ def _mlp(p, x):
 
 class QLoRAPropertyTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_loss_and_grads_equal_dense_merged(self):
         """QLoRA loss and adapter grads equal the dequantized, merged dense computation."""
         q = jax.jit(functools.partial(qlora.quantize_params, targets=r".*"))(_mlp_params())
@@ -134,6 +135,7 @@ def _residual_shapes(f, *args):
     return [tuple(x.shape) for x in jax.tree.leaves(vjp_fn)]
 
 
+@pytest.mark.slow
 def test_frozen_nf4_matmul_saves_no_input():
     """The frozen NF4 base's backward pass (``g·Wᵀ``) reads no activation: without LoRA the
     only residual is the packed weight, never the ``[N, in]`` input (issue #30: each saved
@@ -150,6 +152,7 @@ def test_frozen_nf4_matmul_saves_no_input():
     chex.assert_trees_all_close(dx, ref, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_adapters_on_one_input_save_it_once():
     """Three adapted projections of one input (q/k/v) keep one flattened copy of it for
     their ``a`` gradients, not three (``lora_term``'s per-evaluation memo)."""

@@ -58,6 +58,7 @@ def _train_step_temp_bytes(fn, stacked: bool, quantize: bool, batched: bool = Fa
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_unrolled_qlora_dequantizes_one_layer_at_a_time():
     """A Python-loop model holds one dequantized layer at a time in its train step, forward
     and backward, like the same model under lax.scan (was: all 4 layers, 101% of the
@@ -99,6 +100,7 @@ def test_ordering_is_a_barrier_on_gpu_tpu_and_a_data_dependency_on_cpu():
         assert text.count("optimization_barrier") >= (2 * L - 1 if barrier else 0), platform
 
 
+@pytest.mark.slow
 def test_batch_sharded_activations_explicit_mesh():
     """Batch-sharded activations on an explicit mesh: the ordering dependency needs no
     slicing of a sharded axis; values equal the unsharded run."""
@@ -126,6 +128,7 @@ def _small_loop_case():
 
 class UnrolledNumericsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_loss_and_grads_equal_dequantized_merged(self):
         q, ad, x = _small_loop_case()
         deq = qlora.dequantize_params(q)
@@ -137,6 +140,7 @@ class UnrolledNumericsTest(chex.TestCase):
         chex.assert_trees_all_close(g, g_ref, atol=1e-6, rtol=1e-4)
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_per_example_grads_equal_reference(self):
         q, ad, x = _small_loop_case()
         deq = qlora.dequantize_params(q)
@@ -257,6 +261,7 @@ def test_exclude_names():
     assert all(qlora.default_targets(p, leaf) for p in kept)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_error_names_the_users_target_rule(kind):
     """A user regex that picks a stacked norm scale: the error names the weight, says the
@@ -301,6 +306,7 @@ def _scoped_model(p, x):
         return jax.jit(lambda x, w: x @ w)(x, p["head"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
 def test_name_stacks_survive_the_interpreter(grad):
     """jax.named_scope names (incl. around a scan and an inlined jit) reach the lowered

@@ -122,6 +122,7 @@ def test_nearest_codes_equal_midpoint_count(name):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CODES))
 def test_decode_every_code_exactly(name):
     code = CODES[name]
@@ -197,6 +198,7 @@ def test_quantize_blockwise_vs_bitsandbytes(signed):
     np.testing.assert_array_equal(deq[512:768], 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CODES))
 @pytest.mark.parametrize("shape", [(3, 5, 7), (1,), (257,), (4, 128)])
 def test_round_trip_error_bound_and_shapes(name, shape):
@@ -257,6 +259,7 @@ def test_4bit_packing_two_codes_per_byte():
 
 class QuantizedArrayPytreeTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_pytree_through_jit(self):
         code = qz.dynamic_map(True)
         x = jnp.linspace(-3.0, 2.0, 1000).reshape(10, 100)

@@ -54,6 +54,7 @@ class RematGradTest(chex.TestCase):
 
 class ScanStepTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_scan_step_usage(self):
         ws = jax.random.normal(jax.random.key(0), (5, 8, 8))
 
@@ -132,6 +133,7 @@ def _loss_with_nested_scan(ws, x, flag):
     return jnp.sum(y**2)
 
 
+@pytest.mark.slow
 def test_scan_nested_in_jit_and_cond_keeps_gradients():
     ws = jax.random.normal(jax.random.key(0), (6, 16, 16)) * 0.3
     x = jnp.ones((4, 16))
@@ -215,6 +217,7 @@ def test_every_must_divide_the_scan_length():
         jmem.remat(lambda x: x, "full", every=0)
 
 
+@pytest.mark.slow
 def test_custom_jvp_rule_is_kept_and_python_flags_are_static():
     ws = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.3
     x = jax.random.normal(jax.random.key(1), (2, 8))
@@ -267,6 +270,7 @@ def _bf16_stack_loss(w, x):
     return jnp.sum(jax.lax.scan(body, x, w)[0].astype(jnp.float32) ** 2)
 
 
+@pytest.mark.slow
 def test_full_remat_keeps_saved_bf16_inputs_out_of_float32():
     # XLA:CPU slices a bf16 stack in float32 and hoists the convert of the whole stack out
     # of the backward loop (a float32 copy of every layer's input, 24 GiB for the 8B model

@@ -72,6 +72,7 @@ _GRID = [(a, c) for a, c in (("dense", False), ("blockwise", False), ("blockwise
 _DTYPES = [jnp.float32, jnp.bfloat16]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", _DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("attention,chunked", _GRID)
 def test_order_at_256_tokens(attention, chunked, dtype):

@@ -96,6 +96,7 @@ def assert_structure(remat_fn, plain_fn, *args, forward=True):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", user_models.STYLES)
 @pytest.mark.parametrize("where", ["loss", "step"])
 def test_user_models_checkpoint_each_layer_once(style, where):
@@ -104,6 +105,7 @@ def test_user_models_checkpoint_each_layer_once(style, where):
     assert_structure(m.step("full", where), m.step("none", "none"), m.state, m.batch, forward=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", user_models.STYLES)
 def test_forward_of_each_style_has_one_checkpoint_per_scan_body(style):
     m = user_models.make(style, **TINY)
@@ -137,6 +139,7 @@ def _scan_loss(p, x, step_transform=lambda f: f):
 _jitted_scan_loss = jax.jit(_scan_loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "loss",
     [
@@ -165,6 +168,7 @@ def test_jitted_scan_traced_before_is_kept_a_jit_with_one_checkpoint():
     assert "_scan_loss" in jit_names(got)
 
 
+@pytest.mark.slow
 def test_qlora_loss_of_the_main_job_checkpoints_each_layer_once():
     """The reference Llama's loss through the implicit NF4/LoRA interpreter, remat around it
     as ``jmem.train_step(remat=...)`` does."""

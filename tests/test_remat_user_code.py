@@ -126,6 +126,7 @@ def test_remat_step_around_a_remat_loss():
     )
 
 
+@pytest.mark.slow
 def test_scanned_layers_do_not_warn():
     m = user_models.make("jax", **SHAPE)
     with warnings.catch_warnings():
@@ -153,6 +154,7 @@ def test_train_step_checks_checkpoint_names():
         ts(ts.init(m.state[0]), m.batch)
 
 
+@pytest.mark.slow
 def test_name_stacks_survive_in_the_lowered_hlo(model):
     """Equations outside scan bodies keep their jax.named_scope names (head, ln_f)."""
     text = jax.jit(model.step("selective", "step")).lower(model.state, model.batch)
@@ -204,6 +206,7 @@ def test_every_groups_layers_of_a_whole_step():
     assert step <= 1.05 * loss and step < _temp(m, "none"), (step, loss)
 
 
+@pytest.mark.slow
 def test_scan_that_is_not_intercepted_raises_instead_of_saving_nothing(monkeypatch):
     """If no scan can be intercepted (simulated: a JAX whose lax.scan binds elsewhere),
     jmem.remat raises rather than return a function that silently saves nothing."""
@@ -221,6 +224,7 @@ def _mlp_scan_loss(p, x):
     return jnp.mean(h**2)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_scan_in_the_step_is_rematerialized():
     """A step that scans over microbatches and takes ``value_and_grad`` inside that scan's
     body: the layer scan is differentiated inside the outer body, so it is rewritten too

@@ -57,6 +57,7 @@ def _objective(out):
     return jnp.sum(out[0] * jnp.arange(1.0, B + 1)) + 3.0 * jnp.sum(out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 8, 16, 87, 500])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 def test_equals_dense_values_and_gradients(chunk, mask_kind):
@@ -69,6 +70,7 @@ def test_equals_dense_values_and_gradients(chunk, mask_kind):
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_softcap_and_bfloat16():
     x, head, targets, mask = _inputs(jnp.bfloat16)
     f = lambda x, h: _as_tuple(

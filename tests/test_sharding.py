@@ -88,6 +88,7 @@ class ConstrainGradientsTest(chex.TestCase):
     """The gradient-placement wrapper changes placement only, jitted and not."""
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_constrained_update_equals_plain_update(self):
         mesh = sharding.make_mesh(data=1, fsdp=8)
         params = _params()

@@ -370,6 +370,7 @@ class SkipAndAccumulationTest(chex.TestCase):
     """The step's building blocks hold jitted and not."""
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_skip_if_nonfinite_keeps_state_bitwise_and_applies_when_finite(self):
         opt = optax.adam(1e-2)
         params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-0.0, 1.0])}
@@ -389,6 +390,7 @@ class SkipAndAccumulationTest(chex.TestCase):
         chex.assert_trees_all_close((new_p, new_s), (want_p, want_s), rtol=1e-6, atol=1e-7)
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_accumulated_gradients_equal_one_batch(self):
         w = jax.random.normal(jax.random.key(0), (8, 4))
         batch = {"x": jax.random.normal(jax.random.key(1), (12, 8))}
@@ -435,6 +437,7 @@ class MaskedAccumulationTest(chex.TestCase):
         assert float(unweighted(jnp.float32(1.0), batch)[1]) == 1.5
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_a_microbatch_without_unmasked_tokens_adds_nothing(self):
         """Its weight is 0 and its own ``sum(nll * mask) / sum(mask)`` is 0/0 = NaN: the
         result is the other microbatches' token mean, never NaN (all masked: zeros)."""
@@ -484,6 +487,7 @@ def _mlp_problem(seed=0):
     return params, batch
 
 
+@pytest.mark.slow
 def test_one_mlp_step_equals_hand_written_optax_step():
     params, batch = _mlp_problem()
     opt = optax.adamw(1e-2)
@@ -546,6 +550,7 @@ def _keyed_loss(w, batch, *, dropout_key):
     return jnp.mean(batch["x"] @ w) + jax.random.uniform(dropout_key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_dropout_key_is_new_per_step_and_microbatch_and_checkpointed(microbatches, tmp_path):
     """step.init(..., dropout_key=k) gives loss_fn dropout_key = fold_in(fold_in(k, step), i)
