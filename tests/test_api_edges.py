@@ -22,6 +22,7 @@ def _qkv(s=8):
     return q, k, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [0.0, -1.0, "1"])
 def test_attention_refuses_a_softcap_that_is_not_positive(cap):
     q, k, v = _qkv()

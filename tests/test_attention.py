@@ -131,6 +131,7 @@ def _max_array_size(jaxpr) -> int:
     return best
 
 
+@pytest.mark.slow
 def test_blockwise_holds_no_score_matrix():
     """The jaxpr of the blockwise gradient holds nothing of ``S * T`` elements per head
     (its largest array is a hidden-sized one); the dense path's holds ``B * nH * S * T``."""
@@ -212,6 +213,7 @@ def test_compiled_temporaries_at_4k_tokens():
     assert _temp_bytes("blockwise", 4096) < TINY_4K_BOUND < _temp_bytes("dense", 4096)
 
 
+@pytest.mark.slow
 def test_errors_name_the_cause():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="GPU"):

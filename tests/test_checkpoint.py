@@ -228,6 +228,7 @@ def test_abstract_state_has_the_shardings_of_init(kw):
     assert step.abstract_state(jax.eval_shape(lambda: params)) == abstract
 
 
+@pytest.mark.slow
 def test_offloaded_opt_state_restores_into_host_memory(tmp_path):
     step = jmem.train_step(
         _mlp_loss, jmem.adamw_8bit(1e-3, min_8bit_size=1024), offload_optimizer=True

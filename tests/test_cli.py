@@ -195,6 +195,7 @@ def test_defaults_are_filled_with_is_none_and_sized_for_the_device(example, tmp_
     assert (c.model.config, c.model.tokenizer, c.training.lr) == ("tiny", "byte", 3e-3)
 
 
+@pytest.mark.slow
 def test_example_entry_point_prints_no_traceback(tmp_path):
     """The script itself (``python examples/qlora_7b.py``): status 2, one line."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(_ROOT), JAX_PLATFORMS="cpu")
@@ -288,6 +289,7 @@ def test_estimate_prints_the_static_subtotal(capsys, optimizer, static_gb):
     assert led.total > led.static  # the table's total adds the activations
 
 
+@pytest.mark.slow
 def test_estimate_entry_point_status_2():
     env = dict(os.environ, PYTHONPATH=os.path.abspath(_ROOT), JAX_PLATFORMS="cpu")
     r = subprocess.run(

@@ -27,6 +27,7 @@ def _expected_llama(tied: bool) -> dict:
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_reference_llama_mask_by_name_not_ndim(tied):
     cfg = helpers.small_config(tie_embeddings=tied)
@@ -95,6 +96,7 @@ def test_flax_linen_variables():
     }
 
 
+@pytest.mark.slow
 def test_flax_nnx_state_works_with_optax():
     nnx = pytest.importorskip("flax.nnx")
 
@@ -125,6 +127,7 @@ def test_flax_nnx_state_works_with_optax():
     )
 
 
+@pytest.mark.slow
 def test_lora_adapters_and_torch_style_names():
     params = llama.init(jax.random.key(0), helpers.small_config())
     adapters = jmem.lora.init(jax.random.key(1), params, rank=2)
@@ -230,6 +233,7 @@ def test_train_step_warns_once_when_decay_reaches_norms_or_biases(make, monkeypa
     step(state, batch)
 
 
+@pytest.mark.slow
 def test_no_decay_warning_for_adam_zero_decay_lamb_or_lora(monkeypatch):
     """No param-proportional update on norms: plain Adam, weight_decay=0, LAMB's trust ratio
     (a norm of the params), and LoRA adapters (never norms) stay silent."""

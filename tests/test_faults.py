@@ -186,6 +186,7 @@ Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 WEIGHTS = "model-00001-of-00001.safetensors"  # the exporter's one shard
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "edit, match",
     [
@@ -219,6 +220,7 @@ def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
         hf.load_params(str(tmp_path), dtype=jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "field, value, match",
     [

@@ -233,6 +233,7 @@ def test_overflow_saturates():
 
 class NumericsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_settled_error_vs_f32(self):
         step = self.variant(
             jax.value_and_grad(

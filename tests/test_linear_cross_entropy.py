@@ -139,6 +139,7 @@ def test_never_holds_the_logits():
     assert _temp(256) < 96 * 2**20 < 500 * 2**20 < _temp(0)
 
 
+@pytest.mark.slow
 def test_bfloat16_backward_holds_no_float32_head():
     """bfloat16 x and head: the backward pass multiplies a bfloat16 logits cotangent by the
     head, so XLA:CPU keeps no float32 copy of the head ([H, V] = 2 GiB for Llama-3.1-8B)."""
@@ -152,6 +153,7 @@ def test_bfloat16_backward_holds_no_float32_head():
         assert f"f32[{h},{v}]" not in hlo and f"f32[{v},{h}]" not in hlo, chunk
 
 
+@pytest.mark.slow
 def test_errors():
     x, head, targets, _ = _inputs()
     with pytest.raises(ValueError, match="chunk"):

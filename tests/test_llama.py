@@ -83,6 +83,7 @@ def test_checkpoint_names_are_visible_to_policies(options):
         assert (f"name={name}" in jaxpr) == (bool(options) or name not in family_only), name
 
 
+@pytest.mark.slow
 def test_bad_inputs():
     with pytest.raises(ValueError, match="Unknown model config"):
         llama.get_config("gpt5")
@@ -131,6 +132,7 @@ def test_loss_fn_reads_positions_and_segment_ids():
     assert abs(float(llama.loss_fn(p, batch, cfg)) - float(ref)) > 1e-6
 
 
+@pytest.mark.slow
 def test_attention_mask():
     m = llama.attention_mask(
         jnp.arange(5), segment_ids=jnp.array([[1, 1, 2, 2, 2]]), sliding_window=2

@@ -136,6 +136,7 @@ def test_token_axes_grads_and_name_scopes():
     assert "my_block)/lora/dot_general" in hlo  # as jvp(my_block)/lora/... in op names
 
 
+@pytest.mark.slow
 def test_lossy_cast_chain_is_kept():
     """``w.astype(bf16).astype(f32)`` rounds w to bf16 before the matmul, as in fn."""
     p = _params()

@@ -218,6 +218,7 @@ def _dot_dtypes(step, state, batch) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_nnx_embed_pinned_to_float32_gets_the_precision_warning():
     """nnx.Embed without dtype= computes in float32 and every Linear after it promotes: all
     matmuls are float32 under a bf16 policy, and the step warns once naming how many."""
@@ -247,6 +248,7 @@ def test_nnx_recipe_gives_bf16_matmuls_and_no_warning():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 def test_jmem_llama_under_bf16_does_not_warn():
     import warnings
 

@@ -244,6 +244,7 @@ def test_zero_array_and_bf16():
     np.testing.assert_array_equal(np.asarray(qz.dequantize_blockwise(q)), 0.0)
 
 
+@pytest.mark.slow
 def test_4bit_packing_two_codes_per_byte():
     code = qz.dynamic_map(True, 4)
     x = jnp.asarray(np.random.default_rng(3).standard_normal(1000), jnp.float32)

@@ -158,6 +158,7 @@ def test_plain_jax_loops_checkpoint_each_layer_once(loss):
     assert_structure(jax.grad(jmem.remat(loss, "full")), step, p, x, forward=False)
 
 
+@pytest.mark.slow
 def test_jitted_scan_traced_before_is_kept_a_jit_with_one_checkpoint():
     """The drift of issue #25: a jit cached before remat ran held a checkpointed body under
     the ``remat2`` name, was counted unchecked, inlined and checkpointed twice."""

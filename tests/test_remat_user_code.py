@@ -76,6 +76,7 @@ def test_nnx_optimizer_dropout_batchnorm_state_identical_with_and_without_remat(
     chex.assert_trees_all_close(_comparable(results[1]), _comparable(results[0]), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_unrolled_layers_warn_that_nothing_is_saved():
     m = user_models.make("jax_unrolled", **SHAPE)
     for where in ("step", "loss"):
@@ -253,6 +254,7 @@ def test_gradient_accumulation_scan_in_the_step_is_rematerialized():
     chex.assert_trees_all_close(jax.jit(whole)(p, s, xs), jax.jit(plain)(p, s, xs), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_eager_call_whose_scans_ran_in_a_compiled_jit_warns():
     """An eager ``jmem.remat(jitted_step)`` call after the jitted step compiled: jit's fast
     path binds nothing, nothing is checkpointed, and jmem says so."""

@@ -143,6 +143,7 @@ def test_never_holds_the_logits():
     assert _temp_bytes(256) < 96 * 2**20 < 500 * 2**20 < _temp_bytes(0)
 
 
+@pytest.mark.slow
 def test_errors():
     x, head, targets, mask = _inputs()
     with pytest.raises(ValueError, match=r"hidden \[B, S, H\] and head \[H, V\]"):

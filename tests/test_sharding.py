@@ -100,6 +100,7 @@ class ConstrainGradientsTest(chex.TestCase):
         chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_shard_state_keeps_values_and_places_by_rule(self):
         mesh = sharding.make_mesh(data=1, fsdp=8)
         params = _params()
@@ -413,6 +414,7 @@ def test_two_process_sharded_step(tmp_path):
     assert results[0]["losses"] == results[1]["losses"]
 
 
+@pytest.mark.slow
 def test_sharded_step_is_traced_once_for_repeated_calls():
     mesh = sharding.make_mesh(data=2, fsdp=4)
     step = train_step(chex.assert_max_traces(mlp, n=1), adam(), mesh=mesh, strategy="zero3")

@@ -534,6 +534,7 @@ class BuiltStepTest(chex.TestCase):
     """The built step gives the same state called directly or inside the user's own jit."""
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_step_inside_a_user_jit_equals_direct_call(self):
         params, batch = _mlp_problem()
         step = train_step(_mlp_loss, jmem.adamw_8bit(1e-2, min_8bit_size=64), donate=False)
