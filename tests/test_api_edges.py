@@ -30,6 +30,7 @@ def test_attention_refuses_a_softcap_that_is_not_positive(cap):
         ops.attention(q, k, v, q_index=jnp.arange(8), logit_softcap=cap)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["block_q", "block_kv"])
 @pytest.mark.parametrize("value", [0, -4, 2.0, True])
 def test_attention_refuses_a_bad_block_size(name, value):

@@ -147,6 +147,7 @@ def test_blockwise_holds_no_score_matrix():
     assert _max_array_size(jaxprs["blockwise"].jaxpr) <= q.size
 
 
+@pytest.mark.slow
 def test_blockwise_bfloat16_gradient_temporaries():
     """bf16 q/k/v/do are sliced in the blockwise loops as uint16 bits, so XLA:CPU hoists no
     float32 copy of them out of the loops: the gradient's temporaries stay under 5.5 times

@@ -126,6 +126,7 @@ def test_restore_into_another_dtype_is_an_error(tmp_path, saved, target, match):
     ck.close()
 
 
+@pytest.mark.slow
 def test_nf4_double_quant_into_single_quant_target_is_an_error(tmp_path):
     w = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)
     double, single = nf4.quantize(w, double_quant=True), nf4.quantize(w, double_quant=False)
@@ -202,6 +203,7 @@ def _shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [

@@ -82,6 +82,7 @@ def _damage(kind, step_dir):
     return str(target.relative_to(pathlib.Path(step_dir).parent))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["flip", "delete", "truncate", "junk_meta"])
 def test_damaged_checkpoint_is_named_and_the_newest_intact_step_restored(tmp_path, kind):
     ck = _saved(tmp_path)
@@ -206,6 +207,7 @@ def test_weights_that_would_train_wrongly_are_refused_naming_the_tensor(tmp_path
         hf.load_params(str(tmp_path), dtype=jnp.float32)
 
 
+@pytest.mark.slow
 def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
     from jmem.models import hf
 

@@ -365,6 +365,7 @@ def test_hf_config_round_trips_through_the_loader():
         export.hf_config(helpers.small_config(biases=llama.LINEAR_NAMES, sliding_window=4))
 
 
+@pytest.mark.slow
 def test_save_params_refuses_undeclared_biases(tmp_path):
     cfg = _qwen2_config()
     params = llama.init(jax.random.key(0), cfg)

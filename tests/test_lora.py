@@ -167,6 +167,7 @@ def test_nnx_model():
     )
 
 
+@pytest.mark.slow
 def test_errors():
     p = _params()
     x = jax.random.normal(jax.random.key(2), (5, IN))
@@ -362,6 +363,7 @@ def test_apply_keeps_python_float_arguments_static():
 # ----------------------------------------------------------------------------- PEFT options
 
 
+@pytest.mark.slow
 def test_init_peft_options_are_recorded_and_named_as_peft():
     p = {"w": jnp.zeros((1024, 512))}
     a_ref = lora.init(jax.random.key(1), p, rank=16, targets="w")["w"]
@@ -438,6 +440,7 @@ class DropoutTest(chex.TestCase):
         chex.assert_trees_all_close((g.a, g.b), (ga, gb), atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_dropout_masks_differ_per_layer_and_per_use():
     n, rate = 16, 0.5
     x = jnp.ones((4, n))
@@ -469,6 +472,7 @@ _DIFFERENTIATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(_DIFFERENTIATIONS))
 def test_training_dropout_adapters_without_a_key_raises_naming_the_argument(how):
     """Adapters with dropout > 0 differentiated without lora_dropout_key would train as

@@ -230,6 +230,7 @@ def test_scale_unscale_dtypes_and_values():
     assert NoOpLossScale().scale(grads) is grads
 
 
+@pytest.mark.slow
 def test_all_finite_and_select_tree():
     good = {"a": jnp.ones(3), "b": jnp.zeros((2, 2), jnp.bfloat16), "i": jnp.arange(3)}
     assert bool(all_finite(good)) and bool(all_finite({}))

@@ -130,6 +130,7 @@ class JitTest(chex.TestCase):
             params = new
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_update_with_and_without_jit(self):
         params = _params(jax.random.PRNGKey(3), jnp.bfloat16)
         tx = mixed_precision(optax.adamw(1e-2))

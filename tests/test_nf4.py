@@ -196,6 +196,7 @@ def test_bad_inputs():
         nf4.dequantize(jnp.ones((4, 64)))
 
 
+@pytest.mark.slow
 def test_nf4_array_survives_jit_and_orbax(tmp_path):
     q = nf4.quantize(jnp.asarray(_weights((3, 16, 64), seed=5)))
     out = jax.jit(lambda t: t)(q)

@@ -189,6 +189,7 @@ def test_named_sharding_state_keeps_spec_on_host(axis_type, leaf_by_leaf):
     chex.assert_trees_all_equal(jax.device_get(state), jax.device_get(ref_state))
 
 
+@pytest.mark.slow
 def test_orbax_save_restore_keeps_memory_kind_and_values(tmp_path):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     params = jax.tree.map(

@@ -261,6 +261,7 @@ def _scan_residual_bytes(cfg, dtype, b, s, policy=None):
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,act", [(jnp.float32, "fp32"), (jnp.bfloat16, "bf16")])
 @pytest.mark.parametrize("remat", ["none", "dots", "selective", "full"])
 def test_layer_activations_match_saved_residuals(dtype, act, remat):

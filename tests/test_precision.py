@@ -234,6 +234,7 @@ def test_nnx_embed_pinned_to_float32_gets_the_precision_warning():
         step.jitted.lower(state, batch)
 
 
+@pytest.mark.slow
 def test_nnx_recipe_gives_bf16_matmuls_and_no_warning():
     """The documented recipe (Embed and Linear built with dtype=jnp.bfloat16, params kept
     float32): every matmul of the step, forward and backward, takes bf16 operands."""

@@ -276,6 +276,7 @@ def test_error_names_the_users_target_rule(kind):
     assert "the targets= regex/predicate passed to qlora.quantize_params" in msg
 
 
+@pytest.mark.slow
 def test_error_names_the_default_rules():
     w = jax.random.normal(jax.random.key(0), (32, 32))
     x = jnp.ones((2, 32))

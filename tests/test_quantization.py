@@ -281,6 +281,7 @@ class QuantizedArrayPytreeTest(chex.TestCase):
         chex.assert_trees_all_close(out, 2 * deq)
 
 
+@pytest.mark.slow
 def test_quantized_array_static_fields_and_orbax_round_trip(tmp_path):
     x = jnp.linspace(-3.0, 2.0, 1000, dtype=jnp.bfloat16).reshape(10, 100)
     q = qz.quantize_blockwise(x, code=qz.dynamic_map(True, 4), block_size=128)

@@ -185,6 +185,7 @@ def test_qlora_loss_of_the_main_job_checkpoints_each_layer_once():
     assert_structure(step, jax.grad(loss), ad, batch, forward=False)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_scan_inside_the_step_checkpoints_each_layer_once():
     p, xs = _stacked()
     xs = jnp.stack([xs, xs])

@@ -146,6 +146,7 @@ def test_names_policy_with_a_typo_lists_the_names_the_function_carries():
     chex.assert_trees_all_close(ok, jax.grad(m.loss)(m.state[0], m.batch), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_train_step_checks_checkpoint_names():
     import optax
 

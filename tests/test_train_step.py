@@ -421,6 +421,7 @@ class MaskedAccumulationTest(chex.TestCase):
     """The accumulated loss is the token mean of the whole batch (3 and 9 tokens -> 1.75)."""
 
     @chex.variants(with_jit=True, without_jit=True)
+    @pytest.mark.slow
     def test_microbatches_are_weighted_by_their_unmasked_tokens(self):
         batch = _three_and_nine_tokens()
         grad_fn = jax.value_and_grad(_masked_mean_loss)
