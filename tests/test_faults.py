@@ -320,6 +320,7 @@ def _resume_refusal(config, **changes):
     return str(e.value)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_base_model_or_data_by_content(tmp_path, monkeypatch):
     config, out = _recorded_run(tmp_path)
     record = (out / "run.json").read_bytes()

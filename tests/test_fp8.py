@@ -108,6 +108,7 @@ def test_init_metas_stacks_per_layer_and_partition():
     chex.assert_trees_all_equal(fp8.combine(rest, only), tree)
 
 
+@pytest.mark.slow
 def test_stacked_meta_rejected_by_fp8_dot():
     x, w = _data()
     with pytest.raises(ValueError, match="stack"):

@@ -197,6 +197,7 @@ def test_load_refuses_what_it_does_not_implement(tmp_path, field, value):
         hf.load_adapters(str(tmp_path), params, cfg)
 
 
+@pytest.mark.slow
 def test_load_and_save_refuse_unmappable_adapters(tmp_path):
     from safetensors.numpy import load_file
     from safetensors.numpy import save_file

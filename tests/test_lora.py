@@ -485,6 +485,7 @@ def test_training_dropout_adapters_without_a_key_raises_naming_the_argument(how)
         _DIFFERENTIATIONS[how](loss)(ad)
 
 
+@pytest.mark.slow
 def test_dropout_key_none_or_evaluation_is_bitwise_no_dropout():
     """lora_dropout_key=None trains without dropout (bitwise the dropout-0 gradient); an
     undifferentiated call without the argument (evaluation, generate) needs none; with

@@ -44,6 +44,7 @@ def _mask_small(new, old, shrink):
     return np.abs(new) < np.abs(old) / shrink
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, shrink", [(jnp.bfloat16, 2.0**15), (jnp.float16, 2.0**12)])
 def test_optax_updates_reproduce_cast_masters_bitwise(dtype, shrink):
     """20 adamw steps on random grads: apply_updates(params, updates) == masters cast down,
@@ -178,6 +179,7 @@ def test_errors():
     chex.assert_trees_all_equal(params_from_masters(outer.init(params), params), params)
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_and_resume(tmp_path):
     params = _params(jax.random.PRNGKey(4), jnp.bfloat16)
     tx = mixed_precision(optax.adamw(1e-2))

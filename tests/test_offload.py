@@ -124,6 +124,7 @@ def test_training_bitwise_identical_and_state_on_host(factory, dtype):
         assert masters and all(m.sharding.memory_kind == HOST for m in masters)
 
 
+@pytest.mark.slow
 def test_offload_state_dtypes_and_shapes_match_inner():
     params = _params(jax.random.key(1))
     inner = optax.adamw(1e-3)

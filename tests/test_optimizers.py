@@ -297,6 +297,7 @@ def test_threshold_uses_global_size_under_sharding():
     chex.assert_trees_all_close(u, ref, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_jit_with_donation():
     params, grads = _params(), _grads(_params(), 2)
     tx = opt_lib.adamw_4bit(1e-2)

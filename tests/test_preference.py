@@ -103,6 +103,7 @@ def _close(got, want):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("sigmoid", 0.7), ("ipo", 0.3)])
 def test_dpo_equals_trl_dpo_trainer(loss_type, beta):
     per_token, mask, ref = _logps()

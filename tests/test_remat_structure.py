@@ -203,6 +203,7 @@ def test_remat2_is_a_checkpoint_in_the_one_primitive_table():
     assert {"checkpoint", "remat", "remat2"} <= core.names_of(core.CHECKPOINT)
 
 
+@pytest.mark.slow
 def test_remat_loss_nested_in_a_remat_step_checkpoints_each_layer_once():
     """The inner loss rewrite runs with the outer step's hook paused: no double checkpoint."""
     p, x = _stacked()
