@@ -65,10 +65,11 @@ def _chunk_sum(head, logit_softcap, carry, xs):
     return carry + jnp.sum(token_nll(logits, targets, logit_softcap) * weight), None
 
 
-def _check(x, head, targets, mask, chunk):
+def _check(x, head, targets, mask, chunk, fn="linear_cross_entropy", x_name="x"):
+    """ValueError naming a misshaped input of ``fn`` (``x_name``: how it calls ``x``)."""
     if x.ndim != 3 or head.ndim != 2 or head.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"linear_cross_entropy needs x [B, S, H] and head [H, V]; got x{x.shape}, "
+            f"{fn} needs {x_name} [B, S, H] and head [H, V]; got {x_name}{x.shape}, "
             f"head{head.shape}."
         )
     if targets.shape != x.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):

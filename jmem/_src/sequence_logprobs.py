@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem._src.linear_cross_entropy import _check
 from jmem._src.linear_cross_entropy import _logits
 from jmem._src.linear_cross_entropy import token_nll
 
@@ -49,25 +50,6 @@ def _token_logprobs(head, logit_softcap, x, targets):
 def _chunk_logprobs(head, logit_softcap, carry, xs):
     x, targets = xs
     return carry, _token_logprobs(head, logit_softcap, x, targets)
-
-
-def _check(hidden, head, targets, mask, chunk):
-    if hidden.ndim != 3 or head.ndim != 2 or head.shape[0] != hidden.shape[-1]:
-        raise ValueError(
-            f"sequence_logprobs needs hidden [B, S, H] and head [H, V] (a tied head as "
-            f"embedding.T); got hidden{hidden.shape}, head{head.shape}."
-        )
-    if targets.shape != hidden.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise ValueError(
-            f"targets must be an integer array [B, S] = {hidden.shape[:2]}; got "
-            f"{targets.dtype}{targets.shape}."
-        )
-    if mask is not None and mask.shape != hidden.shape[:2]:
-        raise ValueError(
-            f"mask must be [B, S] = {hidden.shape[:2]} (1 on response tokens); got {mask.shape}."
-        )
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-        raise ValueError(f"chunk must be an int >= 0 (0 = unchunked); got {chunk!r}.")
 
 
 @jax.named_scope("sequence_logprobs")
@@ -115,7 +97,7 @@ def sequence_logprobs(
     Source: the per-sequence log-probs of DPO (Rafailov et al. 2023, arXiv:2305.18290) as
     TRL's ``get_batch_logps``/``selective_log_softmax`` compute them from dense logits.
     """
-    _check(hidden, head, targets, mask, chunk)
+    _check(hidden, head, targets, mask, chunk, "sequence_logprobs", "hidden")
     b, s, h = hidden.shape
     n = b * s
     weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
