@@ -15,23 +15,17 @@ from jmem import ops
 from jmem import qlora
 from jmem.models import llama
 from jmem.models import preference
+from tests import test_linear_cross_entropy as lce
 from tests.helpers import small_config
 
-B, S, H, V = 3, 29, 16, 50
+B, S, H, V = lce.B, lce.S, lce.H, lce.V
 
 
 def _inputs(dtype=jnp.float32, mask_kind="float"):
-    ks = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(ks[0], (B, S, H), dtype)
-    head = (jax.random.normal(ks[1], (H, V)) / 4).astype(dtype)
-    targets = jax.random.randint(ks[2], (B, S), 0, V)
-    masks = {
-        None: None,
-        "bool": jax.random.bernoulli(ks[3], 0.7, (B, S)),
-        "float": jax.random.uniform(ks[3], (B, S)) * (jax.random.uniform(ks[0], (B, S)) > 0.3),
-    }
-    mask = masks[mask_kind]
-    if mask is not None:  # masked targets are padding ids, as Hugging Face's -100
+    """``test_linear_cross_entropy``'s inputs, with masked targets set to padding ids (as
+    Hugging Face's -100)."""
+    x, head, targets, mask = lce._inputs(dtype, mask_kind)
+    if mask is not None:
         targets = jnp.where(mask != 0, targets, -100)
     return x, head, targets, mask
 
