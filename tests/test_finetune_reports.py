@@ -150,6 +150,24 @@ def test_train_and_eval_losses_share_one_step_axis(tmp_path, monkeypatch):
     assert (tmp_path / "p.png").exists()
 
 
+@pytest.mark.parametrize(
+    "losses, evals, expected",
+    [
+        # the last evaluation interval (steps 2..3 between evaluations at 2 and 4)
+        ([5.0, 4.0, 3.5, 3.0], [[0, 5.1], [2, 3.6], [4, 2.9]], (3.25, 2)),
+        # one evaluation: the last 10 steps (here all 4)
+        ([5.0, 4.0, 3.5, 3.0], [[0, 5.1]], (3.875, 4)),
+        # skipped (non-finite) fp16 steps are left out
+        ([5.0, float("nan"), 3.0, float("inf")], [[0, 5.0], [4, 3.0]], (4.0, 2)),
+        ([float("nan")], [], (None, 0)),
+    ],
+)
+def test_recent_train_loss_is_the_mean_over_the_last_eval_interval(losses, evals, expected):
+    """The closing line compares the eval loss with the mean over the last interval, not
+    one batch's loss (which swings ~0.15 nats per step on the default corpus)."""
+    assert report.recent_train_loss(losses, evals) == expected
+
+
 # ------------------------------------------------------------------------- quiet processes
 
 
@@ -282,6 +300,10 @@ def test_a_chat_run_samples_in_the_template_and_reports_it(tmp_path, capsys):
     assert "sample before (step 0) (chat template): 'hi'" in out and len(summary["samples"]) == 2
     assert [s for s, _ in summary["eval_losses"]] == [0, 4]
     assert summary["objective"] == "SFT" and "after s updates" in summary["step_axis"]
+    # the closing line and the summary put the eval loss beside the last interval's mean
+    assert summary["recent_loss_steps"] == 4
+    np.testing.assert_allclose(summary["recent_loss"], np.mean(summary["losses"]), rtol=1e-6)
+    assert f"(mean of the last 4: {summary['recent_loss']:.4f}); eval loss" in out
 
 
 # ------------------------------------------------------------------ base from compute dtype
