@@ -156,3 +156,28 @@ def test_bad_offload_dir_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as e:
         jmem.offload(opt, memory_kind="disk")
     _one_line(e, "directory=PATH")
+
+
+def test_planner_transfers_are_the_analytic_sums():
+    """Each offloaded ledger moves in and out once per step (2 x its bytes); on disk the
+    state and masters are also read and written; the time is bytes / bandwidth."""
+    kw = dict(optimizer="adamw", param_dtype="bf16", seq_len=128)
+    n = 1e8
+    plain = jmem.planner.estimate(n, **kw)
+    assert plain.transfers == {} and plain.flops == 6 * plain.n_params * 128
+    host = jmem.planner.estimate(n, offload="optimizer+masters", **kw)
+    s, m = plain.optimizer_state, plain.master_weights
+    assert host.transfers == {"optimizer": 2 * s, "master_weights": 2 * m}
+    assert host.total == plain.total - s - m
+    on_disk = jmem.planner.estimate(n, offload="disk", **kw)
+    assert on_disk.transfers == {"optimizer": 2 * s, "master_weights": 2 * m, "disk": 2 * (s + m)}
+    assert dict(on_disk.disk) == {"optimizer_state": s, "master_weights": m}
+    assert "optimizer_state" not in on_disk.host and on_disk.total == host.total
+    secs = on_disk.transfer_seconds(pcie_gbps=20.0, disk_gbps=4.0)
+    assert secs["disk"] == 2 * (s + m) / 4e9 and secs["optimizer"] == 2 * s / 20e9
+    line = on_disk.trade(20.0, 4.0)
+    assert f"moves {4 * (s + m) / 1e9:.3g} GB per step" in line and "at 4 GB/s" in line
+    advice = jmem.planner.advise("8GB", n * 30, **kw)
+    names = [lv.name for lv in advice.levers]
+    rungs = [k for k, x in enumerate(names) if "offload" in x or "disk" in x]
+    assert [names[k] for k in rungs][-1].endswith("on disk (NVMe)")  # the costliest rung last
