@@ -3,6 +3,7 @@ schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -19,6 +20,7 @@ from jmem import nf4
 from jmem import qlora
 from jmem._src.cli import user_input
 from jmem._src.finetune.setup import job_levers
+from jmem._src.offload.disk import DiskState
 from jmem.models import hf
 from jmem.models import llama
 
@@ -53,7 +55,7 @@ def job_resolved_levers(config, cfg, dtype, target=None):
     return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype)
 
 
-def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
+def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True):
     """The train step, the loss, the compute dtype and the learning-rate schedule; shared by
     training, the dry run and ``benchmarks/peer_qlora.py``.
 
@@ -66,6 +68,11 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
         None: the running backend). The resolved levers are ``step.levers``; with
         ``--remat none`` they inline the layers (a layer loop would stack every saved
         activation).
+      disk: with ``--offload-dir``, keep the state on disk (False: in host memory, the
+        same device footprint, for the dry run's abstract compile).
+
+    Raises:
+      CliError: a bad ``--offload-dir`` (missing parent, not writable), in one line.
 
     Returns:
       ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
@@ -88,17 +95,46 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
-    step = jmem.train_step(
-        loss_fn,
-        opt,
-        precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
-        loss_scale=scale,
-        levers=lv,
-        microbatches=config.levers.grad_accum,
-        offload_optimizer=config.levers.offload,
-        mesh=mesh,
-    )
+    on_disk = disk and config.levers.offload_dir is not None
+    where = f"--offload-dir {config.levers.offload_dir}"
+    with user_input(where, ValueError) if on_disk else contextlib.nullcontext():
+        step = jmem.train_step(
+            loss_fn,
+            opt,
+            precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
+            loss_scale=scale,
+            levers=lv,
+            microbatches=config.levers.grad_accum,
+            offload_optimizer=offload_mode(config, disk),
+            offload_dir=config.levers.offload_dir if on_disk else None,
+            mesh=mesh,
+        )
     return step, loss_fn, dtype, schedule
+
+
+def offload_mode(config, disk: bool = True):
+    """``train_step``'s ``offload_optimizer`` for the job's flags: ``"disk"`` with
+    ``--offload-dir`` (``True``, host memory, when ``disk`` is False), else ``--offload``."""
+    if config.levers.offload_dir is not None:
+        return "disk" if disk else True
+    return config.levers.offload
+
+
+def checkpointable(state):
+    """The state as checkpoints hold it: an optimizer state on disk as the optimizer's own
+    state (its files as read-only memmaps; wait for the save before the next step)."""
+    if isinstance(state.opt_state, DiskState):
+        return state.replace(opt_state=state.opt_state.full())
+    return state
+
+
+def from_checkpoint(state, restored):
+    """``restored`` (restored into ``checkpointable(state)``) as the step takes it: an
+    optimizer state on disk is written back over ``state``'s files (they are rebuilt from
+    the checkpoint, whatever a killed step left in them)."""
+    if isinstance(state.opt_state, DiskState):
+        return restored.replace(opt_state=state.opt_state.restored(restored.opt_state))
+    return restored
 
 
 def quantized_base(config, cfg, dtype, abstract: bool):

@@ -154,6 +154,22 @@ class LeversConfig(_Group):
         "bf16", "compute dtype; fp16 turns on dynamic loss scaling", choices=("bf16", "fp16")
     )
     offload: bool = option(False, "optimizer state in pinned_host memory", switch=True)
+    offload_dir: str | None = option(
+        None,
+        "optimizer state on disk under PATH (NVMe rung; streamed leaf by leaf each step; "
+        "checkpoints stay the source of truth)",
+        metavar="PATH",
+    )
+    pcie_gbps: float = option(
+        25.0,
+        "host<->device GB/s for the dry run's transfer time (PCIe 4.0 x16, effective)",
+        check=cli.positive_float,
+    )
+    disk_gbps: float = option(
+        3.0,
+        "disk GB/s for the dry run's transfer time (NVMe, sequential)",
+        check=cli.positive_float,
+    )
     grad_accum: int = option(1, "microbatches per step", check=cli.positive_int)
 
 

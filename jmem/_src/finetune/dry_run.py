@@ -39,7 +39,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     the target's memory."""
     if target is not None and mesh is not None:
         mesh = jtargets.mesh(target, tuple(mesh.axis_sizes), tuple(mesh.axis_names))
-    step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target)
+    step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target, disk=False)
     frozen = quantized_base(config, cfg, dtype, abstract=True)
     adapters = jax.eval_shape(
         lambda k: jlora.init(
@@ -92,12 +92,14 @@ def dry_run(config, cfg, mesh=None, target=None):
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
     memory, fit = _print_verdict(report, config.run.memory, target)
+    print(est.trade(config.levers.pcie_gbps, config.levers.disk_gbps) + " (planner; GB = 1e9 B)")
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
         "model": dataclasses.asdict(cfg),
         **dict(seq_len=config.data.seq_len, batch_size=config.data.batch_size),
         "compiled": dataclasses.asdict(report),
+        "transfers": dict(est.transfers),
         "estimate": est.as_dict(),
         **dict(memory=memory, reserve=planner.DEFAULT_RESERVE, fits=fit),
         "levers": step.levers.as_dict(),
@@ -143,12 +145,17 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
     return memory, fit
 
 
+# --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
 def _estimate(config, levers, cfg, dtype, targets, devices: int):
     """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
     over ``devices``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
+    offload = (
+        "disk" if config.levers.offload_dir else "optimizer" if config.levers.offload else False
+    )
     return planner.estimate(
         cfg,
+        offload=offload,
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         lora={"rank": config.training.lora_rank, "targets": targets},

@@ -28,7 +28,9 @@ from jmem._src.cli import CliError
 from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.build import build
+from jmem._src.finetune.build import checkpointable
 from jmem._src.finetune.build import dropout_key
+from jmem._src.finetune.build import from_checkpoint
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.outputs import Sampler
@@ -39,6 +41,7 @@ from jmem._src.finetune.rundir import flags
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import run_record
 from jmem._src.finetune.rundir import write_json
+from jmem._src.offload.disk import DiskState
 
 format_bytes = MemoryReport.format_bytes
 
@@ -114,13 +117,16 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         targets=config.training.lora_targets,
         dropout=config.training.lora_dropout,
     )
-    state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
+    disk = config.levers.offload_dir
+    with user_input(f"--offload-dir {disk}", ValueError) if disk else contextlib.nullcontext():
+        state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
     history = {"start": 0, "learning_rates": [], "skipped_steps": []}
     if resume_step is not None:
         note = lambda line: print(f"note: {line}; trying the previous checkpoint", flush=True)
         with user_input("--resume", (CheckpointDamagedError, ValueError)):
-            state, meta = ckpt.restore(state, on_damaged=note)
+            restored, meta = ckpt.restore(checkpointable(state), on_damaged=note)
+        state = from_checkpoint(state, restored)
         pos = jdata.Position.from_dict(meta["data"])
         losses = list(meta.get("losses", []))
         evals = [list(e) for e in meta.get("eval_losses", [])]
@@ -134,6 +140,18 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
             flush=True,
         )
     return state, pos, losses, evals, jlora.num_trainable(adapters), history
+
+
+def disk_record(state, steps: int) -> dict:
+    """Summary fields of an optimizer state on disk (``--offload-dir``): its bytes and the
+    seconds per step this process spent reading and writing it; empty otherwise."""
+    opt = state.opt_state
+    if not isinstance(opt, DiskState):
+        return {}
+    return {
+        "offload_disk_bytes": opt.store.nbytes,
+        "offload_disk_io_s_per_step": opt.store.io_seconds / max(1, steps),
+    }
 
 
 def step_batch(batch: dict, mesh=None) -> dict:
@@ -309,6 +327,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     tokens_per_step = config.data.batch_size * config.data.seq_len
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
     extra = {**getattr(ds, "report", {}), **mesh_record(mesh), "skipped_steps": run.skipped}
+    extra.update(disk_record(state, len(times)))
     if sample is not None:
         extra.update(sample.record())
     return finish(config, cfg, losses, evals, run.lrs, tps, n_adapter, compiled_peak, extra)
@@ -354,11 +373,13 @@ class _Run:
                 s, loss, self.evals, self.lrs[-1], tps, device_memory() or compiled_peak
             )
             with _writing(self.ckpt, s + 1):
-                self.ckpt.maybe_save(s + 1, state, self._meta(s + 1, pos))
+                if self.ckpt.maybe_save(s + 1, checkpointable(state), self._meta(s + 1, pos)):
+                    if checkpointable(state) is not state:  # the disk files change next step
+                        self.ckpt.wait()
         progress.close()
         with _writing(self.ckpt, total):
             if total not in self.ckpt.all_steps():  # always keep the last
-                self.ckpt.save(total, state, self._meta(total, pos))
+                self.ckpt.save(total, checkpointable(state), self._meta(total, pos))
             self.ckpt.wait()
         return state, pos, times
 

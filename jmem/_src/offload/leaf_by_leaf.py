@@ -429,6 +429,7 @@ def _trace_program(
     state: Any,
     extra: dict,
     names: list[str],
+    resident_inputs: bool = False,
 ) -> _Program:
     """Traces ``inner.update`` on the whole tree and splits it by parameter leaf.
 
@@ -442,6 +443,10 @@ def _trace_program(
     shared ones first, then leaf 0's, leaf 1's, ... (a valid order: a value with label
     {i} is computed only from values labelled {i} or none).
 
+    With ``resident_inputs`` (disk mode: every gradient and param is on the device
+    anyway) gradients and params carry no bit: only the state must split by leaf, and work
+    on gradients alone (``optax.clip_by_global_norm``'s norm) is shared work.
+
     Raises:
       ValueError: not separable (names the first output or equation that mixes leaves),
         or a state that does not split by parameter leaf (``_owners``).
@@ -451,7 +456,8 @@ def _trace_program(
     owner_of = _owners(inner, u_def, u_leaves if p_leaves is None else p_leaves, state, names)
     owner = [owner_of[lay.s_paths[k]] for k in lay.s_idx]
     closed, state_static = _make_jaxpr(inner, lay, u_leaves, p_leaves)
-    in_deps = [_bit(j) for j in range(n)] * (1 if p_leaves is None else 2)
+    in_deps = [0 if resident_inputs else _bit(j) for j in range(n)]
+    in_deps *= 1 if p_leaves is None else 2
     state_base = len(in_deps)
     in_deps += [_bit(k) for k in owner] + [0] * len(lay.e_idx)
     labels = _Labels(deps={("in", k): d for k, d in enumerate(in_deps)})
@@ -463,7 +469,9 @@ def _trace_program(
     return _Program(labels.consts, shared, groups, out_refs, state_base, owner, state_static)
 
 
-def _program_for(inner, cache: dict, u_def, u_leaves, p_leaves, state, extra_args) -> _Program:
+def _program_for(
+    inner, cache: dict, u_def, u_leaves, p_leaves, state, extra_args, resident_inputs=False
+) -> _Program:
     """The traced program for these trees, from ``cache`` (per structure, shapes, dtypes)."""
     key = _cache_key(
         u_def.unflatten(u_leaves),
@@ -471,13 +479,16 @@ def _program_for(inner, cache: dict, u_def, u_leaves, p_leaves, state, extra_arg
         state,
         extra_args,
     )
+    key = None if key is None else (key, resident_inputs)
     prog = cache.get(key) if key is not None else None
     if prog is None:
         names = [
             jax.tree_util.keystr(p)
             for p, _ in jax.tree_util.tree_flatten_with_path(u_def.unflatten(u_leaves))[0]
         ]
-        prog = _trace_program(inner, u_def, u_leaves, p_leaves, state, extra_args, names)
+        prog = _trace_program(
+            inner, u_def, u_leaves, p_leaves, state, extra_args, names, resident_inputs
+        )
         # Constants that are tracers (an optimizer built inside the jitted function)
         # belong to this trace only.
         if key is not None and not any(is_tracer(c) for c in prog.consts.values()):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmem._src.offload import disk as _disk
 from jmem._src.offload import leaf_by_leaf as _leaf_by_leaf
 from jmem._src.offload.memory_kinds import HOST
 from jmem._src.offload.memory_kinds import IN_JIT_SPACES
@@ -30,20 +31,30 @@ from jmem._src.offload.memory_kinds import to_host
 # to_host/to_device/abstract_like/memory_kinds live in memory_kinds.py; re-exported here.
 __all__ = ["offload", "to_host", "to_device", "abstract_like", "memory_kinds"]
 
+DISK = "disk"  # memory_kind of the disk rung: the state in files under ``directory``
 
-def _check_args(inner: Any, memory_kind: Any, leaf_by_leaf: Any) -> None:
+
+def _check_args(inner: Any, memory_kind: Any, leaf_by_leaf: Any, directory: Any) -> None:
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(
             f"offload expects an optax.GradientTransformation, got {type(inner).__name__}."
         )
     if not isinstance(memory_kind, str):
         raise TypeError(f"memory_kind must be a str, got {type(memory_kind).__name__}.")
-    if memory_kind not in IN_JIT_SPACES:
+    if (memory_kind == DISK) != (directory is not None):
+        raise ValueError(
+            "offload(memory_kind='disk') needs directory=PATH, and directory= is only for "
+            f"memory_kind='disk' (got memory_kind={memory_kind!r}, directory={directory!r})."
+        )
+    if memory_kind == DISK:
+        _disk.check_directory(directory, arg="offload(directory=...)")
+    elif memory_kind not in IN_JIT_SPACES:
         raise ValueError(
             f"offload(memory_kind={memory_kind!r}) is not supported: inside jit JAX "
             f"{jax.__version__} can place values only in {sorted(IN_JIT_SPACES)} "
             f"(this backend's devices address {memory_kinds()}, see "
-            f"device.addressable_memories()). Use memory_kind='pinned_host'."
+            f"device.addressable_memories()). Use memory_kind='pinned_host' (or 'disk' with "
+            f"directory=PATH)."
         )
     if not isinstance(leaf_by_leaf, (bool, np.bool_)):
         raise TypeError(
@@ -79,8 +90,11 @@ def _select_update(skip: jax.Array, u: jax.Array) -> jax.Array:
     return jax.lax.select(skip, jnp.zeros_like(u), u)
 
 
-def _init(inner: optax.GradientTransformation, memory_kind: str, params: Any) -> Any:
-    """``inner.init(params)`` with every array leaf moved to ``memory_kind``."""
+def _init(inner, memory_kind: str, directory: Any, params: Any) -> Any:
+    """``inner.init(params)`` with every array leaf moved to ``memory_kind`` (to files
+    under ``directory`` for ``"disk"``)."""
+    if memory_kind == DISK:
+        return _disk.init(inner, directory, params)
     _check_backend(params, memory_kind)
     placement = placement_like(params)
     return jax.tree.map(lambda x: move(x, memory_kind, placement), inner.init(params))
@@ -101,16 +115,22 @@ def _update(
 ):
     """The offloaded ``update``: ``inner``, ``memory_kind``, ``leaf_by_leaf`` and the program
     ``cache`` are bound by ``offload``; the rest is ``GradientTransformationExtraArgs.update``."""
-    _check_backend(updates, memory_kind)
     if skip is not None:
         skip = _check_skip(skip)
+    if memory_kind == DISK:
+        return _disk.update(inner, cache, updates, state, params, skip, extra)
+    _check_backend(updates, memory_kind)
     if leaf_by_leaf and len(jax.tree.leaves(updates)) >= 2:
         return _leaf_by_leaf.update(inner, cache, updates, state, params, skip, extra, memory_kind)
     return _whole_tree_update(inner, memory_kind, updates, state, params, skip, extra)
 
 
 def offload(
-    inner: optax.GradientTransformation, *, memory_kind: str = HOST, leaf_by_leaf: bool = False
+    inner: optax.GradientTransformation,
+    *,
+    memory_kind: str = HOST,
+    leaf_by_leaf: bool = False,
+    directory: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps ``inner``'s optimizer state in host memory between steps.
 
@@ -130,6 +150,12 @@ def offload(
         (each leaf's update and state depend only on its own gradient, param and state
         and on shared scalars: adam/adamw/lion/sgd, ``adamw_8bit``, ``mixed_precision``
         of those; not ``clip_by_global_norm``, ``apply_if_finite``, ``MultiSteps``).
+      directory: with ``memory_kind="disk"``, the directory (created if its parent
+        exists) where ``init`` writes each parameter's state leaves, one file each; the
+        state is then a ``DiskState`` and ``update`` streams it leaf by leaf (read, update
+        on the device, write back; leaf-by-leaf mode's program, work on the gradients
+        alone such as ``clip_by_global_norm`` allowed). Single device only (ordered
+        ``io_callback``s); checkpoint ``state.full()``, restore with ``state.restored(full)``.
 
     The returned ``update(updates, state, params=None, *, skip=None, **extra_args)``
     takes ``updates`` (and ``params``, same structure) as ``inner`` does and forwards
@@ -144,17 +170,20 @@ def offload(
       TypeError: ``inner`` is not a GradientTransformation, ``memory_kind`` not a str,
         ``leaf_by_leaf`` not a bool, or ``skip`` not a scalar bool.
       ValueError: ``memory_kind`` is not usable inside ``jit`` (e.g. ``"unpinned_host"``);
+        ``"disk"`` without ``directory`` (or ``directory`` otherwise), a ``directory``
+        whose parent is missing, that is not writable, or (at ``init``) too small;
         at ``init``/``update``, the devices do not address ``memory_kind`` (the message
         lists them); in leaf-by-leaf mode, at ``update``, a non-separable optimizer, a
         state that does not split by parameter leaf, or ``params`` with another
         structure than ``updates``.
 
-    Source: JAX host-offloading guide (memory kinds); ZeRO-Offload (arXiv:2101.06840).
+    Source: JAX host-offloading guide (memory kinds); ZeRO-Offload (arXiv:2101.06840);
+    ZeRO-Infinity (arXiv:2104.07857) for the disk rung.
     """
-    _check_args(inner, memory_kind, leaf_by_leaf)
+    _check_args(inner, memory_kind, leaf_by_leaf, directory)
     inner = optax.with_extra_args_support(inner)
     cache: dict = {}  # leaf-by-leaf programs per tree structure/shapes, filled when traced
     return optax.GradientTransformationExtraArgs(
-        functools.partial(_init, inner, memory_kind),
+        functools.partial(_init, inner, memory_kind, directory),
         functools.partial(_update, inner, memory_kind, bool(leaf_by_leaf), cache),
     )

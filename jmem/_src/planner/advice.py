@@ -130,7 +130,23 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
                 {"offload": "optimizer+masters"},
             )
         )
+    cands += _disk_lever(config)
     return cands
+
+
+def _disk_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
+    """The last offload rung: state and masters on disk (the same device bytes as
+    ``optimizer+masters``; it frees the host memory, at disk bandwidth)."""
+    if config.get("offload") == "disk":
+        return []
+    return [
+        (
+            "optimizer state and masters on disk (NVMe)",
+            "as optimizer+masters, plus disk reads and writes of them every step "
+            "(~3 GB/s NVMe: several times slower; for when host memory is short too)",
+            {"offload": "disk"},
+        )
+    ]
 
 
 def _sharding_lever(

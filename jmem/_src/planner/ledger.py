@@ -73,6 +73,7 @@ _OFFLOAD = {
     "none": (),
     "optimizer": ("optimizer_state",),
     "optimizer+masters": ("optimizer_state", "master_weights"),
+    "disk": ("optimizer_state", "master_weights"),
     True: ("optimizer_state",),
 }
 
@@ -86,6 +87,14 @@ def _state_bytes_per_param(opt: _Opt, accounting: str, block: int | None) -> flo
     return opt.states * per
 
 
+#: Effective host<->device bandwidth of PCIe 4.0 x16, GB/s: 16 GT/s x 16 lanes x 128/130 is
+#: 31.5 GB/s per direction; CUDA's bandwidthTest with pinned memory measures ~25 GB/s.
+PCIE_GBPS = 25.0
+#: Disk bandwidth, GB/s: a PCIe 3.0 x4 NVMe drive's sequential rate (~3.5 GB/s read, ~3
+#: GB/s write on datasheets); PCIe 4.0 drives reach ~7 GB/s.
+DISK_GBPS = 3.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Ledger:
     """Device bytes of one training configuration, by ledger (all ints, bytes).
@@ -97,6 +106,13 @@ class Ledger:
       detail: finer split (``activation:layers``, ``lora:params``, ...), bytes.
       notes: assumptions and caveats that apply to this configuration.
       config: the arguments that produced it.
+      transfers: bytes each step moves per offload rung: ``"optimizer"`` (state in and out
+        over host<->device: 2 x its bytes), ``"master_weights"`` (2 x), ``"disk"``
+        (disk<->host: 2 x state and masters, read and written back); other rungs (e.g.
+        ``"params"``) add their own key.
+      disk: bytes kept on disk (``offload="disk"``), by ledger.
+      flops: compute FLOPs of one step (6 N tokens; 4 N tokens for a frozen base with
+        LoRA, whose weights get no gradient; Kaplan et al. 2020), attention excluded.
     """
 
     params: int
@@ -110,6 +126,9 @@ class Ledger:
     detail: Mapping[str, int] = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    transfers: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    disk: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    flops: int = 0
 
     LEDGERS = ("params", "grads", "optimizer_state", "master_weights", "activations")
 
@@ -126,6 +145,35 @@ class Ledger:
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+    def transfer_seconds(
+        self, pcie_gbps: float = PCIE_GBPS, disk_gbps: float = DISK_GBPS
+    ) -> dict[str, float]:
+        """Seconds per step of each rung's transfers: host<->device bytes at ``pcie_gbps``
+        GB/s (1e9 bytes), disk bytes at ``disk_gbps`` GB/s."""
+        if not (pcie_gbps > 0 and disk_gbps > 0):
+            raise ValueError(
+                f"pcie_gbps and disk_gbps must be > 0 GB/s; got {pcie_gbps}, {disk_gbps}."
+            )
+        return {
+            k: v / ((disk_gbps if k == "disk" else pcie_gbps) * GB)
+            for k, v in self.transfers.items()
+        }
+
+    def trade(self, pcie_gbps: float = PCIE_GBPS, disk_gbps: float = DISK_GBPS) -> str:
+        """``saves X GiB, moves Y GB per step (...)``: the offload rungs' trade in one line."""
+        saved = self.host_total - self.host.get("activations", 0) + sum(self.disk.values())
+        secs = self.transfer_seconds(pcie_gbps, disk_gbps)
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {v / GB:.3g} GB ({secs[k]:.3g} s at "
+            f"{disk_gbps if k == 'disk' else pcie_gbps:g} GB/s)"
+            for k, v in self.transfers.items()
+        )
+        return (
+            f"offload saves {saved / GiB:.3g} GiB of device memory, moves "
+            f"{sum(self.transfers.values()) / GB:.3g} GB per step: {parts or 'nothing'}; "
+            f"compute {self.flops / 1e12:.3g} TFLOP per step"
+        )
 
     def as_dict(self) -> dict[str, int]:
         d = {k: getattr(self, k) for k in self.LEDGERS}
@@ -203,7 +251,7 @@ def _check_options(accounting, optimizer, offload, quantization, num_shards, zer
         raise ValueError(f"Unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}.")
     if offload not in _OFFLOAD:
         raise ValueError(
-            f"offload must be False, 'optimizer' or 'optimizer+masters'; got {offload!r}."
+            f"offload must be False, 'optimizer', 'optimizer+masters' or 'disk'; got {offload!r}."
         )
     if quantization not in (None, "none", "nf4"):
         raise ValueError(f"quantization must be None or 'nf4'; got {quantization!r}.")
@@ -355,18 +403,22 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P)
 def _offload(st: _States, offload) -> tuple[_States, dict[str, int]]:
     """Moves the offloaded ledgers to host: ``(device states, host bytes)``."""
     host: dict[str, int] = {}
-    moved = _OFFLOAD[offload]
-    if "optimizer_state" in moved:
-        host["optimizer_state"], st = (
-            int(st.optimizer_state),
-            dataclasses.replace(st, optimizer_state=0),
-        )
-    if "master_weights" in moved:
-        host["master_weights"], st = (
-            int(st.master_weights),
-            dataclasses.replace(st, master_weights=0),
-        )
+    for name in _OFFLOAD[offload]:
+        host[name], st = int(round(getattr(st, name))), dataclasses.replace(st, **{name: 0})
     return st, host
+
+
+def _transfers(host: dict, offload) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """``(host bytes, disk bytes, transfers per step)``: every offloaded ledger goes to the
+    device and back once per step (2 x its bytes); on disk, also from disk and back."""
+    moved = {k: v for k, v in host.items() if k in ("optimizer_state", "master_weights")}
+    transfers = {
+        ("optimizer" if k == "optimizer_state" else k): 2 * v for k, v in moved.items() if v
+    }
+    if offload != "disk":
+        return host, {}, transfers
+    transfers["disk"] = 2 * sum(moved.values())
+    return {k: v for k, v in host.items() if k not in moved}, moved, transfers
 
 
 def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given):
@@ -416,9 +468,10 @@ def _with_levers(shape, model, count_given, levers, batch_size, seq_len, act_dty
     return shape, lv
 
 
-def _ledger(st: _States, act, host, n, detail, notes, config) -> Ledger:
+def _ledger(st: _States, act, host, n, detail, notes, config, **extra) -> Ledger:
     """Rounds the state ledgers to int bytes and assembles the :class:`Ledger`."""
     return Ledger(
+        **extra,
         params=int(round(st.params)),
         grads=int(round(st.grads)),
         optimizer_state=int(round(st.optimizer_state)),
@@ -471,8 +524,10 @@ def estimate(
         ``param_dtype`` is 16-bit (mixed precision), False for fp32.
       grad_dtype: gradient dtype; default ``param_dtype``.
       activation_dtype: activation dtype; default ``param_dtype``.
-      offload: ``False``, ``"optimizer"`` (m, v to host) or ``"optimizer+masters"``;
-        offloaded ledgers are reported under ``Ledger.host``.
+      offload: ``False``, ``"optimizer"`` (m, v to host), ``"optimizer+masters"`` or
+        ``"disk"`` (state and masters in files, streamed through host memory); offloaded
+        ledgers are reported under ``Ledger.host`` (``Ledger.disk``), the bytes they move
+        per step under ``Ledger.transfers``.
       lora: ``None``, a rank (targets q_proj, v_proj), ``(rank, targets)`` or
         ``{"rank": r, "targets": [...]}``; targets from ``LINEAR_NAMES`` or ``"all"``.
         The base is frozen; the adapters get grads and state in ``adapter_dtype``.
@@ -563,9 +618,11 @@ def estimate(
         "num_shards": num_shards if num_shards > 1 else None,
         "accounting": accounting if accounting != "stored" else None,
     }
-    return _ledger(
-        st, act, host, n, {**detail, **act_detail}, notes + shard_notes + act_notes, config
-    )
+    host, disk, transfers = _transfers(host, offload)
+    flops = int((6 if spec is None else 4) * n * batch_size * seq_len)
+    notes += shard_notes + act_notes
+    extra = dict(transfers=transfers, disk=disk, flops=flops)
+    return _ledger(st, act, host, n, {**detail, **act_detail}, notes, config, **extra)
 
 
 _MEM_UNITS = {

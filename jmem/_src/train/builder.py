@@ -19,6 +19,7 @@ from jmem._src.master_weights import mixed_precision
 from jmem._src.master_weights import params_from_masters
 from jmem._src.measure import MemoryReport
 from jmem._src.measure import measure
+from jmem._src.offload.disk import check_directory
 from jmem._src.offload.memory_kinds import to_host
 from jmem._src.offload.transform import offload
 from jmem._src.precision import Policy
@@ -44,6 +45,7 @@ _OFFLOAD_MODES = {
     True: (True, False),
     "whole_tree": (True, False),
     "leaf_by_leaf": (True, True),
+    "disk": (True, True),
 }
 
 
@@ -57,6 +59,8 @@ class TrainStep:
       precision: the precision ``Policy`` or None.
       offload_optimizer: whether the optimizer state lives in host memory between steps.
       levers: the ``jmem.Levers``/``ResolvedLevers`` given to ``train_step`` (or None).
+      offload_dir: the directory of ``offload_optimizer="disk"`` (else None); the state's
+        ``opt_state`` is then a ``DiskState`` (``opt_state.full()`` for checkpoints).
     """
 
     jitted: Callable
@@ -66,6 +70,7 @@ class TrainStep:
     offload_optimizer: bool = False
     _user_optimizer: Any = None
     levers: Any = None
+    offload_dir: str | None = None
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated.
@@ -77,7 +82,7 @@ class TrainStep:
         Returns:
           ``(state, metrics)``; metrics are float32/int32/bool scalars (``train_step``).
         """
-        if self.offload_optimizer:
+        if self.offload_optimizer and self.offload_dir is None:
             state = _opt_state_to_host(state)
         return self.jitted(state, batch)
 
@@ -149,9 +154,17 @@ class TrainStep:
         Returns:
           A ``TrainState`` of ``jax.ShapeDtypeStruct`` with ``sharding`` set on every leaf.
 
+        Raises:
+          ValueError: for a step built with ``offload_optimizer="disk"``.
+
         Note: shardings given through ``jit_kwargs`` apply to the step, not to ``init``;
         with them, build the restore target from those shardings yourself.
         """
+        if self.offload_dir is not None:
+            raise ValueError(
+                "abstract_state: with offload_optimizer='disk' the state is built by init "
+                "(it writes files); restore a checkpoint into step.init(params) instead."
+            )
         args = (params, kwargs.get("frozen"), kwargs.get("fp8"), kwargs.get("loss_scale"))
         args = (*args, _key_data(kwargs.get("dropout_key")))
         warn_if_norms_decayed(self._user_optimizer, params)
@@ -177,6 +190,7 @@ def train_step(
     remat: str | Callable | None = None,
     microbatches: int = 1,
     offload_optimizer: bool | str = False,
+    offload_dir: Any = None,
     has_aux: bool = False,
     skip_nonfinite: bool = True,
     donate: bool = True,
@@ -230,7 +244,13 @@ def train_step(
         without one, every microbatch weighs ``1 / microbatches``.
       offload_optimizer: keep the optimizer state (and masters) in ``pinned_host`` memory
         between steps (``jmem.offload``): ``True``/``"whole_tree"``, or ``"leaf_by_leaf"``
-        (one parameter leaf's state on the device at a time; separable optimizers only).
+        (one parameter leaf's state on the device at a time; separable optimizers only),
+        or ``"disk"``: the state in files under ``offload_dir``, streamed leaf by leaf
+        each step (``jmem.offload(memory_kind="disk")``; the state leaves may depend on
+        their own leaf only, work on the gradients alone such as a global-norm clip is
+        allowed; one device; ``init`` runs eagerly and ``abstract_state`` is not
+        available).
+      offload_dir: the directory for ``offload_optimizer="disk"`` (its parent must exist).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches (with
         the same weights as the loss) and returned in ``metrics["aux"]``.
       skip_nonfinite: a step with non-finite gradients leaves params, optimizer state, step
@@ -259,7 +279,8 @@ def train_step(
     Raises:
       ValueError: for an unknown remat policy, precision string or strategy,
         ``microbatches < 1``, an ``offload_optimizer`` other than
-        False/True/"whole_tree"/"leaf_by_leaf", or ``jit_kwargs`` that set shardings or
+        False/True/"whole_tree"/"leaf_by_leaf"/"disk", ``"disk"`` without
+        ``offload_dir``, with ``mesh``, or a bad ``offload_dir``, or ``jit_kwargs`` that set shardings or
         donation together with ``mesh``.
       TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
         ``precision=``).
@@ -285,6 +306,7 @@ def train_step(
         offload_optimizer=o.offload,
         _user_optimizer=user_optimizer,
         levers=levers,
+        offload_dir=o.offload_dir,
     )
 
 
@@ -299,6 +321,7 @@ class _Options:
     microbatches: int
     offload: bool
     leaf_by_leaf: bool
+    offload_dir: str | None
     has_aux: bool
     skip_nonfinite: bool
     donate: bool
@@ -347,14 +370,34 @@ def _parse_options(unknown: dict, **kw: Any) -> _Options:
     mode = kw.pop("offload_optimizer")
     if not isinstance(mode, (bool, str)) or mode not in _OFFLOAD_MODES:
         raise ValueError(
-            f"offload_optimizer must be False, True (= 'whole_tree') or 'leaf_by_leaf', got "
-            f"{mode!r}."
+            f"offload_optimizer must be False, True (= 'whole_tree'), 'leaf_by_leaf' or 'disk', "
+            f"got {mode!r}."
         )
     offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
+    kw["offload_dir"] = _offload_dir(mode, kw["offload_dir"], kw["mesh"])
     if kw["loss_scale"] is None:
         kw["loss_scale"] = NoOpLossScale()
     kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
     return _Options(offload=offload_, leaf_by_leaf=leaf_by_leaf, **kw)
+
+
+def _offload_dir(mode: Any, directory: Any, mesh: Any) -> str | None:
+    """The checked directory of ``offload_optimizer="disk"`` (None for other modes)."""
+    if mode != "disk":
+        if directory is not None:
+            raise ValueError(
+                f"offload_dir is only used with offload_optimizer='disk' (got "
+                f"offload_optimizer={mode!r}); drop it or set offload_optimizer='disk'."
+            )
+        return None
+    if directory is None:
+        raise ValueError("offload_optimizer='disk' needs offload_dir=PATH (a directory).")
+    if mesh is not None:
+        raise ValueError(
+            "offload_optimizer='disk' runs on one device (ordered I/O callbacks); drop mesh= "
+            "or use offload_optimizer=True."
+        )
+    return check_directory(directory, arg="offload_dir")
 
 
 def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
@@ -373,7 +416,9 @@ def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
 
 def _stack(inner: optax.GradientTransformation, o: _Options):
     """Offload, then sharding constraints, each an optax wrapper (when enabled)."""
-    if o.offload:
+    if o.offload_dir is not None:
+        inner = offload(inner, memory_kind="disk", directory=o.offload_dir)
+    elif o.offload:
         inner = offload(inner, leaf_by_leaf=o.leaf_by_leaf)
     if o.mesh is not None:
         inner = constrain_gradients(inner, o.mesh, o.strategy)
@@ -548,8 +593,10 @@ def _jit(step: Callable, init: Callable, o: _Options) -> tuple[Callable, Callabl
     """``(jitted step, init)``: sharded by ``jmem.sharding``'s rules with a mesh."""
     if o.mesh is None:
         donate = (0,) if o.donate else ()
-        # One compiled program builds the state (op-by-op 8-bit quantization is slow).
-        return jax.jit(step, donate_argnums=donate, **o.jit_kwargs), jax.jit(init)
+        # One compiled program builds the state (op-by-op 8-bit quantization is slow); on
+        # disk, init writes files leaf by leaf (jitted per leaf) and runs eagerly.
+        init = init if o.offload_dir is not None else jax.jit(init)
+        return jax.jit(step, donate_argnums=donate, **o.jit_kwargs), init
     kind = "pinned_host" if o.offload else None
     jitted = ShardedStep(
         step,

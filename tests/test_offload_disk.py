@@ -1,0 +1,183 @@
+"""Optimizer state on disk (``offload_optimizer="disk"``, ``jmem.offload(memory_kind="disk")``):
+steps bitwise equal to in-memory training, file sizes, directory errors (docs/offload.md)."""
+
+import json
+import os
+import shutil
+from collections import namedtuple
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import assert_bitwise_equal
+
+import jmem
+from jmem._src.offload import disk
+
+
+def _loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w"]) @ p["kernel"] + p["b"] - b["y"]) ** 2)
+
+
+def _params():
+    return {
+        "w": jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16),
+        "kernel": jnp.cos(jnp.arange(16.0 * 4)).reshape(16, 4) / 4,
+        "b": jnp.zeros(4),
+    }
+
+
+def _batch(k):
+    x = jnp.sin(jnp.arange(6.0 * 8).reshape(6, 8) * (k + 1))
+    return {"x": x, "y": jnp.cos(jnp.arange(24.0).reshape(6, 4) + k)}
+
+
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=jmem.decay_mask),
+    # 8-bit moments for every leaf (blocks of 32), behind the job's global-norm clip
+    "adamw_8bit_clipped": lambda: optax.chain(
+        optax.clip_by_global_norm(0.05),
+        jmem.adamw_8bit(1e-2, block_size=32, min_8bit_size=0, mask=jmem.decay_mask),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "master_weights"), [("adamw", False), ("adamw_8bit_clipped", True)]
+)
+def test_disk_steps_bitwise_equal_in_memory(tmp_path, name, master_weights):
+    kw = dict(
+        master_weights=master_weights, precision="p=bf16,c=bf16,o=f32" if master_weights else None
+    )
+    ref = jmem.train_step(_loss, OPTIMIZERS[name](), **kw)
+    step = jmem.train_step(
+        _loss, OPTIMIZERS[name](), offload_optimizer="disk", offload_dir=tmp_path / "s", **kw
+    )
+    s_ref, s = ref.init(_params()), step.init(_params())
+    assert isinstance(s.opt_state, disk.DiskState)
+    for k in range(3):
+        s_ref, m_ref = ref(s_ref, _batch(k))
+        s, m = step(s, _batch(k))
+        assert float(m["loss"]) == float(m_ref["loss"])
+    assert_bitwise_equal((s_ref.params, s_ref.opt_state), (s.params, s.opt_state.full()))
+    store = s.opt_state.store
+    # the files hold exactly the per-parameter state: its bytes, nothing else
+    files = [f for f in os.listdir(tmp_path / "s") if f.endswith(".bin")]
+    shared = jax.tree.leaves(s.opt_state.shared)
+    state_bytes = jmem.tree.nbytes(s_ref.opt_state) - sum(x.nbytes for x in shared)
+    assert sum(os.path.getsize(tmp_path / "s" / f) for f in files) == store.nbytes == state_bytes
+    assert len(files) == len(store.owned)
+    assert json.loads((tmp_path / "s" / disk.STEP_FILE).read_text()) == {
+        "clean": True,
+        "updates": 3,
+    }
+    # the step read and wrote every state byte once per step (plus the writes of init)
+    assert store.bytes_read == 3 * store.nbytes
+    assert store.bytes_written == 4 * store.nbytes
+
+
+def test_disk_state_round_trip_and_skip(tmp_path):
+    """``full()`` -> ``restored()`` rebuilds the files (resume from a checkpoint); a
+    non-finite step leaves them bitwise unchanged."""
+    opt = OPTIMIZERS["adamw"]()
+    step = jmem.train_step(_loss, opt, offload_optimizer="disk", offload_dir=tmp_path / "s")
+    s, _ = step(step.init(_params()), _batch(0))
+    saved = s.opt_state.full(copy=True)
+    s, _ = step(s, _batch(1))
+    s = s.replace(opt_state=s.opt_state.restored(saved))
+    assert_bitwise_equal(s.opt_state.full(copy=True), saved)
+    bad = {"x": _batch(2)["x"].at[0, 0].set(jnp.nan), "y": _batch(2)["y"]}
+    s2, m = step(s, bad)
+    assert not bool(m["grads_finite"])
+    assert_bitwise_equal(s2.opt_state.full(copy=True), saved)
+
+
+def test_offload_wrapper_disk_matches_plain_update(tmp_path):
+    opt = optax.adamw(1e-2)
+    tx = jmem.offload(opt, memory_kind="disk", directory=str(tmp_path / "s"))
+    params, g = _params(), jax.tree.map(jnp.sin, _params())
+    u_ref, s_ref = jax.jit(opt.update)(g, opt.init(params), params)
+    u, s = jax.jit(tx.update)(g, tx.init(params), params)
+    assert_bitwise_equal((u_ref, s_ref), (u, s.full()))
+
+
+def test_disk_rejects_cross_leaf_state(tmp_path):
+    """A state whose update mixes parameter leaves cannot stream leaf by leaf."""
+    Mixed = namedtuple("Mixed", "m")
+
+    def update(g, state, params=None):
+        total = sum(jnp.sum(x) for x in jax.tree.leaves(state.m))
+        return g, Mixed(jax.tree.map(lambda m: m + total, state.m))
+
+    opt = optax.GradientTransformation(lambda p: Mixed(jax.tree.map(jnp.zeros_like, p)), update)
+    tx = jmem.offload(opt, memory_kind="disk", directory=str(tmp_path / "s"))
+    params = _params()
+    with pytest.raises(ValueError, match="separable"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
+def _one_line(excinfo, *words):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_bad_offload_dir_one_line_errors(tmp_path, monkeypatch):
+    opt = optax.adamw(1e-2)
+    with pytest.raises(ValueError) as e:
+        jmem.train_step(_loss, opt, offload_optimizer="disk", offload_dir=tmp_path / "no" / "s")
+    _one_line(e, "offload_dir", "parent", "does not exist")
+    with pytest.raises(ValueError) as e:
+        jmem.train_step(_loss, opt, offload_optimizer="disk")
+    _one_line(e, "offload_dir=PATH")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError) as e:
+        jmem.train_step(_loss, opt, offload_optimizer="disk", offload_dir=tmp_path / "f")
+    _one_line(e, "offload_dir", "is a file")
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(ValueError) as e:
+            jmem.train_step(_loss, opt, offload_optimizer="disk", offload_dir=ro / "s")
+        _one_line(e, "offload_dir", "not writable")
+        ro.chmod(0o700)
+    # too small: the free space the state needs, measured by shutil.disk_usage
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: usage._replace(free=100))
+    step = jmem.train_step(_loss, opt, offload_optimizer="disk", offload_dir=tmp_path / "s")
+    with pytest.raises(ValueError) as e:
+        step.init(_params())
+    n = sum(x.size for x in jax.tree.leaves(_params()))
+    _one_line(e, "offload_dir", f"needs {2 * 4 * n:,} bytes", "only 100")  # fp32 mu and nu
+    with pytest.raises(ValueError) as e:
+        jmem.offload(opt, memory_kind="disk")
+    _one_line(e, "directory=PATH")
+
+
+def test_planner_transfers_are_the_analytic_sums():
+    """Each offloaded ledger moves in and out once per step (2 x its bytes); on disk the
+    state and masters are also read and written; the time is bytes / bandwidth."""
+    kw = dict(optimizer="adamw", param_dtype="bf16", seq_len=128)
+    n = 1e8
+    plain = jmem.planner.estimate(n, **kw)
+    assert plain.transfers == {} and plain.flops == 6 * plain.n_params * 128
+    host = jmem.planner.estimate(n, offload="optimizer+masters", **kw)
+    s, m = plain.optimizer_state, plain.master_weights
+    assert host.transfers == {"optimizer": 2 * s, "master_weights": 2 * m}
+    assert host.total == plain.total - s - m
+    on_disk = jmem.planner.estimate(n, offload="disk", **kw)
+    assert on_disk.transfers == {"optimizer": 2 * s, "master_weights": 2 * m, "disk": 2 * (s + m)}
+    assert dict(on_disk.disk) == {"optimizer_state": s, "master_weights": m}
+    assert "optimizer_state" not in on_disk.host and on_disk.total == host.total
+    secs = on_disk.transfer_seconds(pcie_gbps=20.0, disk_gbps=4.0)
+    assert secs["disk"] == 2 * (s + m) / 4e9 and secs["optimizer"] == 2 * s / 20e9
+    line = on_disk.trade(20.0, 4.0)
+    assert f"moves {4 * (s + m) / 1e9:.3g} GB per step" in line and "at 4 GB/s" in line
+    advice = jmem.planner.advise("8GB", n * 30, **kw)
+    names = [lv.name for lv in advice.levers]
+    rungs = [k for k, x in enumerate(names) if "offload" in x or "disk" in x]
+    assert [names[k] for k in rungs][-1].endswith("on disk (NVMe)")  # the costliest rung last
