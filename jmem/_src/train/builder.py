@@ -20,6 +20,9 @@ from jmem._src.master_weights import params_from_masters
 from jmem._src.measure import MemoryReport
 from jmem._src.measure import measure
 from jmem._src.offload.memory_kinds import to_host
+from jmem._src.offload.params import is_on_host
+from jmem._src.offload.params import offloads_params
+from jmem._src.offload.params import params_to_host
 from jmem._src.offload.transform import offload
 from jmem._src.precision import Policy
 from jmem._src.precision import get_policy
@@ -57,6 +60,8 @@ class TrainStep:
       precision: the precision ``Policy`` or None.
       offload_optimizer: whether the optimizer state lives in host memory between steps.
       levers: the ``jmem.Levers``/``ResolvedLevers`` given to ``train_step`` (or None).
+      offload_params: whether the frozen params live in host memory between steps
+        (``levers.offload_params``; the model streams its layers from there).
     """
 
     jitted: Callable
@@ -66,6 +71,7 @@ class TrainStep:
     offload_optimizer: bool = False
     _user_optimizer: Any = None
     levers: Any = None
+    offload_params: bool = False
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated.
@@ -79,6 +85,8 @@ class TrainStep:
         """
         if self.offload_optimizer:
             state = _opt_state_to_host(state)
+        if self.offload_params and not is_on_host(state.frozen):
+            state = state.replace(frozen=params_to_host(state.frozen))
         return self.jitted(state, batch)
 
     def init(
@@ -223,6 +231,11 @@ def train_step(
         loss runs with: the step applies their ``remat`` and records them as
         ``TrainStep.levers``; bind the same value into the loss
         (``llama.loss_fn(p, b, cfg, levers=lv)``) so model and step read one value.
+        With ``offload_params=True`` the state's ``frozen`` params live in ``pinned_host``
+        memory between steps (``init`` puts them there, a step moves them there if they
+        arrive on the device) and the model streams its layers from there
+        (docs/offload.md); the trainable params and their optimizer state stay on the
+        device unless ``offload_optimizer``.
       microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
         The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
         each microbatch is weighted by its count of unmasked tokens (the loss is the mean
@@ -258,9 +271,9 @@ def train_step(
 
     Raises:
       ValueError: for an unknown remat policy, precision string or strategy,
-        ``microbatches < 1``, an ``offload_optimizer`` other than
-        False/True/"whole_tree"/"leaf_by_leaf", or ``jit_kwargs`` that set shardings or
-        donation together with ``mesh``.
+        ``levers.offload_params`` with ``mesh=`` (not supported yet), ``microbatches < 1``,
+        an ``offload_optimizer`` other than False/True/"whole_tree"/"leaf_by_leaf", or
+        ``jit_kwargs`` that set shardings or donation together with ``mesh``.
       TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
         ``precision=``).
 
@@ -269,6 +282,7 @@ def train_step(
     """
     kw = {k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer", "unknown")}
     kw["remat"] = _levers_remat(kw.pop("levers"), remat)
+    kw["offload_params"] = offloads_params(levers)
     o = _parse_options(unknown, **kw)
     user_optimizer = optimizer
     optimizer, stepper = _optimizers(optimizer, o)
@@ -285,6 +299,7 @@ def train_step(
         offload_optimizer=o.offload,
         _user_optimizer=user_optimizer,
         levers=levers,
+        offload_params=o.offload_params,
     )
 
 
@@ -305,6 +320,7 @@ class _Options:
     jit_kwargs: dict
     mesh: Any
     strategy: str
+    offload_params: bool = False
 
 
 _RENAMED = {"policy": "precision"}
@@ -351,6 +367,11 @@ def _parse_options(unknown: dict, **kw: Any) -> _Options:
             f"{mode!r}."
         )
     offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
+    if kw["offload_params"] and kw["mesh"] is not None:
+        raise ValueError(
+            "levers.offload_params with mesh= is not supported yet: train on one device, "
+            "or keep the params on the device (offload_params=False)."
+        )
     if kw["loss_scale"] is None:
         kw["loss_scale"] = NoOpLossScale()
     kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
@@ -452,6 +473,8 @@ def _init_state(
         params = o.precision.cast_to_param(params)
     # The step donates the state: own fresh buffers, so the caller's arrays survive.
     params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
+    if o.offload_params:  # the model streams them from host memory (levers.offload_params)
+        frozen = params_to_host(frozen)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
