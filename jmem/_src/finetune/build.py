@@ -18,6 +18,7 @@ from jmem import adamw_8bit
 from jmem import nf4
 from jmem import qlora
 from jmem._src.cli import user_input
+from jmem._src.finetune.config import offloads
 from jmem._src.finetune.setup import job_levers
 from jmem.models import hf
 from jmem.models import llama
@@ -95,7 +96,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None):
         loss_scale=scale,
         levers=lv,
         microbatches=config.levers.grad_accum,
-        offload_optimizer=config.levers.offload,
+        offload_optimizer=offloads(config.levers, "optimizer"),
         mesh=mesh,
     )
     return step, loss_fn, dtype, schedule
