@@ -20,6 +20,7 @@ from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.config import offloads
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
 from jmem._src.units import format_count
@@ -92,6 +93,8 @@ def dry_run(config, cfg, mesh=None, target=None):
     for name, a, b in rows:
         print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
     memory, fit = _print_verdict(report, config.run.memory, target)
+    if not fit:
+        _print_params_lever(config, frozen_bytes)
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
@@ -141,6 +144,20 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
         "the reserve and the rule are jmem estimate --memory's)."
     )
     return memory, fit
+
+
+def _print_params_lever(config, frozen_bytes: int) -> None:
+    """The ``--offload params`` rung, when the step does not fit and it is not in use: the
+    frozen base's bytes leave the device (about; one layer's slice stays at a time) and
+    cross PCIe three times a step (forward, remat recomputation, backward)."""
+    if offloads(config.levers, "params") or config.levers.remat == "none":
+        return
+    print(
+        f"lever: --offload params keeps the frozen base ({format_bytes(frozen_bytes)}) in host "
+        "memory and streams one layer at a time to the device (it then moves about "
+        f"{format_bytes(3 * frozen_bytes)} host-to-device per step: forward, remat "
+        "recomputation, backward)."
+    )
 
 
 def _estimate(config, levers, cfg, dtype, targets, devices: int):
