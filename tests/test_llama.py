@@ -23,6 +23,9 @@ def test_config_param_counts_match_published_sizes():
     assert llama.num_params(llama.get_config("llama3_2_1b")) == 1_235_814_400
     assert llama.num_params(llama.get_config("mistral_7b")) == 7_241_732_096
     assert llama.num_params(llama.get_config("qwen2_5_7b")) == 7_615_616_512
+    # the safetensors index totals (bf16 bytes / 2) of Llama-3.1-70B and Qwen2.5-72B
+    assert llama.num_params(llama.get_config("llama3_1_70b")) == 70_553_706_496
+    assert llama.num_params(llama.get_config("qwen2_5_72b")) == 72_706_203_648
     assert llama.get_config("llama3_1_8b").rope_scaling.rope_type == "llama3"
     hash(llama.get_config("qwen2_5_7b"))  # a static jit argument
 

@@ -172,13 +172,15 @@ def option(
     exclusive: str | None = None,
     cli_only: bool = False,
     aliases: Sequence[str] = (),
+    const: str | None = None,
 ) -> Any:
     """A dataclass field that is also a flag (``--field-name``): ``help`` for ``--help``,
     ``check`` the argparse type that converts and checks a value (from a flag, a config file
     or Python alike), ``choices`` the allowed values, ``switch`` a ``store_true`` flag,
     ``exclusive`` the name of a mutually exclusive set of flags, ``cli_only`` a flag that a
     config file may not set, ``aliases`` deprecated names (``--old-name``: a note, then the
-    value)."""
+    value), ``const`` the value of the bare flag (its value may be left out; a config
+    file's or Python's true/false mean ``const``/the default)."""
     meta = dict(
         help=help,
         check=check,
@@ -188,6 +190,7 @@ def option(
         exclusive=exclusive,
         cli_only=cli_only,
         aliases=tuple(aliases),
+        const=const,
     )
     return dataclasses.field(default=default, metadata={"option": meta})
 
@@ -214,6 +217,8 @@ def check_field(field: dataclasses.Field, value: Any, name: str | None = None) -
         if not isinstance(value, bool):
             raise CliError(f"{name}: expected true or false, got {value!r}")
         return value
+    if meta.get("const") is not None and isinstance(value, bool):
+        value = meta["const"] if value else field.default
     if value is None:
         if field.default is not None:
             raise CliError(f"{name}: must be set (default {field.default!r})")
@@ -274,6 +279,8 @@ def add_options(parser: argparse.ArgumentParser, cls, title: str):
             kw["action"] = "store_true"
         else:
             kw.update(type=meta["check"], choices=meta["choices"], metavar=meta["metavar"])
+            if meta.get("const") is not None:
+                kw.update(nargs="?", const=meta["const"])
         where.add_argument(flag(f.name), **kw)
         for old in meta["aliases"]:
             alias = {k: v for k, v in kw.items() if k not in ("action", "help", "default")}

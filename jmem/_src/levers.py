@@ -29,6 +29,12 @@ __all__ = ["Levers", "ResolvedLevers", "resolve"]
 REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
 
 
+_OFFLOAD_PARAMS_WHY = {
+    False: "off: weights on the device",
+    True: "layer weights streamed from host memory, one layer at a time",
+}
+
+
 def _check_chunk(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an int >= 0 (0 = unchunked); got {value!r}.")
@@ -69,10 +75,18 @@ class Levers:
         residual as ``[L, ...]``) and to 1 (a loop) otherwise; or an explicit True / int.
       fp8: FP8 matmuls with delayed scaling (``jmem.fp8``): token chunks resolve to 0
         with it (the scaling state is a per-call gradient; see ``resolve``).
+      offload_params: the layer-stacked weights may live in host memory (``pinned_host``):
+        the layer scan copies each layer's slice to the device when that layer runs
+        (forward, remat recomputation, backward), and the other weights (embedding, final
+        norm, LM head) are copied to the device whole at the start of the call.
+        ``jmem.train_step`` then keeps its ``frozen`` params in host memory between
+        steps (``jmem._src.offload.params``, docs/offload.md). Needs a remat policy other
+        than ``"none"`` (which would keep every layer's device copy for the backward pass).
 
     Raises:
       ValueError: an unknown remat or attention name, a negative or non-int chunk, a bad
-        ``scan_unroll``.
+        ``scan_unroll``, a non-bool ``fp8``/``offload_params``, or ``offload_params``
+        with ``remat="none"``.
     """
 
     remat: str | None = None
@@ -81,6 +95,7 @@ class Levers:
     token_chunk: int = 2048
     scan_unroll: int | bool | None = None
     fp8: bool = False
+    offload_params: bool = False
 
     def __post_init__(self):
         if self.remat is not None and self.remat not in REMAT_NAMES:
@@ -95,6 +110,14 @@ class Levers:
         _check_unroll(self.scan_unroll)
         if not isinstance(self.fp8, bool):
             raise ValueError(f"fp8 must be a bool; got {self.fp8!r}.")
+        if not isinstance(self.offload_params, bool):
+            raise ValueError(f"offload_params must be a bool; got {self.offload_params!r}.")
+        if self.offload_params and self.remat == "none":
+            raise ValueError(
+                "offload_params=True needs a remat policy (e.g. remat='full'): with "
+                "remat='none' every layer's device copy of its weights is kept for the "
+                "backward pass."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +135,7 @@ class ResolvedLevers:
         target (``jmem.targets``).
       seq_len: tokens per row the choices were made for (None: not known).
       reasons: ``((lever, reason), ...)``, one per lever, in field order.
+      offload_params: as in ``Levers``.
     """
 
     remat: str | None
@@ -123,6 +147,7 @@ class ResolvedLevers:
     target: str
     seq_len: int | None
     reasons: tuple[tuple[str, str], ...] = ()
+    offload_params: bool = False
 
     def reason(self, lever: str) -> str:
         """Why ``lever`` has its value."""
@@ -297,5 +322,7 @@ def resolve(
             ("token_chunk", chunks["token_chunk"][1]),
             ("scan_unroll", unroll_why),
             ("fp8", fp8_why),
+            ("offload_params", _OFFLOAD_PARAMS_WHY[levers.offload_params]),
         ),
+        offload_params=levers.offload_params,
     )

@@ -106,6 +106,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=131072,
         rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
     ),
+    # Llama 3.1 70B (meta-llama/Llama-3.1-70B config.json): 80 layers, 8 KV heads.
+    "llama3_1_70b": _shape(
+        128256,
+        8192,
+        28672,
+        80,
+        64,
+        8,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+    ),
     # Llama 3.2 1B: tied embeddings, llama3 RoPE scaling with factor 32.
     "llama3_2_1b": _shape(
         128256,
@@ -140,6 +152,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         28,
         28,
         4,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_seq_len=32768,
+        biases=("q_proj", "k_proj", "v_proj"),
+        family="qwen2",
+    ),
+    # Qwen2.5 72B (Qwen/Qwen2.5-72B config.json): q/k/v biases, untied head.
+    "qwen2_5_72b": _shape(
+        152064,
+        8192,
+        29568,
+        80,
+        64,
+        8,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
         max_seq_len=32768,

@@ -66,7 +66,17 @@ def bits_checkpoint(step: Callable, carry_dtypes: Sequence) -> Callable:
         consts, bits, x = res
         carry = [from_bits(b, d) for b, d in zip(bits, dtypes)]
         _, vjp = jax.vjp(step, consts, carry, x)
-        return vjp(g)
+        return jax.tree.map(_in_space_of, vjp(g), (consts, carry, x))
 
     run.defvjp(fwd, bwd)
     return run
+
+
+def _in_space_of(ct, primal):
+    """The cotangent ``ct`` in the memory space of its ``primal`` (a host-resident input,
+    e.g. a layer slice streamed by ``Levers(offload_params=True)``, gets a host cotangent:
+    custom VJPs must return their inputs' types)."""
+    space = getattr(jax.typeof(primal), "memory_space", None)
+    if space is None or getattr(jax.typeof(ct), "memory_space", None) == space:
+        return ct
+    return jax.device_put(ct, space)

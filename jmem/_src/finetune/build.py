@@ -18,7 +18,9 @@ from jmem import adamw_4bit
 from jmem import adamw_8bit
 from jmem import nf4
 from jmem import qlora
+from jmem._src.cli import CliError
 from jmem._src.cli import user_input
+from jmem._src.finetune.config import offloads
 from jmem._src.finetune.setup import job_levers
 from jmem._src.offload.disk import DiskState
 from jmem.models import hf
@@ -79,6 +81,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
       batch, *, frozen)``, the compute dtype and the optax learning-rate schedule
       (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
     """
+    if mesh is not None and offloads(config.levers, "params"):
+        raise CliError("--offload params with --mesh is not supported yet; use one device")
     dtype = jnp.float16 if config.levers.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)
@@ -117,7 +121,7 @@ def offload_mode(config, disk: bool = True):
     ``--offload-dir`` (``True``, host memory, when ``disk`` is False), else ``--offload``."""
     if config.levers.offload_dir is not None:
         return "disk" if disk else True
-    return config.levers.offload
+    return offloads(config.levers, "optimizer")
 
 
 def checkpointable(state):

@@ -32,6 +32,7 @@ MODEL_NAMES = (
     "gemma3_1b",
     "gemma3_4b",
     "llama2_7b",
+    "llama3_1_70b",
     "llama3_1_8b",
     "llama3_2_1b",
     "llama3_8b",
@@ -39,6 +40,7 @@ MODEL_NAMES = (
     "mistral_7b",
     "olmo2_7b",
     "phi3_mini",
+    "qwen2_5_72b",
     "qwen2_5_7b",
     "qwen3_0_6b",
     "qwen3_8b",
@@ -67,6 +69,29 @@ def mesh_spec(text: str) -> str:
     if not sizes:
         raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M, got {text!r}")
     return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+#: ``--offload`` parts, in their canonical order.
+OFFLOAD_PARTS = ("optimizer", "params")
+
+
+def offload_spec(text: str) -> str:
+    """argparse type: ``optimizer``, ``params``, ``optimizer,params`` (any order) or
+    ``none``, as the canonical comma-joined string."""
+    parts = {p.strip() for p in str(text).split(",") if p.strip()}
+    if parts == {"none"}:
+        return "none"
+    if not parts or parts - set(OFFLOAD_PARTS):
+        raise argparse.ArgumentTypeError(
+            f"expected optimizer, params, optimizer,params or none (true or false in a "
+            f"config file: optimizer or none), got {text!r}"
+        )
+    return ",".join(p for p in OFFLOAD_PARTS if p in parts)
+
+
+def offloads(levers, part: str) -> bool:
+    """Whether the levers group's ``--offload`` includes ``part`` (``optimizer``/``params``)."""
+    return part in levers.offload.split(",")
 
 
 class _Group:
@@ -153,7 +178,15 @@ class LeversConfig(_Group):
     precision: str = option(
         "bf16", "compute dtype; fp16 turns on dynamic loss scaling", choices=("bf16", "fp16")
     )
-    offload: bool = option(False, "optimizer state in pinned_host memory", switch=True)
+    offload: str = option(
+        "none",
+        "what lives in pinned_host memory: optimizer (its state and masters), params (the "
+        "frozen base, streamed to the device layer by layer), optimizer,params, or none; "
+        "bare --offload (or true in a config file): optimizer",
+        check=offload_spec,
+        const="optimizer",
+        metavar="WHAT",
+    )
     offload_dir: str | None = option(
         None,
         "optimizer state on disk under PATH (NVMe rung; streamed leaf by leaf each step; "

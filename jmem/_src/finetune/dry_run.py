@@ -20,6 +20,7 @@ from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.config import offloads
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
 from jmem._src.units import format_count
@@ -85,14 +86,11 @@ def dry_run(config, cfg, mesh=None, target=None):
         ("temporaries / grads+activations", report.temp_bytes, est.grads + est.activations),
         ("peak", report.peak_bytes, est.total),
     ]
-    if mesh is not None:
-        axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
-        print(f"per device of the mesh {axes} ({devices} devices; FSDP, ZeRO-3 ledger):")
-    print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
-    for name, a, b in rows:
-        print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
+    _print_rows(rows, mesh, devices)
     memory, fit = _print_verdict(report, config.run.memory, target)
     print(est.trade(config.levers.pcie_gbps, config.levers.disk_gbps) + " (planner; GB = 1e9 B)")
+    if not fit:
+        _print_params_lever(config, frozen_bytes)
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
@@ -132,6 +130,16 @@ def verdict(peak: int, memory: int | None, target=None) -> tuple[int, bool]:
     return int(memory), planner.fits(peak, int(memory), planner.DEFAULT_RESERVE)
 
 
+def _print_rows(rows, mesh, devices: int) -> None:
+    """The compiled-against-planner table, per device of the mesh when there is one."""
+    if mesh is not None:
+        axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+        print(f"per device of the mesh {axes} ({devices} devices; FSDP, ZeRO-3 ledger):")
+    print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
+    for name, a, b in rows:
+        print(f"{name:34}{format_bytes(a):>26}{format_bytes(b):>26}")
+
+
 def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
     memory, fit = verdict(report.peak_bytes, memory, target)
     host = f", host {format_bytes(report.host_peak_bytes)}" if report.host_peak_bytes else ""
@@ -146,12 +154,30 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
 
 
 # --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
+def _print_params_lever(config, frozen_bytes: int) -> None:
+    """The ``--offload params`` rung, when the step does not fit and it is not in use: the
+    frozen base's bytes leave the device (about; one layer's slice stays at a time) and
+    cross PCIe three times a step (forward, remat recomputation, backward)."""
+    if offloads(config.levers, "params") or config.levers.remat == "none":
+        return
+    print(
+        f"lever: --offload params keeps the frozen base ({format_bytes(frozen_bytes)}) in host "
+        "memory and streams one layer at a time to the device (it then moves about "
+        f"{format_bytes(3 * frozen_bytes)} host-to-device per step: forward, remat "
+        "recomputation, backward)."
+    )
+
+
 def _estimate(config, levers, cfg, dtype, targets, devices: int):
     """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
     over ``devices``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     offload = (
-        "disk" if config.levers.offload_dir else "optimizer" if config.levers.offload else False
+        "disk"
+        if config.levers.offload_dir
+        else "optimizer"
+        if offloads(config.levers, "optimizer")
+        else False
     )
     return planner.estimate(
         cfg,

@@ -14,6 +14,7 @@ from jmem import lora as jlora
 from jmem._src.cli import CliError
 from jmem._src.cli import flag as cli_flag
 from jmem._src.cli import user_input
+from jmem._src.finetune.config import offloads
 from jmem.models import export
 from jmem.models import hf
 from jmem.models import llama
@@ -34,14 +35,15 @@ def model_config(config) -> llama.LlamaConfig:
 
 def job_levers(config) -> jmem.Levers:
     """The run's execution settings as one ``jmem.Levers``: the levers group's
-    ``--remat``, ``--attention``, ``--loss-chunk`` and ``--token-chunk`` (resolved per
-    batch and target by ``build``)."""
+    ``--remat``, ``--attention``, ``--loss-chunk``, ``--token-chunk`` and ``--offload
+    params`` (resolved per batch and target by ``build``)."""
     levers = config.levers
     return jmem.Levers(
         remat=levers.remat,
         attention=levers.attention,
         loss_chunk=levers.loss_chunk,
         token_chunk=levers.token_chunk,
+        offload_params=offloads(levers, "params"),
     )
 
 
@@ -130,11 +132,11 @@ def offload_note(config) -> str | None:
     where host and device are one memory: the compiled figures count offloaded buffers
     (and their copies) as device bytes, so offload cannot show a saving there."""
     levers = config.levers
-    if not (levers.offload or levers.remat.startswith("offload")):
+    if not (levers.offload != "none" or levers.remat.startswith("offload")):
         return None
     if config.devices.target is not None or jax.default_backend() != "cpu":
         return None
-    what = "--offload" if levers.offload else f"--remat {levers.remat}"
+    what = f"--offload {levers.offload}" if levers.offload != "none" else f"--remat {levers.remat}"
     return (
         f"note: {what} moves buffers to host memory, which is the device's own memory on "
         "CPU: XLA:CPU's memory figures cannot show the saving (they may even grow by the "

@@ -49,6 +49,7 @@ def _register_defaults() -> None:
         "dynamic_slice": _structural.dynamic_slice,
         "squeeze": _structural.squeeze,
         "reshape": _structural.reshape,
+        "device_put": _structural.device_put,
     }
     by_kind = {
         _jaxpr.CALL: _structural.inline_call,

@@ -7,6 +7,7 @@ around the interpreted body. See ``docs/lora.md``.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -212,3 +213,11 @@ def while_(interp, eqn, invals):
         if is_weight(v):
             raise error(v, "while", "a targeted weight in the loop carry")
     return _jaxpr.rebind_while(eqn, invals, interp.eval)
+
+
+def device_put(interp, eqn, invals):
+    """``device_put`` (e.g. to ``jax.memory.Space.Device`` inside ``jit``): every array of a
+    weight (NF4 codes and absmax, LoRA factors) is moved, the weight stays implicit; the
+    layer scan of ``jmem.Levers(offload_params=True)`` copies each layer's slice so."""
+    dsts = eqn.params["devices"]
+    return [jax.tree.map(lambda a, d=d: jax.device_put(a, d), v) for v, d in zip(invals, dsts)]

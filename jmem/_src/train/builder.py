@@ -21,6 +21,9 @@ from jmem._src.measure import MemoryReport
 from jmem._src.measure import measure
 from jmem._src.offload.disk import check_directory
 from jmem._src.offload.memory_kinds import to_host
+from jmem._src.offload.params import is_on_host
+from jmem._src.offload.params import offloads_params
+from jmem._src.offload.params import params_to_host
 from jmem._src.offload.transform import offload
 from jmem._src.precision import Policy
 from jmem._src.precision import get_policy
@@ -61,6 +64,8 @@ class TrainStep:
       levers: the ``jmem.Levers``/``ResolvedLevers`` given to ``train_step`` (or None).
       offload_dir: the directory of ``offload_optimizer="disk"`` (else None); the state's
         ``opt_state`` is then a ``DiskState`` (``opt_state.full()`` for checkpoints).
+      offload_params: whether the frozen params live in host memory between steps
+        (``levers.offload_params``; the model streams its layers from there).
     """
 
     jitted: Callable
@@ -71,6 +76,7 @@ class TrainStep:
     _user_optimizer: Any = None
     levers: Any = None
     offload_dir: str | None = None
+    offload_params: bool = False
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated.
@@ -84,6 +90,8 @@ class TrainStep:
         """
         if self.offload_optimizer and self.offload_dir is None:
             state = _opt_state_to_host(state)
+        if self.offload_params and not is_on_host(state.frozen):
+            state = state.replace(frozen=params_to_host(state.frozen))
         return self.jitted(state, batch)
 
     def init(
@@ -237,6 +245,11 @@ def train_step(
         loss runs with: the step applies their ``remat`` and records them as
         ``TrainStep.levers``; bind the same value into the loss
         (``llama.loss_fn(p, b, cfg, levers=lv)``) so model and step read one value.
+        With ``offload_params=True`` the state's ``frozen`` params live in ``pinned_host``
+        memory between steps (``init`` puts them there, a step moves them there if they
+        arrive on the device) and the model streams its layers from there
+        (docs/offload.md); the trainable params and their optimizer state stay on the
+        device unless ``offload_optimizer``.
       microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
         The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
         each microbatch is weighted by its count of unmasked tokens (the loss is the mean
@@ -280,7 +293,8 @@ def train_step(
       ValueError: for an unknown remat policy, precision string or strategy,
         ``microbatches < 1``, an ``offload_optimizer`` other than
         False/True/"whole_tree"/"leaf_by_leaf"/"disk", ``"disk"`` without
-        ``offload_dir``, with ``mesh``, or a bad ``offload_dir``, or ``jit_kwargs`` that set shardings or
+        ``offload_dir`` or with ``mesh``, a bad ``offload_dir``, ``levers.offload_params``
+        with ``mesh=`` (not supported yet), or ``jit_kwargs`` that set shardings or
         donation together with ``mesh``.
       TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
         ``precision=``).
@@ -290,6 +304,7 @@ def train_step(
     """
     kw = {k: v for k, v in locals().items() if k not in ("loss_fn", "optimizer", "unknown")}
     kw["remat"] = _levers_remat(kw.pop("levers"), remat)
+    kw["offload_params"] = offloads_params(levers)
     o = _parse_options(unknown, **kw)
     user_optimizer = optimizer
     optimizer, stepper = _optimizers(optimizer, o)
@@ -307,6 +322,7 @@ def train_step(
         _user_optimizer=user_optimizer,
         levers=levers,
         offload_dir=o.offload_dir,
+        offload_params=o.offload_params,
     )
 
 
@@ -328,6 +344,7 @@ class _Options:
     jit_kwargs: dict
     mesh: Any
     strategy: str
+    offload_params: bool = False
 
 
 _RENAMED = {"policy": "precision"}
@@ -375,6 +392,11 @@ def _parse_options(unknown: dict, **kw: Any) -> _Options:
         )
     offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
     kw["offload_dir"] = _offload_dir(mode, kw["offload_dir"], kw["mesh"])
+    if kw["offload_params"] and kw["mesh"] is not None:
+        raise ValueError(
+            "levers.offload_params with mesh= is not supported yet: train on one device, "
+            "or keep the params on the device (offload_params=False)."
+        )
     if kw["loss_scale"] is None:
         kw["loss_scale"] = NoOpLossScale()
     kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
@@ -497,6 +519,8 @@ def _init_state(
         params = o.precision.cast_to_param(params)
     # The step donates the state: own fresh buffers, so the caller's arrays survive.
     params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
+    if o.offload_params:  # the model streams them from host memory (levers.offload_params)
+        frozen = params_to_host(frozen)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,

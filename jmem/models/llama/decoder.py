@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src import fp8 as fp8_lib
+from jmem._src.offload import params as offload_params
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
 from jmem.models.llama.config import LlamaConfig
@@ -199,6 +200,8 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
         else:
             local = None
         layer, layer_fp8 = xs if fp8 is not None else (xs, None)
+        if lv.offload_params:  # this layer's slice of the host-resident stack, to the device
+            layer = offload_params.fetch(layer)
         # Named so that remat's "offload" policy saves the layer input in host memory.
         x = checkpoint_name(x, "layer_input")
         layer_rope, layer_attn = _per_layer(local, rope, attn, c)
@@ -255,6 +258,7 @@ def forward(
         are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``
         (they would go unused and be reset).
     """
+    params = offload_params.fetch_resident(params, levers)
     x = _hidden(
         params,
         tokens,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jmem._src.linear_cross_entropy import ignore_negative_targets
 from jmem._src.linear_cross_entropy import linear_cross_entropy
 from jmem._src.linear_cross_entropy import token_nll
+from jmem._src.offload import params as offload_params
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
 from jmem.models.llama.decoder import _hidden
@@ -48,6 +49,7 @@ def loss_fn(
     (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
     ``[B, S, V]`` logits unless ``loss_chunk=0``."""
     kwargs = {"layer_transform": None, "fp8": None, **kwargs}
+    params = offload_params.fetch_resident(params, levers)
     x, lv = _hidden(
         params,
         batch["inputs"],
