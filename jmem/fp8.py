@@ -6,6 +6,7 @@ from jmem._src.fp8 import E4M3
 from jmem._src.fp8 import E5M2
 from jmem._src.fp8 import Fp8Meta
 from jmem._src.fp8 import Fp8TensorMeta
+from jmem._src.fp8 import apply
 from jmem._src.fp8 import combine
 from jmem._src.fp8 import fp8_dot
 from jmem._src.fp8 import fp8_dot_general
@@ -22,6 +23,7 @@ __all__ = (
     "E5M2",
     "Fp8Meta",
     "Fp8TensorMeta",
+    "apply",
     "combine",
     "fp8_dot",
     "fp8_dot_general",

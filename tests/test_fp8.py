@@ -6,6 +6,7 @@ tiny Llama after 30 Adam steps: FP8 loss 0.842 vs bf16 0.835 (<1%).
 """
 
 import contextlib
+import inspect
 import io
 
 import chex
@@ -386,7 +387,7 @@ def test_lora_path_stays_bf16():
 
 @pytest.mark.slow
 def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
-    """The reference Llama with ``forward(..., fp8=metas)`` (all 7 projections per layer in
+    """The reference Llama under ``fp8.apply`` (all 7 projections per layer in
     FP8, stacked metas scanned with the layers; embedding/lm_head stay bf16) on a fixed
     token stream: the final loss is within 5% of the bf16 run (measured: 0.842 vs 0.835, <1%)."""
     from jmem.models import llama
@@ -408,7 +409,9 @@ def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
 
     def loss(params, metas, use_fp8):
         p16 = jax.tree.map(lambda a: a.astype(BF16), params)  # bf16 compute, f32 master
-        return llama.loss_fn(p16, batch, cfg, fp8=metas if use_fp8 else None)
+        if not use_fp8:
+            return llama.loss_fn(p16, batch, cfg)
+        return fp8.apply(llama.loss_fn)(p16, metas, batch, cfg)
 
     def train(use_fp8, steps=30):
         @jax.jit
@@ -437,7 +440,7 @@ def test_tiny_llama_trains_with_fp8_and_tracks_bf16():
     s_amax = mm.x.scale_inv * E4M3_MAX
     assert bool(jnp.all(s_amax >= jnp.max(hist[:, 1:], axis=-1) * (1 - 1e-6)))
     assert bool(jnp.all(s_amax <= 2 * jnp.max(hist, axis=-1)))
-    with pytest.raises(ValueError, match="layers"):
+    with pytest.raises(ValueError, match="layers"), pytest.warns(DeprecationWarning):
         llama.forward(
             params, batch["inputs"], cfg, fp8=fp8.init_metas(params, ("q_proj", "lm_head"))
         )
@@ -466,3 +469,181 @@ def test_dot_config_marks_the_fp8_custom_vjp():
     other.defvjp(lambda x: (x, None), lambda _, g: (g,))
     (eqn,) = jax.make_jaxpr(other)(x).jaxpr.eqns
     assert fp8_src.dot_config_of(eqn.params) is None
+
+
+# ----------------------------------------------------------------------------- implicit weights
+
+
+def _stack(seed=0, layers=3, d=32, dtype=BF16):
+    """A stacked 3-layer model's params ``{"layers": {"l": {"kernel": [L, d, d]}}}``, its
+    input ``x [2, 8, d]`` and stacked metas (history 4)."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    w = (0.3 * jax.random.normal(k1, (layers, d, d), F32)).astype(dtype)
+    params = {"layers": {"l": {"kernel": w}}}
+    return (
+        params,
+        jax.random.normal(k2, (2, 8, d), F32).astype(dtype),
+        fp8.init_metas(params, ("l",), history_len=4),
+    )
+
+
+def _plain(p, x, layout="x@W"):
+    """The model as a user writes it: plain matmuls, layers scanned."""
+
+    def body(h, lay):
+        w = lay["l"]["kernel"].astype(h.dtype)
+        if layout == "x@W":
+            y = h @ w
+        else:  # the weight as the left operand: dot_general(W, h), output [out, B, S]
+            y = jnp.moveaxis(jax.lax.dot_general(w, h, (((0,), (2,)), ((), ()))), 0, -1)
+        return jnp.tanh(y), None
+
+    return jnp.sum(jax.lax.scan(body, x, p["layers"])[0].astype(F32) ** 2)
+
+
+def _parallel_tree(p, m, x):
+    """The same model with the metas threaded as a parallel tree (the old Llama path)."""
+
+    def body(h, lay_m):
+        lay, mm = lay_m
+        return jnp.tanh(fp8.fp8_dot(h, lay["l"]["kernel"].astype(h.dtype), mm["l"]["kernel"])), None
+
+    return jnp.sum(jax.lax.scan(body, x, (p["layers"], m["layers"]))[0].astype(F32) ** 2)
+
+
+def _two_steps(loss, p, m, x):
+    """``(loss, grads, new metas)`` of the second of two steps (scales from data)."""
+    _, m1 = jax.grad(loss, argnums=(0, 1))(p, m, x)
+    return jax.value_and_grad(loss, argnums=(0, 1))(p, m1, x)
+
+
+@pytest.mark.slow
+def test_apply_equals_the_parallel_tree_path_exactly():
+    """``fp8.apply`` on a model of plain matmuls (the kernel carries its meta, the scan
+    slices both) gives the loss, gradients and new metas of the same model calling
+    ``fp8_dot`` with a parallel metas tree, bit for bit; also with the weight as the left
+    operand of ``dot_general``. Measured on the reference Llama (2 layers, bf16, two
+    steps): the old ``fp8=`` tree path and ``fp8.apply`` differ by 0.0 in every leaf."""
+    p, x, m = _stack()
+    ref = jax.jit(lambda p, m, x: _two_steps(_parallel_tree, p, m, x))(p, m, x)
+    for layout in ("x@W", "W@x"):
+        loss = fp8.apply(lambda p, x: _plain(p, x, layout))
+        got = jax.jit(lambda p, m, x: _two_steps(loss, p, m, x))(p, m, x)
+        chex.assert_trees_all_equal(got, ref)
+    assert float(ref[1][1]["layers"]["l"]["kernel"].grad.amax_history[0, 0]) > 0
+    # No metas: fn itself, the same program.
+    assert str(jax.make_jaxpr(fp8.apply(_plain))(p, None, x)) == str(jax.make_jaxpr(_plain)(p, x))
+
+
+def test_llama_layer_code_takes_no_fp8_tree():
+    """The model's layer code has no FP8 parameter (FP8 is an implicit weight); the
+    public entry points keep ``fp8=`` for one release, with a ``DeprecationWarning``."""
+    from jmem.models.llama import block
+    from jmem.models.llama import decoder
+    from jmem.models.llama import layers
+
+    fns = [
+        block._layer,
+        block._attn_in,
+        block._residuals,
+        block._attn_out,
+        block._mlp_block,
+        block._local,
+        block._over_tokens,
+        block._resolved,
+        decoder._hidden,
+        layers._dense,
+        layers._proj,
+        layers._qkv,
+        layers._mlp,
+    ]
+    for f in fns:
+        assert "fp8" not in inspect.signature(f).parameters, f.__name__
+    from jmem.models import llama
+
+    cfg = helpers.small_config(num_layers=1)
+    params = llama.abstract_params(cfg)
+    metas = jax.eval_shape(lambda p: fp8.init_metas(p, ("q_proj",), history_len=2), params)
+    batch = helpers.token_batch(cfg, seq_len=8)
+    with pytest.warns(DeprecationWarning, match="fp8.apply"):
+        old = jax.eval_shape(
+            lambda p, m: jax.grad(llama.loss_fn, argnums=0)(p, batch, cfg, fp8=m), params, metas
+        )
+    chex.assert_trees_all_equal_shapes_and_dtypes(old, params)
+
+
+@pytest.mark.slow
+def test_token_chunks_get_one_max_reduced_state_update():
+    """A projection run once per token chunk (``over_tokens``, as ``Levers(token_chunk=)``)
+    under ``fp8.apply``: each chunk updates its own copy of the meta and the copies are
+    max-reduced (a closed-over meta would have summed them), so the new metas equal the
+    unchunked call's exactly; loss and gradients within float32 rounding."""
+    from jmem._src.token_chunks import over_tokens
+
+    p, x, m = _stack(layers=2, dtype=F32)
+
+    def model(p, x, chunk):
+        def body(h, lay):
+            f = lambda h: (jnp.tanh(h @ lay["l"]["kernel"]),)
+            return (over_tokens(f, chunk, h)[0] if chunk else f(h)[0]), None
+
+        return jnp.sum(jax.lax.scan(body, x, p["layers"])[0] ** 2)
+
+    run = jax.jit(
+        lambda p, m, x, chunk: _two_steps(fp8.apply(lambda p, x: model(p, x, chunk)), p, m, x),
+        static_argnums=3,
+    )
+    whole, chunked = run(p, m, x, 0), run(p, m, x, 5)  # 16 tokens: 4 chunks, one padded
+    chex.assert_trees_all_equal(chunked[1][1], whole[1][1])
+    chex.assert_trees_all_close(chunked[0], whole[0], rtol=1e-6)
+    chex.assert_trees_all_close(chunked[1][0], whole[1][0], rtol=1e-5, atol=1e-6)
+    loops = [
+        e
+        for e in _sub_jaxprs(jax.make_jaxpr(fp8.apply(lambda p, x: model(p, x, 5)))(p, m, x).jaxpr)
+        if e.primitive.name == "scan" and e.params["length"] == 4
+    ]
+    assert loops  # the chunk loop is there
+
+
+def test_apply_rejects_bad_metas():
+    p, x, m = _stack()
+    loss = fp8.apply(_plain)
+    with pytest.raises(TypeError, match="only Fp8Meta"):
+        jax.eval_shape(loss, p, {"layers": {"l": {"kernel": jnp.ones(3)}}}, x)
+    with pytest.raises(ValueError, match="no matching leaf"):
+        jax.eval_shape(loss, p, {"layers": {"k": {"kernel": m["layers"]["l"]["kernel"]}}}, x)
+    with pytest.raises(ValueError, match="batch_shape"):
+        jax.eval_shape(loss, p, {"layers": {"l": {"kernel": fp8.init_meta(4)}}}, x)
+    from jmem.lora import ImplicitWeightError
+
+    unsliced = fp8.apply(
+        lambda p, x: jnp.sum(jnp.einsum("bsi,lio->lbso", x, p["layers"]["l"]["kernel"]))
+    )
+    with pytest.raises(ImplicitWeightError, match="stack"):
+        jax.eval_shape(unsliced, p, m, x)
+
+
+@pytest.mark.slow
+def test_llama_fp8_with_token_chunks_equals_unchunked():
+    """The reference Llama (1 layer) under ``fp8.apply`` with ``Levers(token_chunk=20)`` (48 tokens:
+    3 chunks, the last padded) against ``token_chunk=0``, float32, second step: new metas,
+    loss and gradients within float32 rounding (the chunked matmuls round differently: 1
+    ulp in one amax measured; a summed state would be 3x). Measured in bf16: loss and
+    metas equal, gradients within 2 bf16 ulps of the largest."""
+    import jmem
+    from jmem.models import llama
+
+    cfg = helpers.small_config(num_layers=1)
+    params = llama.init(jax.random.PRNGKey(0), cfg)
+    metas = fp8.init_metas(params, llama.LINEAR_NAMES, history_len=4)
+    batch = helpers.token_batch(cfg, seq_len=24)
+
+    def run(chunk):
+        lv = jmem.Levers(token_chunk=chunk, attention="dense", fp8=True)
+        loss = lambda p, m, b: fp8.apply(llama.loss_fn)(p, m, b, cfg, levers=lv)
+        return jax.jit(lambda p, m, b: _two_steps(loss, p, m, b))(params, metas, batch)
+
+    whole, chunked = run(0), run(20)
+    chex.assert_trees_all_close(chunked[1][1], whole[1][1], rtol=1e-6)
+    chex.assert_trees_all_close(chunked[0], whole[0], rtol=1e-6)
+    chex.assert_trees_all_close(chunked[1][0], whole[1][0], rtol=1e-4, atol=1e-6)

@@ -68,18 +68,19 @@ def test_auto_attention_resolves_for_the_target_not_the_running_machine():
     assert jmem.resolve_levers(None, cfg, packed, "gpu").attention == "blockwise"
 
 
-def test_fp8_turns_token_chunks_off_with_a_reason_and_unroll_follows_remat():
+def test_fp8_keeps_token_chunks_with_a_reason_and_unroll_follows_remat():
     cfg = llama.get_config("tiny")
     lv = jmem.resolve_levers(jmem.Levers(fp8=True, remat="none"), cfg, (1, 4096))
-    assert lv.token_chunk == 0 and "FP8" in lv.reason("token_chunk")
+    assert lv.token_chunk == 2048 and "FP8" in lv.reason("token_chunk")
+    assert "max-reduced" in lv.reason("fp8")
     assert lv.scan_unroll is True and "inlined" in lv.reason("scan_unroll")
     assert jmem.resolve_levers(jmem.Levers(scan_unroll=2), cfg, (1, 8)).scan_unroll == 2
 
 
 @pytest.mark.slow
 def test_loss_fn_reads_the_levers():
-    """The same loss through every path the levers choose (float32, 1e-5), and an FP8
-    conflict refused instead of silently dropping chunks."""
+    """The same loss through every path the levers choose (float32, 1e-5), FP8 too
+    (token chunks compose with it: the chunked FP8 loss is the unchunked one)."""
     cfg = small_config()
     params = llama.init(jax.random.key(0), cfg)
     batch = token_batch(cfg, seq_len=24)
@@ -90,9 +91,13 @@ def test_loss_fn_reads_the_levers():
     ):
         chex.assert_trees_all_close(llama.loss_fn(params, batch, cfg, levers=lv), ref, rtol=1e-5)
     metas = jmem.fp8.init_metas(params, llama.LINEAR_NAMES)
-    resolved = jmem.resolve_levers(jmem.Levers(token_chunk=16), cfg, batch)
-    with pytest.raises(ValueError, match="fp8=True"):
-        llama.loss_fn(params, batch, cfg, levers=resolved, fp8=metas)
+    resolved = jmem.resolve_levers(jmem.Levers(token_chunk=16, fp8=True), cfg, batch)
+    fp8_loss = jmem.fp8.apply(llama.loss_fn)
+    chex.assert_trees_all_close(
+        fp8_loss(params, metas, batch, cfg, levers=resolved),
+        fp8_loss(params, metas, batch, cfg, levers=jmem.Levers(token_chunk=0)),
+        rtol=1e-5,
+    )
 
 
 def test_train_step_applies_the_levers_remat():

@@ -439,6 +439,16 @@ def _check_operands(x, kernel, meta, fn):
             raise TypeError(f"{fn}: {name} must be a floating array; got {jnp.result_type(a)}.")
 
 
+def canonical_dimension_numbers(dimension_numbers) -> tuple:
+    """``lax.dot_general`` dimension numbers as nested tuples of ints (hashable, for
+    ``Fp8DotConfig``)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (
+        (tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+        (tuple(int(i) for i in lb), tuple(int(i) for i in rb)),
+    )
+
+
 def fp8_dot_general(
     x: jax.Array, kernel: jax.Array, meta: Fp8Meta, dimension_numbers, preferred_element_type=None
 ) -> jax.Array:
@@ -468,13 +478,8 @@ def fp8_dot_general(
     _check_operands(x, kernel, meta, "fp8_dot_general")
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, kernel))
-    (lc, rc), (lb, rb) = dimension_numbers
-    dn = (
-        (tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
-        (tuple(int(i) for i in lb), tuple(int(i) for i in rb)),
-    )
     cfg = Fp8DotConfig(
-        dn,
+        canonical_dimension_numbers(dimension_numbers),
         out_dtype,
         jnp.dtype(x.dtype),
         jnp.dtype(kernel.dtype),
@@ -528,6 +533,73 @@ __all__ = [
     "dot_config_of",
 ]
 
-# FP8 brings its own implicit-weight rules (an FP8 matmul of a NF4/LoRA weight); the
-# interpreter's core never imports this module.
+# FP8 brings its own implicit-weight rules (a weight carrying an Fp8Meta; an FP8 matmul of
+# a NF4/LoRA weight); the interpreter's core never imports this module.
 from jmem._src.implicit import fp8_rules as _fp8_rules  # noqa: E402, F401
+from jmem._src.implicit import interpreter as _interpreter  # noqa: E402
+
+
+def meta_paths(metas: Any) -> dict[str, Fp8Meta]:
+    """``{path: Fp8Meta}`` of a metas tree (``init_metas``: an ``Fp8Meta`` at each selected
+    leaf, ``None`` elsewhere), ``path`` the '/'-joined key path of the kernel it scales.
+
+    Raises:
+      TypeError: a leaf of ``metas`` that is neither an ``Fp8Meta`` nor None.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(metas, is_leaf=is_meta)[0]
+    bad = [_tree.path_str(p) for p, m in leaves if not is_meta(m)]
+    if bad:
+        raise TypeError(
+            f"metas must hold only Fp8Meta (from fp8.init_metas) and None; got other leaves "
+            f"at {bad[:5]}."
+        )
+    return {_tree.path_str(p): m for p, m in leaves}
+
+
+def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
+    """Wraps ``fn(params, *args, **kwargs)`` as ``fn_fp8(params, metas, *args, **kwargs)``,
+    whose matmuls against the kernels with a meta run in FP8 with delayed scaling.
+
+    The model writes plain matmuls (``x @ kernel``, ``einsum``, ``dot_general``); the
+    implicit-weight interpreter (the one behind ``jmem.lora.apply``/``jmem.qlora.apply``,
+    ``docs/lora.md``) carries each kernel with its ``Fp8Meta`` and runs ``fp8_dot_general``
+    at each matmul against it: stacked kernels ``[L, in, out]`` with stacked metas
+    ``[L]`` are sliced together by the model's ``lax.scan`` (or indexing), an ``NF4Array``
+    kernel is dequantized to the view dtype first. The cotangent of ``metas`` is the
+    updated states (the overwrite rule, see the module docstring): ``jax.grad(fn_fp8,
+    argnums=(0, 1))`` gives ``(param_grads, new_metas)``. A kernel used inside a loop over
+    token chunks (``jmem.Levers(token_chunk=...)``) gets one state update, exactly the one
+    of the unchunked call (per-chunk amaxes max-reduced, ``implicit/structural_rules.py``).
+
+    Args:
+      fn: a function whose first argument is a params pytree (e.g. ``llama.loss_fn``).
+      allow_materialize: where a kernel with a meta is used other than in a matmul, use its
+        dense value there (its state then gets no update from that use) instead of
+        raising.
+
+    Returns:
+      ``fn_fp8(params, metas, *args, **kwargs)``; ``metas`` as ``init_metas(params, ...)``
+      returns (an ``Fp8Meta`` at each FP8 kernel, None elsewhere), or None (``fn``
+      unchanged).
+
+    Raises (when called):
+      TypeError: ``metas`` holds leaves other than ``Fp8Meta``/None.
+      ValueError: a meta's path is not a leaf of ``params``, or its batch shape is not the
+        kernel's stacked shape.
+      jmem.lora.ImplicitWeightError: a kernel with a meta used other than in a matmul, or a
+        stacked meta reaching a matmul unsliced.
+    """
+
+    @functools.wraps(fn)
+    def fn_fp8(params, metas, *args, **kwargs):
+        paths = meta_paths(metas)
+        if not paths:
+            return fn(params, *args, **kwargs)
+        return _interpreter.call(
+            fn, params, None, args, kwargs, allow_materialize=allow_materialize, metas=paths
+        )
+
+    return fn_fp8
+
+
+__all__ += ["apply", "meta_paths", "canonical_dimension_numbers"]

@@ -73,8 +73,10 @@ class Levers:
       scan_unroll: ``lax.scan``'s ``unroll`` for the layer loop: None resolves to True
         (every layer inlined) with ``remat="none"`` (a loop would stack each saved
         residual as ``[L, ...]``) and to 1 (a loop) otherwise; or an explicit True / int.
-      fp8: FP8 matmuls with delayed scaling (``jmem.fp8``): token chunks resolve to 0
-        with it (the scaling state is a per-call gradient; see ``resolve``).
+      fp8: FP8 matmuls with delayed scaling, run by ``jmem.fp8.apply`` (the kernels
+        carry their ``Fp8Meta``s); recorded here for the planner and the printout. Token
+        chunks compose with it: each projection's per-chunk amaxes are max-reduced into
+        one state update, the unchunked call's (see ``resolve``).
       offload_params: the layer-stacked weights may live in host memory (``pinned_host``):
         the layer scan copies each layer's slice to the device when that layer runs
         (forward, remat recomputation, backward), and the other weights (embedding, final
@@ -240,11 +242,11 @@ def _chunks(levers, seq, batch_rows) -> list[tuple[str, int, str]]:
         out.append(("loss_chunk", levers.loss_chunk, f"as given ({tokens} tokens: one chunk)"))
     else:
         out.append(("loss_chunk", levers.loss_chunk, "as given"))
-    if levers.fp8 and levers.token_chunk:
-        why = "off: FP8's scaling state is a per-call gradient (one call per layer)"
-        out.append(("token_chunk", 0, why))
-    elif levers.token_chunk and seq is not None and seq <= levers.token_chunk:
+    if levers.token_chunk and seq is not None and seq <= levers.token_chunk:
         out.append(("token_chunk", levers.token_chunk, f"as given ({seq} tokens: one chunk)"))
+    elif levers.token_chunk and levers.fp8:
+        why = "as given; with FP8 each projection's per-chunk amaxes are max-reduced into one"
+        out.append(("token_chunk", levers.token_chunk, why + " state update"))
     else:
         out.append(("token_chunk", levers.token_chunk, "as given"))
     return out
@@ -266,7 +268,10 @@ def resolve(
         packed rows, no soft-cap, one window for every layer), else dense up to 1024 keys
         and blockwise beyond.
       - ``scan_unroll=None``: True (inlined layers) with ``remat="none"``, else 1.
-      - ``fp8=True`` turns token chunks off (named in the reason), never silently.
+      - ``fp8=True`` keeps token chunks: under ``jmem.fp8.apply`` each projection's
+        scaling state is fanned out over the chunks and the per-chunk amaxes are
+        max-reduced into one history update, exactly the unchunked step's (named in the
+        reason).
 
     Args:
       levers: a ``Levers`` (None: ``Levers()``), or an already ``ResolvedLevers``
@@ -305,7 +310,11 @@ def resolve(
     else:
         unroll, unroll_why = levers.scan_unroll, "as given"
     chunks = {k: (v, why) for k, v, why in _chunks(levers, seq, rows)}
-    fp8_why = "FP8 matmuls with delayed scaling" if levers.fp8 else "off"
+    fp8_why = "off"
+    if levers.fp8:
+        fp8_why = "FP8 matmuls with delayed scaling (jmem.fp8.apply)"
+        if chunks["token_chunk"][0]:
+            fp8_why += "; per-chunk amaxes max-reduced into one state update per step"
     return ResolvedLevers(
         remat=levers.remat,
         attention=attn,

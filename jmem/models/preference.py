@@ -49,7 +49,6 @@ def hidden_states(
         positions=positions,
         segment_ids=segment_ids,
         layer_transform=layer_transform,
-        fp8=None,
         levers=levers,
     )
     return llama._final_norm(params, x, config)
@@ -95,7 +94,6 @@ def sequence_logprobs(
         positions=rows.get("positions"),
         segment_ids=rows.get("segment_ids"),
         layer_transform=None,
-        fp8=None,
         levers=levers,
     )
     return _sequence_logprobs(

@@ -1,9 +1,9 @@
-"""A jaxpr interpreter that runs a model with frozen weights replaced by implicit values.
+"""A jaxpr interpreter that runs a model with weights replaced by implicit values.
 
-The mechanism behind ``jmem.lora.apply`` and ``jmem.qlora.apply``, in the spirit of qax
-("implicit arrays"): NF4 leaves and LoRA-adapted leaves of ``params`` stay packed/factored
-and every matmul against them is rewritten. How it works and what a model may do with a
-targeted weight: ``docs/lora.md``.
+The mechanism behind ``jmem.lora.apply``, ``jmem.qlora.apply`` and ``jmem.fp8.apply``, in
+the spirit of qax ("implicit arrays"): NF4 leaves and LoRA-adapted leaves of ``params``
+stay packed/factored, leaves with an FP8 state carry it, and every matmul against them is
+rewritten. How it works and what a model may do with a targeted weight: ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -107,12 +107,12 @@ class _Interpreter:
         return bind_eqn(eqn, invals)
 
 
-def _check_adapter_paths(lora: dict, names: list) -> None:
-    """Raises ``ValueError`` if an adapter path is not a leaf of params."""
+def _check_adapter_paths(lora: dict, names: list, what: str = "LoRA adapters") -> None:
+    """Raises ``ValueError`` if an adapter (or FP8 state) path is not a leaf of params."""
     missing = sorted(set(lora) - set(names))
     if missing:
         raise ValueError(
-            f"LoRA adapters for {missing} have no matching leaf in params "
+            f"{what} for {missing} have no matching leaf in params "
             f"(leaves: {names[:20]}{'...' if len(names) > 20 else ''})."
         )
 
@@ -145,11 +145,29 @@ def _dropout_keys(key, index: int, lead: tuple):
     return jax.random.split(key, n).reshape(lead) if lead else key
 
 
-def _implicit_leaf(name: str, leaf, adapter, key=None) -> tuple[jax.ShapeDtypeStruct, Weight]:
+def _check_meta(name: str, shape: tuple, meta) -> None:
+    """Raises ``ValueError`` unless every leaf of ``meta`` leads with the weight's stacked
+    shape ``shape[:-2]`` (one scaling state per stacked matrix)."""
+    lead = shape[:-2]
+    bad = [tuple(x.shape) for x in jax.tree.leaves(meta) if tuple(x.shape[: len(lead)]) != lead]
+    if bad or not jax.tree.leaves(meta):
+        raise ValueError(
+            f"The FP8 state for {name!r} has leaves of shapes {bad}; a weight of shape "
+            f"{shape} needs one state per stacked matrix (batch_shape {lead}): build it "
+            f"with jmem.fp8.init_metas(params, ...)."
+        )
+
+
+def _implicit_leaf(
+    name: str, leaf, adapter, key=None, meta=None
+) -> tuple[jax.ShapeDtypeStruct, Weight]:
     """The tracing placeholder and the ``Weight`` standing for one targeted leaf; ``key``
-    (``[*L]`` keys) turns on the adapter's dropout."""
+    (``[*L]`` keys) turns on the adapter's dropout, ``meta`` (an FP8 state with batch
+    shape ``[*L]``) makes its matmuls FP8."""
     shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
     _check_target(name, shape, adapter)
+    if meta is not None:
+        _check_meta(name, shape, meta)
     dropout = 0.0 if adapter is None else float(getattr(adapter, "dropout", 0.0))
     weight = Weight(
         base=leaf,
@@ -162,6 +180,7 @@ def _implicit_leaf(name: str, leaf, adapter, key=None) -> tuple[jax.ShapeDtypeSt
         base_shape=shape,
         key=key if dropout > 0 else None,
         dropout=dropout,
+        meta=meta,
     )
     return jax.ShapeDtypeStruct(shape, dtype), weight
 
@@ -175,8 +194,10 @@ def call(
     *,
     allow_materialize: bool = False,
     dropout_key=None,
+    metas: dict | None = None,
 ):
-    """Evaluates ``fn(params, *args, **kwargs)`` with NF4 leaves and LoRA adapters implicit.
+    """Evaluates ``fn(params, *args, **kwargs)`` with NF4 leaves, LoRA adapters and FP8
+    scaling states implicit.
 
     Args:
       fn: a function whose first argument is a params pytree.
@@ -188,25 +209,29 @@ def call(
         raising ``ImplicitWeightError``.
       dropout_key: PRNG key for the adapters' dropout (``LoraWeight.dropout``), or None
         (no dropout: the same program as with ``dropout = 0``).
+      metas: None or a ``{path: Fp8Meta}`` dict (``jmem.fp8.apply``); each path names a
+        leaf of ``params`` ``[*L, in, out]`` whose state has batch shape ``[*L]``. Its
+        matmuls run in FP8 (``fp8_rules.py``); the state's cotangent is its update.
 
     Returns:
       What ``fn`` returns.
 
     Raises:
-      ValueError: if a LoRA path is not a leaf of ``params`` or shapes disagree.
+      ValueError: if a LoRA or FP8 path is not a leaf of ``params`` or shapes disagree.
       ImplicitWeightError: for an unsupported use of a targeted weight (see docs/lora.md).
     """
-    lora = dict(lora or {})
+    lora, metas = dict(lora or {}), dict(metas or {})
     flat, treedef = flatten_params(params)
     _check_adapter_paths(lora, [n for n, _ in flat])
+    _check_adapter_paths(metas, [n for n, _ in flat], "FP8 states")
     p_avals, p_vals = [], []
     for i, (name, leaf) in enumerate(flat):
-        if is_nf4(leaf) or name in lora:
+        if is_nf4(leaf) or name in lora or name in metas:
             ad = lora.get(name)
             key = None
             if dropout_key is not None and ad is not None and getattr(ad, "dropout", 0.0) > 0:
                 key = _dropout_keys(dropout_key, i, tuple(leaf.shape[:-2]))
-            aval, leaf_val = _implicit_leaf(name, leaf, ad, key)
+            aval, leaf_val = _implicit_leaf(name, leaf, ad, key, metas.get(name))
         else:
             aval, leaf_val = leaf, leaf
         p_avals.append(aval)

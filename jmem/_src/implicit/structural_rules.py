@@ -7,6 +7,9 @@ around the interpreted body. See ``docs/lora.md``.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -172,12 +175,60 @@ def _no_weight_out(where: str, what: str):
     return check
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out(state, n: int):
+    """``state`` (a pytree) repeated ``n`` times on a new leading axis; the cotangent of
+    the copies comes back max-reduced over that axis, not summed.
+
+    For a scaling state whose cotangent is its update (``jmem.fp8``'s overwrite rule) used
+    once per loop iteration: each iteration updates its own copy and the updates combine
+    into one. For FP8's delayed scaling the combination is exact: every iteration computes
+    the same new scale and the same shifted history from the same old state, and only
+    history index 0 differs, each holding its own amax; the max of those is the amax over
+    every iteration's tensor, the update one call over all of them would make. An
+    iteration that does not use the state gives zeros, which the max ignores (scales are
+    positive, amaxes non-negative)."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), state)
+
+
+def _fan_out_fwd(state, n):
+    return fan_out(state, n), None
+
+
+def _fan_out_bwd(n, _, g):
+    return (jax.tree.map(lambda a: jnp.max(a, axis=0), g),)
+
+
+fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
+def _fan_out_scaling(consts: list, length: int) -> tuple[list, list, Callable]:
+    """``(consts, states, rebuild)``: the scaling states (``Weight.meta``) of the weights
+    among a loop's consts moved to per-iteration inputs (``fan_out``), so that their
+    per-iteration updates are max-combined instead of summed by the loop's transpose (token
+    chunks run each projection once per chunk); ``rebuild(consts, states)`` puts one
+    iteration's states back."""
+    idx = [i for i, v in enumerate(consts) if is_weight(v) and v.meta is not None]
+    states = [fan_out(consts[i].meta, length) for i in idx]
+    stripped = [v.replace(meta=None) if i in idx else v for i, v in enumerate(consts)]
+
+    def rebuild(consts, states):
+        consts = list(consts)
+        for i, m in zip(idx, states):
+            consts[i] = consts[i].replace(meta=m)
+        return consts
+
+    return stripped, states, rebuild
+
+
 def scan(interp, eqn, invals):
     """``scan``: a stacked weight in ``xs`` is scanned over (each step sees its layer), one
-    among the consts is closed over; one in the carry raises."""
+    among the consts is closed over (its FP8 state fanned out per step, ``fan_out``); one
+    in the carry raises."""
     p = eqn.params
     body = p["jaxpr"]
     consts, init, xs = _jaxpr.scan_operands(p, invals)
+    consts, states, rebuild = _fan_out_scaling(consts, p["length"])
     for v in init:
         if is_weight(v):
             raise error(v, "scan", "a targeted weight in the scan carry")
@@ -191,11 +242,14 @@ def scan(interp, eqn, invals):
     check = _no_weight_out("scan", "a targeted weight returned from the scan body")
     ncarry = p["num_carry"]
 
+    nxs = len(xs_in)
+
     def step(carry, x):
-        outs = check(interp.eval(body.jaxpr, body.consts, [*consts, *carry, *x]))
+        cs = rebuild(consts, x[nxs:])
+        outs = check(interp.eval(body.jaxpr, body.consts, [*cs, *carry, *x[:nxs]]))
         return list(outs[:ncarry]), list(outs[ncarry:])
 
-    return _jaxpr.rebind_scan(p, init, xs_in, step)
+    return _jaxpr.rebind_scan(p, init, [*xs_in, *states], step)
 
 
 def cond(interp, eqn, invals):

@@ -1,4 +1,5 @@
-"""The implicit value of the NF4/LoRA interpreter: a frozen weight, its adapters and a lazy view.
+"""The implicit value of the NF4/LoRA/FP8 interpreter: a weight, its adapters, its FP8
+scaling state and a lazy view.
 
 See ``docs/lora.md`` for how the interpreter carries a ``Weight`` through a jaxpr.
 """
@@ -18,6 +19,7 @@ from jmem._src import tree as _tree
 __all__ = [
     "Adapter",
     "ImplicitWeightError",
+    "Scaling",
     "Storage",
     "View",
     "Weight",
@@ -110,38 +112,59 @@ class View:
     via: tuple = _static(())
 
 
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How the weight's matmuls are scaled: an FP8 delayed-scaling state, or None.
+
+    Attributes:
+      meta: a ``jmem.fp8.Fp8Meta`` with ``batch_shape`` the weight's stacked shape ``[*L]``
+        (one state per stacked matrix), or None (matmuls in the view dtype). Its cotangent
+        is the updated state (``jmem.fp8``'s overwrite rule); the core treats it as an
+        opaque pytree and the FP8 rules (``fp8_rules.py``) use it.
+    """
+
+    meta: Any = None
+
+
 _UNSET = object()
 _PARTS = {
     "storage": tuple(f.name for f in dataclasses.fields(Storage)),
     "adapter": tuple(f.name for f in dataclasses.fields(Adapter)),
+    "scaling": tuple(f.name for f in dataclasses.fields(Scaling)),
     "view": tuple(f.name for f in dataclasses.fields(View)),
 }
+_CLASSES = {"storage": Storage, "adapter": Adapter, "scaling": Scaling, "view": View}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
 class Weight:
-    """A frozen weight in three parts: ``storage`` (the array or ``NF4Array``), ``adapter``
-    (LoRA factors, scale, dropout) and ``view`` (lazy cast and transpose).
+    """A weight in four parts: ``storage`` (the array or ``NF4Array``), ``adapter``
+    (LoRA factors, scale, dropout), ``scaling`` (FP8 state) and ``view`` (lazy cast and
+    transpose).
 
     Constructed with the flat fields (``Weight(base, a=..., b=..., scale=..., name=...,
-    dtype=..., perm=..., base_shape=..., via=..., key=..., dropout=...)``), which also read
-    as attributes (``w.base``, ``w.a``, ``w.dtype``, ...); ``replace`` takes them too.
+    dtype=..., perm=..., base_shape=..., via=..., key=..., dropout=..., meta=...)``), which
+    also read as attributes (``w.base``, ``w.a``, ``w.meta``, ...); ``replace`` takes them
+    too.
     """
 
     storage: Storage
     adapter: Adapter
+    scaling: Scaling
     view: View
 
-    def __init__(self, base=_UNSET, *, storage=None, adapter=None, view=None, **fields):
+    def __init__(
+        self, base=_UNSET, *, storage=None, adapter=None, scaling=None, view=None, **fields
+    ):
         unknown = set(fields) - {n for names in _PARTS.values() for n in names}
         if unknown:
             raise TypeError(f"Weight has no field(s) {sorted(unknown)}.")
-        parts = {"storage": storage, "adapter": adapter, "view": view}
+        parts = {"storage": storage, "adapter": adapter, "scaling": scaling, "view": view}
         if base is not _UNSET:
             fields["base"] = base
         elif storage is None:
             raise TypeError("Weight needs base= (or storage=).")
-        for part, cls in (("storage", Storage), ("adapter", Adapter), ("view", View)):
+        for part, cls in _CLASSES.items():
             kw = {n: fields[n] for n in _PARTS[part] if n in fields}
             if parts[part] is None:
                 parts[part] = cls(**kw)
@@ -167,7 +190,8 @@ class Weight:
 
     def replace(self, **kw) -> "Weight":
         """A copy with the given (flat) fields replaced."""
-        return Weight(storage=self.storage, adapter=self.adapter, view=self.view, **kw)
+        parts = {p: getattr(self, p) for p in _CLASSES}
+        return Weight(**parts, **kw)
 
     def cast(self, w) -> jax.Array:
         """Casts the (dequantized) base value ``w`` through ``via`` to ``dtype``."""
@@ -225,6 +249,7 @@ class Weight:
         a = None if self.a is None else f(self.a)
         b = None if self.b is None else f(self.b)
         key = None if self.key is None else f(self.key)
+        meta = None if self.meta is None else jax.tree.map(f, self.meta)
         nl_new = len(new_lead)
         perm = tuple(range(nl_new)) + tuple(
             p - self.n_lead + nl_new for p in self.perm[self.n_lead :]
@@ -234,6 +259,7 @@ class Weight:
             a=a,
             b=b,
             key=key,
+            meta=meta,
             perm=perm,
             base_shape=tuple(new_lead) + self.base_shape[self.n_lead :],
         )
@@ -254,11 +280,12 @@ jax.tree_util.register_dataclass(Storage, data_fields=["base"], meta_fields=["ba
 jax.tree_util.register_dataclass(
     Adapter, data_fields=["a", "b", "key"], meta_fields=["scale", "dropout"]
 )
+jax.tree_util.register_dataclass(Scaling, data_fields=["meta"], meta_fields=[])
 jax.tree_util.register_dataclass(View, data_fields=[], meta_fields=["dtype", "perm", "via"])
 jax.tree_util.register_pytree_node(
     Weight,
-    lambda w: ((w.storage, w.adapter, w.view), None),
-    lambda _, parts: Weight(storage=parts[0], adapter=parts[1], view=parts[2]),
+    lambda w: (tuple(getattr(w, p) for p in _CLASSES), None),
+    lambda _, parts: Weight(**dict(zip(_CLASSES, parts))),
 )
 
 

@@ -6,14 +6,15 @@ steps: everything but attention runs ``lv.token_chunk`` tokens at a time (``_ove
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src import fp8 as fp8_lib
 from jmem._src import levers as levers_lib
 from jmem._src.attention import attention
 from jmem._src.token_chunks import over_tokens
@@ -26,7 +27,7 @@ from jmem.models.llama.layers import _qkv
 from jmem.models.llama.layers import apply_rope
 
 
-def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None, lv=None):
+def _layer(x, layer, config, rope, attn, cache=None, index=None, lv=None):
     """One residual block, ``[B, S, H]`` -> ``([B, S, H], cache)``, as Llama's::
 
         x = x + attn(norm(x))   # _attn_in (norm, q/k/v, RoPE) | _attend | _attn_out
@@ -41,9 +42,10 @@ def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None, lv=No
     ``rope``: ``(cos, sin)``; ``attn``: ``_attend``'s index arguments; ``cache``: None, or
     a pair ``[B, T, nKV, D]`` into which this call's keys/values are written at row index
     ``index``, attention then running over the whole cache (returned updated). ``lv``: the
-    ``ResolvedLevers`` (None: decoding, ``_DECODE``)."""
+    ``ResolvedLevers`` (None: decoding, ``_DECODE``). No FP8 argument: FP8 (as NF4 and
+    LoRA) is an implicit weight, ``jmem.fp8.apply``."""
     lv = _DECODE if lv is None else lv
-    local = functools.partial(_local, lv=lv, fp8=fp8, layer=layer, config=config)
+    local = functools.partial(_local, lv=lv, layer=layer, config=config)
     b, s, _ = x.shape
     cos, sin = (jnp.broadcast_to(t, (b, s, t.shape[-1])) for t in rope)
     q, k, v = local(_attn_in, x, cos, sin)
@@ -53,32 +55,32 @@ def _layer(x, layer, config, rope, attn, fp8=None, cache=None, index=None, lv=No
     return x, cache
 
 
-def _residuals(x, ctx, *, layer, config, fp8):
+def _residuals(x, ctx, *, layer, config):
     """The block after attention, token-local: ``x += attn_out(ctx)``, ``x += mlp(norm x)``;
     ``x [B, S, H]``, ``ctx [B, S, nH * D]`` -> ``(x,)``."""
-    x = x + _attn_out(ctx, layer, config, fp8)
-    return (x + _mlp_block(x, layer, config, fp8),)
+    x = x + _attn_out(ctx, layer, config)
+    return (x + _mlp_block(x, layer, config),)
 
 
-def _attn_in(x, cos, sin, *, layer, config, fp8):
+def _attn_in(x, cos, sin, *, layer, config):
     """The attention sublayer's token-local input: pre-norm, q/k/v projections
     (QK-norm) and RoPE; ``[B, S, H]`` -> q ``[B, S, nH, D]``, k/v ``[B, S, nKV, D]``."""
     h = x if config.norm_placement == "post" else _norm(x, layer, "attn_norm", config)
-    q, k, v = _qkv(h, layer, config, fp8)
+    q, k, v = _qkv(h, layer, config)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _attn_out(ctx, layer, config: LlamaConfig, fp8) -> jax.Array:
+def _attn_out(ctx, layer, config: LlamaConfig) -> jax.Array:
     """``o_proj(ctx)``, then ``post_attn_norm`` unless ``norm_placement="pre"``."""
-    out = checkpoint_name(_proj(ctx, layer, "o_proj", fp8), "attn_out")
+    out = checkpoint_name(_proj(ctx, layer, "o_proj"), "attn_out")
     return out if config.norm_placement == "pre" else _norm(out, layer, "post_attn_norm", config)
 
 
-def _mlp_block(x, layer, config: LlamaConfig, fp8) -> jax.Array:
+def _mlp_block(x, layer, config: LlamaConfig) -> jax.Array:
     """The MLP sublayer without its residual: ``mlp_norm`` (not with ``"post"``), the gated
     MLP, ``post_mlp_norm`` (not with ``"pre"``)."""
     h = x if config.norm_placement == "post" else _norm(x, layer, "mlp_norm", config)
-    out = _mlp(h, layer, config, fp8)
+    out = _mlp(h, layer, config)
     return out if config.norm_placement == "pre" else _norm(out, layer, "post_mlp_norm", config)
 
 
@@ -94,21 +96,21 @@ def _write_cache(cache, k, v, index):
     return *cache, cache
 
 
-def _local(fn, *arrays, lv, fp8, layer, config):
-    """``fn(*arrays, layer=, config=, fp8=)`` as a token-local step (``_over_tokens``)."""
-    return _over_tokens(
-        functools.partial(fn, layer=layer, config=config, fp8=fp8), lv, fp8, *arrays
-    )
+def _local(fn, *arrays, lv, layer, config):
+    """``fn(*arrays, layer=, config=)`` as a token-local step (``_over_tokens``)."""
+    return _over_tokens(functools.partial(fn, layer=layer, config=config), lv, *arrays)
 
 
-def _over_tokens(fn, lv, fp8, *arrays):
+def _over_tokens(fn, lv, *arrays):
     """``fn(*arrays)``, token-local, over chunks of ``lv.token_chunk`` tokens
     (``jmem._src.token_chunks.over_tokens``: its ``[chunk, F]`` MLP tensors and float32
     norms and projections exist for one chunk at a time and are recomputed per chunk in
     the backward pass); ``arrays`` are ``[B, S, ...]``, returns ``fn``'s tuple of
     ``[B, S, ...]`` outputs. Whole (no loop) when the tokens fit one chunk or with
-    ``token_chunk=0`` (the resolver sets 0 with FP8, whose scaling state is a per-call
-    gradient). Checkpoint names inside a chunk are not seen by an outer remat policy."""
+    ``token_chunk=0``. FP8 composes: under ``jmem.fp8.apply`` each projection's scaling
+    state is fanned out over the chunks and its per-chunk updates max-reduced into the
+    unchunked call's one. Checkpoint names inside a chunk are not seen by an outer remat
+    policy."""
     if not lv.token_chunk:
         return tuple(fn(*arrays))
     return over_tokens(fn, lv.token_chunk, *arrays)
@@ -144,24 +146,12 @@ def _uniform_window(config: LlamaConfig) -> int | None:
 _DECODE = levers_lib.ResolvedLevers("none", "auto", 0, 0, 1, False, "any", None)
 
 
-def _resolved(levers, config, shape, dtype, fp8, segment_ids) -> levers_lib.ResolvedLevers:
+def _resolved(levers, config, shape, dtype, segment_ids) -> levers_lib.ResolvedLevers:
     """``levers`` resolved for this call's batch ``shape`` ``(B, S)`` on the running
-    backend, unless already resolved (for a compile target: ``jmem.resolve_levers``).
-    FP8 metas make the levers FP8 (token chunks off, named in the reason).
-
-    Raises:
-      ValueError: FP8 metas with levers already resolved with token chunks on.
-    """
+    backend, unless already resolved (for a compile target: ``jmem.resolve_levers``)."""
     if isinstance(levers, levers_lib.ResolvedLevers):
-        if fp8 is not None and levers.token_chunk:
-            raise ValueError(
-                "fp8 metas were given but the levers were resolved without fp8=True (token "
-                f"chunks of {levers.token_chunk}); resolve jmem.Levers(fp8=True, ...)."
-            )
         return levers
     levers = levers_lib.Levers() if levers is None else levers
-    if fp8 is not None and not levers.fp8:
-        levers = dataclasses.replace(levers, fp8=True)
     batch = {"inputs": jax.ShapeDtypeStruct(tuple(shape), jnp.int32)}
     if segment_ids is not None:
         batch["segment_ids"] = segment_ids
@@ -184,7 +174,25 @@ def decoder_layer(
     ``jmem.ops.attention`` (``q_index`` int ``[S]`` or ``[B, S]``, optional
     ``kv_index`` and ``segment_ids``), from which the mask is built inside attention, and
     optionally this layer's ``sliding_window`` (needed with mixed ``layer_types``);
-    ``fp8``: this layer's slice of ``forward``'s ``fp8["layers"]`` (or None); ``levers``:
-    a ``jmem.Levers`` or ``ResolvedLevers`` (None: ``jmem.Levers()``)."""
-    lv = _resolved(levers, config, x.shape[:2], x.dtype, fp8, attn.get("segment_ids"))
-    return _layer(x, layer, config, (cos, sin), attn, fp8, lv=lv)[0]
+    ``levers``: a ``jmem.Levers`` or ``ResolvedLevers`` (None: ``jmem.Levers()``).
+    ``fp8``: deprecated; this layer's FP8 states (``Fp8Meta`` per projection, unstacked):
+    same as ``jmem.fp8.apply(f)(layer, fp8, ...)`` with ``f`` calling ``decoder_layer``."""
+    if fp8 is not None:
+        warn_fp8_argument("decoder_layer")
+
+        def f(layer, x, cos, sin, attn):
+            return decoder_layer(x, layer, config, cos, sin, attn, levers=levers)
+
+        return fp8_lib.apply(f)(layer, fp8, x, cos, sin, attn)
+    lv = _resolved(levers, config, x.shape[:2], x.dtype, attn.get("segment_ids"))
+    return _layer(x, layer, config, (cos, sin), attn, lv=lv)[0]
+
+
+def warn_fp8_argument(fn: str, stacklevel: int = 3) -> None:
+    """The ``DeprecationWarning`` of the ``fp8=`` argument of ``fn`` (one release)."""
+    warnings.warn(
+        f"llama.{fn}(..., fp8=metas) is deprecated: FP8 is an implicit weight now; call "
+        f"jmem.fp8.apply(llama.{fn})(params, metas, ...) (docs/fp8.md).",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )

@@ -18,6 +18,7 @@ from jmem._src import fp8 as fp8_lib
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
+from jmem.models.llama.block import warn_fp8_argument
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
 from jmem.models.llama.layers import _embed
@@ -164,7 +165,8 @@ def _check_row_arrays(tokens, **arrays) -> None:
 
 
 def _check_fp8(fp8) -> None:
-    """ValueError for fp8 metas outside ``"layers"`` (they would go unused and be reset)."""
+    """ValueError for fp8 metas outside ``"layers"`` (the deprecated ``fp8=`` argument
+    scaled the layers' projections only)."""
     if fp8 is not None and any(
         fp8_lib.is_meta(m)
         for k, v in fp8.items()
@@ -177,41 +179,41 @@ def _check_fp8(fp8) -> None:
         )
 
 
-def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, fp8, levers):
+def with_fp8(fn: Callable, name: str, params, fp8, *args, **kwargs):
+    """``fn(params, *args, **kwargs)`` for the deprecated ``fp8=`` argument of ``name``:
+    ``jmem.fp8.apply(fn)(params, fp8, ...)`` after ``_check_fp8``, with a warning."""
+    warn_fp8_argument(name, stacklevel=4)
+    _check_fp8(fp8)
+    return fp8_lib.apply(fn)(params, fp8, *args, **kwargs)
+
+
+def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, levers):
     """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
             f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
         )
     _check_row_arrays(tokens, positions=positions, segment_ids=segment_ids)
-    _check_fp8(fp8)
     c = config
     x = _embed(params, tokens, c)
-    lv = _resolved(levers, c, tokens.shape, x.dtype, fp8, segment_ids)
+    lv = _resolved(levers, c, tokens.shape, x.dtype, segment_ids)
     seq = tokens.shape[1]
     rope = _layer_rope(c, seq if positions is None else positions)
     attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
     is_local = _is_local(c)
 
     def body(x, xs):
-        if is_local is not None:  # layers differ: this layer's flag is scanned last
-            *xs, local = xs
-            xs = tuple(xs) if fp8 is not None else xs[0]
-        else:
-            local = None
-        layer, layer_fp8 = xs if fp8 is not None else (xs, None)
+        layer, local = xs if is_local is not None else (xs, None)  # layers differ: a flag
         if lv.offload_params:  # this layer's slice of the host-resident stack, to the device
             layer = offload_params.fetch(layer)
         # Named so that remat's "offload" policy saves the layer input in host memory.
         x = checkpoint_name(x, "layer_input")
         layer_rope, layer_attn = _per_layer(local, rope, attn, c)
-        return _layer(x, layer, c, layer_rope, layer_attn, layer_fp8, lv=lv)[0], None
+        return _layer(x, layer, c, layer_rope, layer_attn, lv=lv)[0], None
 
     if layer_transform is not None:
         body = layer_transform(body)
-    xs = params["layers"] if fp8 is None else (params["layers"], fp8["layers"])
-    if is_local is not None:
-        xs = (*xs, is_local) if fp8 is not None else (xs, is_local)
+    xs = params["layers"] if is_local is None else (params["layers"], is_local)
     return jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)[0], lv
 
 
@@ -240,11 +242,11 @@ def forward(
       layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``,
         e.g. ``lambda f: jmem.remat(f, "selective")``. ``jmem.remat`` around the whole loss
         reaches the scan body without it.
-      fp8: optional FP8 scaling states from ``jmem.fp8.init_metas(params, LINEAR_NAMES)``
-        (one ``Fp8Meta`` per layer, stacked, scanned with the layer params): projections
-        with a meta run as FP8 matmuls (E4M3 forward, E5M2 gradients, delayed scaling).
-        The new states are the gradient w.r.t. ``fp8`` (see ``jmem.fp8``). With ``fp8``
-        the scan body's second argument is ``(layer, layer_fp8)``.
+      fp8: deprecated (one release; warns): FP8 scaling states from
+        ``jmem.fp8.init_metas(params, LINEAR_NAMES)``; the same as
+        ``jmem.fp8.apply(forward)(params, fp8, tokens, config, ...)``, which runs every
+        projection with a meta as an FP8 matmul (E4M3 forward, E5M2 gradients, delayed
+        scaling; the new states are the gradient w.r.t. the metas, ``docs/fp8.md``).
       levers: how the model is run: a ``jmem.Levers`` (resolved here for this batch on
         the running backend; None: ``jmem.Levers()``) or a ``jmem.ResolvedLevers`` (from
         ``jmem.resolve_levers``, e.g. for a compile target). ``loss_chunk`` is unused
@@ -255,9 +257,11 @@ def forward(
 
     Raises:
       ValueError: if ``tokens`` is not a 2-D integer array, ``positions``/``segment_ids``
-        are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``
-        (they would go unused and be reset).
+        are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``.
     """
+    kw = dict(positions=positions, segment_ids=segment_ids, layer_transform=layer_transform)
+    if fp8 is not None:
+        return with_fp8(forward, "forward", params, fp8, tokens, config, **kw, levers=levers)
     params = offload_params.fetch_resident(params, levers)
     x = _hidden(
         params,
@@ -266,7 +270,6 @@ def forward(
         positions=positions,
         segment_ids=segment_ids,
         layer_transform=layer_transform,
-        fp8=fp8,
         levers=levers,
     )[0]
     return _head(params, x, config)

@@ -1,7 +1,7 @@
 """The decoder's layers as pure functions: RMSNorm (Zhang & Sennrich 2019), rotary position
 embeddings (Su et al. 2021, "RoFormer"; Llama 3.1 and linear scaling), the projections
-(optionally FP8, ``jmem.fp8``), q/k/v with QK-norm, the gated MLP (Shazeer 2020), the
-embedding and the output head.
+(plain matmuls: NF4, LoRA and FP8 act on them through ``jmem.qlora/lora/fp8.apply``), q/k/v
+with QK-norm, the gated MLP (Shazeer 2020), the embedding and the output head.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jmem._src import fp8 as fp8_lib
 from jmem.models.llama.config import ACTIVATIONS
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
@@ -80,22 +79,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _dense(x: jax.Array, kernel: jax.Array, meta=None) -> jax.Array:
-    """``x @ kernel`` in the activation dtype (the kernel is cast to it if needed); an FP8
-    delayed-scaling matmul (``jmem.fp8.fp8_dot``) when an ``Fp8Meta`` ``meta`` is given."""
-    if meta is not None:
-        return fp8_lib.fp8_dot(x, kernel.astype(x.dtype), meta)
+def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x @ kernel`` in the activation dtype (the kernel is cast to it if needed). Under
+    ``jmem.fp8.apply`` a kernel with an ``Fp8Meta`` makes this an FP8 matmul."""
     return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
 
 
-def _meta(fp8: Params | None, name: str):
-    """This layer's ``Fp8Meta`` for projection ``name``, or None (no FP8)."""
-    return None if fp8 is None or fp8.get(name) is None else fp8[name]["kernel"]
-
-
-def _proj(h: jax.Array, layer: Params, name: str, fp8: Params | None) -> jax.Array:
+def _proj(h: jax.Array, layer: Params, name: str) -> jax.Array:
     """Projection ``name`` of ``h``: ``h @ kernel`` (+ ``bias`` when the params have one)."""
-    y = _dense(h, layer[name]["kernel"], _meta(fp8, name))
+    y = _dense(h, layer[name]["kernel"])
     bias = layer[name].get("bias")
     return y if bias is None else y + bias.astype(y.dtype)
 
@@ -106,16 +98,16 @@ def _norm(x, layer: Params, name: str, config: LlamaConfig) -> jax.Array:
     return checkpoint_name(y, name)
 
 
-def _qkv(h, layer, config: LlamaConfig, fp8):
+def _qkv(h, layer, config: LlamaConfig):
     """Query, key and value projections ``[B, S, heads, D]`` before RoPE (QK-norm applied)."""
     c = config
     b, s, _ = h.shape
     if c.fused_projections:  # Phi-3: [q | k | v] along the output axis
-        qkv = _proj(h, layer, "qkv_proj", fp8)
+        qkv = _proj(h, layer, "qkv_proj")
         q_end, k_end = c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim
         q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
     else:
-        q, k, v = (_proj(h, layer, n, fp8) for n in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (_proj(h, layer, n) for n in ("q_proj", "k_proj", "v_proj"))
     q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), _QKV_TAGS))
     if c.qk_norm == "proj":  # OLMo 2: over the whole projection
         q, k = _norm(q, layer, "q_norm", c), _norm(k, layer, "k_norm", c)
@@ -129,17 +121,17 @@ def _qkv(h, layer, config: LlamaConfig, fp8):
 _QKV_TAGS = ("query_proj", "key_proj", "value_proj")
 
 
-def _mlp(h, layer, config: LlamaConfig, fp8) -> jax.Array:
+def _mlp(h, layer, config: LlamaConfig) -> jax.Array:
     """Gated MLP ``down(act(gate(h)) * up(h))``; Phi-3's fused ``gate_up_proj`` is
     ``[gate | up]``."""
     if config.fused_projections:
-        gate_up = _proj(h, layer, "gate_up_proj", fp8)
+        gate_up = _proj(h, layer, "gate_up_proj")
         gate, up = jnp.split(gate_up, 2, axis=-1)
     else:
-        gate, up = _proj(h, layer, "gate_proj", fp8), _proj(h, layer, "up_proj", fp8)
+        gate, up = _proj(h, layer, "gate_proj"), _proj(h, layer, "up_proj")
     gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
     hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
-    return checkpoint_name(_proj(hidden, layer, "down_proj", fp8), "mlp_down")
+    return checkpoint_name(_proj(hidden, layer, "down_proj"), "mlp_down")
 
 
 def _embed(params: Params, tokens: jax.Array, config: LlamaConfig) -> jax.Array:

@@ -16,6 +16,7 @@ from jmem._src.offload import params as offload_params
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
 from jmem.models.llama.decoder import _hidden
+from jmem.models.llama.decoder import with_fp8
 from jmem.models.llama.layers import _final_norm
 from jmem.models.llama.layers import _head_kernel
 
@@ -47,8 +48,12 @@ def loss_fn(
     keyword arguments go to ``forward``. ``levers``: as ``forward``'s (None:
     ``jmem.Levers()``). The loss is computed ``levers.loss_chunk`` tokens at a time
     (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
-    ``[B, S, V]`` logits unless ``loss_chunk=0``."""
-    kwargs = {"layer_transform": None, "fp8": None, **kwargs}
+    ``[B, S, V]`` logits unless ``loss_chunk=0``. ``fp8=metas`` is deprecated:
+    ``jmem.fp8.apply(loss_fn)(params, metas, batch, config, ...)``."""
+    fp8 = kwargs.pop("fp8", None)
+    if fp8 is not None:
+        return with_fp8(loss_fn, "loss_fn", params, fp8, batch, config, levers=levers, **kwargs)
+    kwargs = {"layer_transform": None, **kwargs}
     params = offload_params.fetch_resident(params, levers)
     x, lv = _hidden(
         params,
