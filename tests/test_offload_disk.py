@@ -4,6 +4,8 @@ steps bitwise equal to in-memory training, file sizes, directory errors (docs/of
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 
 import jax
@@ -13,6 +15,7 @@ import pytest
 from helpers import assert_bitwise_equal
 
 import jmem
+from jmem import finetune
 from jmem._src.offload import disk
 
 
@@ -181,3 +184,69 @@ def test_planner_transfers_are_the_analytic_sums():
     names = [lv.name for lv in advice.levers]
     rungs = [k for k, x in enumerate(names) if "offload" in x or "disk" in x]
     assert [names[k] for k in rungs][-1].endswith("on disk (NVMe)")  # the costliest rung last
+
+
+# ------------------------------------------------------------------ the job: kill -9, resume
+
+SMALL = ["--config", "tiny", "--batch-size", "4", "--seq-len", "16", "--lora-rank", "4"]
+SMALL += ["--no-progress", "--lr", "3e-3", "--eval-split", "0", "--save-every", "2"]
+SMALL += ["--steps", "3", "--lora-targets", ".*(q_proj|v_proj).*"]  # 4 adapters, 8 files
+
+
+def _bin_files(directory):
+    return {f: (directory / f).read_bytes() for f in sorted(os.listdir(directory)) if ".bin" in f}
+
+
+def _saved_state(out, step):
+    """Checkpoint ``step``'s train state as orbax saved it (nested dicts of arrays)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.PyTreeCheckpointer().restore(str(out / "checkpoints" / str(step) / "state"))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")
+def test_kill_during_a_disk_update_then_resume_is_bitwise(tmp_path, capsys):
+    """``kill -9`` after 3 of the 8 leaf files of update 3 were written (checkpoint 2 is the
+    last): the directory is left torn (``clean: false``, 3 files of step 3, the rest of
+    step 2). ``--resume`` rebuilds the files from checkpoint 2 (it does not read them) and
+    ends with the losses, adapters and optimizer state of an uninterrupted in-memory run,
+    bit for bit."""
+    ref = tmp_path / "ref"
+    # in memory on one device (a mesh of one: --offload-dir runs on one device)
+    summary_ref = finetune.main(SMALL + ["--out", str(ref), "--mesh", "data=1,fsdp=1"])
+    out, state_dir = tmp_path / "run", tmp_path / "state"
+    argv = SMALL + ["--out", str(out), "--offload-dir", str(state_dir)]
+    worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, worker, "disk:3:3", *argv], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
+    written = proc.stdout.rstrip().splitlines()[-2].split()[1:]
+    assert len(written) == 3 and proc.stdout.rstrip().endswith("killed")
+    assert json.loads((state_dir / disk.STEP_FILE).read_text()) == {"clean": False, "updates": 2}
+    assert disk.left_mid_update(state_dir)
+    torn = _bin_files(state_dir)
+    assert not (out / "summary.json").exists() and (out / "checkpoints" / "2").is_dir()
+    capsys.readouterr()
+
+    summary = finetune.main(argv + ["--resume"])
+    printed = capsys.readouterr().out
+    assert "Resumed at step 2" in printed
+    assert f"note: --offload-dir {state_dir} was left in the middle of an update" in printed
+    assert "rebuilt from checkpoint step 2, not read" in printed
+    assert summary["losses"] == summary_ref["losses"] and len(summary["losses"]) == 3
+    for f in sorted(os.listdir(ref / "adapter")):
+        assert (out / "adapter" / f).read_bytes() == (ref / "adapter" / f).read_bytes(), f
+    saved, saved_ref = _saved_state(out, 3), _saved_state(ref, 3)
+    assert_bitwise_equal(saved["opt_state"], saved_ref["opt_state"])
+    assert_bitwise_equal(saved["params"], saved_ref["params"])
+    # the files now hold step 3's state: the torn directory had 3 of them, the rest older
+    final = _bin_files(state_dir)
+    assert (
+        set(final) == set(torn) and sum(map(len, final.values())) == summary["offload_disk_bytes"]
+    )
+    assert all(torn[f] == final[f] for f in written)
+    assert all(torn[f] != final[f] for f in final if f not in written)
+    assert json.loads((state_dir / disk.STEP_FILE).read_text())["clean"] is True

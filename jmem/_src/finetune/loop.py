@@ -42,6 +42,7 @@ from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import run_record
 from jmem._src.finetune.rundir import write_json
 from jmem._src.offload.disk import DiskState
+from jmem._src.offload.disk import left_mid_update
 
 format_bytes = MemoryReport.format_bytes
 
@@ -118,6 +119,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         dropout=config.training.lora_dropout,
     )
     disk = config.levers.offload_dir
+    torn = disk is not None and left_mid_update(disk)  # before init rewrites the files
     with user_input(f"--offload-dir {disk}", ValueError) if disk else contextlib.nullcontext():
         state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
@@ -137,6 +139,13 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         }
         print(
             f"Resumed at step {history['start']} (data epoch {pos.epoch}, index {pos.index}).",
+            flush=True,
+        )
+    if torn:
+        source = f"checkpoint step {history['start']}" if resume_step is not None else "init"
+        print(
+            f"note: --offload-dir {disk} was left in the middle of an update (step.json: clean "
+            f"false); its files were rebuilt from {source}, not read.",
             flush=True,
         )
     return state, pos, losses, evals, jlora.num_trainable(adapters), history
