@@ -8,11 +8,13 @@ import subprocess
 import sys
 from collections import namedtuple
 
+import helpers
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from helpers import assert_bitwise_equal
+from test_faults import tmpfs  # noqa: F401 (the fixture: a tmpfs, read-only or small)
 
 import jmem
 from jmem import finetune
@@ -250,3 +252,59 @@ def test_kill_during_a_disk_update_then_resume_is_bitwise(tmp_path, capsys):
     assert all(torn[f] == final[f] for f in written)
     assert all(torn[f] != final[f] for f in final if f not in written)
     assert json.loads((state_dir / disk.STEP_FILE).read_text())["clean"] is True
+
+
+def test_bad_offload_dir_is_refused_in_one_line_before_training(
+    tmp_path, capsys, monkeypatch, request
+):
+    """``jmem finetune --offload-dir``: a missing parent, a file, a read-only disk, too little
+    free space and a mesh are each one ``error:`` line (status 2) before the train step is
+    compiled, leaving no run.json (a retry is not refused)."""
+    (tmp_path / "file").write_text("x")
+    ro = request.getfixturevalue("tmpfs")("1m", ro=True)  # skipped without root and mount(8)
+    cases = [
+        (ro / "s", [], ["not writable"]),
+        (tmp_path / "no" / "s", [], ["parent", "does not exist"]),
+        (tmp_path / "file", [], ["is a file"]),
+        (tmp_path / "s", ["--mesh", "data=1,fsdp=2"], ["runs on one device", "--mesh"]),
+    ]
+    for k, (path, extra, words) in enumerate(cases):
+        out = tmp_path / f"run{k}"
+        with pytest.raises(SystemExit) as e:
+            finetune.main(SMALL + ["--out", str(out), "--offload-dir", str(path), *extra])
+        helpers.one_line_error(capsys, e, "--offload-dir", *words)
+        assert not (out / "run.json").exists()
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: usage._replace(free=100))
+    with pytest.raises(SystemExit) as e:
+        finetune.main(SMALL + ["--out", str(tmp_path / "small"), "--offload-dir", str(tmp_path)])
+    helpers.one_line_error(capsys, e, f"--offload-dir '{tmp_path}'", "bytes but only 100 are free")
+    assert "compiled the train step" not in capsys.readouterr().out
+    assert not (tmp_path / "small" / "run.json").exists()
+
+
+def test_dry_run_prints_a_transfer_line_per_rung_in_use():
+    """The dry run's transfer lines (``dry_run.transfer_lines``) from the planner's ledger:
+    one line per rung in use with its bytes per step, seconds at the stated bandwidth and
+    the flag; ``none`` without offload."""
+    from jmem._src.finetune.dry_run import transfer_lines  # noqa: PLC0415
+
+    kw = dict(optimizer="adamw", param_dtype="bf16", seq_len=128)
+    plain = jmem.planner.estimate(1e8, **kw)
+    assert transfer_lines(plain, 25.0, 3.0)[0] == "transfers per step: none"
+    on_disk = jmem.planner.estimate(1e8, offload="disk", **kw)
+    s, m = on_disk.disk["optimizer_state"], on_disk.disk["master_weights"]
+    lines = transfer_lines(on_disk, 20.0, 4.0, "--offload-dir")
+    assert len(lines) == 5 and lines[0].startswith("transfers per step")
+    opt, masters, disk_row = (line.split() for line in lines[1:4])
+    assert opt[:3] == ["optimizer", "state", "host<->device"]
+    assert float(opt[3]) == float(f"{2 * s / 1e9:.3g}") and opt[-1] == "[--offload-dir]"
+    assert float(opt[5]) == float(f"{2 * s / 20e9:.3g}") and "(--pcie-gbps)" in opt
+    assert masters[:3] == ["master", "weights", "host<->device"]
+    assert float(masters[3]) == float(f"{2 * m / 1e9:.3g}")
+    assert disk_row[4] == "disk<->host" and "(--disk-gbps)" in disk_row
+    assert float(disk_row[5]) == float(f"{2 * (s + m) / 1e9:.3g}")
+    assert float(disk_row[7]) == float(f"{2 * (s + m) / 4e9:.3g}")
+    assert lines[4] == on_disk.trade(20.0, 4.0) + " (planner; GB = 1e9 B)"
+    host = transfer_lines(jmem.planner.estimate(1e8, offload="optimizer", **kw), 25.0, 3.0)
+    assert len(host) == 3 and host[1].split()[-1] == "[--offload]"

@@ -31,6 +31,7 @@ from jmem._src.finetune.build import build
 from jmem._src.finetune.build import checkpointable
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import from_checkpoint
+from jmem._src.finetune.build import offload_dir_input
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.outputs import Sampler
@@ -120,7 +121,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
     )
     disk = config.levers.offload_dir
     torn = disk is not None and left_mid_update(disk)  # before init rewrites the files
-    with user_input(f"--offload-dir {disk}", ValueError) if disk else contextlib.nullcontext():
+    with offload_dir_input() if disk else contextlib.nullcontext():
         state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
     history = {"start": 0, "learning_rates": [], "skipped_steps": []}
