@@ -257,9 +257,9 @@ def test_kill_during_a_disk_update_then_resume_is_bitwise(tmp_path, capsys):
 def test_bad_offload_dir_is_refused_in_one_line_before_training(
     tmp_path, capsys, monkeypatch, request
 ):
-    """``jmem finetune --offload-dir``: a missing parent, a file, a read-only disk, too little
-    free space and a mesh are each one ``error:`` line (status 2) before the train step is
-    compiled, leaving no run.json (a retry is not refused)."""
+    """``jmem finetune --offload-dir``: a missing parent, a file, a read-only disk and a mesh
+    are each one ``error:`` line (status 2) before the train step is compiled, leaving no
+    run.json (a retry is not refused)."""
     (tmp_path / "file").write_text("x")
     ro = request.getfixturevalue("tmpfs")("1m", ro=True)  # skipped without root and mount(8)
     cases = [
@@ -274,6 +274,15 @@ def test_bad_offload_dir_is_refused_in_one_line_before_training(
             finetune.main(SMALL + ["--out", str(out), "--offload-dir", str(path), *extra])
         helpers.one_line_error(capsys, e, "--offload-dir", *words)
         assert not (out / "run.json").exists()
+    assert "compiled the train step" not in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the NF4 base is built before the state's bytes are known (about 5 s)
+def test_offload_dir_too_small_is_refused_in_one_line_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    """Too little free space for the state (``shutil.disk_usage`` says 100 bytes): one line
+    naming ``--offload-dir`` and the bytes, before the train step is compiled."""
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: usage._replace(free=100))
     with pytest.raises(SystemExit) as e:
@@ -308,3 +317,23 @@ def test_dry_run_prints_a_transfer_line_per_rung_in_use():
     assert lines[4] == on_disk.trade(20.0, 4.0) + " (planner; GB = 1e9 B)"
     host = transfer_lines(jmem.planner.estimate(1e8, offload="optimizer", **kw), 25.0, 3.0)
     assert len(host) == 3 and host[1].split()[-1] == "[--offload]"
+
+
+@pytest.mark.slow
+def test_dry_run_with_offload_dir_prints_both_rungs(tmp_path, capsys):
+    """``--dry-run --offload-dir``: the compile of the step (host offload: the same device
+    footprint) prints the host<->device and the disk line; nothing is written to the
+    directory (a dry run allocates nothing)."""
+    state_dir = tmp_path / "state"
+    argv = SMALL + ["--out", str(tmp_path / "run"), "--offload-dir", str(state_dir)]
+    record = finetune.main(argv + ["--dry-run", "--disk-gbps", "2"])
+    printed = capsys.readouterr().out.splitlines()
+    first = printed.index("transfers per step (planner; GB = 1e9 B):")
+    opt, disk_row = printed[first + 1].split(), printed[first + 2].split()
+    assert opt[:3] == ["optimizer", "state", "host<->device"] and opt[-1] == "[--offload-dir]"
+    assert disk_row[4] == "disk<->host" and "at 2 GB/s" in printed[first + 2]
+    moved = record["transfers"]
+    assert float(disk_row[5]) == float(f"{moved['disk'] / 1e9:.3g}") > 0
+    assert float(opt[3]) == float(f"{moved['optimizer'] / 1e9:.3g}") > 0
+    assert printed[first + 1 + len(moved)].startswith("offload saves")
+    assert not state_dir.exists()
