@@ -5,7 +5,8 @@ Usage: ``python tests/_faults_worker.py PHASE ARGS...`` with PHASE one of
 ``save:N`` (in the middle of saving checkpoint N: every file written, ``hashes.json`` too,
 just before orbax's rename that commits it; the hook wraps orbax's own temporary-path class,
 as tests/_ckpt_worker.py does), ``outputs`` (after the last checkpoint is committed, before
-the adapters are written) or ``none``.
+the adapters are written), ``disk:S:K`` (``--offload-dir``: in update S >= 2, just after its
+K-th leaf file is written; the names of the files written are printed first) or ``none``.
 """
 
 import os
@@ -18,6 +19,7 @@ import orbax.checkpoint._src.path.atomicity as atomicity  # noqa: E402
 
 import jmem._src.finetune.loop as loop  # noqa: E402
 from jmem import finetune  # noqa: E402
+from jmem._src.offload import disk  # noqa: E402
 
 
 def _kill():
@@ -37,10 +39,30 @@ def _kill_before_commit(step: int) -> None:
         cls.finalize = hooked
 
 
+def _kill_in_disk_update(update: int, k: int) -> None:
+    """Kills after the ``k``-th leaf write of update ``update`` (1-based; ``DiskStore.updates``
+    counts the updates whose writes finished, so it is ``update - 1`` during that one's writes;
+    init's writes happen at 0, hence ``update >= 2``)."""
+    assert update >= 2 and k >= 1, (update, k)
+    original, written = disk.DiskStore.write, []
+
+    def write(self, m, x):
+        original(self, m, x)
+        if self.updates == update - 1:
+            written.append(os.path.basename(self.path(m)))
+            if len(written) == k:
+                print("wrote " + " ".join(written), flush=True)
+                _kill()
+
+    disk.DiskStore.write = write
+
+
 if __name__ == "__main__":
     phase, argv = sys.argv[1], sys.argv[2:]
     if phase.startswith("save:"):
         _kill_before_commit(int(phase.split(":")[1]))
+    elif phase.startswith("disk:"):
+        _kill_in_disk_update(*map(int, phase.split(":")[1:]))
     elif phase == "outputs":
         loop.save_adapters = lambda *args, **kwargs: _kill()
     finetune.main(argv)

@@ -4,15 +4,20 @@ steps bitwise equal to in-memory training, file sizes, directory errors (docs/of
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 
+import helpers
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from helpers import assert_bitwise_equal
+from test_faults import tmpfs  # noqa: F401 (the fixture: a tmpfs, read-only or small)
 
 import jmem
+from jmem import finetune
 from jmem._src.offload import disk
 
 
@@ -181,3 +186,154 @@ def test_planner_transfers_are_the_analytic_sums():
     names = [lv.name for lv in advice.levers]
     rungs = [k for k, x in enumerate(names) if "offload" in x or "disk" in x]
     assert [names[k] for k in rungs][-1].endswith("on disk (NVMe)")  # the costliest rung last
+
+
+# ------------------------------------------------------------------ the job: kill -9, resume
+
+SMALL = ["--config", "tiny", "--batch-size", "4", "--seq-len", "16", "--lora-rank", "4"]
+SMALL += ["--no-progress", "--lr", "3e-3", "--eval-split", "0", "--save-every", "2"]
+SMALL += ["--steps", "3", "--lora-targets", ".*(q_proj|v_proj).*"]  # 4 adapters, 8 files
+
+
+def _bin_files(directory):
+    return {f: (directory / f).read_bytes() for f in sorted(os.listdir(directory)) if ".bin" in f}
+
+
+def _saved_state(out, step):
+    """Checkpoint ``step``'s train state as orbax saved it (nested dicts of arrays)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.PyTreeCheckpointer().restore(str(out / "checkpoints" / str(step) / "state"))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")
+def test_kill_during_a_disk_update_then_resume_is_bitwise(tmp_path, capsys):
+    """``kill -9`` after 3 of the 8 leaf files of update 3 were written (checkpoint 2 is the
+    last): the directory is left torn (``clean: false``, 3 files of step 3, the rest of
+    step 2). ``--resume`` rebuilds the files from checkpoint 2 (it does not read them) and
+    ends with the losses, adapters and optimizer state of an uninterrupted in-memory run,
+    bit for bit."""
+    ref = tmp_path / "ref"
+    # in memory on one device (a mesh of one: --offload-dir runs on one device)
+    summary_ref = finetune.main(SMALL + ["--out", str(ref), "--mesh", "data=1,fsdp=1"])
+    out, state_dir = tmp_path / "run", tmp_path / "state"
+    argv = SMALL + ["--out", str(out), "--offload-dir", str(state_dir)]
+    worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, worker, "disk:3:3", *argv], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
+    written = proc.stdout.rstrip().splitlines()[-2].split()[1:]
+    assert len(written) == 3 and proc.stdout.rstrip().endswith("killed")
+    assert json.loads((state_dir / disk.STEP_FILE).read_text()) == {"clean": False, "updates": 2}
+    assert disk.left_mid_update(state_dir)
+    torn = _bin_files(state_dir)
+    assert not (out / "summary.json").exists() and (out / "checkpoints" / "2").is_dir()
+    capsys.readouterr()
+
+    summary = finetune.main(argv + ["--resume"])
+    printed = capsys.readouterr().out
+    assert "Resumed at step 2" in printed
+    assert f"note: --offload-dir {state_dir} was left in the middle of an update" in printed
+    assert "rebuilt from checkpoint step 2, not read" in printed
+    assert summary["losses"] == summary_ref["losses"] and len(summary["losses"]) == 3
+    for f in sorted(os.listdir(ref / "adapter")):
+        assert (out / "adapter" / f).read_bytes() == (ref / "adapter" / f).read_bytes(), f
+    saved, saved_ref = _saved_state(out, 3), _saved_state(ref, 3)
+    assert_bitwise_equal(saved["opt_state"], saved_ref["opt_state"])
+    assert_bitwise_equal(saved["params"], saved_ref["params"])
+    # the files now hold step 3's state: the torn directory had 3 of them, the rest older
+    final = _bin_files(state_dir)
+    assert (
+        set(final) == set(torn) and sum(map(len, final.values())) == summary["offload_disk_bytes"]
+    )
+    assert all(torn[f] == final[f] for f in written)
+    assert all(torn[f] != final[f] for f in final if f not in written)
+    assert json.loads((state_dir / disk.STEP_FILE).read_text())["clean"] is True
+
+
+def test_bad_offload_dir_is_refused_in_one_line_before_training(
+    tmp_path, capsys, monkeypatch, request
+):
+    """``jmem finetune --offload-dir``: a missing parent, a file, a read-only disk and a mesh
+    are each one ``error:`` line (status 2) before the train step is compiled, leaving no
+    run.json (a retry is not refused)."""
+    (tmp_path / "file").write_text("x")
+    ro = request.getfixturevalue("tmpfs")("1m", ro=True)  # skipped without root and mount(8)
+    cases = [
+        (ro / "s", [], ["not writable"]),
+        (tmp_path / "no" / "s", [], ["parent", "does not exist"]),
+        (tmp_path / "file", [], ["is a file"]),
+        (tmp_path / "s", ["--mesh", "data=1,fsdp=2"], ["runs on one device", "--mesh"]),
+    ]
+    for k, (path, extra, words) in enumerate(cases):
+        out = tmp_path / f"run{k}"
+        with pytest.raises(SystemExit) as e:
+            finetune.main(SMALL + ["--out", str(out), "--offload-dir", str(path), *extra])
+        helpers.one_line_error(capsys, e, "--offload-dir", *words)
+        assert not (out / "run.json").exists()
+    assert "compiled the train step" not in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the NF4 base is built before the state's bytes are known (about 5 s)
+def test_offload_dir_too_small_is_refused_in_one_line_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    """Too little free space for the state (``shutil.disk_usage`` says 100 bytes): one line
+    naming ``--offload-dir`` and the bytes, before the train step is compiled."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: usage._replace(free=100))
+    with pytest.raises(SystemExit) as e:
+        finetune.main(SMALL + ["--out", str(tmp_path / "small"), "--offload-dir", str(tmp_path)])
+    helpers.one_line_error(capsys, e, f"--offload-dir '{tmp_path}'", "bytes but only 100 are free")
+    assert "compiled the train step" not in capsys.readouterr().out
+    assert not (tmp_path / "small" / "run.json").exists()
+
+
+def test_dry_run_prints_a_transfer_line_per_rung_in_use():
+    """The dry run's transfer lines (``dry_run.transfer_lines``) from the planner's ledger:
+    one line per rung in use with its bytes per step, seconds at the stated bandwidth and
+    the flag; ``none`` without offload."""
+    from jmem._src.finetune.dry_run import transfer_lines  # noqa: PLC0415
+
+    kw = dict(optimizer="adamw", param_dtype="bf16", seq_len=128)
+    plain = jmem.planner.estimate(1e8, **kw)
+    assert transfer_lines(plain, 25.0, 3.0)[0] == "transfers per step: none"
+    on_disk = jmem.planner.estimate(1e8, offload="disk", **kw)
+    s, m = on_disk.disk["optimizer_state"], on_disk.disk["master_weights"]
+    lines = transfer_lines(on_disk, 20.0, 4.0, "--offload-dir")
+    assert len(lines) == 5 and lines[0].startswith("transfers per step")
+    opt, masters, disk_row = (line.split() for line in lines[1:4])
+    assert opt[:3] == ["optimizer", "state", "host<->device"]
+    assert float(opt[3]) == float(f"{2 * s / 1e9:.3g}") and opt[-1] == "[--offload-dir]"
+    assert float(opt[5]) == float(f"{2 * s / 20e9:.3g}") and "(--pcie-gbps)" in opt
+    assert masters[:3] == ["master", "weights", "host<->device"]
+    assert float(masters[3]) == float(f"{2 * m / 1e9:.3g}")
+    assert disk_row[4] == "disk<->host" and "(--disk-gbps)" in disk_row
+    assert float(disk_row[5]) == float(f"{2 * (s + m) / 1e9:.3g}")
+    assert float(disk_row[7]) == float(f"{2 * (s + m) / 4e9:.3g}")
+    assert lines[4] == on_disk.trade(20.0, 4.0) + " (planner; GB = 1e9 B)"
+    host = transfer_lines(jmem.planner.estimate(1e8, offload="optimizer", **kw), 25.0, 3.0)
+    assert len(host) == 3 and host[1].split()[-1] == "[--offload]"
+
+
+@pytest.mark.slow
+def test_dry_run_with_offload_dir_prints_both_rungs(tmp_path, capsys):
+    """``--dry-run --offload-dir``: the compile of the step (host offload: the same device
+    footprint) prints the host<->device and the disk line; nothing is written to the
+    directory (a dry run allocates nothing)."""
+    state_dir = tmp_path / "state"
+    argv = SMALL + ["--out", str(tmp_path / "run"), "--offload-dir", str(state_dir)]
+    record = finetune.main(argv + ["--dry-run", "--disk-gbps", "2"])
+    printed = capsys.readouterr().out.splitlines()
+    first = printed.index("transfers per step (planner; GB = 1e9 B):")
+    opt, disk_row = printed[first + 1].split(), printed[first + 2].split()
+    assert opt[:3] == ["optimizer", "state", "host<->device"] and opt[-1] == "[--offload-dir]"
+    assert disk_row[4] == "disk<->host" and "at 2 GB/s" in printed[first + 2]
+    moved = record["transfers"]
+    assert float(disk_row[5]) == float(f"{moved['disk'] / 1e9:.3g}") > 0
+    assert float(opt[3]) == float(f"{moved['optimizer'] / 1e9:.3g}") > 0
+    assert printed[first + 1 + len(moved)].startswith("offload saves")
+    assert not state_dir.exists()

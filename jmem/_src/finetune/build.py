@@ -19,6 +19,7 @@ from jmem import adamw_8bit
 from jmem import nf4
 from jmem import qlora
 from jmem._src.cli import CliError
+from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.config import offloads
 from jmem._src.finetune.setup import job_levers
@@ -100,8 +101,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
     on_disk = disk and config.levers.offload_dir is not None
-    where = f"--offload-dir {config.levers.offload_dir}"
-    with user_input(where, ValueError) if on_disk else contextlib.nullcontext():
+    with offload_dir_input() if on_disk else contextlib.nullcontext():
         step = jmem.train_step(
             loss_fn,
             opt,
@@ -114,6 +114,20 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
             mesh=mesh,
         )
     return step, loss_fn, dtype, schedule
+
+
+@contextlib.contextmanager
+def offload_dir_input():
+    """A ValueError about the disk state (``offload_dir ...``: a bad directory, too little
+    space) as one CliError naming ``--offload-dir``."""
+    try:
+        yield
+    except CliError:
+        raise
+    except ValueError as e:
+        msg = one_line(e)
+        rest = msg[len("offload_dir") :] if msg.startswith("offload_dir") else f": {msg}"
+        raise CliError("--offload-dir" + rest) from e
 
 
 def offload_mode(config, disk: bool = True):

@@ -88,7 +88,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     ]
     _print_rows(rows, mesh, devices)
     memory, fit = _print_verdict(report, config.run.memory, target)
-    print(est.trade(config.levers.pcie_gbps, config.levers.disk_gbps) + " (planner; GB = 1e9 B)")
+    _print_transfers(config, est)
     if not fit:
         _print_params_lever(config, frozen_bytes)
     out = {
@@ -114,6 +114,41 @@ def dry_run(config, cfg, mesh=None, target=None):
     with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+#: per ``Ledger.transfers`` key: what moves and over which link
+RUNGS = {
+    "optimizer": ("optimizer state", "host<->device"),
+    "master_weights": ("master weights", "host<->device"),
+    "disk": ("optimizer state + masters", "disk<->host"),
+    "params": ("parameters", "host<->device"),
+}
+
+
+def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offload") -> list[str]:
+    """The dry run's transfer lines from the planner's ledger ``est``: per offload rung in
+    use (each key of ``est.transfers``), the bytes one step moves and their time at the
+    stated bandwidth (``pcie_gbps`` for host<->device, ``disk_gbps`` for disk, GB/s with
+    GB = 1e9 bytes) and the flag that turned it on (``flag`` for the optimizer's rungs,
+    ``--offload-dir`` for disk), then ``est.trade()``'s one-line summary. Raises
+    ValueError for a bandwidth <= 0 (``Ledger.transfer_seconds``)."""
+    secs = est.transfer_seconds(pcie_gbps, disk_gbps)
+    lines = ["transfers per step (planner; GB = 1e9 B):" if secs else "transfers per step: none"]
+    for key, nbytes in est.transfers.items():
+        what, link = RUNGS.get(key, (key.replace("_", " "), "host<->device"))
+        gbps, knob = (disk_gbps, "--disk-gbps") if key == "disk" else (pcie_gbps, "--pcie-gbps")
+        by = {"disk": "--offload-dir", "params": "--offload params"}.get(key, flag)
+        lines.append(
+            f"  {what + ' ' + link:40}{nbytes / 1e9:>10.3g} GB  {secs[key]:>9.3g} s at "
+            f"{gbps:g} GB/s ({knob})  [{by}]"
+        )
+    return lines + [est.trade(pcie_gbps, disk_gbps) + " (planner; GB = 1e9 B)"]
+
+
+def _print_transfers(config, est) -> None:
+    flag = "--offload-dir" if config.levers.offload_dir else "--offload"
+    for line in transfer_lines(est, config.levers.pcie_gbps, config.levers.disk_gbps, flag):
+        print(line)
 
 
 #: ``--memory`` unset and no ``--target``: a 24 GiB card (RTX 3090/4090).

@@ -31,6 +31,7 @@ from jmem._src.finetune.build import build
 from jmem._src.finetune.build import checkpointable
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import from_checkpoint
+from jmem._src.finetune.build import offload_dir_input
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.outputs import Sampler
@@ -42,6 +43,7 @@ from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import run_record
 from jmem._src.finetune.rundir import write_json
 from jmem._src.offload.disk import DiskState
+from jmem._src.offload.disk import left_mid_update
 
 format_bytes = MemoryReport.format_bytes
 
@@ -118,7 +120,8 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         dropout=config.training.lora_dropout,
     )
     disk = config.levers.offload_dir
-    with user_input(f"--offload-dir {disk}", ValueError) if disk else contextlib.nullcontext():
+    torn = disk is not None and left_mid_update(disk)  # before init rewrites the files
+    with offload_dir_input() if disk else contextlib.nullcontext():
         state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
     history = {"start": 0, "learning_rates": [], "skipped_steps": []}
@@ -137,6 +140,13 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         }
         print(
             f"Resumed at step {history['start']} (data epoch {pos.epoch}, index {pos.index}).",
+            flush=True,
+        )
+    if torn:
+        source = f"checkpoint step {history['start']}" if resume_step is not None else "init"
+        print(
+            f"note: --offload-dir {disk} was left in the middle of an update (step.json: clean "
+            f"false); its files were rebuilt from {source}, not read.",
             flush=True,
         )
     return state, pos, losses, evals, jlora.num_trainable(adapters), history

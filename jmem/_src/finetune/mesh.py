@@ -5,6 +5,7 @@ rules (``jmem.train_step(mesh=...)``)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -31,6 +32,8 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     """
     devices = jax.devices()
     n = len(devices)
+    if config.levers.offload_dir is not None:
+        return None, _one_device_for_disk(config, n)
     if config.devices.mesh is None:
         if n == 1:
             return None, []
@@ -54,6 +57,25 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
             f"data * fsdp = {data * fsdp}; pass a --batch-size that is"
         )
     return sharding.make_mesh(data, fsdp, devices=devices[: data * fsdp]), []
+
+
+def _one_device_for_disk(config, n: int) -> list[str]:
+    """``--offload-dir`` steps run on one device (ordered disk reads and writes): the notes
+    for the idle devices. Raises CliError for a ``--mesh`` of more than one device or a
+    multi-process run."""
+    spec = config.devices.mesh
+    if (spec is not None and math.prod(_sizes(spec, n)) > 1) or jax.process_count() > 1:
+        where = f"--mesh {spec}" if spec is not None else "the processes beyond the first"
+        raise CliError(
+            f"--offload-dir runs on one device (ordered disk reads and writes); drop {where}, "
+            "or keep the optimizer state in host memory with --offload on a mesh"
+        )
+    if spec is None and n > 1:
+        return [
+            f"note: --offload-dir runs on one device (ordered disk reads and writes): {n - 1} "
+            f"of the {n} devices are idle; --offload (host memory) shards over them"
+        ]
+    return []
 
 
 def target_mesh(config):

@@ -151,6 +151,23 @@ class DiskStore:
             return False
 
 
+def left_mid_update(directory: Any) -> bool:
+    """Whether ``directory``'s ``step.json`` says ``clean: false`` (or cannot be read): a
+    process stopped between an update's first read and its last write (``kill -9``, a
+    crash), so the files may mix two steps. They are not to be read as they are: the job
+    rebuilds them from the checkpoint on ``--resume`` (from init otherwise), whatever this
+    says; it only names the case. False when there is no ``step.json`` (a new directory).
+    """
+    path = os.path.join(os.fspath(directory), STEP_FILE)
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path) as f:
+            return json.load(f)["clean"] is not True
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
 def _nbytes(spec: Any) -> int:
     return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
 
