@@ -79,9 +79,12 @@ def quiet_stdout():
         os.close(null)
 
 
-def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None):
+def finish(
+    config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None, where=None
+):
     """summary.json (with ``extra`` added: the data report, devices and mesh, samples), the
-    plot and the closing line; only process 0 writes. Returns the summary."""
+    plot and the closing line; only process 0 writes, into ``where`` (default ``--out``; the
+    job's staging directory, published into ``--out`` after). Returns the summary."""
     summary = {
         "config": config.model.config,
         "checkpoint": os.path.abspath(config.model.checkpoint) if config.model.checkpoint else None,
@@ -117,9 +120,10 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
     plot = os.path.join(config.run.out, "loss.png")
     if is_writer():
-        with open(os.path.join(config.run.out, "summary.json"), "w") as f:
+        where = where or config.run.out
+        with open(os.path.join(where, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        plot_losses(losses, evals, lrs, plot, run_title(config, cfg))
+        plot_losses(losses, evals, lrs, os.path.join(where, "loss.png"), run_title(config, cfg))
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
     print(
         f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "
