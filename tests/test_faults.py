@@ -563,17 +563,40 @@ def test_fp16_run_with_skipped_steps_resumes_bitwise_on_one_step_counter(
     """A loss scale that starts too high (2^22) makes the first fp16 steps overflow and be
     skipped, as a calibrating scale does. Checkpoints, losses and resume count attempted
     steps (skipped ones included), and a run resumed after the skips gives the same losses
-    and skips bit for bit."""
+    and skips bit for bit.
+
+    The learning-rate schedule counts applied updates (the optimizer state, optax's count
+    in it, is kept whole on a skipped step): the rate the optimizer used at each applied
+    step, recorded from inside the compiled step, is schedule(updates applied before it),
+    and it is the rate logged for that step."""
     import jmem._src.finetune.build as build
 
     monkeypatch.setattr(
         build, "DynamicLossScale", lambda scale, period: DynamicLossScale(2.0**22, period=period)
     )
+    used, real = [], optax.warmup_cosine_decay_schedule
+
+    def recorded(*args, **kwargs):
+        schedule = real(*args, **kwargs)
+
+        def lr(count):
+            value = schedule(count)
+            if jnp.ndim(count) == 0:  # inside the step (the loop's table is a vector)
+                jax.debug.callback(lambda c, v: used.append((int(c), float(v))), count, value)
+            return value
+
+        return lr
+
+    monkeypatch.setattr(optax, "warmup_cosine_decay_schedule", recorded)
     out = tmp_path / "run"
     argv = SMALL + ["--steps", "6", "--precision", "fp16", "--out", str(out)]
     full = jmem.finetune.main(argv)
     assert full["skipped_steps"], "no step was skipped: the test needs a higher scale"
     assert len(full["losses"]) == 6
+    applied = [s for s in range(6) if s + 1 not in full["skipped_steps"]]
+    assert [c for c, _ in used] == list(range(len(applied)))  # the count: updates applied
+    assert [v for _, v in used] == [full["learning_rates"][s] for s in applied]
+    used.clear()
     ck = Checkpointer(str(out / "checkpoints"))
     assert ck.all_steps() == [4, 6]
     import shutil
@@ -633,6 +656,10 @@ def _tree(root):
     """``{relative path: bytes}`` of every file under ``root`` (the lock file left out)."""
     root = pathlib.Path(root)
     return {str(p.relative_to(root)): p.read_bytes() for p in _files(root) if p.name != ".lock"}
+
+
+#: What a run publishes in --out (its results; checkpoints and run.json are its state).
+OUTPUTS = ("adapter", "summary.json", "loss.png", "outputs.json")
 
 
 class _Killed(BaseException):
@@ -709,18 +736,18 @@ def test_a_kill_during_the_export_keeps_the_earlier_result_and_resume_finishes_i
     from jmem.models import hf
 
     out, merged = _copy_run(reference, tmp_path), tmp_path / "merged"
-    before = _tree(out)
+    results = lambda: {n: v for n, v in _tree(out).items() if n.split("/")[0] in OUTPUTS}
+    before = results()  # a resume adds checkpoints and rewrites run.json; these are kept
     argv = SMALL + ["--steps", "6", "--out", str(out), "--resume"]
     _killed("export:adapter", argv)
     staged = out / ".staging" / "adapter"
     assert (staged / "adapter_model.safetensors").exists()
     assert not (staged / "adapter_config.json").exists()  # half-written, aside
-    assert {k: v for k, v in _tree(out).items() if not k.startswith(".staging")} == before
+    assert results() == before
     argv += ["--export-merged", str(merged)]
     _killed("export:merged", argv)
     assert (tmp_path / "merged.jmem-staging" / "model-00001-of-00001.safetensors").exists()
-    assert not merged.exists()
-    assert {k: v for k, v in _tree(out).items() if not k.startswith(".staging")} == before
+    assert not merged.exists() and results() == before
     summary = jmem.finetune.main(argv)
     printed = capsys.readouterr().out
     assert f"note: removed {out / '.staging'}" in printed
