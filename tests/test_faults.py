@@ -448,13 +448,14 @@ def _results(out):
 
 @pytest.mark.slow
 def test_damaged_checkpoint_resumes_from_the_intact_one_bitwise(reference, tmp_path, capsys):
-    """Checkpoint 4 byte-flipped and the outputs gone (killed while writing them): the
-    resume names the damaged file, restores step 2 and trains steps 3-4 again, bit for bit."""
+    """Checkpoint 4 byte-flipped, the outputs whole: ``--resume`` is not "Nothing to do" but
+    names the damaged file, restores step 2 and trains steps 3-4 again, bit for bit."""
     out = _copy_run(reference, tmp_path)
     name = _damage("flip", out / "checkpoints" / "4")
-    os.remove(out / "summary.json")
     summary = jmem.finetune.main(SMALL + ["--steps", "4", "--out", str(out), "--resume"])
     printed = capsys.readouterr().out
+    # the outputs are there, but "Nothing to do" re-verifies the checkpoint first
+    assert "Nothing to do" not in printed
     assert f"note: checkpoint step 4 in '{out / 'checkpoints'}' is damaged: {name}" in printed
     assert "Resumed at step 2" in printed
     assert summary["losses"] == reference[1]["losses"]  # steps 3-4 again, bitwise
@@ -562,17 +563,40 @@ def test_fp16_run_with_skipped_steps_resumes_bitwise_on_one_step_counter(
     """A loss scale that starts too high (2^22) makes the first fp16 steps overflow and be
     skipped, as a calibrating scale does. Checkpoints, losses and resume count attempted
     steps (skipped ones included), and a run resumed after the skips gives the same losses
-    and skips bit for bit."""
+    and skips bit for bit.
+
+    The learning-rate schedule counts applied updates (the optimizer state, optax's count
+    in it, is kept whole on a skipped step): the rate the optimizer used at each applied
+    step, recorded from inside the compiled step, is schedule(updates applied before it),
+    and it is the rate logged for that step."""
     import jmem._src.finetune.build as build
 
     monkeypatch.setattr(
         build, "DynamicLossScale", lambda scale, period: DynamicLossScale(2.0**22, period=period)
     )
+    used, real = [], optax.warmup_cosine_decay_schedule
+
+    def recorded(*args, **kwargs):
+        schedule = real(*args, **kwargs)
+
+        def lr(count):
+            value = schedule(count)
+            if jnp.ndim(count) == 0:  # inside the step (the loop's table is a vector)
+                jax.debug.callback(lambda c, v: used.append((int(c), float(v))), count, value)
+            return value
+
+        return lr
+
+    monkeypatch.setattr(optax, "warmup_cosine_decay_schedule", recorded)
     out = tmp_path / "run"
     argv = SMALL + ["--steps", "6", "--precision", "fp16", "--out", str(out)]
     full = jmem.finetune.main(argv)
     assert full["skipped_steps"], "no step was skipped: the test needs a higher scale"
     assert len(full["losses"]) == 6
+    applied = [s for s in range(6) if s + 1 not in full["skipped_steps"]]
+    assert [c for c, _ in used] == list(range(len(applied)))  # the count: updates applied
+    assert [v for _, v in used] == [full["learning_rates"][s] for s in applied]
+    used.clear()
     ck = Checkpointer(str(out / "checkpoints"))
     assert ck.all_steps() == [4, 6]
     import shutil
@@ -611,9 +635,9 @@ def test_coordinator_must_be_host_and_port(capsys, address):
     helpers.one_line_error(capsys, e, f"--coordinator {address}", "HOST:PORT")
 
 
-def test_damaged_summary_and_a_stray_step_directory(tmp_path, capsys):
+def test_a_stray_step_directory_is_no_checkpoint(tmp_path):
     """A run whose last committed checkpoint is at --steps: a stray empty ``checkpoints/9``
-    is no checkpoint, and a damaged summary.json is one line naming it."""
+    is no checkpoint."""
     from jmem._src.finetune.rundir import prepare_out
 
     out = tmp_path / "run"
@@ -623,7 +647,204 @@ def test_damaged_summary_and_a_stray_step_directory(tmp_path, capsys):
     (out / "checkpoints" / "9").mkdir()
     argv = SMALL + ["--steps", "2", "--out", str(out), "--resume"]
     assert prepare_out(jmem.finetune.parse_args(argv)) == 2
-    (out / "summary.json").write_text('{"steps": 2, "loss')
+
+
+# ------------------------------------------- results published at once, never half-written
+
+
+def _tree(root):
+    """``{relative path: bytes}`` of every file under ``root`` (the lock file left out)."""
+    root = pathlib.Path(root)
+    return {str(p.relative_to(root)): p.read_bytes() for p in _files(root) if p.name != ".lock"}
+
+
+#: What a run publishes in --out (its results; checkpoints and run.json are its state).
+OUTPUTS = ("adapter", "summary.json", "loss.png", "outputs.json")
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL inside ``publish``: nothing after it runs."""
+
+
+def test_a_publish_killed_at_any_rename_is_finished_or_undone_never_mixed(tmp_path, monkeypatch):
+    """``publish`` killed before each of its renames (journal and manifest writes included):
+    the next run's ``recover`` leaves either the earlier results byte for byte or the new
+    ones whole (``verify_outputs`` clean), never a mix; nothing is left aside."""
+    from jmem._src.finetune import publish as pub
+
+    def make(root):
+        out, merged = root / "run", root / "merged"
+        for base, tag in ((out, "old"), (out / ".staging", "new")):
+            (base / "adapter").mkdir(parents=True)
+            for name in ("adapter/adapter_model.safetensors", "summary.json", "loss.png"):
+                (base / name).write_text(f"{tag} {name}")
+        merged.mkdir()
+        (merged / "config.json").write_text("old")
+        staged = pathlib.Path(str(merged) + pub.MERGED_STAGING)
+        staged.mkdir()
+        (staged / "config.json").write_text("new")
+        return out, merged
+
+    real_replace, k = os.replace, 0
+    while True:
+        root = tmp_path / f"k{k}"
+        out, merged = make(root)
+        old = {n: v for n, v in _tree(out).items() if not n.startswith(".staging")}
+        new = _tree(out / ".staging")
+        calls = []
+
+        def dying(src, dst, _calls=calls, _k=k):
+            if len(_calls) == _k:
+                raise _Killed
+            _calls.append(src)
+            real_replace(src, dst)
+
+        monkeypatch.setattr(pub.os, "replace", dying)
+        paths = pub.RunPaths(str(out), str(merged))
+        try:
+            pub.publish(paths, steps=4)
+            finished = True
+        except _Killed:
+            finished = False
+        monkeypatch.setattr(pub.os, "replace", real_replace)
+        notes = pub.recover(str(out), str(merged))
+        now = _tree(out)
+        if now == old:
+            assert (merged / "config.json").read_text() == "old", k
+            assert notes and not finished
+        else:
+            assert {n: now[n] for n in new} == new, k
+            assert (merged / "config.json").read_text() == "new", k
+            assert pub.verify_outputs(str(out), 4, str(merged)) == [], k
+        assert sorted(os.listdir(root)) == ["merged", "run"], k
+        assert not {".staging", ".replaced", ".publish.json"} & set(os.listdir(out)), k
+        if finished:
+            assert k == 11  # manifest, journal, 3 outputs (2 each), outputs.json, the export (2)
+            break
+        k += 1
+
+
+@pytest.mark.slow
+def test_a_kill_during_the_export_keeps_the_earlier_result_and_resume_finishes_it(
+    reference, tmp_path, capsys
+):
+    """kill -9 while the adapters are written, then while ``--export-merged`` is: the
+    earlier results in --out stay byte for byte (the half-written files are aside, in
+    ``.staging`` and ``merged.jmem-staging``); ``--resume`` removes them, restores the
+    committed checkpoint and publishes whole outputs."""
+    from jmem._src.finetune.publish import verify_outputs
+    from jmem.models import hf
+    from jmem.models import llama
+
+    out, merged = _copy_run(reference, tmp_path), tmp_path / "merged"
+    results = lambda: {n: v for n, v in _tree(out).items() if n.split("/")[0] in OUTPUTS}
+    before = results()  # a resume adds checkpoints and rewrites run.json; these are kept
+    argv = SMALL + ["--steps", "6", "--out", str(out), "--resume"]
+    _killed("export:adapter", argv)
+    staged = out / ".staging" / "adapter"
+    assert (staged / "adapter_model.safetensors").exists()
+    assert not (staged / "adapter_config.json").exists()  # half-written, aside
+    assert results() == before
+    argv += ["--export-merged", str(merged)]
+    _killed("export:merged", argv)
+    assert (tmp_path / "merged.jmem-staging" / "model-00001-of-00001.safetensors").exists()
+    assert not merged.exists() and results() == before
+    summary = jmem.finetune.main(argv)
+    printed = capsys.readouterr().out
+    assert f"note: removed {out / '.staging'}" in printed
+    assert f"note: removed {tmp_path / 'merged.jmem-staging'}" in printed
+    assert "Resumed at step 6" in printed and "outputs.json: the outputs are of step 4" in printed
+    assert summary["steps"] == 6 and summary["losses"][:4] == reference[1]["losses"]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert verify_outputs(str(out), 6, str(merged)) == []
+    assert hf.load_config(str(merged)).num_layers == llama.get_config("tiny").num_layers
+    assert sorted(os.listdir(tmp_path)) == ["merged", "run"]
+
+
+@pytest.mark.slow
+def test_a_failing_overwrite_leaves_the_earlier_run_byte_identical(reference, tmp_path, capsys):
+    """``--overwrite`` works aside (``--out/.staging``) and replaces the earlier run only
+    once it has succeeded: bad data, a NaN loss and a kill -9 each leave every file of the
+    earlier run as it was; a run that succeeds replaces all of it."""
+    out = _copy_run(reference, tmp_path)
+    before = _tree(out)
+    argv = SMALL + ["--steps", "4", "--out", str(out), "--overwrite"]
     with pytest.raises(SystemExit) as e:
-        jmem.finetune.main(argv)
-    helpers.one_line_error(capsys, e, f"{out / 'summary.json'}: cannot be read", "--overwrite")
+        jmem.finetune.main(argv + ["--data", str(tmp_path / "missing.txt")])
+    helpers.one_line_error(capsys, e, "--data")
+    with pytest.raises(SystemExit) as e:
+        jmem.finetune.main(argv + ["--lr", "1e30"])
+    line = helpers.one_line_error(capsys, e, "the loss is", "stopped without writing")
+    assert f"--overwrite: the earlier run in {out} is kept as it was" in line
+    assert _tree(out) == before
+    _killed("save:4", argv + ["--lr", "1e-3"])  # checkpoint 2 of the new run was written
+    assert (out / ".staging" / "checkpoints" / "2").is_dir()
+    assert {k: v for k, v in _tree(out).items() if not k.startswith(".staging")} == before
+    summary = jmem.finetune.main(argv + ["--lr", "1e-3"])
+    assert f"note: removed {out / '.staging'}" in capsys.readouterr().out
+    assert summary["args"]["lr"] == 1e-3 and summary["losses"] != reference[1]["losses"]
+    assert json.loads((out / "summary.json").read_text())["args"]["lr"] == 1e-3
+    assert json.loads((out / "run.json").read_text())["lr"] == 1e-3
+    for step in (2, 4):
+        meta = json.loads((out / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+        assert meta["args"]["lr"] == 1e-3
+    assert Checkpointer(str(out / "checkpoints")).all_steps() == [2, 4]
+    assert not (out / ".staging").exists()
+
+
+@pytest.mark.slow
+def test_two_training_runs_on_one_out(reference, tmp_path, capsys):
+    """A real run holds --out (paused after checkpoint 2): a second run on it, with
+    ``--resume --lr 1e-3`` or ``--overwrite``, is refused in one line naming the first's
+    pid; the first then finishes with its own checkpoints and the reference's losses."""
+    out, go = tmp_path / "run", tmp_path / "go"
+    argv = SMALL + ["--steps", "4", "--out", str(out)]
+    worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FAULTS_GO": str(go)}
+    first = subprocess.Popen(
+        [sys.executable, worker, "pause:2", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert any(line.strip() == "paused" for line in first.stdout)
+        for extra in (["--resume", "--lr", "1e-3"], ["--overwrite"]):
+            with pytest.raises(SystemExit) as e:
+                jmem.finetune.main(argv + extra)
+            helpers.one_line_error(capsys, e, "in use by another run", f"pid {first.pid} ")
+    finally:
+        go.touch()
+        stdout, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["losses"] == reference[1]["losses"]
+    assert Checkpointer(str(out / "checkpoints")).all_steps() == [2, 4]
+    for step in (2, 4):
+        meta = json.loads((out / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+        assert meta["args"]["lr"] == 3e-3
+
+
+@pytest.mark.slow
+def test_nothing_to_do_verifies_the_outputs(reference, tmp_path, capsys):
+    """``--resume`` with the checkpoint at --steps re-hashes the outputs: a byte-flipped
+    adapter and a truncated summary.json are named in one line, not called done, and
+    written again from the checkpoint (the adapter byte for byte as before)."""
+    from jmem._src.finetune.publish import verify_outputs
+
+    out = _copy_run(reference, tmp_path)
+    adapter = out / "adapter" / "adapter_model.safetensors"
+    good = adapter.read_bytes()
+    _flip(adapter)
+    (out / "summary.json").write_text('{"steps": 4, "loss')
+    argv = SMALL + ["--steps", "4", "--out", str(out), "--resume"]
+    summary = jmem.finetune.main(argv)
+    printed = capsys.readouterr().out
+    note = [ln for ln in printed.splitlines() if "the outputs are not this run's" in ln]
+    assert len(note) == 1 and "adapter/adapter_model.safetensors: content differs" in note[0]
+    assert "(and 1 more)" in note[0] and "Nothing to do" not in printed
+    assert "Resumed at step 4" in printed
+    assert adapter.read_bytes() == good and summary["losses"] == reference[1]["losses"]
+    assert verify_outputs(str(out), 4, None) == []
+    jmem.finetune.main(argv)
+    assert "Nothing to do: the checkpoint is at step 4" in capsys.readouterr().out

@@ -152,7 +152,7 @@ class Checkpointer:
         before the rename that commits the step): ``hashes.json`` of the step in flight."""
         final = self._step_dir(self._saving)
         path = final + _TMP_SUFFIX if os.path.isdir(final + _TMP_SUFFIX) else final
-        _write_json(os.path.join(path, HASHES), {"algorithm": "sha256", "files": _hash_files(path)})
+        _write_json(os.path.join(path, HASHES), {"algorithm": "sha256", "files": hash_files(path)})
 
     def verify(self, step: int) -> list[str]:
         """What is wrong with checkpoint ``step``'s files, one line each naming the file
@@ -162,30 +162,7 @@ class Checkpointer:
 
         Re-reads every file of the step (SHA-256, about 1 GB/s).
         """
-        path = self._step_dir(step)
-        record = os.path.join(path, HASHES)
-        if not os.path.exists(record):
-            return [] if self._committed(step) else [f"{step}/{HASHES}: missing"]
-        try:
-            with open(record) as f:
-                saved = json.load(f)["files"]
-            saved = {str(k): str(v) for k, v in saved.items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            return [f"{step}/{HASHES}: unreadable ({_one_line(e)})"]
-        problems = []
-        for name, digest in sorted(saved.items()):
-            file = os.path.join(path, name)
-            if not os.path.isfile(file):
-                problems.append(f"{step}/{name}: missing")
-                continue
-            try:
-                now = _hash_file(file)
-            except OSError as e:
-                problems.append(f"{step}/{name}: unreadable ({_one_line(e)})")
-                continue
-            if now != digest:
-                problems.append(f"{step}/{name}: content differs from its hash (damaged)")
-        return problems
+        return verify_step(self.directory, step)
 
     def _set_aside(self, step: int) -> None:
         """Renames step ``step``'s directory to ``<step>.damaged`` (process 0; every process
@@ -361,6 +338,41 @@ def _is_committed(directory: str, step: int) -> bool:
     return legacy and os.path.isdir(os.path.join(path, "state"))
 
 
+def verify_step(directory: str, step: int) -> list[str]:
+    """``Checkpointer.verify`` of step ``step`` in ``directory``, without an orbax manager:
+    one line per file that is missing, unreadable or differs from ``hashes.json``."""
+    path = os.path.join(directory, str(step))
+    record = os.path.join(path, HASHES)
+    if not os.path.exists(record):
+        return [] if _is_committed(directory, step) else [f"{step}/{HASHES}: missing"]
+    try:
+        with open(record) as f:
+            saved = json.load(f)["files"]
+        saved = {str(k): str(v) for k, v in saved.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{step}/{HASHES}: unreadable ({_one_line(e)})"]
+    return compare_hashes(path, saved, f"{step}/")
+
+
+def compare_hashes(root: str, saved: dict[str, str], prefix: str = "") -> list[str]:
+    """One line per file of ``saved`` (``{path relative to root: sha256}``) that is
+    missing, unreadable or hashes otherwise now, named ``prefix + path``; empty if none."""
+    problems = []
+    for name, digest in sorted(saved.items()):
+        file = os.path.join(root, name)
+        if not os.path.isfile(file):
+            problems.append(f"{prefix}{name}: missing")
+            continue
+        try:
+            now = hash_file(file)
+        except OSError as e:
+            problems.append(f"{prefix}{name}: unreadable ({_one_line(e)})")
+            continue
+        if now != digest:
+            problems.append(f"{prefix}{name}: content differs from its hash (damaged)")
+    return problems
+
+
 def committed_steps(directory: str) -> list[int]:
     """The committed steps in a checkpoint directory, ascending, read from the directory
     alone (no orbax manager is made; ``Checkpointer.all_steps`` is the same list): step
@@ -403,7 +415,8 @@ def _nonfinite_leaves(state: Any) -> list[str]:
     return [n for n, f in zip(names, flags) if f]
 
 
-def _hash_file(path: str) -> str:
+def hash_file(path: str) -> str:
+    """The SHA-256 of a file's bytes (hex)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -411,15 +424,16 @@ def _hash_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _hash_files(root: str) -> dict[str, str]:
-    """``{path relative to root: sha256}`` of every file under ``root`` but ``_UNHASHED``."""
+def hash_files(root: str, skip: tuple[str, ...] = _UNHASHED) -> dict[str, str]:
+    """``{path relative to root: sha256}`` of every file under ``root`` but ``skip`` (paths
+    relative to ``root``; default the files orbax rewrites after a step's commit)."""
     out = {}
     for dirpath, _, names in os.walk(root):
         for name in names:
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, root)
-            if rel not in _UNHASHED:
-                out[rel] = _hash_file(path)
+            if rel not in skip:
+                out[rel] = hash_file(path)
     return dict(sorted(out.items()))
 
 

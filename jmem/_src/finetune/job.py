@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src.checkpointing import verify_step
 from jmem._src.cli import CliError
 from jmem._src.finetune.config import FinetuneConfig
 from jmem._src.finetune.config import validate
@@ -25,7 +26,13 @@ from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
 from jmem._src.finetune.mesh import target_mesh
+from jmem._src.finetune.publish import RunPaths
+from jmem._src.finetune.publish import discard
+from jmem._src.finetune.publish import publish
+from jmem._src.finetune.publish import recover
+from jmem._src.finetune.publish import verify_outputs
 from jmem._src.finetune.report import quiet_stdout
+from jmem._src.finetune.rundir import holds_run
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
 from jmem._src.finetune.rundir import read_json
@@ -85,29 +92,58 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     ds, held = load_datasets(config, tok)
     check_outputs(config, cfg, tok)
     with _locked(config) as lock_notes:
-        resume_step = _agree(prepare_out(config))  # a refusal stops every process
+        aside = config.run.overwrite and holds_run(config.run.out)  # before anything changes
+        resume_step = prepare_out(config)
         for line in notes + mesh_notes + lock_notes:
             print(line, flush=True)
         steps = config.training.steps
-        if resume_step is not None and (
-            resume_step > steps or (resume_step == steps and _outputs_written(config))
-        ):
-            print(f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {steps}.")
+        done = resume_step is not None and resume_step >= steps and _done(config, resume_step)
+        resume_step, aside, done = _agree(resume_step, aside, done)  # a refusal stops all
+        if done:
+            print(
+                f"Nothing to do: the checkpoint is at step {resume_step} >= --steps {steps} "
+                "(its files and the outputs verified)."
+            )
             path = os.path.join(config.run.out, "summary.json")
             return read_json(path) if os.path.exists(path) else None
-        return train(config, cfg, tok, ds, held, resume_step, mesh)
+        return _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside)
 
 
-def _outputs_written(config) -> bool:
-    """Whether a run finished its outputs: summary.json for its ``--steps`` (written last,
-    after the adapters) and the merged checkpoint it asked for."""
-    path = os.path.join(config.run.out, "summary.json")
-    if not os.path.exists(path):
+def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
+    """``train`` into the staging area (``RunPaths``), then ``publish``; a run that fails
+    or is stopped leaves the earlier results as they were (its staging area removed)."""
+    paths = RunPaths.of(config, aside)
+    try:
+        summary = train(config, cfg, tok, ds, held, resume_step, mesh, paths)
+        if is_writer():
+            publish(paths, config.training.steps)
+    except BaseException:
+        if is_writer():
+            discard(paths)
+        raise
+    return summary
+
+
+def _done(config, resume_step: int) -> bool:
+    """Whether a resumed run has nothing left to do (process 0 decides): the checkpoint is
+    past ``--steps``, or at it with its files and the outputs verified. A damaged
+    checkpoint is named by the restore that follows; damaged or missing outputs here."""
+    if not is_writer():
         return False
-    if read_json(path, "; pass --overwrite to start over").get("steps") != config.training.steps:
+    steps = config.training.steps
+    if resume_step > steps:
+        return True
+    if verify_step(os.path.join(config.run.out, "checkpoints"), resume_step):
         return False
-    merged = config.output.export_merged
-    return not merged or os.path.isfile(os.path.join(merged, "config.json"))
+    problems = verify_outputs(config.run.out, steps, config.output.export_merged)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(
+            f"note: --out {config.run.out}: the outputs are not this run's whole result: "
+            f"{problems[0]}{more}; writing them again from checkpoint step {resume_step}",
+            flush=True,
+        )
+    return not problems
 
 
 @contextlib.contextmanager
@@ -121,10 +157,11 @@ def _locked(config):
             if os.path.exists(out) and not os.path.isdir(out):
                 raise CliError(f"--out {out} is a file; pass a directory")
             notes = lock.acquire()
+            notes += recover(out, config.output.export_merged)
             probe_writable("--out", out)
-            merged = config.output.export_merged
-            if merged and not os.path.isfile(os.path.join(merged, "config.json")):
-                probe_writable("--export-merged", merged)
+            paths = RunPaths.of(config)
+            if paths.merged:  # the export is written beside it, then renamed
+                probe_writable("--export-merged", paths.merged_staging)
         except CliError as e:
             lock.release()
             error = e
@@ -158,16 +195,17 @@ def _check_target(config) -> str | None:
     return target
 
 
-def _agree(resume_step):
-    """Process 0's reading of ``--out`` (the step to resume from), for every process, once
-    process 0 has prepared the directory (every process checked it first, so a refused
-    ``--out`` stops them all instead of leaving some waiting here)."""
+def _agree(resume_step, aside: bool, done: bool):
+    """Process 0's reading of ``--out`` (the step to resume from, whether the run replaces
+    an earlier one, whether there is nothing to do), for every process, once process 0
+    has prepared the directory (every process checked it first, so a refused ``--out``
+    stops them all instead of leaving some waiting here)."""
     sync("prepare_out")
     if jax.process_count() == 1:
-        return resume_step
-    value = np.asarray(-1 if resume_step is None else resume_step, np.int64)
-    value = int(multihost_utils.broadcast_one_to_all(value))
-    return None if value < 0 else value
+        return resume_step, aside, done
+    value = np.asarray([-1 if resume_step is None else resume_step, aside, done], np.int64)
+    step, aside, done = (int(v) for v in multihost_utils.broadcast_one_to_all(value))
+    return (None if step < 0 else step), bool(aside), bool(done)
 
 
 def run_command(config: FinetuneConfig) -> dict | None:

@@ -36,6 +36,7 @@ from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.outputs import Sampler
 from jmem._src.finetune.outputs import save_adapters
+from jmem._src.finetune.publish import RunPaths
 from jmem._src.finetune.report import device_memory
 from jmem._src.finetune.report import finish
 from jmem._src.finetune.rundir import flags
@@ -229,10 +230,10 @@ class _Guard:
     the scale calibrates, so there ``--nonfinite-patience`` of them in a row stop the run
     (under bf16, one does)."""
 
-    def __init__(self, config, ckpt):
+    def __init__(self, config, ckpt, aside: str | None = None):
         self.dynamic = config.levers.precision == "fp16"
         self.patience = config.training.nonfinite_patience
-        self.ckpt, self.skipped = ckpt, 0
+        self.ckpt, self.skipped, self.aside = ckpt, 0, aside
 
     def __call__(self, s: int, loss: float, grads_finite: bool) -> None:
         if math.isfinite(loss) and grads_finite:
@@ -252,7 +253,7 @@ class _Guard:
             why = "the gradients are not finite"
         raise TrainingStopped(
             f"step {s + 1}: {why}; stopped without writing a checkpoint, adapters or summary; "
-            f"{last_good(self.ckpt)} (--resume continues from it; lower --lr first)"
+            f"{continue_from(self.ckpt, self.aside)}; lower --lr first"
         )
 
 
@@ -269,8 +270,20 @@ def last_good(ckpt) -> str:
     return f"the last good checkpoint is step {steps[-1]} in {ckpt.directory}"
 
 
+def continue_from(ckpt, aside: str | None) -> str:
+    """What a stopped run leaves to continue from: its last good checkpoint (``--resume``
+    continues from it) or, for a run that was to replace the run in ``aside`` (its
+    ``--out``, ``--overwrite``), that the earlier run is kept as it was."""
+    if aside:
+        return (
+            f"--overwrite: the earlier run in {aside} is kept as it was, this run's "
+            "checkpoints are discarded"
+        )
+    return f"{last_good(ckpt)} (--resume continues from it)"
+
+
 @contextlib.contextmanager
-def _writing(ckpt, n: int):
+def _writing(ckpt, n: int, aside: str | None = None):
     """Checkpoint ``n`` written (or waited for) inside; a failed write (a full disk; orbax
     reports an asynchronous one at the next save or wait) names the last good one."""
     try:
@@ -278,16 +291,20 @@ def _writing(ckpt, n: int):
     except (OSError, ValueError, RuntimeError) as e:
         raise TrainingStopped(
             f"checkpoint step {n} (or the one before) could not be written "
-            f"({one_line(e)[:200]}); {last_good(ckpt)}"
+            f"({one_line(e)[:200]}); {continue_from(ckpt, aside)}"
         ) from e
 
 
-def train(config, cfg, tok, ds, held, resume_step, mesh=None):
+def train(config, cfg, tok, ds, held, resume_step, mesh=None, paths=None):
     """Trains from step 0 or ``resume_step`` to ``config.training.steps``: evaluates, samples,
     checkpoints (collectively across processes), writes the adapters and the report.
     ``run.json`` is written once the state is built (restored): a refused resume leaves
     the previous one. A resumed run whose checkpoint is already at ``--steps`` (killed
     after its last checkpoint) trains nothing and writes the outputs.
+
+    Checkpoints and ``run.json`` go to ``paths.work``, the outputs to ``paths.staging``
+    (a ``jmem._src.finetune.publish.RunPaths``; default: ``--out``'s, not aside), where
+    the caller publishes them.
 
     Returns:
       The summary (``summary.json``).
@@ -296,10 +313,11 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
       TrainingStopped: at a non-finite step or a checkpoint that cannot be written; the
         previous adapters, summary and plot are left as they were.
     """
+    paths = paths or RunPaths.of(config)
     step, loss_fn, dtype, schedule = build(config, cfg, mesh=mesh)
     print(f"levers:\n{step.levers.describe()}", flush=True)
     ckpt = Checkpointer(
-        os.path.join(os.path.abspath(config.run.out), "checkpoints"),
+        os.path.join(os.path.abspath(paths.work), "checkpoints"),
         save_every=config.run.save_every,
         keep=config.run.keep,
     )
@@ -307,7 +325,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
         config, cfg, step, dtype, ckpt, resume_step
     )
     if is_writer():
-        write_json(os.path.join(config.run.out, "run.json"), run_record(config))
+        write_json(os.path.join(paths.work, "run.json"), run_record(config))
     evaluate = None
     if held is not None:
         evaluate = Evaluator(step, loss_fn, held, config.data.eval_batches, mesh)
@@ -321,6 +339,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     if sample is not None:
         sample(state, f"before (step {start})")
     run = _Run(config, ckpt, compiled, evaluate, schedule, mesh)
+    run.aside = paths.out if paths.aside else None
     lrs = history["learning_rates"][:start]  # a checkpoint of jmem <= 0.2 has none
     run.losses, run.evals, run.lrs = losses, evals, lrs + run.schedule[len(lrs) : start]
     run.skipped = history["skipped_steps"]
@@ -333,14 +352,16 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None):
     ckpt.close()
     if sample is not None:
         sample(state, f"after (step {config.training.steps})")
-    save_adapters(config, cfg, state)
+    save_adapters(config, cfg, state, paths)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
     extra = {**getattr(ds, "report", {}), **mesh_record(mesh), "skipped_steps": run.skipped}
     extra.update(disk_record(state, len(times)))
     if sample is not None:
         extra.update(sample.record())
-    return finish(config, cfg, losses, evals, run.lrs, tps, n_adapter, compiled_peak, extra)
+    return finish(
+        config, cfg, losses, evals, run.lrs, tps, n_adapter, compiled_peak, extra, paths.staging
+    )
 
 
 class _Run:
@@ -353,12 +374,13 @@ class _Run:
         # the learning rate of the n-th applied update (skipped steps apply none)
         self.schedule = np.asarray(schedule(jnp.arange(steps + 1)), np.float64).tolist()
         self.losses, self.evals, self.lrs, self.skipped = [], [], [], []
+        self.aside = None  # the --out whose earlier run this one is to replace
 
     def steps(self, state, pos, ds, start, compiled_peak):
         """Runs steps ``start..--steps``; returns ``(state, position, step times)``."""
         config, total = self.config, self.config.training.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
-        progress, guard = Progress(config, start), _Guard(config, self.ckpt)
+        progress, guard = Progress(config, start), _Guard(config, self.ckpt, self.aside)
         times, it = [], ds.iterate(pos)
         applied = int(state.step)  # the updates applied so far (the schedule's count)
         for s in range(start, total):
@@ -382,12 +404,12 @@ class _Run:
             progress.update(
                 s, loss, self.evals, self.lrs[-1], tps, device_memory() or compiled_peak
             )
-            with _writing(self.ckpt, s + 1):
+            with _writing(self.ckpt, s + 1, self.aside):
                 if self.ckpt.maybe_save(s + 1, checkpointable(state), self._meta(s + 1, pos)):
                     if checkpointable(state) is not state:  # the disk files change next step
                         self.ckpt.wait()
         progress.close()
-        with _writing(self.ckpt, total):
+        with _writing(self.ckpt, total, self.aside):
             if total not in self.ckpt.all_steps():  # always keep the last
                 self.ckpt.save(total, checkpointable(state), self._meta(total, pos))
             self.ckpt.wait()

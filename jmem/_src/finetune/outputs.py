@@ -75,34 +75,40 @@ def prompt_text(prompt: str, tok, chat: bool) -> str:
     return jdata.render_prompt(prompt, tok) if chat else prompt
 
 
-def save_adapters(config, cfg, state) -> None:
-    """The adapters in PEFT format in --out/adapter; with --export-merged, the merged model
-    as a self-contained Hugging Face checkpoint (written tensor by tensor,
-    jmem.models.hf.save_params: --checkpoint's token ids, generation config and tokenizer
-    files carried over)."""
+def save_adapters(config, cfg, state, paths) -> None:
+    """The adapters in PEFT format, for ``--out/adapter``; with ``--export-merged``, the
+    merged model as a self-contained Hugging Face checkpoint (written tensor by tensor,
+    ``jmem.models.hf.save_params``: ``--checkpoint``'s token ids, generation config and
+    tokenizer files carried over). Both are written into the staging areas of ``paths``
+    (``jmem._src.finetune.publish.RunPaths``: ``--out/.staging/adapter`` and
+    ``<--export-merged>.jmem-staging``), which the job renames into place once the run has
+    succeeded (``publish``): a kill while they are written leaves the earlier ones whole."""
     params, frozen = _host_values(state.params), state.frozen
-    if config.output.export_merged:
+    merged = config.output.export_merged
+    if merged:
         frozen = _host_values(frozen)
     if not is_writer():
         return
     base = os.path.abspath(config.model.checkpoint) if config.model.checkpoint else None
-    path = os.path.join(config.run.out, "adapter")
+    os.makedirs(paths.staging, exist_ok=True)
     try:
-        hf.save_adapters(path, params, cfg, base_model_name_or_path=base)
-        print(f"adapters (PEFT format): {path}", flush=True)
+        hf.save_adapters(
+            os.path.join(paths.staging, "adapter"), params, cfg, base_model_name_or_path=base
+        )
+        print(f"adapters (PEFT format): {os.path.join(config.run.out, 'adapter')}", flush=True)
     except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
         print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
-    if config.output.export_merged:
-        with user_input(f"--export-merged {config.output.export_merged}"):
+    if merged:
+        with user_input(f"--export-merged {merged}"):
             hf.save_params(
-                config.output.export_merged,
+                paths.merged_staging,
                 frozen,
                 cfg,
                 adapters=params,
                 source=config.model.checkpoint,
                 tokenizer=_tokenizer_dir(config.model.tokenizer),
             )
-        print(f"merged checkpoint (Hugging Face format): {config.output.export_merged}", flush=True)
+        print(f"merged checkpoint (Hugging Face format): {merged}", flush=True)
 
 
 def _tokenizer_dir(tokenizer: str | None) -> str | None:

@@ -95,9 +95,12 @@ def recent_train_loss(losses, evals) -> tuple[float | None, int]:
     return (float(np.mean(tail)), len(tail)) if tail else (None, 0)
 
 
-def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None):
+def finish(
+    config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_peak, extra=None, where=None
+):
     """summary.json (with ``extra`` added: the data report, devices and mesh, samples), the
-    plot and the closing line; only process 0 writes. Returns the summary."""
+    plot and the closing line; only process 0 writes, into ``where`` (default ``--out``; the
+    job's staging directory, published into ``--out`` after). Returns the summary."""
     recent, k = recent_train_loss(losses, evals)
     summary = {
         "config": config.model.config,
@@ -137,9 +140,10 @@ def finish(config, cfg, losses, evals, lrs, tokens_per_s, n_adapter, compiled_pe
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
     plot = os.path.join(config.run.out, "loss.png")
     if is_writer():
-        with open(os.path.join(config.run.out, "summary.json"), "w") as f:
+        where = where or config.run.out
+        with open(os.path.join(where, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        plot_losses(losses, evals, lrs, plot, run_title(config, cfg))
+        plot_losses(losses, evals, lrs, os.path.join(where, "loss.png"), run_title(config, cfg))
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
     mean = f" (mean of the last {k}: {recent:.4f})" if k > 1 else ""
     print(

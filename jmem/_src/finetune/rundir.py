@@ -8,7 +8,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import shutil
 
 import jax
 
@@ -18,6 +17,9 @@ from jmem._src.cli import one_line
 from jmem._src.finetune.fingerprints import differences
 from jmem._src.finetune.fingerprints import fingerprints
 
+#: In ``--out``: the published outputs' hashes, ``{"steps", "files": {path: sha256},
+#: "merged": {"path", "files"}}`` (``jmem._src.finetune.publish``).
+MANIFEST = "outputs.json"
 #: Flags naming a file or directory: compared by resolved path (and content, by
 #: ``fingerprints``), not by spelling.
 PATH_FLAGS = ("checkpoint", "data", "tokenizer")
@@ -115,15 +117,17 @@ def _step_dirs(directory: str) -> list[int]:
 
 def prepare_out(config) -> int | None:
     """Checks ``--out`` against ``--resume``/``--overwrite``; returns the step to resume
-    from (None for a new run). A new run never mixes with another run's checkpoints."""
+    from (None for a new run). A new run never mixes with another run's checkpoints; with
+    ``--overwrite`` nothing is deleted here: the new run works aside and replaces the
+    earlier results only once it has succeeded (``jmem._src.finetune.publish``)."""
     out = config.run.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise CliError(f"--out {out} is a file; pass a directory")
-    replace_merged = _check_merged(config.output.export_merged, config.run.overwrite)
     ckpt_dir = os.path.join(out, "checkpoints")
     steps = _step_dirs(ckpt_dir)
     record = os.path.join(out, "run.json")
     if config.run.resume:
+        _check_merged(config.output.export_merged, _own_merged(out, config.output.export_merged))
         _check_same_run(config, record)
         committed = committed_steps(ckpt_dir)
         if not committed:
@@ -133,27 +137,41 @@ def prepare_out(config) -> int | None:
                 "--resume (--overwrite) to start a run"
             )
         return committed[-1]
-    previous = steps or os.path.exists(record) or os.path.exists(os.path.join(out, "summary.json"))
-    if previous and not config.run.overwrite:
+    _check_merged(config.output.export_merged, config.run.overwrite)
+    if holds_run(out) and not config.run.overwrite:
         at = f" (checkpoints at steps {steps})" if steps else ""
         raise CliError(
             f"--out {out} already holds a run{at}; pass --resume to continue it, "
             "--overwrite to replace it, or another --out"
         )
-    if replace_merged and is_writer():
-        shutil.rmtree(config.output.export_merged)
-    if previous and is_writer():  # every process checks; process 0 alone deletes
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        shutil.rmtree(os.path.join(out, "adapter"), ignore_errors=True)
-        for name in ("run.json", "summary.json", "loss.png"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(out, name))
     return None
+
+
+def holds_run(out: str) -> bool:
+    """Whether ``out`` holds a run (step directories, ``run.json`` or ``summary.json``):
+    what ``--overwrite`` replaces."""
+    files = ("run.json", "summary.json", MANIFEST)
+    return bool(_step_dirs(os.path.join(out, "checkpoints"))) or any(
+        os.path.exists(os.path.join(out, n)) for n in files
+    )
+
+
+def _own_merged(out: str, merged: str | None) -> bool:
+    """Whether ``merged`` is the export the run in ``out`` published (its outputs.json)."""
+    path = os.path.join(out, MANIFEST)
+    if not merged or not os.path.isfile(path):
+        return False
+    with contextlib.suppress(CliError, AttributeError):
+        done = read_json(path).get("merged") or {}
+        return done.get("path") == os.path.abspath(merged)
+    return False
 
 
 def _check_merged(merged: str | None, overwrite: bool) -> bool:
     """Whether ``--export-merged`` holds an earlier merged checkpoint to replace
-    (``--overwrite``); a directory that is not empty is refused otherwise."""
+    (``overwrite``: ``--overwrite``, or the export of the run resumed); a directory that
+    is not empty is refused otherwise. Nothing is deleted: the run replaces it when it
+    publishes its results."""
     if not merged or not os.path.exists(merged):
         return False
     if os.path.isdir(merged) and not os.listdir(merged):
