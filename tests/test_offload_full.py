@@ -130,8 +130,8 @@ def test_full_fine_tuning_step_on_the_target_keeps_params_and_grads_in_host_memo
     step, state, batch, _ = build("tiny", 256)
     compiled = _compile_for(step.jitted, target, (state, batch), {})
     report = report_from_compiled(compiled, "h100_sxm")
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
-    opt_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
     assert report.host_argument_bytes == param_bytes + opt_bytes
     assert report.argument_bytes < 4096  # tokens and the step counter
     plain = build("tiny", 256, streamed=False)
