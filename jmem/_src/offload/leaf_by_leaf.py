@@ -29,6 +29,8 @@ from jmem._src.offload.memory_kinds import DEVICE
 from jmem._src.offload.memory_kinds import is_array
 from jmem._src.offload.memory_kinds import is_tracer
 from jmem._src.offload.memory_kinds import move
+from jmem._src.offload.params import in_host_space
+from jmem._src.offload.params import to_space_of
 from jmem._src.ordering import ZERO_AFTER_NAME
 
 # Call-like primitives: one sub-jaxpr, called once on exactly the equation's inputs. One
@@ -577,8 +579,10 @@ def _run_program(
     n = len(u_leaves)
     env = dict(prog.consts)
     inputs = list(u_leaves) + (list(p_leaves) if p_leaves is not None else [])
+    streamed = _streamed_inputs(inputs, n)  # host-resident gradients/params, per leaf
     for k, x in enumerate(inputs):
-        env[("in", k)] = x
+        if k % n not in streamed:
+            env[("in", k)] = x
     for k, x in enumerate(e_leaves):
         env[("in", prog.state_base + len(s_leaves) + k)] = x
     owned = [[] for _ in range(n)]
@@ -594,20 +598,49 @@ def _run_program(
     new_u: list[Any] = [None] * n
     for i in range(n):
         host = [s_leaves[m] for m in owned[i]]
+        ins = [i, i + n][: len(inputs) // n] if i in streamed else []
+        host += [inputs[k] for k in ins]
         if pending and host:
             # Leaf i's state is loaded only after the earlier leaves' new state is on host.
             host, stored = _order_after(host, [v for _, v in pending])
             for (m, _), v in zip(pending, stored):
-                new_state[m] = v
+                _put_result(new_state, new_u, m, v)
             pending = []
-        _load(env, prog, owned[i], host)
+        _load(env, prog, owned[i], host[: len(owned[i])])
+        for k, x in zip(ins, host[len(owned[i]) :]):
+            env[("in", k)] = move(x, DEVICE)
         _evaluate(env, prog.groups[i])
         u = jnp.asarray(_read(env, prog.out_refs[i]))
-        new_u[i] = u if skip is None else jax.lax.select(skip, jnp.zeros_like(u), u)
+        u = u if skip is None else jax.lax.select(skip, jnp.zeros_like(u), u)
+        if i in streamed:  # back to host memory before the next leaf is loaded
+            pending.append((("u", i), to_space_of(u, inputs[streamed[i]])))
+        else:
+            new_u[i] = u
         pending += _store(env, prog, owned[i], skip, memory_kind)
     for m, v in pending:
-        new_state[m] = v
+        _put_result(new_state, new_u, m, v)
     return new_u, new_state
+
+
+def _streamed_inputs(inputs: list, n: int) -> dict:
+    """``{leaf i: index of its reference input}`` for the leaves whose gradient or param is
+    in host memory (full-parameter training with ``Levers(offload_params=True)``): those
+    are moved to the device with leaf i's state, and its update goes back to host memory.
+    The reference is the param when given (the update has its memory space), else the
+    gradient."""
+    out = {}
+    for i in range(n):
+        if any(in_host_space(inputs[k]) for k in range(i, len(inputs), n)):
+            out[i] = i + n if len(inputs) > n else i
+    return out
+
+
+def _put_result(new_state: list, new_u: list, key: Any, v: Any) -> None:
+    """Stores a result from the ``pending`` list: a state leaf ``m`` or an update ``("u", i)``."""
+    if isinstance(key, tuple):
+        new_u[key[1]] = v
+    else:
+        new_state[key] = v
 
 
 def update(

@@ -15,13 +15,23 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jmem._src.offload.memory_kinds import HOST
 from jmem._src.offload.memory_kinds import is_tracer
 from jmem._src.offload.memory_kinds import to_device
 from jmem._src.offload.memory_kinds import to_host
 
-__all__ = ["fetch", "fetch_resident", "params_to_host", "is_on_host", "offloads_params"]
+__all__ = [
+    "fetch",
+    "fetch_resident",
+    "params_to_host",
+    "is_on_host",
+    "offloads_params",
+    "in_host_space",
+    "to_space_of",
+    "streamed_norm_and_finite",
+]
 
 #: The params entry holding the layer-stacked weights (streamed; the rest is fetched whole).
 LAYERS = "layers"
@@ -70,3 +80,54 @@ def is_on_host(tree: Any) -> bool:
     and non-array leaves are not looked at)."""
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not is_tracer(x)]
     return all(getattr(x.sharding, "memory_kind", None) == HOST for x in leaves)
+
+
+def in_host_space(x: Any) -> bool:
+    """Whether the array ``x`` (concrete or traced) lives in host memory: a traced value
+    typed ``jax.memory.Space.Host`` or a concrete array in ``pinned_host``."""
+    if is_tracer(x):
+        return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+    return isinstance(x, jax.Array) and getattr(x.sharding, "memory_kind", None) == HOST
+
+
+def to_space_of(x: Any, ref: Any) -> Any:
+    """``x`` moved to host memory when ``ref`` is in host memory (``in_host_space``), else
+    ``x``. Used for the new params of a step whose trainable params are host-resident
+    (full-parameter training with ``Levers(offload_params=True)``): each leaf's new value
+    goes back to host memory as soon as it is computed."""
+    return to_host(x, HOST) if in_host_space(ref) and not in_host_space(x) else x
+
+
+def _sumsq_and_finite(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum of squares in float32, all finite)`` of one leaf; a host-resident leaf of
+    rank >= 3 (a layer stack) is read one slice along its first axis at a time."""
+    if not in_host_space(x):
+        return jnp.sum(jnp.square(x.astype(jnp.float32))), jnp.isfinite(x).all()
+    if x.ndim < 3:
+        x = fetch(x).astype(jnp.float32)
+        return jnp.sum(jnp.square(x)), jnp.isfinite(x).all()
+
+    def body(carry, xi):
+        xi = fetch(xi).astype(jnp.float32)
+        return (carry[0] + jnp.sum(jnp.square(xi)), carry[1] & jnp.isfinite(xi).all()), None
+
+    init = (jnp.zeros((), jnp.float32), jnp.ones((), bool))
+    return jax.lax.scan(body, init, x)[0]
+
+
+def streamed_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array]:
+    """``(global L2 norm, all finite)`` of the float leaves of ``tree`` (scalars), with
+    host-resident layer stacks read onto the device one layer at a time (the gradients of
+    full-parameter training with ``Levers(offload_params=True)``).
+
+    Sums squares in float32 per layer and returns the norm in the leaves' result dtype (as
+    ``optax.tree.norm``, which sums each leaf in its own dtype: for bf16 gradients the two
+    differ by bf16 rounding); the finite check is exact.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return jnp.zeros((), jnp.float32), jnp.ones((), bool)
+    parts = [_sumsq_and_finite(x) for x in leaves]
+    total = sum(p[0] for p in parts[1:]) + parts[0][0]
+    dtype = jnp.result_type(*leaves)  # the dtype optax.tree.norm would give
+    return jnp.sqrt(total).astype(dtype), jnp.stack([p[1] for p in parts]).all()

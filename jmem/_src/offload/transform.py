@@ -27,6 +27,7 @@ from jmem._src.offload.memory_kinds import move
 from jmem._src.offload.memory_kinds import placement_like
 from jmem._src.offload.memory_kinds import to_device
 from jmem._src.offload.memory_kinds import to_host
+from jmem._src.offload.params import to_space_of
 
 # to_host/to_device/abstract_like/memory_kinds live in memory_kinds.py; re-exported here.
 __all__ = ["offload", "to_host", "to_device", "abstract_like", "memory_kinds"]
@@ -103,11 +104,16 @@ def _init(inner, memory_kind: str, directory: Any, params: Any) -> Any:
 def _whole_tree_update(inner, memory_kind, updates, state, params, skip, extra_args):
     """Moves the whole state in, runs ``inner.update`` once, moves the new state out."""
     old_state = to_device(state)
-    new_updates, new_state = inner.update(updates, old_state, params, **extra_args)
+    # Host-resident gradients/params (full-parameter training with streamed params) come
+    # to the device with the state, and the updates go back to their params' memory.
+    refs = updates if params is None else params
+    new_updates, new_state = inner.update(
+        to_device(updates), old_state, to_device(params), **extra_args
+    )
     if skip is not None:  # selected on the device, where both states already are
         new_state = jax.tree.map(functools.partial(_select_state, skip), new_state, old_state)
         new_updates = jax.tree.map(functools.partial(_select_update, skip), new_updates)
-    return new_updates, to_host(new_state, memory_kind)
+    return jax.tree.map(to_space_of, new_updates, refs), to_host(new_state, memory_kind)
 
 
 def _update(

@@ -21,9 +21,11 @@ from jmem._src.measure import MemoryReport
 from jmem._src.measure import measure
 from jmem._src.offload.disk import check_directory
 from jmem._src.offload.memory_kinds import to_host
+from jmem._src.offload.params import in_host_space
 from jmem._src.offload.params import is_on_host
 from jmem._src.offload.params import offloads_params
 from jmem._src.offload.params import params_to_host
+from jmem._src.offload.params import streamed_norm_and_finite
 from jmem._src.offload.transform import offload
 from jmem._src.precision import Policy
 from jmem._src.precision import get_policy
@@ -92,6 +94,8 @@ class TrainStep:
             state = _opt_state_to_host(state)
         if self.offload_params and not is_on_host(state.frozen):
             state = state.replace(frozen=params_to_host(state.frozen))
+        if self.offload_params and state.frozen is None and not is_on_host(state.params):
+            state = state.replace(params=params_to_host(state.params))  # full fine-tuning
         return self.jitted(state, batch)
 
     def init(
@@ -521,6 +525,8 @@ def _init_state(
     params, frozen, fp8 = _fresh((params, frozen, fp8), callers)
     if o.offload_params:  # the model streams them from host memory (levers.offload_params)
         frozen = params_to_host(frozen)
+        if frozen is None:  # full fine-tuning: the trainable params are the streamed ones
+            params = params_to_host(params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -545,8 +551,8 @@ def _fresh(tree: Any, ids: set[int]) -> Any:
 def _step(loss: Callable, stepper, o: _Options, state: TrainState, batch: Any):
     """One training step: ``(state, batch) -> (state, metrics)``."""
     (grads, fp8), (loss_value, aux) = _gradients(loss, state, batch, o.microbatches)
-    grads, finite, new_scale = _unscale(grads, state, o)
-    grads, grad_norm, finite = _norm_before_update(grads, finite, o)
+    grads, finite, new_scale, grad_norm = _unscale(grads, state, o)
+    grads, grad_norm, finite = _norm_before_update(grads, finite, o, grad_norm)
     skip_args = {"finite": finite} if o.skip_nonfinite else {}
     params, opt_state = stepper.update(grads, state.opt_state, state.params, **skip_args)
     new = _advance(state, params, opt_state, fp8, finite, new_scale, o)
@@ -576,27 +582,34 @@ def _gradients(loss: Callable, state: TrainState, batch: Any, microbatches: int)
 
 
 def _unscale(grads: Any, state: TrainState, o: _Options):
-    """``(grads, finite, new loss scale)``: unscaled grads, checked once after accumulation."""
+    """``(grads, finite, new loss scale, norm or None)``: unscaled grads, checked once after
+    accumulation. Host-resident gradients (full-parameter training with streamed params)
+    are read one layer at a time for the check, and their norm is taken in the same pass."""
     scale = state.loss_scale
     if o.master_weights and not isinstance(scale, NoOpLossScale):
         # unscale in float32: fp16 would flush tiny gradients again
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) if is_float_array(g) else g, grads)
     grads = scale.unscale(grads)
-    finite = all_finite(grads)
+    norm = None
+    if any(in_host_space(g) for g in jax.tree.leaves(grads)):
+        norm, finite = streamed_norm_and_finite(grads)
+    else:
+        finite = all_finite(grads)
     if not o.master_weights:  # keep the optimizer state's dtypes stable across steps
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    return grads, finite, scale.adjust(finite)
+    return grads, finite, scale.adjust(finite), norm
 
 
-def _norm_before_update(grads: Any, finite: jax.Array, o: _Options):
+def _norm_before_update(grads: Any, finite: jax.Array, o: _Options, norm: Any = None):
     """``(grads, grad_norm, finite)`` with the norm computed before the update.
 
     An update may write over the gradients' buffers (chunked 8-bit Adam does), and a read
     after it costs a copy. Under the ``lax.cond`` of ``skip_if_nonfinite`` the branch
     predicate reads the norm (a term that is always true: a norm is never negative,
-    NaN < 0 is false); elsewhere an optimization barrier orders it.
+    NaN < 0 is false); elsewhere an optimization barrier orders it. ``norm``: the norm
+    when already taken (``_unscale``'s, for host-resident gradients).
     """
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = optax.tree.norm(grads) if norm is None else norm
     if o.skip_nonfinite and not o.offload:
         return grads, grad_norm, jnp.logical_and(finite, jnp.logical_not(grad_norm < 0))
     grads, grad_norm = jax.lax.optimization_barrier((grads, grad_norm))

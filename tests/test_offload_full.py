@@ -1,0 +1,148 @@
+"""Full-parameter training with the trainable params and the optimizer state in host memory
+(``Levers(offload_params=True)`` without a frozen base, plus ``offload_optimizer``;
+docs/offload.md). On XLA:CPU host memory is the device's own: these check values and memory
+kinds; the device bytes are checked by the XLA:GPU compile test at the end."""
+
+import functools
+import importlib.util
+import pathlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmem
+from jmem._src.offload import params as offload_params
+from jmem.models import llama
+
+CFG = llama.get_config("tiny", num_layers=2, max_seq_len=64)
+
+
+@functools.cache
+def _model():
+    """fp32 params of the 2-layer tiny Llama and a batch of 2 x 16 tokens."""
+    params = llama.init(jax.random.key(0), CFG)
+    ids = jax.random.randint(jax.random.key(2), (2, 17), 0, CFG.vocab_size)
+    return params, {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+def _driver():
+    """benchmarks/full_ft_offload.py, loaded by path (the step it builds is the figure's)."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "full_ft_offload.py"
+    spec = importlib.util.spec_from_file_location("full_ft_offload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.slow
+def test_gradients_of_host_params_are_host_arrays_and_bitwise():
+    """The layer scan's transposed accumulation of a host-resident stack: every gradient
+    leaf comes back in ``pinned_host`` (the stacked ``[L, ...]`` ones included) and equals
+    the in-memory gradient bit for bit."""
+    params, batch = _model()
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    out = {}
+    for off in (False, True):
+        lv = jmem.Levers(remat="full", offload_params=off)
+        loss = jmem.remat(lambda p, b, lv=lv: llama.loss_fn(p, b, CFG, levers=lv), "full")
+        p = offload_params.params_to_host(params) if off else params
+        out[off] = jax.jit(jax.value_and_grad(loss))(p, batch)
+    assert _kinds(out[True][1]) == {"pinned_host"}
+    chex.assert_trees_all_equal(*(jax.tree.map(np.asarray, out[k]) for k in (False, True)))
+
+
+@pytest.mark.slow
+def test_streamed_norm_and_finite_match_the_whole_tree_reductions():
+    """``streamed_norm_and_finite`` reads host layer stacks one layer at a time: the norm
+    equals ``optax.tree.norm`` to float32 rounding, the finite check exactly."""
+    params, _ = _model()
+    host = offload_params.params_to_host(params)
+    norm, finite = jax.jit(offload_params.streamed_norm_and_finite)(host)
+    np.testing.assert_allclose(norm, optax.tree.norm(params), rtol=1e-6)
+    assert bool(finite)
+    bad = {**params, "final_norm": {"scale": params["final_norm"]["scale"].at[3].set(jnp.nan)}}
+    assert not bool(jax.jit(offload_params.streamed_norm_and_finite)(bad)[1])
+    layer_nan = jax.tree.map(lambda x: x, params)
+    k = layer_nan["layers"]["up_proj"]["kernel"]
+    layer_nan["layers"]["up_proj"]["kernel"] = k.at[1, 0, 0].set(jnp.inf)
+    host_nan = offload_params.params_to_host(layer_nan)
+    assert not bool(jax.jit(offload_params.streamed_norm_and_finite)(host_nan)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "optimizer, mode, masters",
+    [("adamw_8bit", "leaf_by_leaf", True), ("adamw", True, False)],
+)
+def test_full_fine_tuning_with_host_params_and_state_trains_bitwise(optimizer, mode, masters):
+    """Three steps of full fine-tuning with the params streamed from host memory and the
+    optimizer state (8-bit moments and fp32 masters, or optax's fp32 moments) in host
+    memory: losses and params bitwise those of the in-memory run; params and state stay in
+    ``pinned_host`` (a state restored to the device is moved back)."""
+    params, batch = _model()
+    runs = {}
+    for off in (False, True):
+        lv = jmem.Levers(remat="full", offload_params=off)
+        opt = jmem.adamw_8bit(1e-2) if optimizer == "adamw_8bit" else optax.adamw(1e-2)
+        kw = dict(precision="p=bf16,c=bf16", master_weights=True) if masters else {}
+        loss = functools.partial(llama.loss_fn, config=CFG, levers=lv)
+        step = jmem.train_step(loss, opt, levers=lv, offload_optimizer=mode, **kw)
+        state = step.init(params)
+        losses, norms = [], []
+        for i in range(3):
+            if off and i == 1:  # as restored from a checkpoint into device memory
+                state = state.replace(params=jmem.to_device(state.params))
+            state, metrics = step(state, batch)
+            losses.append(np.asarray(metrics["loss"]))
+            norms.append(np.asarray(metrics["grad_norm"]))
+        runs[off] = (losses, jax.tree.map(np.asarray, state.params), norms)
+        assert _kinds(state.params) == {"pinned_host" if off else "device"}
+        assert _kinds(state.opt_state) == {"pinned_host"}
+    chex.assert_trees_all_equal(runs[False][:2], runs[True][:2])
+    # The streamed norm sums in float32 per layer; the in-memory one in bf16 per leaf.
+    np.testing.assert_allclose(*(np.float32(runs[k][2]) for k in (False, True)), rtol=1e-2)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_full_fine_tuning_step_on_the_target_keeps_params_and_grads_in_host_memory():
+    """XLA:GPU compile for h100_sxm (no GPU) of the tiny full fine-tuning step (bf16 params,
+    8-bit AdamW leaf by leaf, full remat): params and optimizer state are host arguments
+    (their bytes exactly), the device arguments are the batch and scalars only, the device
+    peak is below the in-memory step's by more than the params' bytes, and the backward
+    loop carries the stacked gradients only in host memory (``S(5)``)."""
+    reason = jmem.targets.unavailable_reason("h100_sxm")
+    if reason:
+        pytest.skip(f"no XLA:GPU compiler here: {reason}")
+    build = _driver().build
+    from jmem._src.measure import _compile_for  # noqa: PLC0415
+    from jmem._src.measure import report_from_compiled  # noqa: PLC0415
+
+    target = jmem.targets.get("h100_sxm")
+    step, state, batch, _ = build("tiny", 256)
+    compiled = _compile_for(step.jitted, target, (state, batch), {})
+    report = report_from_compiled(compiled, "h100_sxm")
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
+    assert report.host_argument_bytes == param_bytes + opt_bytes
+    assert report.argument_bytes < 4096  # tokens and the step counter
+    plain = build("tiny", 256, streamed=False)
+    plain_report = plain[0].measure(plain[1], plain[2], target="h100_sxm")
+    assert report.peak_bytes + param_bytes < plain_report.peak_bytes
+    stacked = {
+        f"bf16[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(state.params["layers"])
+    }
+    loops = [ln for ln in compiled.as_text().splitlines() if " while(" in ln and "transpose" in ln]
+    assert loops
+    for line in loops:  # the backward loop's stacked gradient accumulators
+        for s in stacked:
+            for hit in line.split(s + "{")[1:]:
+                assert hit.split("}")[0].endswith("S(5)"), line[:200]
