@@ -36,6 +36,11 @@ RESUME_FLAGS = (
     "lora_dropout",
     "eval_split",
     "seed",
+    "objective",
+    "beta",
+    "loss_type",
+    "label_smoothing",
+    "simpo_gamma",
 )
 
 
@@ -145,7 +150,7 @@ def prepare_out(config) -> int | None:
     if previous and is_writer():  # every process checks; process 0 alone deletes
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         shutil.rmtree(os.path.join(out, "adapter"), ignore_errors=True)
-        for name in ("run.json", "summary.json", "loss.png"):
+        for name in ("run.json", "summary.json", "loss.png", "metrics.jsonl"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
     return None
