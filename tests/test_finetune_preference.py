@@ -286,3 +286,25 @@ def test_orpo_and_simpo_train_a_few_steps(tmp_path, objective, data):
         assert m["rewards/chosen"] == pytest.approx(2.0 * m["logps/chosen"], rel=1e-5)
         assert summary["losses"][0] > 0
     assert summary["chat"] == (data == CHAT)
+
+
+def test_the_dry_run_batch_and_levers_count_pairs_as_two_rows():
+    """--dry-run compiles a [B, 2, S] batch of pairs; the levers are resolved for the 2B
+    rows of a microbatch (--grad-accum splits whole pairs)."""
+    from jmem._src.finetune.build import abstract_batch
+    from jmem._src.finetune.build import job_resolved_levers
+    from jmem.models import llama
+
+    c = finetune.FinetuneConfig.from_flat(
+        config="tiny", objective="dpo", batch_size=4, grad_accum=2, seq_len=64
+    )
+    batch = abstract_batch(c)
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+        "inputs": ((4, 2, 64), jnp.int32),
+        "targets": ((4, 2, 64), jnp.int32),
+        "completion_mask": ((4, 2, 64), jnp.float32),
+    }
+    lv = job_resolved_levers(c, llama.get_config("tiny"), jnp.bfloat16)
+    assert "256 tokens: one chunk" in lv.describe()  # 2 pairs x 2 answers x 64 tokens
+    sft = abstract_batch(c.replace(objective="sft"))
+    assert {k: v.shape for k, v in sft.items()} == {"inputs": (4, 64), "targets": (4, 64)}
