@@ -19,6 +19,9 @@ answer; compiles in seconds) and, with ``--8b``, Llama-3.1-8B shapes, LoRA r=16,
 
     python benchmarks/preference_memory.py          # small
     python benchmarks/preference_memory.py --8b     # small and Llama-3.1-8B
+    JAX_PLATFORMS=cpu python benchmarks/preference_memory.py --8b-only --target h100_sxm
+        # Llama-3.1-8B, XLA:GPU compile for h100_sxm (no GPU):
+        # benchmarks/results/preference_memory_8b_h100.json
 
 Liger Kernel's published figure (theirs, not measured here): ORPO loss memory 15.9 GB
 chunked against 62.5 GB for the PyTorch loss, batch 16, 4,096 tokens, vocabulary 128k, on
@@ -83,12 +86,16 @@ def _batch(pairs: int, seq: int, precomputed: bool) -> dict:
     return batch
 
 
-def measure_step(name: str, variant: str) -> dict:
-    """Compiles one DPO step of ``CONFIGS[name]`` and returns its bytes."""
+def measure_step(name: str, variant: str, target: str | None = None) -> dict:
+    """Compiles one DPO step of ``CONFIGS[name]`` for ``target`` (a ``jmem.targets`` name;
+    None: the running backend) and returns its bytes."""
     spec = CONFIGS[name]
     chunk = 0 if variant == "dense" else spec["chunk"]
     cfg = llama.get_config(spec["model"])
-    levers = jmem.Levers(loss_chunk=chunk)
+    rows = (2 * spec["pairs"], spec["seq"])  # chosen and rejected: one forward pass
+    levers = jmem.resolve_levers(
+        jmem.Levers(loss_chunk=chunk, remat="full"), cfg, rows, target, dtype=jnp.bfloat16
+    )
     fn = functools.partial(preference.sequence_logprobs, config=cfg, levers=levers)
     reference = "precomputed" if variant == "precomputed" else "adapters_off"
     loss = jmem.losses.preference_loss(fn, "dpo", reference=reference, beta=0.1)
@@ -96,16 +103,19 @@ def measure_step(name: str, variant: str) -> dict:
         loss,
         jmem.adamw_8bit(5e-5, mask=jmem.decay_mask),
         precision="p=bf16,c=bf16,o=f32",
-        remat="full",
+        levers=levers,
         has_aux=True,
     )
     frozen, adapters = _abstract_qlora(cfg, spec["rank"])
     state = step.abstract_state(adapters, frozen=frozen)
     t0 = time.time()
-    report = step.measure(state, _batch(spec["pairs"], spec["seq"], variant == "precomputed"))
+    batch = _batch(spec["pairs"], spec["seq"], variant == "precomputed")
+    report = step.measure(state, batch, target=target)
     row = {
         "config": name,
         "variant": variant,
+        "target": report.target,
+        "attention": levers.attention,
         "pairs": spec["pairs"],
         "tokens_per_answer": spec["seq"],
         "vocab": cfg.vocab_size,
@@ -117,7 +127,7 @@ def measure_step(name: str, variant: str) -> dict:
     }
     if variant == "precomputed":
         pre = jax.jit(lambda q, b: jmem.losses.precompute_reference(fn, q, b))
-        once = jmem.measure(pre, frozen, _batch(spec["pairs"], spec["seq"], False))
+        once = jmem.measure(pre, frozen, _batch(spec["pairs"], spec["seq"], False), target=target)
         row["precompute_temp_bytes"] = once.temp_bytes
         row["precompute_peak_bytes"] = once.peak_bytes
     return row
@@ -126,11 +136,24 @@ def measure_step(name: str, variant: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--8b", dest="big", action="store_true", help="add Llama-3.1-8B")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="compile for this jmem.targets name (h100_sxm: XLA:GPU's deviceless compile, "
+        "no GPU; pip install 'jmem[gpu-plan]', run with JAX_PLATFORMS=cpu); unset: this machine",
+    )
+    parser.add_argument("--8b-only", dest="big_only", action="store_true", help="skip small")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
-    rows = [measure_step("small", v) for v in ("chunked", "dense", "precomputed")]
-    if args.big:
-        rows += [measure_step("llama3_1_8b", v) for v in ("chunked", "dense")]
+    if args.target:
+        reason = jmem.targets.unavailable_reason(args.target)
+        if reason:
+            parser.error(f"--target {args.target}: {reason}")
+    rows = []
+    if not args.big_only:
+        rows += [measure_step("small", v, args.target) for v in ("chunked", "dense", "precomputed")]
+    if args.big or args.big_only:
+        rows += [measure_step("llama3_1_8b", v, args.target) for v in ("chunked", "dense")]
     fmt = jmem.MemoryReport.format_bytes
     print(f"{'config':<12} {'variant':<12} {'temp':>12} {'peak':>12} {'compile':>8}")
     for r in rows:
@@ -141,8 +164,13 @@ def main() -> None:
         if "precompute_temp_bytes" in r:
             print(f"{'':<12} {'(precompute)':<12} {fmt(r['precompute_temp_bytes']):>12}")
     os.makedirs(args.out, exist_ok=True)
+    target = args.target or "this machine"
     record = {
         "backend": jax.default_backend(),
+        "target": target,
+        "compiler": "XLA:GPU compile for h100_sxm, no GPU"
+        if args.target == "h100_sxm"
+        else f"compile for {target}",
         "jax": jax.__version__,
         "rows": rows,
         "liger_published": {
@@ -152,7 +180,12 @@ def main() -> None:
             "dense_gb": 62.5,
         },
     }
-    with open(os.path.join(args.out, "preference_memory.json"), "w") as f:
+    name = "preference_memory"
+    if args.big_only:
+        name += "_8b"
+    if args.target:
+        name += "_" + args.target.split("_")[0]
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(record, f, indent=1)
 
 

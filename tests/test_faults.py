@@ -545,6 +545,23 @@ def test_a_run_killed_at_each_phase_resumes_to_the_same_results(reference, tmp_p
 
 
 @pytest.mark.slow
+def test_an_offload_params_run_killed_mid_save_resumes_to_the_in_memory_losses(
+    reference, tmp_path, capsys
+):
+    """--offload params (the frozen base in pinned_host, streamed per layer): kill -9 while
+    checkpoint 4 is saved, --resume from checkpoint 2; the losses are the uninterrupted
+    in-memory run's bit for bit (on XLA:CPU the copies move no bytes: the same arithmetic)."""
+    out = tmp_path / "run"
+    argv = SMALL + ["--steps", "4", "--out", str(out), "--offload", "params"]
+    _killed("save:4", argv)
+    summary = jmem.finetune.main(argv + ["--resume"])
+    assert "Resumed at step 2" in capsys.readouterr().out
+    assert summary["losses"] == reference[1]["losses"]
+    assert summary["eval_losses"] == reference[1]["eval_losses"]
+    assert Checkpointer(str(out / "checkpoints")).all_steps() == [2, 4]
+
+
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_run_names_the_last_good_checkpoint(tmp_path, tmpfs, capsys):
     """A 700 KiB tmpfs: checkpoint 2 (about 490 KiB) fits, checkpoint 4 does not."""
     out = tmpfs("700k") / "run"

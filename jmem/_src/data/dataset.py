@@ -98,8 +98,8 @@ class PackedDataset:
         """A dataset over packed rows, e.g. ``pack_examples``'s output.
 
         Args:
-          rows: ``{name: array [n_rows, seq_len]}``, all of the same leading shape; a
-            batch holds every name.
+          rows: ``{name: array [n_rows, seq_len]}`` (or ``[n_rows, 2, seq_len]``: the
+            pairs of ``pack_pairs``), all of one shape; a batch holds every name.
           batch_size: rows per batch (>= 1).
           seed: shuffling seed.
 
@@ -138,12 +138,13 @@ class PackedDataset:
     def _set_rows(self, rows: dict) -> None:
         rows = {k: np.asarray(v) for k, v in rows.items()}
         shapes = {v.shape for v in rows.values()}
-        if "inputs" not in rows or len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        if "inputs" not in rows or len(shapes) != 1 or len(next(iter(shapes))) < 2:
             raise ValueError(
-                "rows must hold 'inputs' and arrays of one shape [n_rows, seq_len]; got "
+                "rows must hold 'inputs' and arrays of one shape [n_rows, seq_len] (or "
+                f"[n_rows, ..., seq_len], e.g. preference pairs); got "
                 f"{ {k: v.shape for k, v in rows.items()} }."
             )
-        self.rows, self.seq_len = rows, rows["inputs"].shape[1]
+        self.rows, self.seq_len = rows, rows["inputs"].shape[-1]
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows["inputs"]))

@@ -4,6 +4,7 @@ schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -21,11 +22,14 @@ from jmem import qlora
 from jmem._src.cli import CliError
 from jmem._src.cli import one_line
 from jmem._src.cli import user_input
+from jmem._src.finetune.config import DEFAULT_BETA
+from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import offloads
 from jmem._src.finetune.setup import job_levers
 from jmem._src.offload.disk import DiskState
 from jmem.models import hf
 from jmem.models import llama
+from jmem.models import preference
 
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 
@@ -43,6 +47,35 @@ def _loss(cfg, lv):
     return loss_fn
 
 
+def preference_hyperparams(config) -> dict:
+    """The preference loss's keyword arguments (``jmem.losses``) from the training group:
+    ``beta`` (unset: ``DEFAULT_BETA``), DPO's ``loss_type`` and ``label_smoothing``,
+    SimPO's ``gamma`` (``--simpo-gamma``, unset: ``DEFAULT_SIMPO_GAMMA``) and
+    ``label_smoothing``."""
+    t = config.training
+    hyper = {"beta": DEFAULT_BETA[t.objective] if t.beta is None else t.beta}
+    if t.objective == "dpo":
+        hyper.update(loss_type=t.loss_type, label_smoothing=t.label_smoothing)
+    elif t.objective == "simpo":
+        gamma = DEFAULT_SIMPO_GAMMA if t.simpo_gamma is None else t.simpo_gamma
+        hyper.update(gamma=gamma, label_smoothing=t.label_smoothing)
+    return hyper
+
+
+def _preference_loss(config, cfg, lv):
+    """``loss(adapters, batch, *, frozen, dropout_key=None) -> (loss, metrics)`` of a
+    preference ``--objective`` over ``[B, 2, S]`` pairs: the chosen and rejected answers as
+    ``2B`` rows of one forward pass, log-probs by ``jmem.ops.sequence_logprobs`` over
+    ``--loss-chunk`` tokens (no ``[B, S, V]`` logits); DPO's reference is the same base with
+    the adapters off, in the step (``jmem.losses.preference_loss``)."""
+    objective = config.training.objective
+    logprobs = functools.partial(preference.sequence_logprobs, config=cfg, levers=lv)
+    reference = "adapters_off" if objective == "dpo" else None
+    return jmem.losses.preference_loss(
+        logprobs, objective, reference=reference, **preference_hyperparams(config)
+    )
+
+
 def dropout_key(config):
     """The LoRA dropout key of a ``--lora-dropout`` run (from ``--seed``; the train step folds
     in the step and microbatch, and checkpoints it), or None without dropout."""
@@ -51,11 +84,30 @@ def dropout_key(config):
 
 def job_resolved_levers(config, cfg, dtype, target=None):
     """The job's ``jmem.Levers`` resolved for one microbatch ``[batch / grad_accum,
-    seq_len]`` in ``dtype`` on ``target`` (None: the running backend)."""
+    seq_len]`` (preference pairs: twice the rows) in ``dtype`` on ``target`` (None: the
+    running backend)."""
     data, batch = config.data, None
     if data.batch_size is not None and data.seq_len is not None:
-        batch = (max(1, data.batch_size // config.levers.grad_accum), data.seq_len)
+        rows = rows_per_example(config) * max(1, data.batch_size // config.levers.grad_accum)
+        batch = (rows, data.seq_len)
     return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype)
+
+
+def rows_per_example(config) -> int:
+    """Sequences per example of a batch: 2 for preference pairs (chosen, rejected), else 1."""
+    return 1 if config.training.objective == "sft" else 2
+
+
+def abstract_batch(config) -> dict:
+    """The train step's batch as ``jax.ShapeDtypeStruct``s (for ``--dry-run``): int32
+    ``[B, S]`` inputs and targets, or for preference pairs ``[B, 2, S]`` inputs, targets and
+    ``completion_mask``."""
+    b, s = config.data.batch_size, config.data.seq_len
+    if config.training.objective == "sft":
+        return {k: jax.ShapeDtypeStruct((b, s), jnp.int32) for k in ("inputs", "targets")}
+    batch = {k: jax.ShapeDtypeStruct((b, 2, s), jnp.int32) for k in ("inputs", "targets")}
+    batch["completion_mask"] = jax.ShapeDtypeStruct((b, 2, s), jnp.float32)
+    return batch
 
 
 def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True):
@@ -79,7 +131,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
 
     Returns:
       ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
-      batch, *, frozen)``, the compute dtype and the optax learning-rate schedule
+      batch, *, frozen)`` (a preference ``--objective``: ``(loss, metrics)`` of a ``[B, 2,
+      S]`` batch of pairs, the step built with ``has_aux``), the compute dtype and the optax learning-rate schedule
       (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
     """
     if mesh is not None and offloads(config.levers, "params"):
@@ -87,7 +140,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
     dtype = jnp.float16 if config.levers.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)
-    loss_fn = _loss(cfg, lv)
+    preference_run = config.training.objective != "sft"
+    loss_fn = _preference_loss(config, cfg, lv) if preference_run else _loss(cfg, lv)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.training.lr,
@@ -112,6 +166,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
             offload_optimizer=offload_mode(config, disk),
             offload_dir=config.levers.offload_dir if on_disk else None,
             mesh=mesh,
+            has_aux=preference_run,
         )
     return step, loss_fn, dtype, schedule
 

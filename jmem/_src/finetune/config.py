@@ -53,6 +53,15 @@ HOST_ALLOCATORS = ("auto", "huge-pages", "retain", "system")
 TARGET_NAMES = ("h100_sxm", "h200", "a100_sxm_80", "a100_sxm_40", "b200", "rtx4090", "cpu")
 #: ``jmem.Levers``' defaults for the long-sequence levers (attention, loss_chunk, token_chunk).
 LONG_CONTEXT_DEFAULTS = ("auto", 2048, 2048)
+#: ``--objective``: supervised fine-tuning, or a preference loss (``jmem.losses``).
+OBJECTIVE_NAMES = ("sft", "dpo", "orpo", "simpo")
+#: ``--beta`` unset, by objective: TRL's ``DPOConfig``/``ORPOConfig`` 0.1, SimPO's paper 2.0.
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+#: ``--simpo-gamma`` unset: the SimPO paper's target margin (gamma / beta = 0.5 at beta 2).
+DEFAULT_SIMPO_GAMMA = 1.0
+#: argparse type of ``--label-smoothing``: the probability that a label is flipped.
+smoothing = cli.number(float, lambda v: 0 <= v < 0.5, "a probability in [0, 0.5)")
+finite_float = cli.number(float, lambda v: v == v and abs(v) != float("inf"), "a finite number")
 
 
 def mesh_spec(text: str) -> str:
@@ -208,8 +217,34 @@ class LeversConfig(_Group):
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig(_Group):
-    """What is trained, and how long: the optimizer, its schedule, the LoRA adapters."""
+    """What is trained, and how long: the objective, the optimizer, its schedule, the LoRA
+    adapters."""
 
+    objective: str = option(
+        "sft",
+        "sft: next-token loss on the data (text or examples); dpo, orpo, simpo: a preference "
+        "loss on prompt/chosen/rejected pairs (jmem.losses; DPO's reference is the base with "
+        "the adapters off)",
+        choices=OBJECTIVE_NAMES,
+    )
+    beta: float | None = option(
+        None,
+        "preference objectives: DPO's KL inverse temperature (IPO's tau), ORPO's lambda, "
+        "SimPO's reward scale; unset: 0.1 (dpo, orpo), 2.0 (simpo)",
+        check=cli.positive_float,
+    )
+    loss_type: str = option(
+        "sigmoid", "dpo: sigmoid (DPO) or ipo (IPO, length-normalised)", choices=("sigmoid", "ipo")
+    )
+    label_smoothing: float = option(
+        0.0,
+        "dpo (sigmoid) and simpo: the assumed probability that a preference label is flipped "
+        "(conservative DPO)",
+        check=smoothing,
+    )
+    simpo_gamma: float | None = option(
+        None, "simpo: the target reward margin; unset: 1.0", check=finite_float
+    )
     steps: int | None = option(
         None, "optimizer steps; unset: 200 small, 20 large", check=cli.positive_int
     )
@@ -449,10 +484,37 @@ def check_combinations(values: Mapping[str, Any], name) -> None:
     for a, b in (("config", "checkpoint"), ("resume", "overwrite")):
         if get(a) and get(b):
             raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
+    _check_objective(get, name)
     if get("batch_size") is not None and get("batch_size") % get("grad_accum"):
         raise cli.CliError(
             f"{name('batch_size')} {get('batch_size')} must be divisible by "
             f"{name('grad_accum')} {get('grad_accum')}"
+        )
+
+
+#: The loss options and the objectives that read them.
+OBJECTIVE_OPTIONS = {
+    "beta": ("dpo", "orpo", "simpo"),
+    "loss_type": ("dpo",),
+    "label_smoothing": ("dpo", "simpo"),
+    "simpo_gamma": ("simpo",),
+}
+
+
+def _check_objective(get, name) -> None:
+    """A loss option given (not at its default) belongs to an objective that reads it."""
+    objective = get("objective")
+    for option_name, objectives in OBJECTIVE_OPTIONS.items():
+        if objective in objectives or get(option_name) == _FIELDS[option_name].default:
+            continue
+        raise cli.CliError(
+            f"{name(option_name)} applies to {name('objective')} {'|'.join(objectives)}, "
+            f"not {objective}; drop it or pass {name('objective')} {objectives[0]}"
+        )
+    if get("loss_type") == "ipo" and get("label_smoothing"):
+        raise cli.CliError(
+            f"{name('label_smoothing')} applies to {name('loss_type')} sigmoid only; drop it "
+            "for ipo"
         )
 
 

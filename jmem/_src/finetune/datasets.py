@@ -31,13 +31,19 @@ def load_datasets(config, tok):
     when evaluation was asked for and is skipped) and, for examples, ``examples`` (counts of
     examples, truncated ones and ones with no trained-on token, train and held out).
 
+    With a preference ``--objective`` (dpo, orpo, simpo), ``--data`` holds pairs
+    (``preference_datasets``): batches of ``[B, 2, S]`` arrays.
+
     Raises:
       CliError: for a missing, empty or unreadable file, data smaller than one training
-        batch, or examples none of which keeps a response token within ``--seq-len``.
+        batch, or examples none of which keeps a response token within ``--seq-len``;
+        for pairs, as ``preference_datasets``.
     """
     if config.data.data is not None and not os.path.isfile(config.data.data):
         raise CliError(f"--data {config.data.data}: no such file; pass a .txt or .jsonl file")
-    if config.data.data is not None and config.data.data.endswith(".jsonl"):
+    if config.training.objective != "sft":
+        train, held, report = preference_datasets(config, tok)
+    elif config.data.data is not None and config.data.data.endswith(".jsonl"):
         train, held, report = _example_datasets(config, tok)
     else:
         train, held, report = _text_datasets(config, tok)
@@ -167,3 +173,52 @@ def check_response_tokens(counts: dict, flag: str, seq_len: int) -> None:
             "tokens: their end is cut and not trained on.",
             flush=True,
         )
+
+
+def preference_datasets(config, tok):
+    """``(train, held or None, report)`` of preference pairs (``jmem.data.load_preferences``,
+    TRL's formats; ``pack_pairs``: one pair per ``[2, S]`` row, answers masked in
+    ``completion_mask``), ``--eval-split`` of the pairs held out at random as for examples.
+
+    Raises:
+      CliError: ``--data FILE:LINE: ...`` for a missing field, identical answers or a
+        prompt longer than ``--seq-len``; no ``--data``, another extension, fewer pairs
+        than one batch.
+    """
+    data, objective = config.data.data, config.training.objective
+    if data is None or not data.endswith((".jsonl", ".json")):
+        raise CliError(
+            f"--objective {objective} needs --data FILE.jsonl (or .json) of preference pairs "
+            '("prompt", "chosen", "rejected"); got ' + (data or "the default corpus")
+        )
+    flag = f"--data {data}"
+    with user_input("--data"):  # the message names the file (and line)
+        pairs = jdata.load_preferences(data)
+    train_ex, held_ex = _split_examples(config, pairs)
+    pack = lambda ex: jdata.pack_pairs(ex, tok, config.data.seq_len, seq_len_name="--seq-len")
+    with user_input("--data"):
+        rows, counts = pack(train_ex)
+        held_rows, held_counts = pack(held_ex) if held_ex else (None, None)
+    if counts["truncated"]:
+        print(
+            f"note: {counts['truncated']} of {2 * counts['pairs']} training answers are longer "
+            f"than --seq-len {config.data.seq_len} + 1 tokens (longest {counts['max_tokens']}): "
+            "their end is cut and not trained on.",
+            flush=True,
+        )
+    if len(train_ex) < config.data.batch_size:
+        raise CliError(
+            f"{flag}: {len(train_ex)} training pairs, fewer than one batch of --batch-size "
+            f"{config.data.batch_size} (pairs per step); pass more pairs or a smaller --batch-size"
+        )
+    train = jdata.PackedDataset.from_rows(rows, config.data.batch_size, seed=config.run.seed)
+    chat = not isinstance(pairs[0]["chosen"], str)
+    report = {"pairs": {"train": counts}, "chat": chat}
+    held = None
+    if held_rows is not None:
+        report["pairs"]["held_out"] = held_counts
+        n = min(config.data.batch_size, held_counts["pairs"])
+        held = jdata.PackedDataset.from_rows(held_rows, n, seed=config.run.seed)
+    elif config.data.eval_split:
+        report["eval_skipped"] = f"{flag} has {len(pairs)} pair(s): none to hold out"
+    return train, held, report

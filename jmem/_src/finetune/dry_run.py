@@ -15,11 +15,13 @@ from jmem import MemoryReport
 from jmem import lora as jlora
 from jmem import planner
 from jmem import targets as jtargets
+from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.config import offloads
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
@@ -54,10 +56,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         jax.random.key(0),
     )
     state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
-    batch = {
-        k: jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32)
-        for k in ("inputs", "targets")
-    }
+    batch = abstract_batch(config)
     t0 = time.time()
     report = step.measure(state, batch, target=target)
     q_bytes, q_count, frozen_bytes = base_bytes(frozen)
@@ -205,7 +204,8 @@ def _print_params_lever(config, frozen_bytes: int) -> None:
 
 def _estimate(config, levers, cfg, dtype, targets, devices: int):
     """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
-    over ``devices``."""
+    over ``devices``; preference pairs count as two sequences each (the planner's
+    activations are those of an SFT step over as many rows)."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     offload = (
         "disk"
@@ -222,7 +222,7 @@ def _estimate(config, levers, cfg, dtype, targets, devices: int):
         lora={"rank": config.training.lora_rank, "targets": targets},
         quantization="nf4",
         levers=levers,
-        batch_size=max(1, config.data.batch_size // devices),
+        batch_size=max(1, rows_per_example(config) * config.data.batch_size // devices),
         seq_len=config.data.seq_len,
         **shards,
     )

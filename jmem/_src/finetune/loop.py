@@ -33,6 +33,7 @@ from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import from_checkpoint
 from jmem._src.finetune.build import offload_dir_input
 from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.outputs import Sampler
 from jmem._src.finetune.outputs import save_adapters
@@ -57,9 +58,12 @@ class TrainingStopped(CliError):
 
 class Evaluator:
     """Loss over a fixed set of held-out batches (the first ``--eval-batches`` of the
-    held-out split), with the adapters cast to the compute dtype as the train step does."""
+    held-out split), with the adapters cast to the compute dtype as the train step does.
+    A preference loss's metrics (reward margins, accuracies, rewards), averaged as the loss
+    is, are in ``last_metrics`` after each call (None for SFT)."""
 
     def __init__(self, step, loss_fn, held, n_batches: int, mesh=None):
+        self.last_metrics = None
         n = min(n_batches, held.batches_per_epoch)
         self.batches = [held.batch_at(jdata.Position(0, i * held.batch_size))[0] for i in range(n)]
         if mesh is not None:  # replicated: any row count, on one process or several
@@ -75,16 +79,34 @@ class Evaluator:
             return loss_fn(params, batch, frozen=frozen)
 
         self._loss = jax.jit(eval_loss)
+        self.has_aux = bool(self.batches) and "completion_mask" in self.batches[0]  # pairs
 
     def __call__(self, state) -> float:
-        """The held-out loss: batch means weighted by their trained-on target tokens."""
-        losses = [float(self._loss(state.params, state.frozen, b)) for b in self.device_batches]
-        weights = [float(np.sum(b["mask"])) if "mask" in b else 1.0 for b in self.batches]
-        return float(np.average(losses, weights=weights)) if sum(weights) else float("nan")
+        """The held-out loss: batch means weighted by their trained-on target tokens (by
+        their pairs for a preference loss)."""
+        outs = [self._loss(state.params, state.frozen, b) for b in self.device_batches]
+        losses = [float(o[0] if self.has_aux else o) for o in outs]
+        weights = [_weight(b) for b in self.batches]
+        if not sum(weights):
+            return float("nan")
+        if self.has_aux:
+            names = outs[0][1]
+            self.last_metrics = {
+                k: float(np.average([float(o[1][k]) for o in outs], weights=weights)) for k in names
+            }
+        return float(np.average(losses, weights=weights))
 
 
-def _meta(config, step, pos, losses, evals, lrs, skipped) -> dict:
+def _weight(batch) -> float:
+    """A held-out batch's weight: its trained-on tokens (``mask``), or its examples."""
+    if "mask" in batch:
+        return float(np.sum(batch["mask"]))
+    return float(len(batch["inputs"])) if "completion_mask" in batch else 1.0
+
+
+def _meta(config, step, pos, losses, evals, lrs, skipped, metrics=None) -> dict:
     return {
+        **(metrics or {}),  # a preference loss's per-step and held-out metrics
         "step": step,  # steps attempted; TrainState.step counts the updates applied
         "skipped_steps": skipped,
         "data": pos.to_dict(),
@@ -105,8 +127,9 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
 
     Returns:
       ``(state, position, losses, eval_losses, trainable parameter count, history)``:
-      ``history`` holds ``start`` (the steps attempted so far), ``learning_rates`` and
-      ``skipped_steps`` (those whose update was skipped for non-finite gradients).
+      ``history`` holds ``start`` (the steps attempted so far), ``learning_rates``,
+      ``skipped_steps`` (those whose update was skipped for non-finite gradients) and a
+      preference loss's ``metrics`` and ``eval_metrics``.
 
     Raises:
       CliError: when every checkpoint is damaged, or the state does not match it.
@@ -126,6 +149,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
     pos, losses, evals = jdata.Position(), [], []
     history = {"start": 0, "learning_rates": [], "skipped_steps": []}
+    history.update(metrics=[], eval_metrics=[])
     if resume_step is not None:
         note = lambda line: print(f"note: {line}; trying the previous checkpoint", flush=True)
         with user_input("--resume", (CheckpointDamagedError, ValueError)):
@@ -138,6 +162,8 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
             "start": int(meta.get("step", int(state.step))),
             "learning_rates": list(meta.get("learning_rates", [])),
             "skipped_steps": list(meta.get("skipped_steps", [])),
+            "metrics": list(meta.get("metrics", [])),
+            "eval_metrics": list(meta.get("eval_metrics", [])),
         }
         print(
             f"Resumed at step {history['start']} (data epoch {pos.epoch}, index {pos.index}).",
@@ -184,10 +210,13 @@ class Progress:
             )
         self.start = start
 
-    def update(self, s, loss, evals, lr, tps, mem):
+    def update(self, s, loss, evals, lr, tps, mem, aux=None):
         ev = evals[-1][1] if evals else None
         if self.bar is not None:
             post = {"loss": f"{loss:.3f}"}
+            if aux:
+                post.update(margin=f"{aux['rewards/margins']:.3f}")
+                post.update(acc=f"{aux['rewards/accuracies']:.2f}")
             if ev is not None:
                 post["eval"] = f"{ev:.3f}"
             post.update(lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mem=format_bytes(mem))
@@ -196,6 +225,7 @@ class Progress:
         elif (s + 1) % 10 == 0 or s == self.start or (evals and evals[-1][0] == s + 1):
             print(
                 f"step {s + 1:5d}  loss {loss:.4f}"
+                + (preference_line(aux) if aux else "")
                 + (f"  eval {ev:.4f}" if ev is not None else "")
                 + f"  lr {lr:.2e}  {tps:,.0f} tok/s  mem {format_bytes(mem)}",
                 flush=True,
@@ -204,6 +234,15 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def preference_line(aux: dict) -> str:
+    """A preference step's metrics in a log line: reward margin, accuracy, and the chosen
+    and rejected rewards (``jmem.losses``' ``rewards/*``, batch means)."""
+    return (
+        f"  margin {aux['rewards/margins']:.4f}  acc {aux['rewards/accuracies']:.2f}"
+        f"  chosen {aux['rewards/chosen']:.4f}  rejected {aux['rewards/rejected']:.4f}"
+    )
 
 
 def _compile(step, state, batch):
@@ -334,6 +373,8 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None, paths=None):
     compiled, compiled_peak = _compile(step, state, step_batch(ds.batch_at(pos)[0], mesh))
     if evaluate is not None and start == 0:
         evals.append([0, evaluate(state)])
+        if evaluate.last_metrics is not None:
+            history["eval_metrics"].append([0, evaluate.last_metrics])
     chat = getattr(ds, "report", {}).get("chat", False)  # sample in the chat template
     sample = None if config.output.sample_prompt is None else Sampler(config, cfg, tok, step, chat)
     if sample is not None:
@@ -343,6 +384,7 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None, paths=None):
     lrs = history["learning_rates"][:start]  # a checkpoint of jmem <= 0.2 has none
     run.losses, run.evals, run.lrs = losses, evals, lrs + run.schedule[len(lrs) : start]
     run.skipped = history["skipped_steps"]
+    run.metrics, run.eval_metrics = history["metrics"][:start], history["eval_metrics"]
     try:
         state, pos, times = run.steps(state, pos, ds, start, compiled_peak)
     except TrainingStopped:
@@ -353,10 +395,12 @@ def train(config, cfg, tok, ds, held, resume_step, mesh=None, paths=None):
     if sample is not None:
         sample(state, f"after (step {config.training.steps})")
     save_adapters(config, cfg, state, paths)
-    tokens_per_step = config.data.batch_size * config.data.seq_len
+    tokens_per_step = rows_per_example(config) * config.data.batch_size * config.data.seq_len
     tps = tokens_per_step / float(np.median(times[1:])) if len(times) > 1 else None
     extra = {**getattr(ds, "report", {}), **mesh_record(mesh), "skipped_steps": run.skipped}
     extra.update(disk_record(state, len(times)))
+    if config.training.objective != "sft":
+        extra.update(metrics=run.metrics, eval_metrics=run.eval_metrics)
     if sample is not None:
         extra.update(sample.record())
     return finish(
@@ -375,11 +419,12 @@ class _Run:
         self.schedule = np.asarray(schedule(jnp.arange(steps + 1)), np.float64).tolist()
         self.losses, self.evals, self.lrs, self.skipped = [], [], [], []
         self.aside = None  # the --out whose earlier run this one is to replace
+        self.metrics, self.eval_metrics = [], []  # a preference loss's, per step
 
     def steps(self, state, pos, ds, start, compiled_peak):
         """Runs steps ``start..--steps``; returns ``(state, position, step times)``."""
         config, total = self.config, self.config.training.steps
-        tokens_per_step = config.data.batch_size * config.data.seq_len
+        tokens_per_step = rows_per_example(config) * config.data.batch_size * config.data.seq_len
         progress, guard = Progress(config, start), _Guard(config, self.ckpt, self.aside)
         times, it = [], ds.iterate(pos)
         applied = int(state.step)  # the updates applied so far (the schedule's count)
@@ -396,14 +441,13 @@ class _Run:
             if int(metrics["step"]) == applied:  # no update: skipped (fp16 loss scaling)
                 self.skipped.append(s + 1)
             applied = int(metrics["step"])
-            if self.evaluate is not None and (
-                (s + 1) % config.data.eval_every == 0 or s + 1 == total
-            ):
-                self.evals.append([s + 1, self.evaluate(state)])
+            aux = {k: float(v) for k, v in metrics.get("aux", {}).items()}
+            if aux:
+                self.metrics.append(aux)
+            self._evaluate(s + 1, state)
             tps = tokens_per_step / np.median(times[1:] or times)  # the first call warms up
-            progress.update(
-                s, loss, self.evals, self.lrs[-1], tps, device_memory() or compiled_peak
-            )
+            mem = device_memory() or compiled_peak
+            progress.update(s, loss, self.evals, self.lrs[-1], tps, mem, aux)
             with _writing(self.ckpt, s + 1, self.aside):
                 if self.ckpt.maybe_save(s + 1, checkpointable(state), self._meta(s + 1, pos)):
                     if checkpointable(state) is not state:  # the disk files change next step
@@ -415,5 +459,16 @@ class _Run:
             self.ckpt.wait()
         return state, pos, times
 
+    def _evaluate(self, n: int, state) -> None:
+        """Evaluates after step ``n`` every ``--eval-every`` steps and after the last."""
+        if self.evaluate is None:
+            return
+        if n % self.config.data.eval_every and n != self.config.training.steps:
+            return
+        self.evals.append([n, self.evaluate(state)])
+        if self.evaluate.last_metrics is not None:
+            self.eval_metrics.append([n, self.evaluate.last_metrics])
+
     def _meta(self, n, pos):
-        return _meta(self.config, n, pos, self.losses, self.evals, self.lrs, self.skipped)
+        metrics = {"metrics": self.metrics, "eval_metrics": self.eval_metrics}
+        return _meta(self.config, n, pos, self.losses, self.evals, self.lrs, self.skipped, metrics)

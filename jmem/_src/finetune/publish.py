@@ -35,9 +35,17 @@ JOURNAL = ".publish.json"
 #: Beside ``--export-merged``: the suffixes of its staging and replaced directories.
 MERGED_STAGING, MERGED_REPLACED = ".jmem-staging", ".jmem-replaced"
 #: What a run publishes from its staging directory into ``--out``, in this order.
-ITEMS = ("checkpoints", "run.json", "adapter", "summary.json", "loss.png", MANIFEST)
+ITEMS = (
+    "checkpoints",
+    "run.json",
+    "adapter",
+    "summary.json",
+    "metrics.jsonl",
+    "loss.png",
+    MANIFEST,
+)
 #: The published outputs (``outputs.json`` hashes them): the rest are the run's state.
-OUTPUTS = ("adapter", "summary.json", "loss.png")
+OUTPUTS = ("adapter", "summary.json", "metrics.jsonl", "loss.png")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,21 @@ from jmem.models import llama
 
 format_bytes = MemoryReport.format_bytes
 
-#: What the job trains for: supervised fine-tuning (next-token loss on the text, or on the
-#: responses of instruction and chat examples).
+#: What the job trains for by default: supervised fine-tuning (next-token loss on the text,
+#: or on the responses of instruction and chat examples).
 OBJECTIVE = "SFT"
+#: ``--objective`` as the report names it.
+OBJECTIVE_LABELS = {"sft": OBJECTIVE, "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+#: The preference metrics the log, ``metrics.jsonl`` and the plot's second panel show.
+PREFERENCE_METRICS = ("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected")
+
+
+def objective_label(config) -> str:
+    """``--objective`` in words: ``"SFT"``, ``"DPO"`` (``"IPO"`` with ``--loss-type ipo``),
+    ``"ORPO"``, ``"SimPO"``."""
+    t = config.training
+    return "IPO" if t.objective == "dpo" and t.loss_type == "ipo" else OBJECTIVE_LABELS[t.objective]
+
 
 #: The x axis of the plot and the steps of ``summary.json``'s ``losses`` and
 #: ``eval_losses``: one count of optimizer updates for both.
@@ -110,7 +122,7 @@ def finish(
         "tokenizer": config.model.tokenizer,
         "args": flags(config),
         "versions": versions(),
-        "objective": OBJECTIVE,
+        "objective": objective_label(config),
         "steps": config.training.steps,
         "step_axis": "losses[s] and eval_losses' [s, loss]: " + STEP_AXIS,
         "first_loss": losses[0] if losses else None,
@@ -138,13 +150,31 @@ def finish(
     if summary["tokens_per_s"] and peak:
         fpt = train_flops_per_token(cfg, config.data.seq_len, summary["trainable_params"])
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
+    metrics = summary.get("metrics") or None
+    if metrics:
+        summary["first_metrics"], summary["last_metrics"] = metrics[0], metrics[-1]
+    eval_metrics = summary.get("eval_metrics") or []
+    if eval_metrics:
+        summary["last_eval_metrics"] = eval_metrics[-1][1]
     plot = os.path.join(config.run.out, "loss.png")
     if is_writer():
         where = where or config.run.out
         with open(os.path.join(where, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        plot_losses(losses, evals, lrs, os.path.join(where, "loss.png"), run_title(config, cfg))
+        write_metrics(os.path.join(where, "metrics.jsonl"), summary)
+        plot_losses(
+            losses,
+            evals,
+            lrs,
+            os.path.join(where, "loss.png"),
+            run_title(config, cfg),
+            metrics,
+            eval_metrics,
+        )
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
+    if eval_metrics:
+        m = eval_metrics[-1][1]
+        ev += f" (accuracy {m['rewards/accuracies']:.2f}, margin {m['rewards/margins']:.4f})"
     mean = f" (mean of the last {k}: {recent:.4f})" if k > 1 else ""
     print(
         f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "
@@ -153,6 +183,22 @@ def finish(
         + (f"; MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
     )
     return summary
+
+
+def write_metrics(path: str, summary: dict) -> None:
+    """``metrics.jsonl``: one JSON object per line, per step ``{"step": s, "loss",
+    "learning_rate"}`` (step ``s``'s batch, before its update; a preference loss's metrics
+    added by their names, ``rewards/margins``...), then per evaluation ``{"step": s,
+    "eval_loss"}`` (and ``"eval/rewards/margins"``...)."""
+    losses, lrs = summary["losses"], summary["learning_rates"]
+    metrics = summary.get("metrics") or [{}] * len(losses)
+    evals = {s: m for s, m in summary.get("eval_metrics") or []}
+    with open(path, "w") as f:
+        for s, (loss, lr, m) in enumerate(zip(losses, lrs, metrics)):
+            f.write(json.dumps({"step": s, "loss": loss, "learning_rate": lr, **m}) + "\n")
+        for s, loss in summary["eval_losses"]:
+            extra = {f"eval/{k}": v for k, v in evals.get(s, {}).items()}
+            f.write(json.dumps({"step": s, "eval_loss": loss, **extra}) + "\n")
 
 
 def model_label(config, cfg) -> str:
@@ -170,29 +216,33 @@ def model_label(config, cfg) -> str:
 def run_title(config, cfg) -> str:
     """The plot's title: the objective, the method and the model (``model_label``):
     ``"SFT with QLoRA (r=8): qwen3, 596M params"``."""
-    return f"{OBJECTIVE} with QLoRA (r={config.training.lora_rank}): {model_label(config, cfg)}"
+    return f"{objective_label(config)} with QLoRA (r={config.training.lora_rank}): {model_label(config, cfg)}"
 
 
-def plot_losses(losses, evals, lrs, path, title):
+def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None):
     """Training loss per step, held-out loss at its steps, learning rate on a second axis;
     one axis of optimizer steps (``STEP_AXIS``): ``losses[s]`` (step ``s``'s batch, before
     its update) and an evaluation at ``s`` both measure the adapters after ``s`` updates,
     so the train curve starts at 0 with the evaluation before the first update; integer
-    step ticks."""
+    step ticks. With a preference loss's ``metrics`` (one dict per step) and
+    ``eval_metrics`` (``[s, dict]``), a second panel below: reward margin, chosen and
+    rejected rewards, and accuracy on its own axis (``_plot_preference``)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    if metrics:
+        fig, (ax, pref_ax) = plt.subplots(2, 1, figsize=(6.5, 6.6), sharex=True)
+    else:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
     steps = np.arange(len(losses))  # losses[s]: the adapters after s updates
     lines = ax.plot(steps, losses, label="train loss")
     if evals:
         e = np.asarray(evals, np.float64)
         lines += ax.plot(e[:, 0], e[:, 1], "o-", label="eval loss (held out)")
-    ax.set_xlabel(STEP_AXIS, fontsize=9)
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)" if not metrics else "loss (per pair)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     lr_ax = ax.twinx()
@@ -201,6 +251,35 @@ def plot_losses(losses, evals, lrs, path, title):
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
     ax.set_title(title)
+    if metrics:
+        _plot_preference(pref_ax, metrics, eval_metrics or [])
+        pref_ax.set_xlabel(STEP_AXIS, fontsize=9)
+    else:
+        ax.set_xlabel(STEP_AXIS, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_preference(ax, metrics, eval_metrics):
+    """The preference panel: per-step reward margin, chosen and rejected rewards (left
+    axis), accuracy (right axis, 0 to 1), the held-out margin and accuracy as points."""
+    steps = np.arange(len(metrics))
+    series = lambda name: [m[name] for m in metrics]
+    lines = ax.plot(steps, series("rewards/margins"), label="reward margin")
+    lines += ax.plot(steps, series("rewards/chosen"), lw=0.8, label="chosen reward")
+    lines += ax.plot(steps, series("rewards/rejected"), lw=0.8, label="rejected reward")
+    if eval_metrics:
+        at = [s for s, _ in eval_metrics]
+        margins = [m["rewards/margins"] for _, m in eval_metrics]
+        lines += ax.plot(at, margins, "o", label="eval margin (held out)")
+    ax.set_ylabel("reward (nats)")
+    ax.grid(alpha=0.3)
+    acc_ax = ax.twinx()
+    lines += acc_ax.plot(steps, series("rewards/accuracies"), ":", color="k", label="accuracy")
+    if eval_metrics:
+        acc = [m["rewards/accuracies"] for _, m in eval_metrics]
+        lines += acc_ax.plot(at, acc, "s", color="k", label="eval accuracy (held out)")
+    acc_ax.set_ylim(-0.05, 1.05)
+    acc_ax.set_ylabel("accuracy (chosen reward > rejected)")
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=7)

@@ -38,6 +38,11 @@ RESUME_FLAGS = (
     "lora_dropout",
     "eval_split",
     "seed",
+    "objective",
+    "beta",
+    "loss_type",
+    "label_smoothing",
+    "simpo_gamma",
 )
 
 

@@ -14,6 +14,8 @@ from jmem import lora as jlora
 from jmem._src.cli import CliError
 from jmem._src.cli import flag as cli_flag
 from jmem._src.cli import user_input
+from jmem._src.finetune.config import DEFAULT_BETA
+from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import offloads
 from jmem.models import export
 from jmem.models import hf
@@ -70,7 +72,8 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     never ``or``; ``config`` is not changed): the model name (``default_model``), the
     tokenizer (the checkpoint's, else ``byte``), sizes CPU-sized for `tiny` and for training
     on a CPU, 7B-sized on a GPU and for dry-run plans (the sequence length capped at the
-    model's ``max_seq_len``), ``lr``, ``lora_alpha`` and ``eval_every``; notes to print
+    model's ``max_seq_len``), ``lr``, ``lora_alpha``, ``eval_every`` and a preference
+    objective's ``beta`` (and SimPO's ``simpo_gamma``); notes to print
     once every input is checked.
 
     Raises:
@@ -98,6 +101,10 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
         set_["lr"] = 3e-3 if name == "tiny" else 2e-4
     if t.lora_alpha is None:
         set_["lora_alpha"] = 2.0 * t.lora_rank
+    if t.objective != "sft" and t.beta is None:
+        set_["beta"] = DEFAULT_BETA[t.objective]
+    if t.objective == "simpo" and t.simpo_gamma is None:
+        set_["simpo_gamma"] = DEFAULT_SIMPO_GAMMA
     if config.data.eval_every is None:
         set_["eval_every"] = default_eval_every(sizes["steps"])
     if sizes["batch_size"] % config.levers.grad_accum:
