@@ -300,8 +300,15 @@ def _add_estimate(sub, full: bool) -> None:
     )
     p.add_argument(
         "--offload",
-        choices=["optimizer", "optimizer+masters"],
-        help="ledgers kept in host memory",
+        choices=[
+            "optimizer",
+            "optimizer+masters",
+            "params",
+            "optimizer,params",
+            "optimizer+masters,params",
+        ],
+        help="ledgers kept in host memory (params: the frozen base streamed per layer, "
+        "jmem finetune --offload params)",
     )
     p.add_argument(
         "--lora-rank",

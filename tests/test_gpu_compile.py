@@ -260,11 +260,13 @@ def test_estimate_answers_from_the_compiler(capsys):
 
 
 def _streamed_qlora_step(offload: bool):
-    """The tiny QLoRA train step (NF4 base, r=4 adapters, 8-bit AdamW, full remat, bf16)
-    with or without ``Levers(offload_params=True)``, and its abstract state and batch."""
+    """A two-layer QLoRA train step (NF4 base, r=4 adapters, AdamW, full remat, bf16;
+    ``tiny`` made smaller, 64 tokens, to keep the two compiles short) with or without
+    ``Levers(offload_params=True)``, and its abstract state and batch."""
     from jmem.models import llama  # noqa: PLC0415
 
-    cfg = llama.get_config("tiny")
+    small = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4)
+    cfg = dataclasses.replace(llama.get_config("tiny"), num_kv_heads=2, **small)
     lv = jmem.Levers(remat="full", offload_params=offload)
 
     def loss_fn(adapters, batch, *, frozen):
@@ -275,10 +277,8 @@ def _streamed_qlora_step(offload: bool):
         lambda: jmem.qlora.quantize_params(llama.abstract_params(cfg, jnp.bfloat16))
     )
     adapters = jax.eval_shape(lambda: jmem.lora.init(jax.random.key(0), frozen, rank=4))
-    step = jmem.train_step(
-        loss_fn, jmem.adamw_8bit(1e-3), precision="p=f32,c=bf16,o=f32", levers=lv
-    )
-    tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    step = jmem.train_step(loss_fn, optax.adamw(1e-3), precision="p=f32,c=bf16,o=f32", levers=lv)
+    tokens = jax.ShapeDtypeStruct((1, 64), jnp.int32)
     return step, step.abstract_state(adapters, frozen=frozen), {"inputs": tokens, "targets": tokens}
 
 
@@ -292,11 +292,11 @@ def test_offloaded_params_are_streamed_per_layer_on_the_target():
     from jmem._src.measure import _compile_for  # noqa: PLC0415
     from jmem._src.measure import report_from_compiled  # noqa: PLC0415
 
-    step, state, batch = _streamed_qlora_step(False)
-    reports = {False: step.measure(state, batch, target=TARGET)}
-    step, state, batch = _streamed_qlora_step(True)
-    compiled = _compile_for(step.jitted, jmem.targets.get(TARGET), (state, batch), {})
-    reports[True] = report_from_compiled(compiled, TARGET)
+    reports = {}
+    for offload in (False, True):
+        step, state, batch = _streamed_qlora_step(offload)
+        compiled = _compile_for(step.jitted, jmem.targets.get(TARGET), (state, batch), {})
+        reports[offload] = report_from_compiled(compiled, TARGET)
     base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.frozen))
     plain, streamed = reports[False], reports[True]
     assert plain.host_argument_bytes == 0

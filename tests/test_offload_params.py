@@ -161,3 +161,27 @@ def test_streamed_forward_is_the_in_memory_forward():
     streamed = jax.jit(functools.partial(llama.forward, config=CFG, levers=lv))
     host = offload_params.params_to_host(params)
     np.testing.assert_array_equal(fwd(params, tokens), streamed(host, tokens))
+
+
+@pytest.mark.parametrize(
+    "offload, offload_dir, planner_value, job_value",
+    [
+        ("none", None, False, "none"),
+        ("params", None, "params", "params"),
+        ("optimizer", None, "optimizer", "optimizer"),
+        ("optimizer,params", None, "optimizer,params", "optimizer,params"),
+        ("optimizer,params", "/tmp/state", "disk,params", "optimizer,params"),
+    ],
+)
+def test_job_offload_flags_map_to_the_planner_rungs(offload, offload_dir, planner_value, job_value):
+    """The dry run's planner ``offload=`` for ``--offload``/``--offload-dir``, and back: the
+    ``jmem estimate --target`` compile's job flags for the planner's value."""
+    from jmem._src.finetune import compiled_plan
+    from jmem._src.finetune.dry_run import _offload_value
+
+    levers = fc.LeversConfig(offload=offload, offload_dir=offload_dir)
+    assert _offload_value(levers) == planner_value
+    flags = compiled_plan.job_flags(
+        "tiny", lora_rank=8, quant="nf4", lora_targets=None, offload=planner_value
+    )
+    assert flags["offload"] == job_value

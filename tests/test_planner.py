@@ -679,3 +679,97 @@ def test_planner_shapes_are_the_model_presets():
     assert s.n_params - dataclasses.replace(s, biases=()).n_params == 28 * (3584 + 2 * 512)
     # the name does not take part in comparisons: Llama 3.1 8B has Llama 3 8B's shape
     assert planner.MODEL_SHAPES["llama3_1_8b"] == planner.MODEL_SHAPES["llama3_8b"]
+
+
+# The params rung (offload="params"): the frozen base streamed from host memory per layer.
+
+_QLORA_70B = dict(optimizer="adamw_8bit", lora=(16, "all"), quantization="nf4", param_dtype="bf16")
+
+
+def test_params_rung_ledger_and_transfers_are_the_analytic_sums():
+    """The base leaves the device but for the embedding, final norm and head (bf16 here)
+    and two layers' slices; host holds the base; the stack crosses 3x per step (forward,
+    remat recomputation, backward), the resident weights once."""
+    kw = dict(_QLORA_70B, remat="full", seq_len=1024)
+    plain = planner.estimate("llama3_1_70b", **kw)
+    led = planner.estimate("llama3_1_70b", offload="params", **kw)
+    s = planner.MODEL_SHAPES["llama3_1_70b"]
+    base = plain.detail["base:params"]
+    resident = (s.embedding_params + s.hidden_size) * 2
+    stack = base - resident
+    kept = resident + 2 * stack / s.num_layers
+    assert led.params == pytest.approx(plain.params - base + kept, abs=1)
+    assert dict(led.host) == {"params": base}
+    assert led.transfers == {"params": round(3 * stack + resident)}
+    assert led.detail["params:device"] == round(kept)
+    assert led.detail["params:layer_slice"] == round(stack / s.num_layers)
+    for k in ("grads", "optimizer_state", "master_weights", "activations"):
+        assert getattr(led, k) == getattr(plain, k), k
+    both = planner.estimate("llama3_1_70b", offload="optimizer,params", **kw)
+    assert both.transfers == {"optimizer": 2 * plain.optimizer_state, **led.transfers}
+    assert both.total == led.total - plain.optimizer_state
+    saved = (base - round(kept) + plain.optimizer_state) / 2**30
+    assert f"offload saves {saved:.3g} GiB" in both.trade()
+    # ZeRO-3 over 8 devices: each holds and streams its shard
+    z3 = planner.estimate("llama3_1_70b", offload="params", num_shards=8, **kw)
+    assert z3.host["params"] == math.ceil(base / 8)
+
+
+def test_params_rung_for_full_fine_tuning_and_bad_values():
+    """Full fine-tuning (a plan only, noted): the bf16 params leave the device but for the
+    embedding, head and two layers; the rung needs remat; bad offload values are refused."""
+    kw = dict(optimizer="adamw", param_dtype="bf16", remat="full", seq_len=512)
+    plain = planner.estimate("llama2_7b", **kw)
+    led = planner.estimate("llama2_7b", offload="params", **kw)
+    s = planner.MODEL_SHAPES["llama2_7b"]
+    resident = (s.embedding_params + s.hidden_size) * 2
+    stack = plain.n_params * 2 - resident
+    assert led.params == pytest.approx(resident + 2 * stack / s.num_layers, abs=1)
+    assert led.grads == plain.grads and led.host["params"] == plain.params
+    assert led.transfers["params"] == round(3 * stack + resident)
+    assert any("plan only" in n for n in led.notes)
+    with pytest.raises(ValueError, match="needs remat"):
+        planner.estimate("llama2_7b", offload="params", **{**kw, "remat": "none"})
+    for bad in ("params,disk,optimizer", "optimizer,disk", "param", ["params"]):
+        with pytest.raises(ValueError, match="offload must be"):
+            planner.estimate("llama2_7b", offload=bad, **kw)
+
+
+def test_advise_offers_the_params_rung_after_the_state_rungs_before_disk():
+    """Llama-3.1-70B QLoRA r=16 at 4,096 tokens on 24 GiB (the job's levers): it does not
+    fit; the params rung comes after optimizer (and masters) offload and before disk, names
+    --offload params, and fits; with it the planner says it fits."""
+    from jmem import finetune
+    from jmem._src.finetune.setup import job_levers
+
+    cfg = llama.CONFIGS["llama3_1_70b"]
+    kw = dict(_QLORA_70B, levers=job_levers(finetune.FinetuneConfig()), seq_len=4096)
+    advice = planner.advise("24GiB", cfg, **kw)
+    assert not advice.fits and advice.short == "states"
+    names = [lv.name for lv in advice.levers]
+    rungs = [n for n in names if "offload" in n or "disk" in n]
+    assert rungs[0] == "offload optimizer state to host"
+    assert "--offload params" in rungs[-2] and rungs[-1].endswith("on disk (NVMe)")
+    params = next(lv for lv in advice.levers if "--offload params" in lv.name)
+    assert params.fits and params.changes == {"offload": "params"}
+    assert advice.plan[-1].fits and "--offload params" in advice.plan[-1].name
+    assert planner.advise("24GiB", cfg, offload="params", **kw).fits
+    # no params rung without a frozen base (jmem streams a frozen base only)
+    full = planner.advise("24GiB", "llama2_7b", remat="full", seq_len=1024)
+    assert not any("params" in lv.name for lv in full.levers)
+
+
+def test_dry_run_prints_the_bytes_each_rung_moves():
+    """The dry run's transfer lines (``dry_run.transfer_lines``): one per rung in use, in
+    the ledger's order, with its bytes and seconds at the flags' bandwidths."""
+    from jmem._src.finetune.dry_run import RUNGS
+    from jmem._src.finetune.dry_run import transfer_lines
+
+    led = planner.estimate("llama3_1_70b", offload="disk,params", remat="full", **_QLORA_70B)
+    assert list(led.transfers) == ["optimizer", "params", "disk"]
+    lines = transfer_lines(led, 20.0, 4.0, "--offload-dir")
+    assert len(lines) == 1 + len(led.transfers) + 1  # header, one per rung, the trade line
+    for line, (k, v) in zip(lines[1:], led.transfers.items()):
+        gbps = 4.0 if k == "disk" else 20.0
+        assert line.strip().startswith(RUNGS[k][0])
+        assert f"{v / 1e9:.3g} GB" in line and f"{v / (gbps * 1e9):.3g} s at {gbps:g} GB/s" in line

@@ -25,6 +25,7 @@ from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.config import offloads
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
+from jmem._src.planner.ledger import offload_value
 from jmem._src.units import format_count
 from jmem.models import llama
 
@@ -88,8 +89,9 @@ def dry_run(config, cfg, mesh=None, target=None):
     _print_rows(rows, mesh, devices)
     memory, fit = _print_verdict(report, config.run.memory, target)
     _print_transfers(config, est)
-    if not fit:
-        _print_params_lever(config, frozen_bytes)
+    if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
+        streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
+        _print_params_lever(frozen_bytes, est, streamed)
     out = {
         "config": config.model.config,
         "checkpoint": config.model.checkpoint,
@@ -188,32 +190,37 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
 
 
 # --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
-def _print_params_lever(config, frozen_bytes: int) -> None:
+def _print_params_lever(frozen_bytes: int, est, streamed) -> None:
     """The ``--offload params`` rung, when the step does not fit and it is not in use: the
-    frozen base's bytes leave the device (about; one layer's slice stays at a time) and
-    cross PCIe three times a step (forward, remat recomputation, backward)."""
-    if offloads(config.levers, "params") or config.levers.remat == "none":
-        return
+    frozen base's bytes leave the device (the embedding, final norm, head and two layers'
+    slices stay) and the layer stack crosses PCIe three times a step (forward, remat
+    recomputation, backward); ``est``/``streamed``: the planner without and with it."""
     print(
         f"lever: --offload params keeps the frozen base ({format_bytes(frozen_bytes)}) in host "
-        "memory and streams one layer at a time to the device (it then moves about "
-        f"{format_bytes(3 * frozen_bytes)} host-to-device per step: forward, remat "
-        "recomputation, backward)."
+        "memory and streams one layer at a time to the device: planner device total "
+        f"{format_bytes(est.total)} -> {format_bytes(streamed.total)}, moving "
+        f"{streamed.transfers['params'] / 1e9:.3g} GB host-to-device per step (the layer "
+        "stack 3x: forward, remat recomputation, backward)."
     )
 
 
-def _estimate(config, levers, cfg, dtype, targets, devices: int):
+def _offload_value(levers):
+    """The planner's ``offload=`` for the job's ``--offload``/``--offload-dir``."""
+    state = (
+        "disk" if levers.offload_dir else "optimizer" if offloads(levers, "optimizer") else False
+    )
+    return offload_value(state, offloads(levers, "params"))
+
+
+def _estimate(config, levers, cfg, dtype, targets, devices: int, params: bool = False):
     """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
     over ``devices``; preference pairs count as two sequences each (the planner's
-    activations are those of an SFT step over as many rows)."""
+    activations are those of an SFT step over as many rows); the offload rungs of
+    ``--offload``/``--offload-dir`` (``params``: with the params rung added)."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
-    offload = (
-        "disk"
-        if config.levers.offload_dir
-        else "optimizer"
-        if offloads(config.levers, "optimizer")
-        else False
-    )
+    offload = _offload_value(config.levers)
+    if params:
+        offload = offload_value(offload or False, True)
     return planner.estimate(
         cfg,
         offload=offload,

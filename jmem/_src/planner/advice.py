@@ -16,6 +16,8 @@ from jmem._src.planner.ledger import GB
 from jmem._src.planner.ledger import Ledger
 from jmem._src.planner.ledger import estimate
 from jmem._src.planner.ledger import largest_seq_len
+from jmem._src.planner.ledger import offload_modes
+from jmem._src.planner.ledger import offload_value
 from jmem._src.planner.ledger import parse_memory
 
 __all__ = ["Advice", "Lever", "advise"]
@@ -114,37 +116,56 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
                 {"optimizer": opt + "_4bit"},
             )
         )
-    if config.get("offload") in (None, False):
+    state, params = offload_modes(config.get("offload", False))
+    if state in (None, False, "none"):
         cands.append(
             (
                 "offload optimizer state to host",
                 "host<->device copies of the moments every step (PCIe-bound)",
-                {"offload": "optimizer"},
+                {"offload": offload_value("optimizer", params)},
             )
         )
-    if config.get("offload") != "optimizer+masters":
+    if state != "optimizer+masters":
         cands.append(
             (
                 "offload optimizer state and masters to host",
                 "more PCIe traffic: moments and fp32 masters every step",
-                {"offload": "optimizer+masters"},
+                {"offload": offload_value("optimizer+masters", params)},
             )
         )
-    cands += _disk_lever(config)
+    cands += _params_lever(config) + _disk_lever(config)
     return cands
+
+
+def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
+    """The params rung, after the state rungs (it moves far more bytes per step: the frozen
+    base 3x) and before disk: for a frozen base (``lora``) under remat, as jmem runs it."""
+    state, params = offload_modes(config.get("offload", False))
+    remat = config.get("remat") or getattr(config.get("levers"), "remat", None)
+    if params or config.get("lora") is None or remat in (None, "none"):
+        return []
+    return [
+        (
+            "stream the frozen base from host per layer (--offload params)",
+            "host-to-device copies of the base 3x per step (forward, remat recomputation, "
+            "backward; PCIe-bound: ~2 s per 50 GB at 25 GB/s)",
+            {"offload": offload_value(state, True)},
+        )
+    ]
 
 
 def _disk_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
     """The last offload rung: state and masters on disk (the same device bytes as
     ``optimizer+masters``; it frees the host memory, at disk bandwidth)."""
-    if config.get("offload") == "disk":
+    state, params = offload_modes(config.get("offload", False))
+    if state == "disk":
         return []
     return [
         (
             "optimizer state and masters on disk (NVMe)",
             "as optimizer+masters, plus disk reads and writes of them every step "
             "(~3 GB/s NVMe: several times slower; for when host memory is short too)",
-            {"offload": "disk"},
+            {"offload": offload_value("disk", params)},
         )
     ]
 
@@ -253,8 +274,10 @@ def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **confi
 
     States short (params + grads + optimizer + masters + reserve > memory): remat cannot
     help; levers in cost order are 8-bit optimizer states, 4-bit states, offloading the
-    moments, offloading the masters too, ZeRO sharding over the fewest devices that fit,
-    and LoRA / QLoRA (changes what is trained). Activations short: gradient accumulation
+    moments, offloading the masters too, streaming the frozen base from host memory per
+    layer (``offload="params"``, the job's ``--offload params``; with ``lora`` and remat),
+    state on disk, ZeRO sharding over the fewest devices that fit, and LoRA / QLoRA
+    (changes what is trained). Activations short: gradient accumulation
     (smaller micro-batch, same math), selective then full remat (a few % / ~33% more
     FLOPs), activation offload, shorter sequences.
 
@@ -305,11 +328,20 @@ def _to_remat(mode: str, c: Mapping[str, Any]) -> dict | None:
 
 
 def _to_offload_optimizer(c: Mapping[str, Any]) -> dict | None:
-    return {"offload": "optimizer"} if c.get("offload") in (None, False) else None
+    state, params = offload_modes(c.get("offload", False))
+    none = state in (None, False, "none")
+    return {"offload": offload_value("optimizer", params)} if none else None
 
 
 def _to_offload_masters(c: Mapping[str, Any]) -> dict | None:
-    return {"offload": "optimizer+masters"} if c.get("offload") == "optimizer" else None
+    state, params = offload_modes(c.get("offload", False))
+    return {"offload": offload_value("optimizer+masters", params)} if state == "optimizer" else None
+
+
+def _to_offload_params(c: Mapping[str, Any]) -> dict | None:
+    """The params rung (a frozen base under remat), composed with the state rung in use."""
+    lever = _params_lever(c)
+    return lever[0][2] if lever else None
 
 
 def _more_shards(k: int, c: Mapping[str, Any]) -> dict | None:
@@ -324,6 +356,7 @@ _PLAN_STEPS = (
     ("offload optimizer state", "PCIe copies of the moments", _to_offload_optimizer),
     ("remat 'full'", "~33% FLOPs", functools.partial(_to_remat, "full")),
     ("offload masters too", "PCIe copies of the masters", _to_offload_masters),
+    ("stream the frozen base (--offload params)", "PCIe copies of the base 3x", _to_offload_params),
 ) + tuple(
     (f"ZeRO-3 over {k} devices", f"{k} devices", functools.partial(_more_shards, k))
     for k in (2, 4, 8, 16, 32, 64)

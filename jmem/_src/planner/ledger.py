@@ -77,6 +77,41 @@ _OFFLOAD = {
     True: ("optimizer_state",),
 }
 
+#: The params rung (``offload="params"``, composable: ``"optimizer,params"``,
+#: ``"optimizer+masters,params"``, ``"disk,params"``): the layer-stacked weights stream from
+#: host memory, one layer at a time (``jmem.Levers(offload_params=True)``).
+PARAMS = "params"
+
+
+def offload_modes(offload) -> tuple[Any, bool]:
+    """``(state rung, params rung)`` of an ``offload=`` value: ``"optimizer,params"`` is
+    ``("optimizer", True)``, ``"params"`` is ``(False, True)``, ``"disk"`` is
+    ``("disk", False)``.
+
+    Raises:
+      ValueError: an unknown value, or two state rungs (``"optimizer,disk"``).
+    """
+    if isinstance(offload, str) and "," in offload or offload == PARAMS:
+        parts = [p.strip() for p in offload.split(",")]
+        states = [p for p in parts if p != PARAMS]
+        if PARAMS in parts and len(states) <= 1 and all(p in _OFFLOAD for p in states):
+            return (states[0] if states else False), True
+    elif isinstance(offload, (bool, str)) or offload is None:
+        if offload in _OFFLOAD:
+            return offload, False
+    raise ValueError(
+        "offload must be False, 'optimizer', 'optimizer+masters', 'disk', 'params' or a "
+        f"state rung with params ('optimizer,params'); got {offload!r}."
+    )
+
+
+def offload_value(state, params: bool):
+    """The ``offload=`` value of a state rung and the params rung (``offload_modes``'s
+    inverse): ``("optimizer", True)`` is ``"optimizer,params"``."""
+    if not params:
+        return state
+    return PARAMS if state in (False, None, "none") else f"{state},{PARAMS}"
+
 
 def _state_bytes_per_param(opt: _Opt, accounting: str, block: int | None) -> float:
     """Optimizer-state bytes per parameter (``stored`` adds one fp32 absmax per block)."""
@@ -101,15 +136,17 @@ class Ledger:
 
     Attributes:
       params, grads, optimizer_state, master_weights, activations: device bytes.
-      host: bytes kept in host memory (offloaded optimizer state, masters, activations).
+      host: bytes kept in host memory (offloaded optimizer state, masters, activations,
+        ``"params"``: the streamed base, or the params, whole).
       n_params: parameters of the model; trainable_params: those that get gradients.
       detail: finer split (``activation:layers``, ``lora:params``, ...), bytes.
       notes: assumptions and caveats that apply to this configuration.
       config: the arguments that produced it.
       transfers: bytes each step moves per offload rung: ``"optimizer"`` (state in and out
         over host<->device: 2 x its bytes), ``"master_weights"`` (2 x), ``"disk"``
-        (disk<->host: 2 x state and masters, read and written back); other rungs (e.g.
-        ``"params"``) add their own key.
+        (disk<->host: 2 x state and masters, read and written back), ``"params"``
+        (host-to-device: the layer stack 3 x per micro-batch, in the forward pass, the remat
+        recomputation and the backward pass, plus the embedding, final norm and head once).
       disk: bytes kept on disk (``offload="disk"``), by ledger.
       flops: compute FLOPs of one step (6 N tokens; 4 N tokens for a frozen base with
         LoRA, whose weights get no gradient; Kaplan et al. 2020), attention excluded.
@@ -162,7 +199,10 @@ class Ledger:
 
     def trade(self, pcie_gbps: float = PCIE_GBPS, disk_gbps: float = DISK_GBPS) -> str:
         """``saves X GiB, moves Y GB per step (...)``: the offload rungs' trade in one line."""
+        # the params rung's host bytes less what it keeps on the device (resident weights
+        # and two layers' slices, ``detail["params:device"]``)
         saved = self.host_total - self.host.get("activations", 0) + sum(self.disk.values())
+        saved -= self.detail.get("params:device", 0)
         secs = self.transfer_seconds(pcie_gbps, disk_gbps)
         parts = ", ".join(
             f"{k.replace('_', ' ')} {v / GB:.3g} GB ({secs[k]:.3g} s at "
@@ -249,10 +289,7 @@ def _check_options(accounting, optimizer, offload, quantization, num_shards, zer
         raise ValueError(f"accounting must be 'stored' or 'nominal'; got {accounting!r}.")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}.")
-    if offload not in _OFFLOAD:
-        raise ValueError(
-            f"offload must be False, 'optimizer', 'optimizer+masters' or 'disk'; got {offload!r}."
-        )
+    offload_modes(offload)
     if quantization not in (None, "none", "nf4"):
         raise ValueError(f"quantization must be None or 'nf4'; got {quantization!r}.")
     quantization = None if quantization == "none" else quantization
@@ -313,24 +350,11 @@ def _full_states(n, shape, P, G, S, opt, accounting, count_given, master_weights
     return _States(n * P, n * G, state, n * 4 if master_weights else 0, n)
 
 
-def _frozen_base(
-    quantization,
-    n,
-    shape,
-    P,
-    param_dtype,
-    accounting,
-    double_quant,
-    quantize_embeddings,
-    count_given,
-):
-    """Bytes of the frozen LoRA base (``param_dtype``, or NF4 for QLoRA), and its notes."""
-    if quantization != "nf4":
+def _frozen_base(n, shape, P, param_dtype, nf4, quantize_embeddings, count_given):
+    """Bytes of the frozen LoRA base (``param_dtype``, or NF4 at ``nf4`` bytes per weight
+    for QLoRA; ``nf4`` None: no quantization), and its notes."""
+    if nf4 is None:
         return n * P, []
-    if accounting == "nominal":
-        nf4 = 0.5
-    else:
-        nf4 = (4 + 8 / 64 + 32 / (64 * 256)) / 8 if double_quant else (4 + 32 / 64) / 8
     q_n = n if (count_given or quantize_embeddings) else shape.linear_params
     if quantize_embeddings and not count_given:
         q_n = shape.linear_params + shape.embedding_params
@@ -343,6 +367,57 @@ def _frozen_base(
         "matmuls (transient, not counted)",
     ]
     return q_n * nf4 + (n - q_n) * P, notes
+
+
+def _nf4_rate(accounting: str, double_quant: bool) -> float:
+    """Bytes per NF4 weight: 0.5 nominal; stored, 4 bits plus the absmax (fp32 per 64
+    weights, or 8 bits per 64 and fp32 per 256 x 64 with double quantization)."""
+    if accounting == "nominal":
+        return 0.5
+    return (4 + 8 / 64 + 32 / (64 * 256)) / 8 if double_quant else (4 + 32 / 64) / 8
+
+
+def _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings) -> float:
+    """Bytes of the weights outside the layer stack (embedding, final norm, LM head): the
+    part of the base the params rung keeps on the device for the step. ``nf4``: bytes per
+    quantized weight, None for an unquantized base (``P`` bytes each)."""
+    rest = shape.embedding_params + shape.hidden_size
+    if count_given:  # a count is quantized whole: the shape's fraction of its n
+        return rest * (P if nf4 is None else nf4) * n / max(shape.n_params, 1)
+    if nf4 is None:
+        return rest * P
+    emb = shape.embedding_params * (nf4 if quantize_embeddings else P)
+    return emb + shape.hidden_size * P
+
+
+def _stream_params(st: _States, base: float, resident: float, shape, shards: tuple[int, int]):
+    """The params rung on states sharded as ``shards`` (``(num_shards, zero_stage)``): the
+    base lives in host memory; the device keeps the resident weights and two layers' slices
+    (the one in use and the next one's copy in flight). Returns ``(states, host bytes,
+    {"stack": bytes streamed per pass, "resident": bytes}, detail)``."""
+    k, zero_stage = shards
+    base, resident = (_divide_from(x, k, zero_stage, 3) for x in (base, resident))
+    stack = base - resident
+    kept = resident + 2 * stack / shape.num_layers
+    detail = {"params:layer_slice": int(round(stack / shape.num_layers))}
+    detail["params:device"] = int(round(kept))
+    st = dataclasses.replace(st, params=st.params - base + kept)
+    return st, int(round(base)), {"stack": stack, "resident": resident}, detail
+
+
+def _params_notes(spec, streamed: dict) -> list[str]:
+    """What the params rung's figures assume (and, for full fine-tuning, what jmem lacks)."""
+    notes = [
+        f"params streamed from host: the layer stack ({streamed['stack'] / GB:.3g} GB) "
+        "crosses host-to-device 3x per micro-batch (forward, remat recomputation, "
+        "backward), the embedding/final norm/head once; two layers' slices on the device"
+    ]
+    if spec is None:
+        notes.append(
+            "full fine-tuning with streamed params is a plan only: jmem streams a frozen "
+            "base (train_step's frozen=; issue #39 item 2); grads counted on the device"
+        )
+    return notes
 
 
 def _lora_states(spec, shape, S, AD, base, accounting, master_weights):
@@ -400,22 +475,40 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P)
     return sharded, notes
 
 
-def _offload(st: _States, offload) -> tuple[_States, dict[str, int]]:
-    """Moves the offloaded ledgers to host: ``(device states, host bytes)``."""
-    host: dict[str, int] = {}
-    for name in _OFFLOAD[offload]:
+def _streamed_remat(streamed: dict, remat, offload):
+    """``remat``, checked: the params rung needs remat, as ``Levers(offload_params=True)``."""
+    if streamed and remat in (None, "none"):
+        raise ValueError(
+            f"offload={offload!r} streams the params per layer and needs remat (e.g. "
+            "remat='full'): with remat='none' every layer's device copy is kept for the backward."
+        )
+    return remat
+
+
+def _offload(st: _States, offload, params_host: int = 0) -> tuple[_States, dict[str, int]]:
+    """Moves the offloaded state ledgers to host: ``(device states, host bytes)``;
+    ``params_host``: the params rung's host bytes (``host["params"]``), if any."""
+    host: dict[str, int] = {PARAMS: params_host} if params_host else {}
+    for name in _OFFLOAD[offload_modes(offload)[0]]:
         host[name], st = int(round(getattr(st, name))), dataclasses.replace(st, **{name: 0})
     return st, host
 
 
-def _transfers(host: dict, offload) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """``(host bytes, disk bytes, transfers per step)``: every offloaded ledger goes to the
-    device and back once per step (2 x its bytes); on disk, also from disk and back."""
+def _transfers(
+    host: dict, offload, streamed: dict
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """``(host bytes, disk bytes, transfers per step)``: every offloaded state ledger goes to
+    the device and back once per step (2 x its bytes); on disk, also from disk and back.
+    ``streamed`` (the params rung: ``{"stack": bytes, "resident": bytes}``, else empty): the
+    layer stack crosses host-to-device three times per micro-batch (forward, remat
+    recomputation, backward), the resident weights once."""
     moved = {k: v for k, v in host.items() if k in ("optimizer_state", "master_weights")}
     transfers = {
         ("optimizer" if k == "optimizer_state" else k): 2 * v for k, v in moved.items() if v
     }
-    if offload != "disk":
+    if streamed:
+        transfers[PARAMS] = int(round(3 * streamed["stack"] + streamed["resident"]))
+    if offload_modes(offload)[0] != "disk":
         return host, {}, transfers
     transfers["disk"] = 2 * sum(moved.values())
     return {k: v for k, v in host.items() if k not in moved}, moved, transfers
@@ -527,7 +620,13 @@ def estimate(
       offload: ``False``, ``"optimizer"`` (m, v to host), ``"optimizer+masters"`` or
         ``"disk"`` (state and masters in files, streamed through host memory); offloaded
         ledgers are reported under ``Ledger.host`` (``Ledger.disk``), the bytes they move
-        per step under ``Ledger.transfers``.
+        per step under ``Ledger.transfers``. ``"params"``, alone or after a state rung
+        (``"optimizer,params"``, ``"disk,params"``): the frozen base (with ``lora``; else
+        the params, a plan only: jmem streams a frozen base) lives in host memory and its
+        layer stack streams to the device one layer at a time (``jmem.Levers(
+        offload_params=True)``, the job's ``--offload params``); the device keeps the
+        embedding, final norm and head and two layers' slices (in use, in flight). Sharded
+        as ZeRO-3 shards params. Needs remat.
       lora: ``None``, a rank (targets q_proj, v_proj), ``(rank, targets)`` or
         ``{"rank": r, "targets": [...]}``; targets from ``LINEAR_NAMES`` or ``"all"``.
         The base is frozen; the adapters get grads and state in ``adapter_dtype``.
@@ -562,7 +661,8 @@ def estimate(
 
     Raises:
       ValueError: unknown optimizer, dtype, remat mode, offload mode, quantization,
-        accounting, or inconsistent options (NF4 without LoRA, bad shard counts).
+        accounting, or inconsistent options (NF4 without LoRA, bad shard counts, the params
+        rung without remat).
       TypeError: a model or LoRA spec of the wrong type.
 
     Sources: ZeRO (Rajbhandari et al. 2020) for the 2+2+12 bytes/param Adam ledger and the
@@ -581,30 +681,30 @@ def estimate(
     opt = OPTIMIZERS[optimizer]
     S = _state_bytes_per_param(opt, accounting, state_block_size)
     notes, detail = _optimizer_notes(opt), {}
+    nf4 = _nf4_rate(accounting, double_quant) if quantization == "nf4" else None
     if spec is None:
         st = _full_states(n, shape, P, G, S, opt, accounting, count_given, master_weights)
+        base = n * P
     else:
         base, base_notes = _frozen_base(
-            quantization,
-            n,
-            shape,
-            P,
-            param_dtype,
-            accounting,
-            double_quant,
-            quantize_embeddings,
-            count_given,
+            n, shape, P, param_dtype, nf4, quantize_embeddings, count_given
         )
         AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
         st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
         notes += [*base_notes, lora_note]
     st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P)
-    st, host = _offload(st, offload)
+    shards = (num_shards, zero_stage)
+    streamed, params_host = {}, 0
+    if offload_modes(offload)[1]:
+        resident = _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings)
+        st, params_host, streamed, rung = _stream_params(st, base, resident, shape, shards)
+        detail, notes = {**detail, **rung}, notes + _params_notes(spec, streamed)
+    st, host = _offload(st, offload, params_host)
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
     shape, lv = _with_levers(
         shape, model, count_given, levers, batch_size, seq_len, act_dtype, target
     )
-    remat = lv.remat if remat is None else remat
+    remat = _streamed_remat(streamed, lv.remat if remat is None else remat, offload)
     act, act_detail, host_act, act_notes = _activations(
         shape, activations, batch_size, seq_len, act_dtype, remat, count_given
     )
@@ -618,7 +718,7 @@ def estimate(
         "num_shards": num_shards if num_shards > 1 else None,
         "accounting": accounting if accounting != "stored" else None,
     }
-    host, disk, transfers = _transfers(host, offload)
+    host, disk, transfers = _transfers(host, offload, streamed)
     flops = int((6 if spec is None else 4) * n * batch_size * seq_len)
     notes += shard_notes + act_notes
     extra = dict(transfers=transfers, disk=disk, flops=flops)
