@@ -17,6 +17,7 @@ from typing import Sequence
 from jmem._src import dtypes as _dtypes
 from jmem._src import levers as _levers
 from jmem._src.planner.activations import activation_bytes
+from jmem._src.planner.activations import compiler_terms
 from jmem._src.planner.shapes import LINEAR_NAMES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import is_count
@@ -369,12 +370,19 @@ def _offload(st: _States, offload) -> tuple[_States, dict[str, int]]:
     return st, host
 
 
-def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given):
-    """The activation ledger: ``(bytes, detail, host bytes, notes)``."""
+def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, platform):
+    """The activation ledger: ``(bytes, detail, host bytes, notes)``; ``platform``: the
+    compile target's (its compiler's terms, ``compiler_terms``)."""
     if budget is not None:
         return int(budget), {"activation:budget": int(budget)}, 0, []
+    terms = compiler_terms(platform)
     parts = activation_bytes(
-        shape, batch_size=batch_size, seq_len=seq_len, activation_dtype=act_dtype, remat=remat
+        shape,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        activation_dtype=act_dtype,
+        remat=remat,
+        compiler=terms.compiler,
     )
     phased = parts.pop("phased")
     work = [parts["recompute"], parts["logits"]]
@@ -387,6 +395,8 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
             f"L={shape.num_layers}, F={shape.intermediate_size}, "
             f"V={shape.vocab_size}"
         )
+    if terms.compiler == "gpu" and phased:
+        notes.append(f"activations: XLA:GPU's buffers (fitted to {terms.source})")
     return act, detail, parts["host_activations"], notes
 
 
@@ -497,7 +507,9 @@ def estimate(
         None. Default: ``jmem.Levers()`` for a config, the plain paths (dense attention,
         whole loss, no chunks; ``PLAIN_LEVERS``) for a name or a count.
       target: what the step is compiled for (``jmem.resolve_levers``'s ``target``; None:
-        the running backend).
+        the running backend; a ``levers`` already resolved brings its own). It also picks
+        whose buffers the long-context activations model: a GPU target's (``"h100_sxm"``,
+        ``"gpu"``) XLA:GPU's, fitted to h100_sxm compiles; otherwise XLA:CPU's.
       **shape_kwargs: ``hidden_size``, ``num_layers``, ``intermediate_size``,
         ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``tie_embeddings``
         for a model given as a parameter count.
@@ -550,8 +562,9 @@ def estimate(
         shape, model, count_given, levers, batch_size, seq_len, act_dtype, target
     )
     remat = lv.remat if remat is None else remat
+    platform = _levers._platform(lv.target)[1]  # noqa: SLF001 (resolve's own rule)
     act, act_detail, host_act, act_notes = _activations(
-        shape, activations, batch_size, seq_len, act_dtype, remat, count_given
+        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, platform
     )
     if host_act:
         host["activations"] = host_act

@@ -1,0 +1,234 @@
+"""The planner against XLA:GPU's buffer assignment: compiles of the job's step for a target.
+
+Each point is ``jmem finetune --config MODEL --seq-len S --batch-size B --lora-rank R
+--remat REMAT --dry-run --target h100_sxm`` (the job's defaults otherwise: NF4 base, bf16,
+8-bit AdamW, loss and token chunks, attention resolved for the target: cuDNN), compiled on
+this CPU machine by XLA:GPU (deviceless; no GPU, not autotuned). Every compile is cached in
+``benchmarks/results/gpu_compile/compiles.json`` (keyed by its flags) as soon as it is done,
+so a point is never compiled twice; ``calibration.json`` is the calibration table that
+``tests/test_planner.py`` checks ``planner.estimate(..., target="h100_sxm")`` against.
+
+    JAX_PLATFORMS=cpu python benchmarks/gpu_calibration.py            # the calibration grid
+    JAX_PLATFORMS=cpu python benchmarks/gpu_calibration.py --point llama3_1_8b:65536:full
+
+8B compiles take one to several minutes of CPU each and about 10 GB of RAM at 128k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu_compile")
+CACHE = os.path.join(RESULTS, "compiles.json")
+CALIBRATION = os.path.join(RESULTS, "calibration.json")
+TARGET = "h100_sxm"
+LABEL = "XLA:GPU compile for h100_sxm, no GPU"
+
+#: The calibration grid (issue #36, item 5): Llama-3.1-8B QLoRA r=32, batch 1.
+MODEL, RANK = "llama3_1_8b", 32
+SEQS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+REMATS = ("full", "offload_inputs")
+
+
+def key(flags: dict) -> str:
+    """The cache key of one compile: its flags, sorted."""
+    return ";".join(f"{k}={flags[k]}" for k in sorted(flags))
+
+
+def load(path: str = CACHE) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def save(data: dict, path: str = CACHE) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def compile_point(flags: dict, target: str = TARGET) -> dict:
+    """The job's dry run for ``target`` with ``flags`` (``jmem finetune`` option names);
+    the compiled record's bytes, the levers and the seconds it took."""
+    from jmem import finetune  # noqa: PLC0415
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+        config = finetune.FinetuneConfig.from_flat(**flags, dry_run=True, target=target, out=out)
+        record = finetune.run(config)
+    c = record["compiled"]
+    fields = (
+        "argument_bytes",
+        "output_bytes",
+        "alias_bytes",
+        "temp_bytes",
+        "peak_bytes",
+        "host_peak_bytes",
+        "host_argument_bytes",
+        "host_temp_bytes",
+    )
+    return {
+        **{k: int(c.get(k) or 0) for k in fields},
+        "planner_cpu_total": int(record["estimate"]["total"]),
+        "levers": record["levers"],
+        "target": target,
+        "compile_s": round(time.time() - t0, 1),
+    }
+
+
+def cached(flags: dict, target: str = TARGET, *, cache: dict | None = None) -> dict:
+    """``compile_point`` through the cache (written after every new compile)."""
+    cache = load() if cache is None else cache
+    k = f"{target}|{key(flags)}"
+    if k not in cache:
+        print(f"compiling {k} ...", flush=True)
+        cache[k] = {"flags": flags, **compile_point(flags, target)}
+        save(cache)
+        print(
+            f"  peak {cache[k]['peak_bytes'] / 2**30:.2f} GiB, host "
+            f"{cache[k]['host_peak_bytes'] / 2**30:.2f} GiB, {cache[k]['compile_s']} s",
+            flush=True,
+        )
+    return cache[k]
+
+
+def job_flags(model: str, seq: int, remat: str, rank: int = RANK, batch: int = 1, **extra):
+    return dict(config=model, seq_len=seq, batch_size=batch, lora_rank=rank, remat=remat, **extra)
+
+
+def calibration(seqs=SEQS, remats=REMATS) -> dict:
+    """Compiles (or reads) the grid and writes ``calibration.json``: one row per point with
+    the compiled device peak, host bytes and the planner's XLA:CPU-model total."""
+    rows = []
+    for remat in remats:
+        for seq in seqs:
+            r = cached(job_flags(MODEL, seq, remat))
+            rows.append(
+                {
+                    "model": MODEL,
+                    "lora_rank": RANK,
+                    "batch_size": 1,
+                    "seq_len": seq,
+                    "remat": remat,
+                    **{k: v for k, v in r.items() if k != "flags"},
+                }
+            )
+    out = {
+        "label": LABEL,
+        "target": TARGET,
+        "job": "jmem finetune --dry-run --target h100_sxm (NF4, bf16, adamw_8bit, "
+        "loss/token chunks and attention resolved for the target)",
+        "points": rows,
+    }
+    save(out, CALIBRATION)
+    return out
+
+
+HEADLINES = os.path.join(RESULTS, "headlines.json")
+#: ``jmem estimate --target --max-seq``'s granularity and fit rule (``compiled_plan``).
+MULTIPLE = 8192
+
+
+def _fits(flags: dict, memory: int, reserve: int) -> tuple[bool, dict]:
+    r = cached(flags)
+    return r["peak_bytes"] + reserve <= memory, r
+
+
+def longest(model: str, remat: str, memory: int, guess: int, reserve: int, rank=RANK) -> dict:
+    """The longest multiple of ``MULTIPLE`` tokens whose compiled device peak plus
+    ``reserve`` fits ``memory`` (``jmem estimate --target h100_sxm --max-seq``'s rule and
+    answer, assuming the peak grows with the length), searched from ``guess`` (the
+    calibrated planner's answer) one multiple at a time: two or three compiles when the
+    planner is right."""
+    k = max(1, guess // MULTIPLE)
+    ok, r = _fits(job_flags(model, k * MULTIPLE, remat, rank), memory, reserve)
+    step = 1 if ok else -1
+    best = r if ok else None
+    while k + step >= 1:
+        ok2, r2 = _fits(job_flags(model, (k + step) * MULTIPLE, remat, rank), memory, reserve)
+        if step > 0 and not ok2:
+            return {"seq_len": k * MULTIPLE, "over": (k + 1) * MULTIPLE, **_bytes(best)}
+        if step < 0 and ok2:
+            return {"seq_len": (k - 1) * MULTIPLE, "over": k * MULTIPLE, **_bytes(r2)}
+        best, k = (r2 if ok2 else best), k + step
+    return {"seq_len": 0}
+
+
+def _bytes(r: dict) -> dict:
+    return {k: r[k] for k in ("peak_bytes", "host_peak_bytes", "argument_bytes", "temp_bytes")}
+
+
+def max_seq_headlines() -> dict:
+    """8B QLoRA r=32: the longest sequence in 24 GiB and 80 GiB, device-resident (full
+    remat) and with the layer inputs offloaded, from the compiler (guesses from the
+    planner calibrated to XLA:GPU)."""
+    from jmem import planner  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg = llama.get_config(MODEL)
+    job = dict(
+        param_dtype="bf16",
+        optimizer="adamw_8bit",
+        quantization="nf4",
+        lora={"rank": RANK, "targets": list(llama.LINEAR_NAMES)},
+        target=TARGET,
+    )
+    out = {}
+    for memory in ("24GiB", "80GiB"):
+        mem = planner.parse_memory(memory)
+        guess = planner.max_seq_len(mem, cfg, multiple_of=MULTIPLE, **job)
+        for remat in ("full", "offload_inputs"):
+            got = longest(MODEL, remat, mem, guess[remat], planner.DEFAULT_RESERVE)
+            out[f"{memory}/{remat}"] = {"planner": guess[remat], **got}
+            print(memory, remat, out[f"{memory}/{remat}"], flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--point",
+        action="append",
+        default=[],
+        help="MODEL:SEQ:REMAT[:RANK[:FLAG=VALUE,...]] to compile (cached) instead "
+        "of the grid (flags as jmem finetune's, e.g. loss_chunk=4096)",
+    )
+    p.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="the 8B QLoRA longest-sequence headlines (headlines.json)",
+    )
+    args = p.parse_args(argv)
+    if args.max_seq:
+        data = load(HEADLINES)
+        data.update(label=LABEL, target=TARGET, max_seq=max_seq_headlines())
+        save(data, HEADLINES)
+        return
+    if args.point:
+        for spec in args.point:
+            model, seq, remat, *rest = spec.split(":")
+            rank = int(rest[0]) if rest else RANK
+            extra = dict(kv.split("=") for kv in rest[1].split(",")) if len(rest) > 1 else {}
+            extra = {k: int(v) if v.isdigit() else v for k, v in extra.items()}
+            r = cached(job_flags(model, int(seq), remat, rank, **extra))
+            print(json.dumps({k: v for k, v in r.items() if k != "levers"}))
+        return
+    for row in calibration()["points"]:
+        print(
+            f"{row['remat']:>15} {row['seq_len']:>7}: device {row['peak_bytes'] / 2**30:6.2f}"
+            f" GiB, host {row['host_peak_bytes'] / 2**30:6.2f} GiB, planner (CPU model) "
+            f"{row['planner_cpu_total'] / 2**30:6.2f} GiB"
+        )
+
+
+if __name__ == "__main__":
+    main()
