@@ -105,10 +105,30 @@ def job_flags(model: str, seq: int, remat: str, rank: int = RANK, batch: int = 1
     return dict(config=model, seq_len=seq, batch_size=batch, lora_rank=rank, remat=remat, **extra)
 
 
+def _planner(model: str, seq: int, remat: str, rank: int, target: str) -> int:
+    """``planner.estimate``'s device total for the job's step (its defaults: NF4, all seven
+    projections, 8-bit AdamW, bf16, ``jmem.Levers()`` resolved for ``target``)."""
+    from jmem import planner  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    return planner.estimate(
+        llama.get_config(model),
+        param_dtype="bf16",
+        optimizer="adamw_8bit",
+        lora={"rank": rank, "targets": list(llama.LINEAR_NAMES)},
+        quantization="nf4",
+        remat=remat,
+        seq_len=seq,
+        target=target,
+    ).total
+
+
 def calibration(seqs=SEQS, remats=REMATS) -> dict:
     """Compiles (or reads) the grid and writes ``calibration.json``: one row per point with
-    the compiled device peak, host bytes and the planner's XLA:CPU-model total."""
+    the compiled device peak and host bytes, and the planner's totals with XLA:GPU's terms
+    (``target="h100_sxm"``) and with XLA:CPU's (``target="cpu"``)."""
     rows = []
+    skip = ("flags", "planner_cpu_total", "levers")
     for remat in remats:
         for seq in seqs:
             r = cached(job_flags(MODEL, seq, remat))
@@ -119,7 +139,10 @@ def calibration(seqs=SEQS, remats=REMATS) -> dict:
                     "batch_size": 1,
                     "seq_len": seq,
                     "remat": remat,
-                    **{k: v for k, v in r.items() if k != "flags"},
+                    **{k: v for k, v in r.items() if k not in skip},
+                    "attention": r["levers"]["attention"]["value"],
+                    "planner_gpu_total": _planner(MODEL, seq, remat, RANK, TARGET),
+                    "planner_cpu_total": _planner(MODEL, seq, remat, RANK, "cpu"),
                 }
             )
     out = {
@@ -193,6 +216,102 @@ def max_seq_headlines() -> dict:
     return out
 
 
+#: The seeds' 24 GB table (largest full fine-tune with mixed-precision Adam, with 8-bit
+#: Adam; QLoRA), planned for the GPU: 2,048 tokens, batch 1, full remat, the long-context
+#: levers resolved for the target, 24e9 bytes and the planner's 2 GB reserve.
+SEED_ROWS = {
+    "mixed-precision Adam": dict(optimizer="adamw"),
+    "8-bit Adam": dict(optimizer="adamw_8bit"),
+    "QLoRA (NF4, 8-bit Adam, r=8 on all seven)": dict(
+        optimizer="adamw_8bit", quantization="nf4", lora=(8, "all")
+    ),
+}
+
+
+def seed_table() -> dict:
+    """The seeds' 24 GB rows from ``planner.largest_model`` with activations computed
+    (``activation_budget=None``) for XLA:GPU (``target="h100_sxm"``) and for XLA:CPU."""
+    import jmem  # noqa: PLC0415
+    from jmem import planner  # noqa: PLC0415
+
+    out = {}
+    for row, kw in SEED_ROWS.items():
+        common = dict(
+            activation_budget=None,
+            param_dtype="bf16",
+            remat="full",
+            seq_len=2048,
+            batch_size=1,
+            levers=jmem.Levers(),
+            **kw,
+        )
+        gpu = planner.largest_model("24GB", target=TARGET, **common)
+        cpu = planner.largest_model("24GB", target="cpu", **common)
+        out[row] = {"gpu_planner_params": gpu, "cpu_planner_params": cpu}
+        print(row, out[row], flush=True)
+    return out
+
+
+def full_finetune_spot_check(model: str = "llama_1b", optimizer: str = "adamw") -> dict:
+    """A compiled spot-check of the full fine-tune rows: ``model``'s full fine-tune step
+    (bf16 params, float32 masters, ``optimizer``, full remat, 2,048 tokens) compiled for
+    h100_sxm next to the planner's estimate for the target."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    import jmem  # noqa: PLC0415
+    from jmem import planner  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg, seq = llama.get_config(model), 2048
+    opt = {"adamw": optax.adamw(1e-4), "adamw_8bit": jmem.adamw_8bit(1e-4)}[optimizer]
+    step = jmem.train_step(
+        lambda p, b: llama.loss_fn(p, b, cfg, levers=jmem.Levers()),
+        opt,
+        precision="p=bf16,c=bf16,o=f32",
+        master_weights=True,
+        remat="full",
+    )
+    params = jax.eval_shape(lambda k: llama.init(k, cfg, jnp.bfloat16), jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32) for k in ("inputs", "targets")}
+    r = step.measure(step.abstract_state(params), batch, target=TARGET)
+    est = planner.estimate(
+        cfg,
+        param_dtype="bf16",
+        optimizer=optimizer,
+        remat="full",
+        seq_len=seq,
+        levers=jmem.Levers(),
+        target=TARGET,
+    )
+    out = {
+        "model": model,
+        "optimizer": optimizer,
+        "seq_len": seq,
+        "peak_bytes": r.peak_bytes,
+        "argument_bytes": r.argument_bytes,
+        "temp_bytes": r.temp_bytes,
+        "planner_total": est.total,
+        "planner_static": est.static,
+    }
+    print(out, flush=True)
+    return out
+
+
+def fsdp_8() -> dict:
+    """Per-device memory of the 8B QLoRA r=32 job on 8 h100_sxm devices with FSDP (batch 8
+    x 4,096 tokens, full remat), with and without the optimizer state offloaded."""
+    out = {}
+    for offload in (False, True):
+        flags = job_flags(MODEL, 4096, "full", RANK, batch=8, mesh="fsdp=8", offload=offload)
+        out["offload" if offload else "no offload"] = _bytes(cached(flags)) | {
+            "host_argument_bytes": cached(flags)["host_argument_bytes"]
+        }
+        print(offload, out, flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -207,7 +326,23 @@ def main(argv=None) -> None:
         action="store_true",
         help="the 8B QLoRA longest-sequence headlines (headlines.json)",
     )
+    p.add_argument("--seeds", action="store_true", help="the seeds' 24 GB table (planner)")
+    p.add_argument("--fsdp", action="store_true", help="8B QLoRA on 8 h100_sxm with FSDP")
     args = p.parse_args(argv)
+    if args.seeds or args.fsdp:
+        data = load(HEADLINES)
+        data.update(label=LABEL, target=TARGET)
+        if args.seeds:
+            data["seed_24gb"] = {
+                "planner": seed_table(),
+                "spot_checks": [
+                    full_finetune_spot_check(optimizer=o) for o in ("adamw", "adamw_8bit")
+                ],
+            }
+        if args.fsdp:
+            data["fsdp_8"] = fsdp_8()
+        save(data, HEADLINES)
+        return
     if args.max_seq:
         data = load(HEADLINES)
         data.update(label=LABEL, target=TARGET, max_seq=max_seq_headlines())
@@ -225,8 +360,9 @@ def main(argv=None) -> None:
     for row in calibration()["points"]:
         print(
             f"{row['remat']:>15} {row['seq_len']:>7}: device {row['peak_bytes'] / 2**30:6.2f}"
-            f" GiB, host {row['host_peak_bytes'] / 2**30:6.2f} GiB, planner (CPU model) "
-            f"{row['planner_cpu_total'] / 2**30:6.2f} GiB"
+            f" GiB, host {row['host_peak_bytes'] / 2**30:6.2f} GiB, planner "
+            f"{row['planner_gpu_total'] / 2**30:6.2f} GiB (XLA:CPU terms "
+            f"{row['planner_cpu_total'] / 2**30:6.2f} GiB)"
         )
 
 

@@ -139,16 +139,35 @@ def test_qlora_step_tiny_at_4k(tmp_path):
 
 
 @pytest.mark.slow
-def test_qlora_step_llama_1b_at_4k(tmp_path):
+def test_qlora_step_llama_1b_at_4k_and_the_planner(tmp_path):
     """A mid-size config (llama_1b, QLoRA r=8, 4k tokens, full remat): the NF4 base and the
-    adapters' state are the arguments (within 5% of the planner's), and the device peak
-    stays under 3 GiB and under the planner's estimate."""
+    adapters' state are the arguments (within 5% of the planner's), the device peak stays
+    under 3 GiB, and the planner calibrated to XLA:GPU (issue #36, item 5) is within 10% of
+    this live compile: the dry run's planner column (the step's levers, resolved for the
+    target) takes XLA:GPU's terms and is closer than the XLA:CPU model of the same step
+    (``tests/test_planner.py`` checks 8B at 2k-128k against the committed compiles of
+    ``benchmarks/gpu_calibration.py``)."""
+    from jmem import planner
+    from jmem.models import llama
+
     argv = ["--config", "llama_1b", "--seq-len", "4096", "--batch-size", "1"]
     out = _qlora_dry_run(tmp_path, argv)
     c, est = out["compiled"], out["estimate"]
     state = est["params"] + est["optimizer_state"] + est["master_weights"]
     np.testing.assert_allclose(c["argument_bytes"], state, rtol=0.05)
-    assert c["peak_bytes"] < min(3 * 2**30, est["total"])
+    assert c["peak_bytes"] < 3 * 2**30
+    np.testing.assert_allclose(est["total"], c["peak_bytes"], rtol=0.10)
+    cpu = planner.estimate(
+        llama.get_config("llama_1b"),
+        param_dtype="bf16",
+        optimizer="adamw_8bit",
+        lora={"rank": 8, "targets": list(llama.LINEAR_NAMES)},
+        quantization="nf4",
+        remat="full",
+        seq_len=4096,
+        target="cpu",
+    ).total
+    assert abs(est["total"] / c["peak_bytes"] - 1) < abs(cpu / c["peak_bytes"] - 1)
 
 
 @pytest.mark.slow
@@ -257,3 +276,4 @@ def test_estimate_answers_from_the_compiler(capsys):
         int(n.replace(",", "")) for n in re.findall(r"longest sequence ([\d,]+)", out)
     )
     assert 0 < full <= offloaded <= 32768 and full % 8192 == 0
+

@@ -683,7 +683,7 @@ def largest_model(
             kw["activations"] = int(activation_budget)
         return estimate(n, **kw).total + reserve <= mem
 
-    return max(0, _bisect(fits, 1, int(mem)))
+    return max(0, _bisect(fits, 1, 4 * int(mem)))  # NF4: about 0.52 bytes a parameter
 
 
 def largest_batch(
