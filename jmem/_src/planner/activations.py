@@ -77,8 +77,8 @@ CPU_TERMS = CompilerTerms(
 GPU_TERMS = CompilerTerms(
     "gpu",
     13.1,
-    0,
-    4.0,
+    12.4,
+    2.3,
     1.84,
     4.1,
     1,
