@@ -257,6 +257,7 @@ def test_qlora_step_with_the_offload_remat_policy(tmp_path):
     _qlora_dry_run(tmp_path, argv)
 
 
+@pytest.mark.slow
 def test_offload_remat_policy_compiles_without_token_chunks(tmp_path):
     """The workaround for the failure above: ``--remat offload --token-chunk 0`` (or one
     chunk: ``--token-chunk`` >= the sequence) compiles for h100_sxm at 4,096 tokens, and
