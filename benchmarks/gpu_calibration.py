@@ -123,34 +123,55 @@ def _planner(model: str, seq: int, remat: str, rank: int, target: str) -> int:
     ).total
 
 
+#: Every family at 4,096 tokens (QLoRA r=8, full remat; small presets and the 7B class):
+#: the terms fitted on 8B checked on other shapes, tied embeddings and attention paths.
+FAMILIES = (
+    "tiny",
+    "llama_1b",
+    "llama3_2_1b",
+    "llama2_7b",
+    "mistral_7b",
+    "qwen3_0_6b",
+    "qwen2_5_7b",
+    "gemma2_2b",
+    "gemma3_1b",
+    "gemma3_4b",
+    "phi3_mini",
+    "olmo2_7b",
+)
+
+
+def _row(model: str, seq: int, remat: str, rank: int) -> dict:
+    """One calibration row: the compile (cached) and the planner's totals for both
+    compilers."""
+    r = cached(job_flags(model, seq, remat, rank))
+    skip = ("flags", "planner_cpu_total", "levers")
+    return {
+        "model": model,
+        "lora_rank": rank,
+        "batch_size": 1,
+        "seq_len": seq,
+        "remat": remat,
+        **{k: v for k, v in r.items() if k not in skip},
+        "attention": r["levers"]["attention"]["value"],
+        "planner_gpu_total": _planner(model, seq, remat, rank, TARGET),
+        "planner_cpu_total": _planner(model, seq, remat, rank, "cpu"),
+    }
+
+
 def calibration(seqs=SEQS, remats=REMATS) -> dict:
     """Compiles (or reads) the grid and writes ``calibration.json``: one row per point with
     the compiled device peak and host bytes, and the planner's totals with XLA:GPU's terms
     (``target="h100_sxm"``) and with XLA:CPU's (``target="cpu"``)."""
-    rows = []
-    skip = ("flags", "planner_cpu_total", "levers")
-    for remat in remats:
-        for seq in seqs:
-            r = cached(job_flags(MODEL, seq, remat))
-            rows.append(
-                {
-                    "model": MODEL,
-                    "lora_rank": RANK,
-                    "batch_size": 1,
-                    "seq_len": seq,
-                    "remat": remat,
-                    **{k: v for k, v in r.items() if k not in skip},
-                    "attention": r["levers"]["attention"]["value"],
-                    "planner_gpu_total": _planner(MODEL, seq, remat, RANK, TARGET),
-                    "planner_cpu_total": _planner(MODEL, seq, remat, RANK, "cpu"),
-                }
-            )
+    rows = [_row(MODEL, seq, remat, RANK) for remat in remats for seq in seqs]
+    families = [_row(m, 4096, "full", 8) for m in FAMILIES]
     out = {
         "label": LABEL,
         "target": TARGET,
         "job": "jmem finetune --dry-run --target h100_sxm (NF4, bf16, adamw_8bit, "
         "loss/token chunks and attention resolved for the target)",
         "points": rows,
+        "families": families,
     }
     save(out, CALIBRATION)
     return out
@@ -190,10 +211,12 @@ def _bytes(r: dict) -> dict:
     return {k: r[k] for k in ("peak_bytes", "host_peak_bytes", "argument_bytes", "temp_bytes")}
 
 
-def max_seq_headlines() -> dict:
+def max_seq_headlines(guesses: dict | None = None) -> dict:
     """8B QLoRA r=32: the longest sequence in 24 GiB and 80 GiB, device-resident (full
     remat) and with the layer inputs offloaded, from the compiler (guesses from the
-    planner calibrated to XLA:GPU)."""
+    planner calibrated to XLA:GPU, or ``guesses["80GiB/offload_inputs"]``: beyond 256k
+    tokens the planner is under the compile, -15% at 1.2M tokens offloaded, and the
+    search from its guess would take a compile per 8,192 tokens)."""
     from jmem import planner  # noqa: PLC0415
     from jmem.models import llama  # noqa: PLC0415
 
@@ -210,7 +233,8 @@ def max_seq_headlines() -> dict:
         mem = planner.parse_memory(memory)
         guess = planner.max_seq_len(mem, cfg, multiple_of=MULTIPLE, **job)
         for remat in ("full", "offload_inputs"):
-            got = longest(MODEL, remat, mem, guess[remat], planner.DEFAULT_RESERVE)
+            start = (guesses or {}).get(f"{memory}/{remat}", guess[remat])
+            got = longest(MODEL, remat, mem, start, planner.DEFAULT_RESERVE)
             out[f"{memory}/{remat}"] = {"planner": guess[remat], **got}
             print(memory, remat, out[f"{memory}/{remat}"], flush=True)
     return out
@@ -345,7 +369,10 @@ def main(argv=None) -> None:
         return
     if args.max_seq:
         data = load(HEADLINES)
-        data.update(label=LABEL, target=TARGET, max_seq=max_seq_headlines())
+        # the 80 GiB offloaded guess from the compiles at 262,144 and 1,228,800 tokens
+        # (22.27 and 91.24 GiB: 80 GiB less the reserve at about 1.04M tokens)
+        guesses = {"80GiB/offload_inputs": 127 * MULTIPLE}
+        data.update(label=LABEL, target=TARGET, max_seq=max_seq_headlines(guesses))
         save(data, HEADLINES)
         return
     if args.point:

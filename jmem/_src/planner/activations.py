@@ -46,6 +46,8 @@ class CompilerTerms:
         loss's backward pass.
       loss_work_per_token_h: the loss phase's per-token bytes per hidden unit (the final
         hidden states and their gradient).
+      tied_head_copies: copies of a tied embedding (``A V h`` bytes each) the loss phase
+        holds (XLA:GPU: the head as the embedding's transpose, and part of another).
       saved_copy: how many layers' worth of the saved residuals the layer phase holds
         beyond the saved stack (XLA:GPU: the layer's input being written into, or read
         from, the stack; none with the inputs offloaded).
@@ -58,6 +60,7 @@ class CompilerTerms:
     layer_weight_bytes: float
     loss_chunk_buffers: float
     loss_work_per_token_h: float
+    tied_head_copies: float
     saved_copy: float
     source: str
 
@@ -67,7 +70,7 @@ class CompilerTerms:
 #: bf16 temporaries in float32, so the layer's hidden-sized arrays and the float32
 #: ``[chunk, F]`` MLP buffers are the working set. See docs/long_context.md.
 CPU_TERMS = CompilerTerms(
-    "cpu", 22, 24, 0, 2.5, 0, 0, "XLA:CPU compiles of the 8B QLoRA job, 2k-48k tokens"
+    "cpu", 22, 24, 0, 2.5, 0, 0, 0, "XLA:CPU compiles of the 8B QLoRA job, 2k-48k tokens"
 )
 #: XLA:GPU: fitted to the h100_sxm compiles of the same job (deviceless, no GPU;
 #: ``benchmarks/gpu_calibration.py``, ``benchmarks/results/gpu_compile/calibration.json``,
@@ -81,6 +84,7 @@ GPU_TERMS = CompilerTerms(
     2.3,
     1.84,
     4.1,
+    1.6,
     1,
     "XLA:GPU compiles for h100_sxm of the 8B QLoRA job, 2k-128k tokens",
 )
@@ -147,7 +151,7 @@ def is_long_context(shape: ModelShape, seq_len: int) -> bool:
     return attention != "dense"
 
 
-def _long_context_parts(shape: ModelShape, b: int, s: int, terms: CompilerTerms, saved) -> dict:
+def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, saved, A) -> dict:
     """``recompute`` and ``logits`` of the long-context paths (no ``[S, T]`` scores, no
     ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries), with ``terms``' constants;
     ``saved``: bytes per token one layer keeps on the device under the remat mode."""
@@ -158,6 +162,8 @@ def _long_context_parts(shape: ModelShape, b: int, s: int, terms: CompilerTerms,
     else:
         logits = 2 * 4 * t * V
     logits += int(terms.loss_work_per_token_h * t * h)
+    if shape.tie_embeddings:
+        logits += int(terms.tied_head_copies * A * V * h)
     mlp = m * terms.mlp_work_per_token_f * shape.intermediate_size
     weights = terms.layer_weight_bytes * sum(i * o for i, o in shape.linear_shapes().values())
     work = t * (terms.layer_work_per_token_h * h + terms.saved_copy * saved) + mlp + weights
@@ -233,6 +239,6 @@ def activation_bytes(
     }
     if is_long_context(shape, s):
         terms = COMPILER_TERMS[compiler]
-        parts.update(_long_context_parts(shape, batch_size, s, terms, saved[remat]))
+        parts.update(_long_context_parts(shape, batch_size, s, terms, saved[remat], A))
         parts.update(other=A * t * shape.hidden_size, phased=1)
     return parts
