@@ -323,6 +323,42 @@ def full_finetune_spot_check(model: str = "llama_1b", optimizer: str = "adamw") 
     return out
 
 
+def skip_nonfinite_probe(model: str = "qwen3_0_6b") -> dict:
+    """Full fine-tune (bf16 params, float32 masters, AdamW, full remat, 2,048 tokens) of
+    ``model`` for h100_sxm with and without ``skip_nonfinite`` (the builder's default
+    selects between the new and the old state: bytes per parameter of the temporaries)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    import jmem  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg = llama.get_config(model)
+    params = jax.eval_shape(lambda k: llama.init(k, cfg, jnp.bfloat16), jax.random.key(0))
+    n = sum(x.size for x in jax.tree.leaves(params))
+    batch = {k: jax.ShapeDtypeStruct((1, 2048), jnp.int32) for k in ("inputs", "targets")}
+    out = {"model": model, "params": n}
+    for skip in (True, False):
+        step = jmem.train_step(
+            lambda p, b: llama.loss_fn(p, b, cfg, levers=jmem.Levers()),
+            optax.adamw(1e-4, mask=jmem.decay_mask),
+            precision="p=bf16,c=bf16,o=f32",
+            master_weights=True,
+            remat="full",
+            skip_nonfinite=skip,
+        )
+        r = step.measure(step.abstract_state(params), batch, target=TARGET)
+        out[f"skip_nonfinite={skip}"] = {
+            "argument_bytes": r.argument_bytes,
+            "temp_bytes": r.temp_bytes,
+            "peak_bytes": r.peak_bytes,
+            "temp_bytes_per_param": round(r.temp_bytes / n, 2),
+        }
+    print(out, flush=True)
+    return out
+
+
 def fsdp_8() -> dict:
     """Per-device memory of the 8B QLoRA r=32 job on 8 h100_sxm devices with FSDP (batch 8
     x 4,096 tokens, full remat), with and without the optimizer state offloaded."""
@@ -352,7 +388,13 @@ def main(argv=None) -> None:
     )
     p.add_argument("--seeds", action="store_true", help="the seeds' 24 GB table (planner)")
     p.add_argument("--fsdp", action="store_true", help="8B QLoRA on 8 h100_sxm with FSDP")
+    p.add_argument("--skip-probe", action="store_true", help="full fine-tune's skip_nonfinite")
     args = p.parse_args(argv)
+    if args.skip_probe:
+        data = load(HEADLINES)
+        data["full_finetune_skip_nonfinite"] = skip_nonfinite_probe()
+        save(data, HEADLINES)
+        return
     if args.seeds or args.fsdp:
         data = load(HEADLINES)
         data.update(label=LABEL, target=TARGET)
