@@ -165,6 +165,7 @@ def calibration(seqs=SEQS, remats=REMATS) -> dict:
     (``target="h100_sxm"``) and with XLA:CPU's (``target="cpu"``)."""
     rows = [_row(MODEL, seq, remat, RANK) for remat in remats for seq in seqs]
     families = [_row(m, 4096, "full", 8) for m in FAMILIES]
+    families.append(_row("qwen3_0_6b", 32768, "full", 8))  # one small preset at 32k
     out = {
         "label": LABEL,
         "target": TARGET,
