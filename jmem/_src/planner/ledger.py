@@ -744,9 +744,12 @@ def max_seq_len(
     stream of ``L`` hidden-sized activations per token lives in ``pinned_host``, the
     device keeps one layer's working set; the host bytes are ``L * seq * A * h``). A
     ``LlamaConfig`` model brings its long-context paths (``attention``, ``loss_chunk``,
-    ``mlp_chunk``); the activation model is calibrated on XLA:CPU compiled peaks (see
-    :func:`activation_bytes`), which keep bf16 temporaries in float32, so on a GPU the
-    sequences that fit are somewhat longer (``benchmarks/long_context_gpu.sh`` measures).
+    ``mlp_chunk``); the activation model is the compile target's (``target=`` in
+    ``config``, see :func:`estimate`): XLA:CPU's by default, which keeps bf16 temporaries
+    in float32, or XLA:GPU's for a GPU target (``target="h100_sxm"``: within 0.4% of its
+    compiles from 2k to 128k tokens; beyond 256k tokens with the inputs offloaded it is
+    under the compile, -15% at 1.2M, so ``jmem estimate --target`` answers from the
+    compiler there).
 
     Args:
       memory: device bytes or a string (see :func:`parse_memory`).
