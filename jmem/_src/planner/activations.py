@@ -73,10 +73,13 @@ CPU_TERMS = CompilerTerms(
     "cpu", 22, 24, 0, 2.5, 0, 0, 0, "XLA:CPU compiles of the 8B QLoRA job, 2k-48k tokens"
 )
 #: XLA:GPU: fitted to the h100_sxm compiles of the same job (deviceless, no GPU;
-#: ``benchmarks/gpu_calibration.py``, ``benchmarks/results/gpu_compile/calibration.json``,
-#: 2k-128k tokens, full remat and offload_inputs, within 2%). bf16 temporaries stay bf16
-#: (15 h per token instead of 22 h), and the layer phase holds one layer's dequantized
-#: NF4 weights; the loss phase adds the final hidden states' bytes per token.
+#: ``benchmarks/gpu_calibration.py``, ``benchmarks/results/gpu_compile/calibration.json``:
+#: 2k-128k tokens, full remat and offload_inputs, within 0.4%; twelve presets at 4k within
+#: 10%, -8.4% to +5.1%). bf16 temporaries stay bf16 (13.1 h per token, plus the saved input
+#: being written, instead of 22 h); the layer phase holds one layer's dequantized NF4
+#: weights (counted for a bf16 base too: not fitted there) and about three float32
+#: ``[chunk, F]`` buffers; the loss phase adds the final hidden states per token and a
+#: tied embedding's head copy. See docs/planner.md.
 GPU_TERMS = CompilerTerms(
     "gpu",
     13.1,
@@ -98,7 +101,7 @@ LOSS_CHUNK_BUFFERS = CPU_TERMS.loss_chunk_buffers
 
 def compiler_terms(platform: str | None) -> CompilerTerms:
     """The terms for a compile platform: XLA:GPU's for ``"gpu"``, else XLA:CPU's (TPU is
-    not calibrated; its step is modelled as XLA:CPU's, an upper bound)."""
+    not calibrated: its step is modelled with XLA:CPU's terms)."""
     return GPU_TERMS if platform == "gpu" else CPU_TERMS
 
 
