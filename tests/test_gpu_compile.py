@@ -126,29 +126,49 @@ def _qlora_dry_run(tmp_path, argv, fsdp=None):
 @pytest.mark.slow
 def test_qlora_step_tiny_at_4k(tmp_path):
     """The main job's QLoRA step (tiny, 4k tokens, full remat) compiles for h100_sxm: the
-    arguments are the planner's params + state (the same ledger), the device peak is under
-    the planner's estimate (which models XLA:CPU's float32 temporaries) and nothing is on
-    the host."""
+    arguments are the planner's params + state (the same ledger), the device peak is
+    within 10% of the planner's estimate for the target (XLA:GPU's terms; 50.7 MiB
+    compiled, 46.4 MiB planned) and nothing is on the host."""
     out = _qlora_dry_run(tmp_path, ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1"])
     c, est = out["compiled"], out["estimate"]
     assert out["target"] == TARGET and c["target"] == TARGET
     state = est["params"] + est["optimizer_state"] + est["master_weights"]
     np.testing.assert_allclose(c["argument_bytes"] - 2 * 4 * 4096, state, rtol=0.05)
-    assert c["argument_bytes"] < c["peak_bytes"] < est["total"]
+    assert c["argument_bytes"] < c["peak_bytes"]
+    np.testing.assert_allclose(est["total"], c["peak_bytes"], rtol=0.10)
     assert c["host_peak_bytes"] == 0
 
 
 @pytest.mark.slow
-def test_qlora_step_llama_1b_at_4k(tmp_path):
+def test_qlora_step_llama_1b_at_4k_and_the_planner(tmp_path):
     """A mid-size config (llama_1b, QLoRA r=8, 4k tokens, full remat): the NF4 base and the
-    adapters' state are the arguments (within 5% of the planner's), and the device peak
-    stays under 3 GiB and under the planner's estimate."""
+    adapters' state are the arguments (within 5% of the planner's), the device peak stays
+    under 3 GiB, and the planner calibrated to XLA:GPU (issue #36, item 5) is within 10% of
+    this live compile: the dry run's planner column (the step's levers, resolved for the
+    target) takes XLA:GPU's terms and is closer than the XLA:CPU model of the same step
+    (``tests/test_planner.py`` checks 8B at 2k-128k against the committed compiles of
+    ``benchmarks/gpu_calibration.py``)."""
+    from jmem import planner
+    from jmem.models import llama
+
     argv = ["--config", "llama_1b", "--seq-len", "4096", "--batch-size", "1"]
     out = _qlora_dry_run(tmp_path, argv)
     c, est = out["compiled"], out["estimate"]
     state = est["params"] + est["optimizer_state"] + est["master_weights"]
     np.testing.assert_allclose(c["argument_bytes"], state, rtol=0.05)
-    assert c["peak_bytes"] < min(3 * 2**30, est["total"])
+    assert c["peak_bytes"] < 3 * 2**30
+    np.testing.assert_allclose(est["total"], c["peak_bytes"], rtol=0.10)
+    cpu = planner.estimate(
+        llama.get_config("llama_1b"),
+        param_dtype="bf16",
+        optimizer="adamw_8bit",
+        lora={"rank": 8, "targets": list(llama.LINEAR_NAMES)},
+        quantization="nf4",
+        remat="full",
+        seq_len=4096,
+        target="cpu",
+    ).total
+    assert abs(est["total"] / c["peak_bytes"] - 1) < abs(cpu / c["peak_bytes"] - 1)
 
 
 @pytest.mark.slow
@@ -224,16 +244,30 @@ def test_pinned_host_sharding_survives_on_the_target_mesh():
 @pytest.mark.xfail(
     raises=jax.errors.JaxRuntimeError,
     strict=True,
-    reason="XLA:GPU (jaxlib 0.10.2) fails layout assignment of the layer scan when the "
-    "'offload' remat policy moves dot outputs to pinned_host (S(5) shapes in the loop "
-    "state); 'offload_inputs' compiles",
+    reason="XLA:GPU (jaxlib 0.10.2) fails layout assignment ('Expected instruction to have "
+    "shape equal to ...') of the layer scan when the 'offload' remat policy meets the "
+    "token-local chunk loops: the layer inputs' stack is in host memory (S(5)) while the "
+    "residuals saved per chunk ([L, chunks, chunk, ...]) are not; --token-chunk 0 compiles",
 )
 def test_qlora_step_with_the_offload_remat_policy(tmp_path):
-    """Recorded failure: ``--remat offload`` does not compile for h100_sxm (every other
-    policy does, tiny at 4k: none, dots, selective, full, offload_inputs; at 512 tokens
-    `offload` compiles too)."""
+    """Recorded failure: ``--remat offload`` with the token-local chunks on (4,096 tokens,
+    the default 2,048-token chunks) does not compile for h100_sxm (8,192 tokens in 4,096
+    token chunks neither); every other policy does."""
     argv = ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1", "--remat", "offload"]
     _qlora_dry_run(tmp_path, argv)
+
+
+@pytest.mark.slow
+def test_offload_remat_policy_compiles_without_token_chunks(tmp_path):
+    """The workaround for the failure above: ``--remat offload --token-chunk 0`` (or one
+    chunk: ``--token-chunk`` >= the sequence) compiles for h100_sxm at 4,096 tokens, and
+    the offloaded residuals are in host bytes (tiny: 143.75 MiB measured; at least the 4
+    layer inputs, 4 x 4096 x 256 x 2 bytes)."""
+    argv = ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1", "--remat", "offload"]
+    out = _qlora_dry_run(tmp_path, argv + ["--token-chunk", "0"])
+    c = out["compiled"]
+    assert c["host_peak_bytes"] >= 4 * 4096 * 256 * 2
+    assert 0 < c["peak_bytes"] < 256 * 2**20
 
 
 @pytest.mark.slow

@@ -116,13 +116,14 @@ def test_train_step_applies_the_levers_remat():
 
 def test_planner_resolves_the_same_levers():
     """The planner's long-context paths are the resolver's: a GPU target's cuDNN and the
-    CPU's blockwise both hold no [S, T] scores; explicit dense does."""
+    CPU's blockwise both hold no [S, T] scores; explicit dense does. A GPU target also
+    takes XLA:GPU's activation terms (no float32 copies of bf16 temporaries: lower)."""
     cfg = llama.get_config("llama3_1_8b")
     kw = dict(remat="full", seq_len=32768, lora=8, quantization="nf4")
     dense = planner.estimate(cfg, levers=jmem.Levers(attention="dense"), **kw)
     cpu = planner.estimate(cfg, levers=jmem.Levers(), target="cpu", **kw)
     gpu = planner.estimate(cfg, levers=jmem.Levers(), target="gpu", **kw)
-    assert cpu.activations == gpu.activations < dense.activations / 4
+    assert gpu.activations < cpu.activations < dense.activations / 4
     lv = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 32768))
     assert planner.estimate(cfg, levers=lv, **{**kw, "remat": None}).config["remat"] == (
         "offload_inputs"

@@ -7,30 +7,102 @@ Recomputation in Large Transformer Models"); the derivation is in ``docs/planner
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jmem._src import dtypes as _dtypes
 from jmem._src.attention import pick_implementation
 from jmem._src.planner.shapes import ModelShape
 
-__all__ = ["REMAT_MODES", "activation_bytes", "is_long_context"]
+__all__ = [
+    "COMPILER_TERMS",
+    "CPU_TERMS",
+    "GPU_TERMS",
+    "REMAT_MODES",
+    "CompilerTerms",
+    "activation_bytes",
+    "compiler_terms",
+    "is_long_context",
+]
 
 #: Remat modes, as named by ``jmem.REMAT_POLICIES``, from most to least memory.
 REMAT_MODES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
 
-#: Long-context paths (blockwise attention, chunked loss, the layer's token-local parts in
-#: ``mlp_chunk``-token chunks): bytes per token and hidden unit that one layer holds under
-#: remat beyond its saved input, and bytes per chunk token and intermediate unit. Fitted to
-#: the compiled peaks of the main job's dry run (Llama-3.1-8B, QLoRA r=32, full remat,
-#: 2k-48k tokens and 2,048/4,096-token chunks, within 4%) on XLA:CPU: a few bf16
-#: hidden-sized arrays (the layer input, q/k/v, the attention output, the residual and its
-#: gradient) and the float32 ``[chunk, F]`` MLP buffers (XLA:CPU keeps bf16 temporaries in
-#: float32). See docs/long_context.md.
-LAYER_WORK_PER_TOKEN_H = 22
-MLP_WORK_PER_TOKEN_F = 24
-#: float32 ``[loss_chunk, V]`` buffers live at once in the chunked loss's backward pass
-#: (its logits cotangent meets the head in bf16, so no float32 copy of the head).
-LOSS_CHUNK_BUFFERS = 2.5
+
+@dataclasses.dataclass(frozen=True)
+class CompilerTerms:
+    """The constants of the long-context activation model for one compiler, in bytes.
+
+    Attributes:
+      compiler: ``"cpu"`` (XLA:CPU) or ``"gpu"`` (XLA:GPU).
+      layer_work_per_token_h: what one layer's backward pass holds beyond its saved input,
+        per token and hidden unit (bf16 hidden-sized arrays: the layer input, q/k/v, the
+        attention output, the residual and their gradients; on XLA:CPU float32 copies).
+      mlp_work_per_token_f: per chunk token (``min(t, token_chunk)``) and intermediate unit:
+        one chunk's ``[chunk, F]`` MLP buffers.
+      layer_weight_bytes: per linear weight of one layer: its NF4 weights dequantized to
+        the compute dtype for the chunk loops (XLA:GPU keeps them live across a layer).
+      loss_chunk_buffers: float32 ``[loss_chunk, V]`` buffers live at once in the chunked
+        loss's backward pass.
+      loss_work_per_token_h: the loss phase's per-token bytes per hidden unit (the final
+        hidden states and their gradient).
+      tied_head_copies: copies of a tied embedding (``A V h`` bytes each) the loss phase
+        holds (XLA:GPU: the head as the embedding's transpose, and part of another).
+      saved_copy: how many layers' worth of the saved residuals the layer phase holds
+        beyond the saved stack (XLA:GPU: the layer's input being written into, or read
+        from, the stack; none with the inputs offloaded).
+      source: what the constants were fitted to.
+    """
+
+    compiler: str
+    layer_work_per_token_h: float
+    mlp_work_per_token_f: float
+    layer_weight_bytes: float
+    loss_chunk_buffers: float
+    loss_work_per_token_h: float
+    tied_head_copies: float
+    saved_copy: float
+    source: str
+
+
+#: XLA:CPU: fitted to the compiled peaks of the main job's dry run (Llama-3.1-8B, QLoRA
+#: r=32, full remat, 2k-48k tokens and 2,048/4,096-token chunks, within 4%): XLA:CPU keeps
+#: bf16 temporaries in float32, so the layer's hidden-sized arrays and the float32
+#: ``[chunk, F]`` MLP buffers are the working set. See docs/long_context.md.
+CPU_TERMS = CompilerTerms(
+    "cpu", 22, 24, 0, 2.5, 0, 0, 0, "XLA:CPU compiles of the 8B QLoRA job, 2k-48k tokens"
+)
+#: XLA:GPU: fitted to the h100_sxm compiles of the same job (deviceless, no GPU;
+#: ``benchmarks/gpu_calibration.py``, ``benchmarks/results/gpu_compile/calibration.json``:
+#: 2k-128k tokens, full remat and offload_inputs, within 0.4%; twelve presets at 4k within
+#: 10%, -8.4% to +5.1%). bf16 temporaries stay bf16 (13.1 h per token, plus the saved input
+#: being written, instead of 22 h); the layer phase holds one layer's dequantized NF4
+#: weights (counted for a bf16 base too: not fitted there) and about three float32
+#: ``[chunk, F]`` buffers; the loss phase adds the final hidden states per token and a
+#: tied embedding's head copy. See docs/planner.md.
+GPU_TERMS = CompilerTerms(
+    "gpu",
+    13.1,
+    12.4,
+    2.3,
+    1.84,
+    4.1,
+    1.6,
+    1,
+    "XLA:GPU compiles for h100_sxm of the 8B QLoRA job, 2k-128k tokens",
+)
+COMPILER_TERMS = {"cpu": CPU_TERMS, "gpu": GPU_TERMS}
+
+#: The XLA:CPU constants under their earlier names.
+LAYER_WORK_PER_TOKEN_H = CPU_TERMS.layer_work_per_token_h
+MLP_WORK_PER_TOKEN_F = CPU_TERMS.mlp_work_per_token_f
+LOSS_CHUNK_BUFFERS = CPU_TERMS.loss_chunk_buffers
+
+
+def compiler_terms(platform: str | None) -> CompilerTerms:
+    """The terms for a compile platform: XLA:GPU's for ``"gpu"``, else XLA:CPU's (TPU is
+    not calibrated: its step is modelled with XLA:CPU's terms)."""
+    return GPU_TERMS if platform == "gpu" else CPU_TERMS
 
 
 def _saved_per_token(shape: ModelShape, A: int, s: int, t: int) -> dict[str, int]:
@@ -82,17 +154,23 @@ def is_long_context(shape: ModelShape, seq_len: int) -> bool:
     return attention != "dense"
 
 
-def _long_context_parts(shape: ModelShape, b: int, s: int) -> dict[str, int]:
+def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, saved, A) -> dict:
     """``recompute`` and ``logits`` of the long-context paths (no ``[S, T]`` scores, no
-    ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries)."""
+    ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries), with ``terms``' constants;
+    ``saved``: bytes per token one layer keeps on the device under the remat mode."""
     t, h, V = b * s, shape.hidden_size, shape.vocab_size
     m = min(t, shape.mlp_chunk) if shape.mlp_chunk else t
     if shape.loss_chunk:
-        logits = int(LOSS_CHUNK_BUFFERS * 4 * min(t, shape.loss_chunk) * V)
+        logits = int(terms.loss_chunk_buffers * 4 * min(t, shape.loss_chunk) * V)
     else:
         logits = 2 * 4 * t * V
-    mlp = m * MLP_WORK_PER_TOKEN_F * shape.intermediate_size
-    return {"recompute": t * LAYER_WORK_PER_TOKEN_H * h + mlp, "logits": logits}
+    logits += int(terms.loss_work_per_token_h * t * h)
+    if shape.tie_embeddings:
+        logits += int(terms.tied_head_copies * A * V * h)
+    mlp = m * terms.mlp_work_per_token_f * shape.intermediate_size
+    weights = terms.layer_weight_bytes * sum(i * o for i, o in shape.linear_shapes().values())
+    work = t * (terms.layer_work_per_token_h * h + terms.saved_copy * saved) + mlp + weights
+    return {"recompute": int(work), "logits": logits}
 
 
 def activation_bytes(
@@ -102,6 +180,7 @@ def activation_bytes(
     seq_len: int = 2048,
     activation_dtype: Any = "bf16",
     remat: str | None = None,
+    compiler: str = "cpu",
 ) -> dict[str, int]:
     """Bytes of activations kept for the backward pass of one micro-batch, by part.
 
@@ -114,11 +193,13 @@ def activation_bytes(
     ``host_activations``: what ``offload`` keeps in host memory (each layer's input and
     selective's residuals). With the long-context paths (``shape.attention`` blockwise at
     this length, see :func:`is_long_context`) ``recompute`` is one layer's backward working
-    set ``t (22 h) + min(t, mlp_chunk) 24 F`` bytes, ``logits`` the chunked loss's
-    ``2.5 * 4 loss_chunk V``, there is no mask, and ``phased`` is 1: the loss
-    and the layers' backward pass run one after the other, so the step holds the larger
-    of the two (calibrated on XLA:CPU compiled peaks; docs/long_context.md). The
-    derivation and the table of modes are in ``docs/planner.md``.
+    set ``t (w h) + min(t, mlp_chunk) f F + c W`` bytes (``W``: one layer's linear
+    weights), ``logits`` the chunked loss's ``k * 4 loss_chunk V + l t h``, there is no
+    mask, and ``phased`` is 1: the loss and the layers' backward pass run one after the
+    other, so the step holds the larger of the two. The constants are the compiler's
+    (:class:`CompilerTerms`): XLA:CPU's ``w=22, f=24, c=0, k=2.5, l=0`` (it keeps bf16
+    temporaries in float32) or XLA:GPU's (fitted to h100_sxm compiles; docs/planner.md).
+    The derivation and the table of modes are in ``docs/planner.md``.
 
     Args:
       shape: a :class:`ModelShape` (see :func:`resolve_shape`).
@@ -126,13 +207,15 @@ def activation_bytes(
       seq_len: tokens per sequence (``s``).
       activation_dtype: dtype of activations (the compute dtype; ``A`` bytes).
       remat: one of :data:`REMAT_MODES` (``None`` = ``"none"``).
+      compiler: ``"cpu"`` or ``"gpu"``: whose buffer assignment the long-context paths
+        model (:data:`COMPILER_TERMS`; ``planner.estimate`` picks it from its target).
 
     Returns:
       ``{"layers", "recompute", "logits", "other", "host_activations", "phased"}`` in
       bytes (``phased``: 0 or 1).
 
     Raises:
-      ValueError: for an unknown remat mode or non-positive sizes.
+      ValueError: for an unknown remat mode or compiler, or non-positive sizes.
 
     Source: Korthikanti et al. 2022, Sec. 4 (``s b h (34 + 5 a s / h)`` per GPT layer),
     adapted to jmem's Llama (fp32 RMSNorm, GQA, SwiGLU, no dropout).
@@ -140,6 +223,8 @@ def activation_bytes(
     remat = "none" if remat is None else remat
     if remat not in REMAT_MODES:
         raise ValueError(f"remat={remat!r} is not one of {REMAT_MODES}.")
+    if compiler not in COMPILER_TERMS:
+        raise ValueError(f"compiler={compiler!r} is not one of {sorted(COMPILER_TERMS)}.")
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1; got {batch_size}, {seq_len}.")
     A = _dtypes.itemsize(activation_dtype, "activation_dtype")
@@ -156,6 +241,7 @@ def activation_bytes(
         "phased": 0,
     }
     if is_long_context(shape, s):
-        parts.update(_long_context_parts(shape, batch_size, s))
+        terms = COMPILER_TERMS[compiler]
+        parts.update(_long_context_parts(shape, batch_size, s, terms, saved[remat], A))
         parts.update(other=A * t * shape.hidden_size, phased=1)
     return parts

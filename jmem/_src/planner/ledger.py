@@ -17,6 +17,7 @@ from typing import Sequence
 from jmem._src import dtypes as _dtypes
 from jmem._src import levers as _levers
 from jmem._src.planner.activations import activation_bytes
+from jmem._src.planner.activations import compiler_terms
 from jmem._src.planner.shapes import LINEAR_NAMES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import is_count
@@ -514,12 +515,20 @@ def _transfers(
     return {k: v for k, v in host.items() if k not in moved}, moved, transfers
 
 
-def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given):
-    """The activation ledger: ``(bytes, detail, host bytes, notes)``."""
+def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target):
+    """The activation ledger: ``(bytes, detail, host bytes, notes)``; ``target``: the
+    resolved levers' compile target (its platform's compiler terms, ``compiler_terms``)."""
     if budget is not None:
         return int(budget), {"activation:budget": int(budget)}, 0, []
+    platform = _levers._platform(target)[1]  # noqa: SLF001 (resolve's own rule)
+    terms = compiler_terms(platform)
     parts = activation_bytes(
-        shape, batch_size=batch_size, seq_len=seq_len, activation_dtype=act_dtype, remat=remat
+        shape,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        activation_dtype=act_dtype,
+        remat=remat,
+        compiler=terms.compiler,
     )
     phased = parts.pop("phased")
     work = [parts["recompute"], parts["logits"]]
@@ -532,6 +541,8 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
             f"L={shape.num_layers}, F={shape.intermediate_size}, "
             f"V={shape.vocab_size}"
         )
+    if terms.compiler == "gpu" and phased:
+        notes.append(f"activations: XLA:GPU's buffers (fitted to {terms.source})")
     return act, detail, parts["host_activations"], notes
 
 
@@ -651,7 +662,9 @@ def estimate(
         None. Default: ``jmem.Levers()`` for a config, the plain paths (dense attention,
         whole loss, no chunks; ``PLAIN_LEVERS``) for a name or a count.
       target: what the step is compiled for (``jmem.resolve_levers``'s ``target``; None:
-        the running backend).
+        the running backend; a ``levers`` already resolved brings its own). It also picks
+        whose buffers the long-context activations model: a GPU target's (``"h100_sxm"``,
+        ``"gpu"``) XLA:GPU's, fitted to h100_sxm compiles; otherwise XLA:CPU's.
       **shape_kwargs: ``hidden_size``, ``num_layers``, ``intermediate_size``,
         ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``tie_embeddings``
         for a model given as a parameter count.
@@ -706,7 +719,7 @@ def estimate(
     )
     remat = _streamed_remat(streamed, lv.remat if remat is None else remat, offload)
     act, act_detail, host_act, act_notes = _activations(
-        shape, activations, batch_size, seq_len, act_dtype, remat, count_given
+        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target
     )
     if host_act:
         host["activations"] = host_act
@@ -827,7 +840,7 @@ def largest_model(
             kw["activations"] = int(activation_budget)
         return estimate(n, **kw).total + reserve <= mem
 
-    return max(0, _bisect(fits, 1, int(mem)))
+    return max(0, _bisect(fits, 1, 4 * int(mem)))  # NF4: about 0.52 bytes a parameter
 
 
 def largest_batch(
@@ -888,9 +901,12 @@ def max_seq_len(
     stream of ``L`` hidden-sized activations per token lives in ``pinned_host``, the
     device keeps one layer's working set; the host bytes are ``L * seq * A * h``). A
     ``LlamaConfig`` model brings its long-context paths (``attention``, ``loss_chunk``,
-    ``mlp_chunk``); the activation model is calibrated on XLA:CPU compiled peaks (see
-    :func:`activation_bytes`), which keep bf16 temporaries in float32, so on a GPU the
-    sequences that fit are somewhat longer (``benchmarks/long_context_gpu.sh`` measures).
+    ``mlp_chunk``); the activation model is the compile target's (``target=`` in
+    ``config``, see :func:`estimate`): XLA:CPU's by default, which keeps bf16 temporaries
+    in float32, or XLA:GPU's for a GPU target (``target="h100_sxm"``: within 0.4% of its
+    compiles from 2k to 128k tokens; beyond 256k tokens with the inputs offloaded it is
+    under the compile, -15% at 1.2M, so ``jmem estimate --target`` answers from the
+    compiler there).
 
     Args:
       memory: device bytes or a string (see :func:`parse_memory`).
