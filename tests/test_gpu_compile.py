@@ -241,30 +241,17 @@ def test_pinned_host_sharding_survives_on_the_target_mesh():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    raises=jax.errors.JaxRuntimeError,
-    strict=True,
-    reason="XLA:GPU (jaxlib 0.10.2) fails layout assignment ('Expected instruction to have "
-    "shape equal to ...') of the layer scan when the 'offload' remat policy meets the "
-    "token-local chunk loops: the layer inputs' stack is in host memory (S(5)) while the "
-    "residuals saved per chunk ([L, chunks, chunk, ...]) are not; --token-chunk 0 compiles",
-)
-def test_qlora_step_with_the_offload_remat_policy(tmp_path):
-    """Recorded failure: ``--remat offload`` with the token-local chunks on (4,096 tokens,
-    the default 2,048-token chunks) does not compile for h100_sxm (8,192 tokens in 4,096
-    token chunks neither); every other policy does."""
+def test_the_offload_remat_policy_compiles_with_token_chunks_resolved_off(tmp_path):
+    """XLA:GPU (jaxlib 0.10.2) fails layout assignment ('Expected instruction to have shape
+    equal to ...') of the layer scan when the 'offload' remat policy meets the token-local
+    chunk loops: the layer inputs' stack is in host memory (S(5)) while the residuals saved
+    per chunk ([L, chunks, chunk, ...]) are not. For a GPU target the resolver turns token
+    chunks off with remat offload (``jmem.resolve_levers``, with the reason): the job's
+    ``--remat offload`` at 4,096 tokens (default 2,048-token chunks) compiles for h100_sxm,
+    and the offloaded residuals are in host bytes (tiny: 143.75 MiB measured; at least the
+    4 layer inputs, 4 x 4096 x 256 x 2 bytes)."""
     argv = ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1", "--remat", "offload"]
-    _qlora_dry_run(tmp_path, argv)
-
-
-@pytest.mark.slow
-def test_offload_remat_policy_compiles_without_token_chunks(tmp_path):
-    """The workaround for the failure above: ``--remat offload --token-chunk 0`` (or one
-    chunk: ``--token-chunk`` >= the sequence) compiles for h100_sxm at 4,096 tokens, and
-    the offloaded residuals are in host bytes (tiny: 143.75 MiB measured; at least the 4
-    layer inputs, 4 x 4096 x 256 x 2 bytes)."""
-    argv = ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1", "--remat", "offload"]
-    out = _qlora_dry_run(tmp_path, argv + ["--token-chunk", "0"])
+    out = _qlora_dry_run(tmp_path, argv)
     c = out["compiled"]
     assert c["host_peak_bytes"] >= 4 * 4096 * 256 * 2
     assert 0 < c["peak_bytes"] < 256 * 2**20

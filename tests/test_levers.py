@@ -78,6 +78,19 @@ def test_fp8_keeps_token_chunks_with_a_reason_and_unroll_follows_remat():
 
 
 @pytest.mark.slow
+def test_offload_remat_turns_token_chunks_off_on_a_gpu_target_only():
+    """XLA:GPU fails layout assignment for remat offload inside token-chunk loops
+    (tests/test_gpu_compile.py compiles it): on a GPU target the resolver sets token
+    chunks to 0 and says why; on the CPU, and for other policies, chunks stay."""
+    cfg = llama.CONFIGS["tiny"]
+    gpu = jmem.resolve_levers(jmem.Levers(remat="offload"), cfg, (1, 4096), "h100_sxm")
+    assert gpu.token_chunk == 0 and "layout assignment" in dict(gpu.reasons)["token_chunk"]
+    cpu = jmem.resolve_levers(jmem.Levers(remat="offload"), cfg, (1, 4096), "cpu")
+    assert cpu.token_chunk == 2048
+    full = jmem.resolve_levers(jmem.Levers(remat="full"), cfg, (1, 4096), "h100_sxm")
+    assert full.token_chunk == 2048
+
+
 def test_loss_fn_reads_the_levers():
     """The same loss through every path the levers choose (float32, 1e-5), FP8 too
     (token chunks compose with it: the chunked FP8 loss is the unchunked one)."""

@@ -232,7 +232,15 @@ def _layer_window(model):
     return getattr(model, "sliding_window", None)
 
 
-def _chunks(levers, seq, batch_rows) -> list[tuple[str, int, str]]:
+#: Why ``remat="offload"`` turns token chunks off on a GPU target.
+_OFFLOAD_CHUNKS_WHY = (
+    "0: remat offload inside the token-chunk loops fails XLA:GPU's layout assignment "
+    "(jaxlib 0.10.2: the layer inputs' stack in host memory, the per-chunk residuals on the "
+    "device); the token-local parts run whole"
+)
+
+
+def _chunks(levers, seq, batch_rows, platform=None) -> list[tuple[str, int, str]]:
     """``(lever, value, reason)`` for the loss and token chunks."""
     tokens = None if seq is None else seq * (batch_rows or 1)
     out = []
@@ -242,7 +250,9 @@ def _chunks(levers, seq, batch_rows) -> list[tuple[str, int, str]]:
         out.append(("loss_chunk", levers.loss_chunk, f"as given ({tokens} tokens: one chunk)"))
     else:
         out.append(("loss_chunk", levers.loss_chunk, "as given"))
-    if levers.token_chunk and seq is not None and seq <= levers.token_chunk:
+    if levers.token_chunk and levers.remat == "offload" and platform == "gpu":
+        out.append(("token_chunk", 0, _OFFLOAD_CHUNKS_WHY))
+    elif levers.token_chunk and seq is not None and seq <= levers.token_chunk:
         out.append(("token_chunk", levers.token_chunk, f"as given ({seq} tokens: one chunk)"))
     elif levers.token_chunk and levers.fp8:
         why = "as given; with FP8 each projection's per-chunk amaxes are max-reduced into one"
@@ -268,6 +278,8 @@ def resolve(
         packed rows, no soft-cap, one window for every layer), else dense up to 1024 keys
         and blockwise beyond.
       - ``scan_unroll=None``: True (inlined layers) with ``remat="none"``, else 1.
+      - ``remat="offload"`` on a GPU target: token chunks 0 (XLA:GPU's layout assignment
+        fails on the offloaded stack inside the chunk loops; named in the reason).
       - ``fp8=True`` keeps token chunks: under ``jmem.fp8.apply`` each projection's
         scaling state is fanned out over the chunks and the per-chunk amaxes are
         max-reduced into one history update, exactly the unchunked step's (named in the
@@ -309,7 +321,7 @@ def resolve(
         )
     else:
         unroll, unroll_why = levers.scan_unroll, "as given"
-    chunks = {k: (v, why) for k, v, why in _chunks(levers, seq, rows)}
+    chunks = {k: (v, why) for k, v, why in _chunks(levers, seq, rows, platform)}
     fp8_why = "off"
     if levers.fp8:
         fp8_why = "FP8 matmuls with delayed scaling (jmem.fp8.apply)"
