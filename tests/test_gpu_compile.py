@@ -335,3 +335,23 @@ def test_offloaded_params_are_streamed_per_layer_on_the_target():
                 assert hit.split("}")[0].endswith("S(5)"), line[:200]
     starts = [ln for ln in text.splitlines() if "dynamic-slice-start" in ln and "S(5)" in ln]
     assert len(starts) >= 2 * len(stacked)  # each layer leaf: forward and backward loops
+
+
+def test_fp8_llama_step_compiles_to_fp8_matmuls_on_the_target():
+    """``jmem.fp8.apply`` over the Llama loss (tiny, bf16, 2,048 tokens in 1,024-token
+    chunks, full remat) compiles for h100_sxm, and XLA:GPU runs the projections as FP8
+    matmuls: the compiled HLO holds f8e4m3fn operands (forward) and f8e5m2 ones (the
+    gradients, E5M2 in the backward pass, as Transformer Engine's hybrid format)."""
+    from jmem.models import llama
+
+    cfg = llama.CONFIGS["tiny"]
+    params = jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg, jnp.bfloat16))
+    metas = jax.eval_shape(lambda p: jmem.fp8.init_metas(p, llama.LINEAR_NAMES), params)
+    lv = jmem.Levers(remat="full", token_chunk=1024, fp8=True)
+    loss = jmem.fp8.apply(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv))
+    batch = {k: jax.ShapeDtypeStruct((1, 2048), jnp.int32) for k in ("inputs", "targets")}
+    grad = jax.grad(jmem.remat(loss, "full"), argnums=(0, 1))
+    compiled = _compile(grad, params, metas, batch)
+    hlo = compiled.as_text()
+    assert "f8e4m3fn" in hlo and "f8e5m2" in hlo
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
