@@ -113,6 +113,28 @@ def test_train_step_keeps_the_base_on_host_and_trains_bitwise():
     assert {x.sharding.memory_kind for x in jax.tree.leaves(abstract.frozen)} == {"pinned_host"}
 
 
+@pytest.mark.slow
+def test_the_job_streams_to_one_device_and_refuses_a_mesh(tmp_path, capsys):
+    """``jmem finetune --offload params`` on a machine with several devices and no
+    ``--mesh`` runs on one device with a note (not an FSDP mesh it would then refuse); an
+    explicit ``--mesh`` of more than one device is one ``error:`` line before compiling."""
+    import helpers
+
+    from jmem import finetune
+    from jmem._src.finetune.mesh import job_mesh
+
+    assert jax.device_count() > 1  # conftest: 8 host devices
+    config = finetune.parse_args(["--config", "tiny", "--offload", "params"])
+    mesh, notes = job_mesh(config)
+    assert mesh is None and "runs on one device" in notes[0]
+    argv = ["--config", "tiny", "--batch-size", "4", "--seq-len", "16", "--lora-rank", "4"]
+    argv += ["--out", str(tmp_path / "r"), "--offload", "params", "--mesh", "data=1,fsdp=2"]
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv)
+    helpers.one_line_error(capsys, e, "--offload params", "one device", "--mesh")
+    assert not (tmp_path / "r" / "run.json").exists()
+
+
 def test_offload_params_with_a_mesh_is_refused():
     mesh = jmem.sharding.make_mesh(fsdp=2, devices=jax.devices()[:2])
     lv = jmem.Levers(remat="full", offload_params=True)

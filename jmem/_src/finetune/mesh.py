@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 
 from jmem import sharding
 from jmem._src.cli import CliError
+from jmem._src.finetune.config import offloads
 
 
 def _sizes(spec: str, n_devices: int) -> tuple[int, int]:
@@ -34,6 +35,8 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     n = len(devices)
     if config.levers.offload_dir is not None:
         return None, _one_device_for_disk(config, n)
+    if offloads(config.levers, "params"):
+        return None, _one_device_for_params(config, n)
     if config.devices.mesh is None:
         if n == 1:
             return None, []
@@ -74,6 +77,25 @@ def _one_device_for_disk(config, n: int) -> list[str]:
         return [
             f"note: --offload-dir runs on one device (ordered disk reads and writes): {n - 1} "
             f"of the {n} devices are idle; --offload (host memory) shards over them"
+        ]
+    return []
+
+
+def _one_device_for_params(config, n: int) -> list[str]:
+    """``--offload params`` streams the base to one device (not yet on a mesh): the notes
+    for the idle devices. Raises CliError for a ``--mesh`` of more than one device or a
+    multi-process run."""
+    spec = config.devices.mesh
+    if (spec is not None and math.prod(_sizes(spec, n)) > 1) or jax.process_count() > 1:
+        where = f"--mesh {spec}" if spec is not None else "the processes beyond the first"
+        raise CliError(
+            f"--offload params runs on one device (streaming on a mesh is not supported yet); "
+            f"drop {where}, or keep the base on the devices and shard it with --mesh"
+        )
+    if spec is None and n > 1:
+        return [
+            f"note: --offload params runs on one device (not yet on a mesh): {n - 1} of the "
+            f"{n} devices are idle; without it the base shards over them (FSDP)"
         ]
     return []
 
