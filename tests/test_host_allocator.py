@@ -604,6 +604,7 @@ def test_run_changes_nothing_in_its_callers_process(
     here; the slow test below trains) leaves malloc, the process and its environment
     alone, whatever ``host_allocator`` asks; its one note says how to get the speed."""
     monkeypatch.setattr(job, "train", lambda *args: {"trained": True})
+    monkeypatch.setattr(job, "publish", lambda *args: None)  # the stub stages no results
     monkeypatch.setattr(ha, "huge_pages_active", lambda: False)
     monkeypatch.setattr(ha, "huge_pages_unavailable", lambda: None)
     monkeypatch.setattr(ha, "_start_tunables", lambda: "")
