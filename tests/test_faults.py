@@ -345,6 +345,7 @@ def test_resume_refuses_another_base_model_or_data_by_content(tmp_path, monkeypa
     assert (out / "run.json").read_bytes() == record  # a refused resume keeps run.json
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_flag_that_changes_the_state_tree(tmp_path):
     config, out = _recorded_run(tmp_path)
     line = _resume_refusal(config, lora_dropout=0.1)

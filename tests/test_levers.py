@@ -91,6 +91,7 @@ def test_offload_remat_turns_token_chunks_off_on_a_gpu_target_only():
     assert full.token_chunk == 2048
 
 
+@pytest.mark.slow
 def test_loss_fn_reads_the_levers():
     """The same loss through every path the levers choose (float32, 1e-5), FP8 too
     (token chunks compose with it: the chunked FP8 loss is the unchunked one)."""

@@ -25,8 +25,8 @@ def _local(w, x, y):
 
 class OverTokensTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @pytest.mark.slow
     @parameterized.parameters((jnp.float32, 1e-6), (jnp.bfloat16, 2**-6))
+    @pytest.mark.slow
     def test_equals_whole(self, dtype, tol):
         """Outputs and gradients (weight and inputs) of ``over_tokens`` with a partial last
         chunk over two rows equal the whole function's: float32 to 1e-6, bfloat16 to 2^-6
