@@ -34,9 +34,9 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     devices = jax.devices()
     n = len(devices)
     if config.levers.offload_dir is not None:
-        return None, _one_device_for_disk(config, n)
+        return None, _one_device(config, n, "--offload-dir")
     if offloads(config.levers, "params"):
-        return None, _one_device_for_params(config, n)
+        return None, _one_device(config, n, "--offload params")
     if config.devices.mesh is None:
         if n == 1:
             return None, []
@@ -62,40 +62,33 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     return sharding.make_mesh(data, fsdp, devices=devices[: data * fsdp]), []
 
 
-def _one_device_for_disk(config, n: int) -> list[str]:
-    """``--offload-dir`` steps run on one device (ordered disk reads and writes): the notes
-    for the idle devices. Raises CliError for a ``--mesh`` of more than one device or a
-    multi-process run."""
+#: The rungs that run on one device: (why, what to do instead on a mesh, the idle note).
+_ONE_DEVICE = {
+    "--offload-dir": (
+        "ordered disk reads and writes",
+        "or keep the optimizer state in host memory with --offload on a mesh",
+        "--offload (host memory) shards over them",
+    ),
+    "--offload params": (
+        "streaming on a mesh is not supported yet",
+        "or keep the base on the devices and shard it with --mesh",
+        "without it the base shards over them (FSDP)",
+    ),
+}
+
+
+def _one_device(config, n: int, flag: str) -> list[str]:
+    """``flag``'s steps run on one device (``_ONE_DEVICE``): the notes for the idle
+    devices. Raises CliError for a ``--mesh`` of more than one device or a multi-process
+    run."""
+    why, instead, idle = _ONE_DEVICE[flag]
     spec = config.devices.mesh
     if (spec is not None and math.prod(_sizes(spec, n)) > 1) or jax.process_count() > 1:
         where = f"--mesh {spec}" if spec is not None else "the processes beyond the first"
-        raise CliError(
-            f"--offload-dir runs on one device (ordered disk reads and writes); drop {where}, "
-            "or keep the optimizer state in host memory with --offload on a mesh"
-        )
+        raise CliError(f"{flag} runs on one device ({why}); drop {where}, {instead}")
     if spec is None and n > 1:
         return [
-            f"note: --offload-dir runs on one device (ordered disk reads and writes): {n - 1} "
-            f"of the {n} devices are idle; --offload (host memory) shards over them"
-        ]
-    return []
-
-
-def _one_device_for_params(config, n: int) -> list[str]:
-    """``--offload params`` streams the base to one device (not yet on a mesh): the notes
-    for the idle devices. Raises CliError for a ``--mesh`` of more than one device or a
-    multi-process run."""
-    spec = config.devices.mesh
-    if (spec is not None and math.prod(_sizes(spec, n)) > 1) or jax.process_count() > 1:
-        where = f"--mesh {spec}" if spec is not None else "the processes beyond the first"
-        raise CliError(
-            f"--offload params runs on one device (streaming on a mesh is not supported yet); "
-            f"drop {where}, or keep the base on the devices and shard it with --mesh"
-        )
-    if spec is None and n > 1:
-        return [
-            f"note: --offload params runs on one device (not yet on a mesh): {n - 1} of the "
-            f"{n} devices are idle; without it the base shards over them (FSDP)"
+            f"note: {flag} runs on one device ({why}): {n - 1} of the {n} devices are idle; {idle}"
         ]
     return []
 
