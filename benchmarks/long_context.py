@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import statistics
 import time
 
@@ -96,6 +97,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed steps per contender")
     p.add_argument("--out", default="benchmarks/results/long_context.json")
     args = p.parse_args(argv)
+    load_at_start = os.getloadavg()
     rows = []
     print(f"{'seq':>7} {'contender':>9} {'temp MiB':>10} {'peak MiB':>10} {'step s':>8}")
     for seq in (int(s) for s in args.seqs.split(",")):
@@ -115,9 +117,10 @@ def main(argv=None):
             {
                 "model": dataclasses.asdict(MODEL),
                 "levers": {k: dataclasses.asdict(v) for k, v in CONTENDERS.items()},
-                "contenders": CONTENDERS,
                 "backend": jax.default_backend(),
-                "note": "step times from a shared, loaded CPU: not valid, re-take on idle cores",
+                "cpu": platform.processor() or platform.machine(),
+                "load_avg_at_start": load_at_start,
+                "note": "step times are valid only when the machine was idle (load_avg_at_start)",
                 "rows": rows,
             },
             f,
