@@ -61,7 +61,7 @@ def grad_step(levers):
 def batch(seq: int, abstract: bool):
     if abstract:
         return {k: jax.ShapeDtypeStruct((1, seq), jnp.int32) for k in ("inputs", "targets")}
-    tokens = jax.random.randint(jax.random.key(0), (1, seq + 1), 0, 32000, jnp.int32)
+    tokens = jax.random.randint(jax.random.key(0), (1, seq + 1), 0, MODEL.vocab_size, jnp.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
@@ -96,7 +96,13 @@ def main(argv=None):
     p.add_argument("--time-max-seq", type=int, default=4096, help="time steps up to this length")
     p.add_argument("--reps", type=int, default=3, help="timed steps per contender")
     p.add_argument("--out", default="benchmarks/results/long_context.json")
+    p.add_argument(
+        "--config", default=None, help="a llama.CONFIGS preset instead of the model above"
+    )
     args = p.parse_args(argv)
+    global MODEL
+    if args.config is not None:
+        MODEL = llama.CONFIGS[args.config]
     load_at_start = os.getloadavg()
     rows = []
     print(f"{'seq':>7} {'contender':>9} {'temp MiB':>10} {'peak MiB':>10} {'step s':>8}")

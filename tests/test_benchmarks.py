@@ -1,0 +1,46 @@
+"""The benchmark scripts run end to end on a tiny shape and write their JSON (a script
+that crashes after an hour of timing loses the hour)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _load(name):
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_long_context_writes_its_rows(tmp_path):
+    out = tmp_path / "long_context.json"
+    _load("long_context").main(
+        [
+            "--config",
+            "tiny",
+            "--seqs",
+            "128",
+            "--time-max-seq",
+            "128",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert set(rows) == {"dense", "long"}
+    for row in rows.values():
+        assert row["seq_len"] == 128
+        assert row["peak_bytes"] >= row["temp_bytes"] > 0
+        assert row["step_seconds"] > 0
+    assert set(result["levers"]) == {"dense", "long"}
+    assert len(result["load_avg_at_start"]) == 3
