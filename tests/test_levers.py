@@ -77,6 +77,7 @@ def test_fp8_keeps_token_chunks_with_a_reason_and_unroll_follows_remat():
     assert jmem.resolve_levers(jmem.Levers(scan_unroll=2), cfg, (1, 8)).scan_unroll == 2
 
 
+@pytest.mark.slow
 def test_fp8_lever_is_refused_where_no_fp8_matmul_would_run():
     """``Levers(fp8=True)`` records a choice; FP8 runs under ``jmem.fp8.apply``. The model
     outside ``apply`` and ``train_step`` without metas, or with a loss that does not apply
