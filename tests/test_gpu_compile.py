@@ -128,8 +128,11 @@ def test_qlora_step_tiny_at_4k(tmp_path):
     """The main job's QLoRA step (tiny, 4k tokens, full remat) compiles for h100_sxm: the
     arguments are the planner's params + state (the same ledger), the device peak is
     within 10% of the planner's estimate for the target (XLA:GPU's terms; 50.7 MiB
-    compiled, 46.4 MiB planned) and nothing is on the host."""
+    compiled, 46.4 MiB planned) and nothing is on the host. No ``--memory``: judged against
+    the target's 79.11 GiB, and the smaller cards too (it fits them all, no lever named)."""
     out = _qlora_dry_run(tmp_path, ["--config", "tiny", "--seq-len", "4096", "--batch-size", "1"])
+    assert out["memory"] == jmem.targets.get(TARGET).memory_bytes and out["fits"]
+    assert out["cards"] == {"fits": {24: True, 32: True, 40: True, 48: True}, "levers": {}}
     c, est = out["compiled"], out["estimate"]
     assert out["target"] == TARGET and c["target"] == TARGET
     state = est["params"] + est["optimizer_state"] + est["master_weights"]

@@ -78,6 +78,41 @@ def test_fp8_keeps_token_chunks_with_a_reason_and_unroll_follows_remat():
 
 
 @pytest.mark.slow
+def test_fp8_lever_is_refused_where_no_fp8_matmul_would_run():
+    """``Levers(fp8=True)`` records a choice; FP8 runs under ``jmem.fp8.apply``. The model
+    outside ``apply`` and ``train_step`` without metas, or with a loss that does not apply
+    them, raise (they trained in the compute dtype, silently); the working forms trace
+    (shapes only: nothing compiled) and hold FP8 values."""
+    from jmem._src.train.fp8_check import has_fp8_values
+
+    cfg = small_config()
+    params = llama.init(jax.random.key(0), cfg, jnp.bfloat16)
+    batch = token_batch(cfg, seq_len=16)
+    metas = jmem.fp8.init_metas(params, llama.LINEAR_NAMES)
+    lv = jmem.Levers(remat="full", fp8=True)
+    assert "through jmem.fp8.apply" in jmem.resolve_levers(lv, cfg, batch).reason("fp8")
+    with pytest.raises(ValueError, match="not under jmem.fp8.apply"):
+        jax.eval_shape(lambda p: llama.loss_fn(p, batch, cfg, levers=lv), params)
+    fp8_loss = jmem.fp8.apply(lambda p, b: llama.loss_fn(p, b, cfg, levers=lv))
+    assert has_fp8_values(jax.make_jaxpr(fp8_loss)(params, metas, batch).jaxpr)
+    with pytest.raises(ValueError, match="not under jmem.fp8.apply"):  # apply, no metas
+        jax.eval_shape(fp8_loss, params, None, batch)
+    wrapped = lambda p, b, *, fp8: fp8_loss(p, fp8, b)
+    plain = lambda p, b, *, fp8: llama.loss_fn(p, b, cfg, levers=jmem.Levers(remat="full"))
+    for loss, with_metas, message in (
+        (wrapped, False, "the state has no FP8 metas"),
+        (plain, True, "the loss runs no FP8 matmul"),
+    ):
+        step = jmem.train_step(loss, optax.adam(1e-3), levers=lv, donate=False)
+        state = step.abstract_state(params, fp8=metas if with_metas else None)
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(step.jitted, state, batch)
+    step = jmem.train_step(wrapped, optax.adam(1e-3), levers=lv, donate=False)
+    out, _ = jax.eval_shape(step.jitted, step.abstract_state(params, fp8=metas), batch)
+    assert jax.tree.structure(out.fp8) == jax.tree.structure(metas)
+
+
+@pytest.mark.slow
 def test_offload_remat_turns_token_chunks_off_on_a_gpu_target_only():
     """XLA:GPU fails layout assignment for remat offload inside token-chunk loops
     (tests/test_gpu_compile.py compiles it): on a GPU target the resolver sets token

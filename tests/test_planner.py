@@ -775,6 +775,78 @@ def test_dry_run_prints_the_bytes_each_rung_moves():
         assert f"{v / 1e9:.3g} GB" in line and f"{v / (gbps * 1e9):.3g} s at {gbps:g} GB/s" in line
 
 
+def _dry_run_70b(offload: str):
+    """The 70B QLoRA r=16 dry run at 4,096 tokens for h100_sxm: its committed compile
+    (``offload_params_70b.json``: XLA:GPU compile for h100_sxm, no GPU), the model and the
+    planner's options as ``dry_run`` builds them (the job's levers resolved for the target)."""
+    import json
+    import pathlib
+
+    from jmem import finetune
+    from jmem._src.finetune import dry_run
+    from jmem._src.finetune.setup import job_levers
+
+    path = pathlib.Path(__file__).parent.parent / _OFFLOAD_PARAMS_70B
+    runs = json.loads(path.read_text())["runs"]
+    (run,) = [r for r in runs if r["seq_len"] == 4096 and r["offload"] == offload]
+    flat = dict(config="llama3_1_70b", seq_len=4096, batch_size=1, lora_rank=16)
+    config = finetune.FinetuneConfig.from_flat(**flat, offload=offload)
+    cfg = llama.get_config("llama3_1_70b")
+    lv = jmem.resolve_levers(job_levers(config), cfg, (1, 4096), "h100_sxm")
+    kw = dry_run._planner_kwargs(config, lv, "bfloat16", list(llama.LINEAR_NAMES), 1)
+    return run, cfg, {**kw, "remat": lv.remat}
+
+
+_OFFLOAD_PARAMS_70B = "benchmarks/results/gpu_compile/offload_params_70b.json"
+
+
+def test_dry_run_judges_the_smaller_cards_and_names_the_cheapest_lever(capsys):
+    """``--memory`` not given: the verdict is against the target's memory, and the dry run
+    adds the 24/32/40/48 GiB cards by the same rule (compiled peak + 2 GB reserve), with the
+    cheapest lever of the planner's advice per card missed. Llama-3.1-70B QLoRA r=16 at
+    4,096 tokens (the compiled peaks of ``offload_params_70b.json``): 46.69 GiB misses
+    every card and ``--offload params`` brings the 24 GiB card under;
+    with it, 11.85 GiB fits them all. Planner-only (the compiles are committed)."""
+    from jmem._src.finetune import cards
+    from jmem._src.finetune import dry_run
+    from jmem._src.measure import format_bytes
+
+    h100 = jmem.targets.get("h100_sxm").memory_bytes  # 79.11 GiB
+    run, cfg, kw = _dry_run_70b("none")
+    peak, planned = run["device_peak_bytes"], planner.estimate(cfg, **kw).total
+    record = dry_run._print_cards(peak, h100, planned, cfg, kw)
+    out = capsys.readouterr().out.splitlines()
+    assert record["fits"] == {24: False, 32: False, 40: False, 48: False}
+    assert out[0].endswith("does not fit 24/32/40/48 GiB") and "fits 2" not in out[0]
+    what, total = record["levers"][24]
+    assert what.startswith("--offload params") and total < 20 * 2**30
+    assert planner.fits(total + peak - planned, 24 * 2**30)
+    (line,) = [ln for ln in out if ln.startswith("  on a 24")]
+    assert "--offload params (stream the frozen base" in line and format_bytes(total) in line
+    for g, (what, t) in record["levers"].items():  # each named lever brings its card under
+        assert planner.fits(t + peak - planned, g * 2**30), (g, what)
+    run, cfg, kw = _dry_run_70b("params")
+    record = dry_run._print_cards(run["device_peak_bytes"], h100, 0, cfg, kw)
+    assert capsys.readouterr().out.splitlines() == [
+        f"Also (the same rule, cards below {format_bytes(h100)}): fits 24/32/40/48 GiB"
+    ]
+    assert record == {"fits": {24: True, 32: True, 40: True, 48: True}, "levers": {}}
+    # only the cards below the memory judged against; none below 24 GiB
+    assert list(cards.card_fits(peak, 40 * 2**30, planner.DEFAULT_RESERVE)) == [24, 32]
+    assert cards.card_lines(peak, 24 * 2**30, planner.DEFAULT_RESERVE, None) == ([], {})
+
+
+def test_card_levers_name_the_job_flags():
+    from jmem._src.finetune.cards import job_flags
+
+    assert job_flags({"offload": "params"}) == "--offload params"
+    assert job_flags({"offload": "optimizer+masters,params"}) == "--offload optimizer,params"
+    assert job_flags({"offload": "disk"}) == "--offload-dir DIR"
+    assert job_flags({"remat": "offload", "seq_len": 2048}) == "--remat offload --seq-len 2048"
+    assert job_flags({"num_shards": 4}) == "--mesh fsdp=4"
+    assert job_flags({"lora": (8, "all")}) == ""
+
+
 # --------------------------------------- the planner against XLA:GPU's buffers (#36, item 5)
 
 _CALIBRATION = (

@@ -9,6 +9,7 @@ recipe; the updated ``Fp8Meta`` is returned as the meta's gradient (flax ``fp8_o
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -595,11 +596,26 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
         paths = meta_paths(metas)
         if not paths:
             return fn(params, *args, **kwargs)
-        return _interpreter.call(
-            fn, params, None, args, kwargs, allow_materialize=allow_materialize, metas=paths
-        )
+        token = _APPLYING.set(True)
+        try:
+            return _interpreter.call(
+                fn, params, None, args, kwargs, allow_materialize=allow_materialize, metas=paths
+            )
+        finally:
+            _APPLYING.reset(token)
 
     return fn_fp8
 
 
-__all__ += ["apply", "meta_paths", "canonical_dimension_numbers"]
+#: True while ``apply`` traces its function with at least one meta.
+_APPLYING = contextvars.ContextVar("jmem_fp8_applying", default=False)
+
+
+def applying() -> bool:
+    """Whether the code calling this is being traced under ``jmem.fp8.apply`` with at least
+    one ``Fp8Meta`` (its matmuls against the kernels with a meta then run in FP8). The
+    reference Llama reads it to refuse ``jmem.Levers(fp8=True)`` outside ``apply``."""
+    return _APPLYING.get()
+
+
+__all__ += ["apply", "applying", "meta_paths", "canonical_dimension_numbers"]

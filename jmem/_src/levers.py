@@ -73,10 +73,14 @@ class Levers:
       scan_unroll: ``lax.scan``'s ``unroll`` for the layer loop: None resolves to True
         (every layer inlined) with ``remat="none"`` (a loop would stack each saved
         residual as ``[L, ...]``) and to 1 (a loop) otherwise; or an explicit True / int.
-      fp8: FP8 matmuls with delayed scaling, run by ``jmem.fp8.apply`` (the kernels
-        carry their ``Fp8Meta``s); recorded here for the planner and the printout. Token
-        chunks compose with it: each projection's per-chunk amaxes are max-reduced into
-        one state update, the unchunked call's (see ``resolve``).
+      fp8: FP8 matmuls with delayed scaling. They run only where the loss is wrapped in
+        ``jmem.fp8.apply`` with ``Fp8Meta``s (the kernels carry them); this field does not
+        switch them on: it records the choice for the planner and the printout, and the
+        reference Llama (outside ``apply``) and ``jmem.train_step`` (a state without
+        metas, or a loss with no FP8 matmul) refuse it with a ``ValueError`` rather than
+        run in the compute dtype. Token chunks compose with it: each projection's
+        per-chunk amaxes are max-reduced into one state update, the unchunked call's (see
+        ``resolve``).
       offload_params: the layer-stacked weights may live in host memory (``pinned_host``):
         the layer scan copies each layer's slice to the device when that layer runs
         (forward, remat recomputation, backward), and the other weights (embedding, final
@@ -324,7 +328,10 @@ def resolve(
     chunks = {k: (v, why) for k, v, why in _chunks(levers, seq, rows, platform)}
     fp8_why = "off"
     if levers.fp8:
-        fp8_why = "FP8 matmuls with delayed scaling (jmem.fp8.apply)"
+        fp8_why = (
+            "FP8 matmuls with delayed scaling through jmem.fp8.apply (the loss must be "
+            "wrapped in it, with metas; without it the model and train_step refuse)"
+        )
         if chunks["token_chunk"][0]:
             fp8_why += "; per-chunk amaxes max-reduced into one state update per step"
     return ResolvedLevers(

@@ -15,6 +15,7 @@ from jmem import MemoryReport
 from jmem import lora as jlora
 from jmem import planner
 from jmem import targets as jtargets
+from jmem._src.finetune import cards
 from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
@@ -88,6 +89,11 @@ def dry_run(config, cfg, mesh=None, target=None):
     ]
     _print_rows(rows, mesh, devices)
     memory, fit = _print_verdict(report, config.run.memory, target)
+    smaller = {}
+    if config.run.memory is None:  # the target's own memory: the smaller cards too
+        kwargs = _planner_kwargs(config, step.levers, dtype, targets, devices)
+        kwargs["remat"] = step.levers.remat  # advise's remat levers start from it
+        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
     if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
         streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
@@ -100,7 +106,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         "compiled": dataclasses.asdict(report),
         "transfers": dict(est.transfers),
         "estimate": est.as_dict(),
-        **dict(memory=memory, reserve=planner.DEFAULT_RESERVE, fits=fit),
+        **dict(memory=memory, reserve=planner.DEFAULT_RESERVE, fits=fit, cards=smaller),
         "levers": step.levers.as_dict(),
         "nf4_bytes_per_param": q_bytes / q_count,
         "trainable_params": n_adapter,
@@ -212,18 +218,39 @@ def _offload_value(levers):
     return offload_value(state, offloads(levers, "params"))
 
 
+def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dict:
+    """``cards.card_lines`` printed: the verdict for the cards below ``memory`` and the
+    planner's cheapest lever per card missed, its totals judged with the compiled
+    ``peak``'s bytes over the planner's ``planned`` added to the reserve; its record."""
+    excess = max(0, int(peak) - int(planned))
+
+    def advise_at(card: int):
+        reserve = planner.DEFAULT_RESERVE + excess
+        return planner.advise(card, cfg, reserve=reserve, **kwargs)
+
+    lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess)
+    for line in lines:
+        print(line)
+    return record
+
+
 def _estimate(config, levers, cfg, dtype, targets, devices: int, params: bool = False):
-    """The planner's ledger for one device: the batch split and the state sharded (ZeRO-3)
-    over ``devices``; preference pairs count as two sequences each (the planner's
-    activations are those of an SFT step over as many rows); the offload rungs of
-    ``--offload``/``--offload-dir`` (``params``: with the params rung added)."""
-    shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
-    offload = _offload_value(config.levers)
+    """The planner's ledger for one device (``_planner_kwargs``; ``params``: with the
+    params rung added)."""
+    kwargs = _planner_kwargs(config, levers, dtype, targets, devices)
     if params:
-        offload = offload_value(offload or False, True)
-    return planner.estimate(
-        cfg,
-        offload=offload,
+        kwargs["offload"] = offload_value(kwargs["offload"] or False, True)
+    return planner.estimate(cfg, **kwargs)
+
+
+def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
+    """``planner.estimate``'s options for the job's step on one device: the batch split and
+    the state sharded (ZeRO-3) over ``devices``; preference pairs count as two sequences
+    each (the planner's activations are those of an SFT step over as many rows); the
+    offload rungs of ``--offload``/``--offload-dir``."""
+    shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
+    return dict(
+        offload=_offload_value(config.levers),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         lora={"rank": config.training.lora_rank, "targets": targets},

@@ -35,6 +35,7 @@ from jmem._src.sharding import check_strategy
 from jmem._src.sharding import constrain_gradients
 from jmem._src.train.accumulation import accumulate_gradients
 from jmem._src.train.decay_warning import warn_if_norms_decayed
+from jmem._src.train.fp8_check import check_fp8_levers
 from jmem._src.train.precision_check import warn_if_precision_ignored
 from jmem._src.train.sharded import ShardedInit
 from jmem._src.train.sharded import ShardedStep
@@ -249,7 +250,10 @@ def train_step(
         loss runs with: the step applies their ``remat`` and records them as
         ``TrainStep.levers``; bind the same value into the loss
         (``llama.loss_fn(p, b, cfg, levers=lv)``) so model and step read one value.
-        With ``offload_params=True`` the state's ``frozen`` params live in ``pinned_host``
+        With ``fp8=True`` the step refuses (``ValueError`` when traced) a state without
+        FP8 metas or a loss that runs no FP8 matmul: FP8 runs where the loss is wrapped
+        in ``jmem.fp8.apply`` with the ``fp8=`` metas the step passes it, and the levers
+        only record it. With ``offload_params=True`` the state's ``frozen`` params live in ``pinned_host``
         memory between steps (``init`` puts them there, a step moves them there if they
         arrive on the device) and the model streams its layers from there
         (docs/offload.md); the trainable params and their optimizer state stay on the
@@ -299,7 +303,9 @@ def train_step(
         False/True/"whole_tree"/"leaf_by_leaf"/"disk", ``"disk"`` without
         ``offload_dir`` or with ``mesh``, a bad ``offload_dir``, ``levers.offload_params``
         with ``mesh=`` (not supported yet), or ``jit_kwargs`` that set shardings or
-        donation together with ``mesh``.
+        donation together with ``mesh``. When the step is first traced: ``levers.fp8``
+        with no FP8 metas in the state (``init(..., fp8=metas)``) or a loss that runs no
+        FP8 matmul (not wrapped in ``jmem.fp8.apply``; ``fp8_check``).
       TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
         ``precision=``).
 
@@ -315,6 +321,8 @@ def train_step(
     step = functools.partial(_step, _differentiable_loss(loss_fn, o), stepper, o)
     if o.precision is not None:
         step = functools.partial(_precision_checked, loss_fn, o, step)
+    if levers is not None and levers.fp8:
+        step = functools.partial(_fp8_checked, loss_fn, levers, o, step)
     init = functools.partial(_init_state, optimizer, o)
     jitted, init = _jit(step, init, o)
     return TrainStep(
@@ -492,6 +500,14 @@ def _precision_checked(loss_fn: Callable, o: _Options, step: Callable, state, ba
     """``step(state, batch)``, the loss's matmul dtypes checked against the precision
     policy first (once per loss function and process; a trace of one microbatch's loss on
     shapes only: ``precision_check``)."""
+    loss, args = _microbatch_loss(loss_fn, o, state, batch)
+    warn_if_precision_ignored(loss_fn, o.precision.compute_dtype, loss, *args)
+    return step(state, batch)
+
+
+def _microbatch_loss(loss_fn: Callable, o: _Options, state, batch):
+    """``(loss, args)``: the unscaled loss of one microbatch as the step calls it (casts
+    included) and its arguments, the microbatch as ``ShapeDtypeStruct``s, for a trace."""
     m = o.microbatches
     mb = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype), batch
@@ -502,7 +518,15 @@ def _precision_checked(loss_fn: Callable, o: _Options, step: Callable, state, ba
         return _scaled_loss(loss_fn, o, diff, mb, frozen, scale, key)[1][0]
 
     args = ((state.params, state.fp8), mb, state.frozen, state.loss_scale, state.dropout_key)
-    warn_if_precision_ignored(loss_fn, o.precision.compute_dtype, loss, *args)
+    return loss, args
+
+
+def _fp8_checked(loss_fn: Callable, levers, o: _Options, step: Callable, state, batch):
+    """``step(state, batch)``, refused when ``levers.fp8`` is set but the state has no FP8
+    metas or the loss runs no FP8 matmul (``fp8_check``: a trace of one microbatch's loss
+    on shapes only, once per loss function and process once it passes)."""
+    loss, args = _microbatch_loss(loss_fn, o, state, batch)
+    check_fp8_levers(loss_fn, levers, state.fp8, loss, *args)
     return step(state, batch)
 
 

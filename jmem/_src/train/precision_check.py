@@ -39,16 +39,21 @@ def _dots(jaxpr: Any, counts: list[int]) -> list[int]:
     return counts
 
 
-def wide_dots(fn: Callable, *args: Any) -> tuple[int, int]:
-    """``(float32 dots, all dots)`` of ``fn(*args)`` traced on the shapes and dtypes of
-    ``args`` (arrays, tracers or ``ShapeDtypeStruct``s; nothing is computed)."""
-    specs = jax.tree.map(
+def shape_specs(args: Any) -> Any:
+    """``args`` with every array, tracer or ``ShapeDtypeStruct`` leaf as a
+    ``ShapeDtypeStruct`` of its shape and dtype (other leaves as given)."""
+    return jax.tree.map(
         lambda x: (
             jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if hasattr(x, "dtype") else x
         ),
         args,
     )
-    closed = jax.make_jaxpr(fn)(*specs)
+
+
+def wide_dots(fn: Callable, *args: Any) -> tuple[int, int]:
+    """``(float32 dots, all dots)`` of ``fn(*args)`` traced on the shapes and dtypes of
+    ``args`` (arrays, tracers or ``ShapeDtypeStruct``s; nothing is computed)."""
+    closed = jax.make_jaxpr(fn)(*shape_specs(args))
     total, wide = _dots(closed.jaxpr, [0, 0])
     return wide, total
 

@@ -187,6 +187,18 @@ def with_fp8(fn: Callable, name: str, params, fp8, *args, **kwargs):
     return fp8_lib.apply(fn)(params, fp8, *args, **kwargs)
 
 
+def _check_fp8_levers(lv) -> None:
+    """ValueError for ``levers.fp8=True`` outside ``jmem.fp8.apply``: the layers' matmuls
+    are plain, so they would run in the compute dtype, not FP8."""
+    if lv.fp8 and not fp8_lib.applying():
+        raise ValueError(
+            "levers.fp8=True but the model is not under jmem.fp8.apply with FP8 metas, so its "
+            "matmuls would not run in FP8: call jmem.fp8.apply(llama.loss_fn)(params, metas, "
+            "batch, cfg, levers=lv) with metas = jmem.fp8.init_metas(params, LINEAR_NAMES), "
+            "or set Levers(fp8=False)."
+        )
+
+
 def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, levers):
     """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -197,6 +209,7 @@ def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, 
     c = config
     x = _embed(params, tokens, c)
     lv = _resolved(levers, c, tokens.shape, x.dtype, segment_ids)
+    _check_fp8_levers(lv)
     seq = tokens.shape[1]
     rope = _layer_rope(c, seq if positions is None else positions)
     attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
@@ -250,14 +263,16 @@ def forward(
       levers: how the model is run: a ``jmem.Levers`` (resolved here for this batch on
         the running backend; None: ``jmem.Levers()``) or a ``jmem.ResolvedLevers`` (from
         ``jmem.resolve_levers``, e.g. for a compile target). ``loss_chunk`` is unused
-        here: the logits are returned whole.
+        here: the logits are returned whole. ``levers.fp8=True`` needs the call to be
+        under ``jmem.fp8.apply`` with metas (the FP8 matmuls run there).
 
     Returns:
       float32 logits ``[B, S, V]``.
 
     Raises:
       ValueError: if ``tokens`` is not a 2-D integer array, ``positions``/``segment_ids``
-        are not integer arrays shaped like it, or ``fp8`` holds metas outside ``"layers"``.
+        are not integer arrays shaped like it, ``fp8`` holds metas outside ``"layers"``,
+        or ``levers.fp8=True`` outside ``jmem.fp8.apply`` (with metas).
     """
     kw = dict(positions=positions, segment_ids=segment_ids, layer_transform=layer_transform)
     if fp8 is not None:

@@ -1,0 +1,109 @@
+"""The dry run's verdict for the common smaller cards: with ``--memory`` not given the step
+is judged against the target's own memory (79.11 GiB for ``h100_sxm``), and this adds one line
+for the 24, 32, 40 and 48 GiB cards below it, by the same rule (``planner.fits``: compiled
+device peak + the 2 GB reserve within the card), with the cheapest lever of the planner's
+advice (``planner.advise``) that brings each card it misses under."""
+
+from __future__ import annotations
+
+from typing import Callable
+from typing import Mapping
+
+from jmem._src.measure import format_bytes
+from jmem._src.planner.advice import Advice
+from jmem._src.planner.advice import fits
+from jmem._src.planner.ledger import offload_modes
+
+#: Device memories (GiB) of the cards users compare with: RTX 3090/4090 (24), RTX 5090 (32),
+#: A100 40GB (40), L40S/RTX 6000 Ada (48).
+CARDS_GIB = (24, 32, 40, 48)
+
+
+def smaller_cards(memory: int) -> tuple[int, ...]:
+    """The ``CARDS_GIB`` sizes (GiB) below ``memory`` bytes, smallest first."""
+    return tuple(g for g in CARDS_GIB if g * 2**30 < memory)
+
+
+def job_flags(changes: Mapping) -> str:
+    """The ``jmem finetune`` flags for one lever of ``planner.advise`` (its ``changes``), or
+    "" for a change the job has no flag for (LoRA, quantization: the job is QLoRA)."""
+    flags = []
+    if "offload" in changes:
+        state, params = offload_modes(changes["offload"])
+        if state == "disk":
+            flags.append("--offload-dir DIR" + (" --offload params" if params else ""))
+        else:
+            parts = ["optimizer"] * (state not in (None, False, "none")) + ["params"] * params
+            flags.append("--offload " + ",".join(parts))
+    if "optimizer" in changes:
+        flags.append(f"--optimizer {changes['optimizer']}")
+    if "remat" in changes:
+        flags.append(f"--remat {changes['remat']}")
+    if "seq_len" in changes:
+        flags.append(f"--seq-len {changes['seq_len']}")
+    if "batch_size" in changes:
+        flags.append("--batch-size 1 --grad-accum B")
+    if "num_shards" in changes:
+        flags.append(f"--mesh fsdp={changes['num_shards']}")
+    return " ".join(flags)
+
+
+def cheapest(advice: Advice) -> tuple[str, int] | None:
+    """``(what, planner device total)`` of the cheapest lever of ``advice`` that fits alone
+    (its levers are ordered by cost), else of its cumulative plan when that fits, else None.
+    ``what``: the job's flags and the planner's name for the lever."""
+    for lever in advice.levers:
+        flags = job_flags(lever.changes)
+        if lever.fits and flags:
+            name = lever.name.split(" (--")[0]  # the params rung names its flag already
+            return f"{flags} ({name})", lever.total
+    if advice.plan and advice.plan[-1].fits:
+        names = " + ".join(lv.name for lv in advice.plan)
+        flags = " ".join(f for f in (job_flags(lv.changes) for lv in advice.plan) if f)
+        return f"{flags} (the planner's plan: {names})", advice.plan[-1].total
+    return None
+
+
+def card_fits(peak: int, memory: int, reserve: int) -> dict[int, bool]:
+    """Per card of ``smaller_cards(memory)`` (GiB): whether ``peak + reserve`` fits it."""
+    return {g: fits(peak, g * 2**30, reserve) for g in smaller_cards(memory)}
+
+
+def card_lines(
+    peak: int,
+    memory: int,
+    reserve: int,
+    advise_at: Callable[[int], Advice],
+    excess: int = 0,
+) -> tuple[list[str], dict]:
+    """The dry run's lines for the cards below ``memory`` (bytes): which ones the compiled
+    ``peak`` (bytes) fits with ``reserve`` (bytes), and per card it misses the cheapest
+    lever that brings it under (``advise_at(card bytes)``: ``planner.advise`` at that
+    memory, which the caller makes judge the planner's totals plus ``excess``, the
+    compiled peak's bytes over the planner's), cards sharing a lever on one line; and the
+    record for ``dry_run.json`` (``{"fits": {GiB: bool}, "levers": {GiB: [what, planner
+    bytes] or None}}``). No lines when no card is below ``memory``."""
+    verdicts = card_fits(peak, memory, reserve)
+    if not verdicts:
+        return [], {}
+    yes = [str(g) for g, ok in verdicts.items() if ok]
+    no = [str(g) for g, ok in verdicts.items() if not ok]
+    said = [f"fits {'/'.join(yes)} GiB"] * bool(yes) + [f"does not fit {'/'.join(no)} GiB"] * bool(
+        no
+    )
+    lines = [f"Also (the same rule, cards below {format_bytes(memory)}): " + "; ".join(said)]
+    levers = {g: cheapest(advise_at(g * 2**30)) for g, ok in verdicts.items() if not ok}
+    if levers:
+        over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
+        lines.append(f"  cheapest lever that brings it under (the planner's advice{over}):")
+    groups: dict = {}
+    for g, lever in sorted(levers.items(), reverse=True):  # the largest card first
+        groups.setdefault(lever, []).append(str(g))
+    for lever, cards in groups.items():
+        where = f"  on a {'/'.join(sorted(cards, key=int))} GiB card: "
+        if lever is None:
+            lines.append(where + "no lever or plan of the planner's advice brings it under")
+        else:
+            lines.append(where + f"{lever[0]}, planner: {format_bytes(lever[1])}")
+    record = {"fits": verdicts, "levers": {g: lv and list(lv) for g, lv in levers.items()}}
+    return lines, record
