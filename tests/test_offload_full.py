@@ -220,10 +220,10 @@ def test_zero3_offload_step_compiles_for_8_devices_with_host_params_and_state():
     text = compiled.as_text()
     # Not asserted: XLA's SPMD partitioner all-gathers some whole stacks on the device in
     # this ZeRO-3 step with or without offload (docs/offload.md, "ZeRO-3 + offload").
-    entry = next(ln for ln in text.splitlines() if ln.startswith("ENTRY"))
+    params = [ln for ln in text.splitlines() if " parameter(" in ln]
     for x in layers:  # the device's shard of each stacked param: a host parameter
         shard = list(x.shape)
-        axis = list(x.sharding.spec).index("fsdp")
-        shard[axis] //= 8
-        hits = entry.split(f"bf16[{','.join(map(str, shard))}]{{")[1:]
-        assert hits and all(h.split("}")[0].endswith("S(5)") for h in hits), entry[:300]
+        shard[list(x.sharding.spec).index("fsdp")] //= 8
+        s = f"= bf16[{','.join(map(str, shard))}]{{"
+        layouts = [ln.split(s)[1].split("}")[0] for ln in params if s in ln]
+        assert any(lay.endswith("S(5)") for lay in layouts), (s, layouts)
