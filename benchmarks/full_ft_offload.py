@@ -45,11 +45,17 @@ def build(
     optimizer: str = "adamw_8bit",
     masters: bool = False,
     streamed: bool = True,
+    *,
+    offload_optimizer: bool | str = "leaf_by_leaf",
+    fsdp: int = 1,
+    target: str = "h100_sxm",
 ):
     """``(step, abstract state, abstract batch, config)`` of the full fine-tuning step:
     bf16 params (fp32 masters in the optimizer state with ``masters``), full remat, the
-    optimizer state leaf by leaf in host memory, and the params streamed from host memory
-    (``streamed=False``: on the device, for comparison)."""
+    optimizer state leaf by leaf in host memory (``offload_optimizer``), and the params
+    streamed from host memory (``streamed=False``: on the device, for comparison). With
+    ``fsdp > 1``: ZeRO-3 over ``fsdp`` of ``target``'s devices (``jmem.targets.mesh``), a
+    batch of one sequence per device."""
     cfg = llama.get_config(config, max_seq_len=max(seq_len, 512))
     lv = jmem.Levers(remat="full", offload_params=streamed)
 
@@ -58,10 +64,12 @@ def build(
 
     opt = jmem.adamw_8bit(1e-5) if optimizer == "adamw_8bit" else optax.adamw(1e-5)
     kw = dict(precision="p=bf16,c=bf16", master_weights=True) if masters else {}
-    step = jmem.train_step(loss_fn, opt, levers=lv, offload_optimizer="leaf_by_leaf", **kw)
+    if fsdp > 1:
+        kw["mesh"] = jmem.targets.mesh(target, (1, fsdp), ("data", "fsdp"))
+    step = jmem.train_step(loss_fn, opt, levers=lv, offload_optimizer=offload_optimizer, **kw)
     params = llama.abstract_params(cfg, jnp.float32 if masters else jnp.bfloat16)
     state = step.abstract_state(params)
-    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((fsdp, seq_len), jnp.int32)
     return step, state, {"inputs": tokens, "targets": tokens}, cfg
 
 

@@ -554,7 +554,7 @@ def test_an_offload_params_run_killed_mid_save_resumes_to_the_in_memory_losses(t
     one = ["--mesh", "data=1,fsdp=1"]
     plain = jmem.finetune.main(SMALL + ["--steps", "4", "--out", str(tmp_path / "ref"), *one])
     out = tmp_path / "run"
-    argv = SMALL + ["--steps", "4", "--out", str(out), "--offload", "params"]
+    argv = SMALL + ["--steps", "4", "--out", str(out), "--offload", "params", *one]
     _killed("save:4", argv)
     summary = jmem.finetune.main(argv + ["--resume"])
     assert "Resumed at step 2" in capsys.readouterr().out

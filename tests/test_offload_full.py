@@ -111,6 +111,44 @@ def test_full_fine_tuning_with_host_params_and_state_trains_bitwise(optimizer, m
     np.testing.assert_allclose(*(np.float32(runs[k][2]) for k in (False, True)), rtol=1e-2)
 
 
+@pytest.mark.slow
+def test_zero3_with_host_params_and_8bit_state_on_a_mesh_trains_bitwise():
+    """ZeRO-3 + offload, full fine-tuning: on a 4-device FSDP mesh, bf16 params streamed
+    from ``pinned_host`` (their FSDP ``PartitionSpec`` kept), 8-bit moments and fp32 masters
+    in ``pinned_host`` updated leaf by leaf: two steps' losses and params are bitwise those
+    of the same mesh with params on the device (and the state still offloaded), and the
+    params keep the in-memory run's specs after init and after the steps."""
+    params, batch = _model()
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[::-1]]), batch)  # 4 rows: 1 a device
+    mesh = jmem.sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
+    runs = {}
+    for off in (False, True):
+        lv = jmem.Levers(remat="full", offload_params=off)
+        loss = functools.partial(llama.loss_fn, config=CFG, levers=lv)
+        step = jmem.train_step(
+            loss,
+            jmem.adamw_8bit(1e-2),
+            levers=lv,
+            offload_optimizer="leaf_by_leaf",
+            precision="p=bf16,c=bf16",
+            master_weights=True,
+            mesh=mesh,
+        )
+        state = step.init(params)
+        specs = [x.sharding.spec for x in jax.tree.leaves(state.params)]
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(np.asarray(metrics["loss"]))
+        assert [x.sharding.spec for x in jax.tree.leaves(state.params)] == specs
+        runs[off] = (losses, jax.tree.map(np.asarray, state.params), specs)
+        assert _kinds(state.params) == {"pinned_host" if off else "device"}
+        assert _kinds(state.opt_state) == {"pinned_host"}
+    assert runs[True][2] == runs[False][2]
+    assert any("fsdp" in str(spec) for spec in runs[True][2])  # the params are really split
+    chex.assert_trees_all_equal(runs[False][:2], runs[True][:2])
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 def test_full_fine_tuning_step_on_the_target_keeps_params_and_grads_in_host_memory():
@@ -146,3 +184,46 @@ def test_full_fine_tuning_step_on_the_target_keeps_params_and_grads_in_host_memo
         for s in stacked:
             for hit in line.split(s + "{")[1:]:
                 assert hit.split("}")[0].endswith("S(5)"), line[:200]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_zero3_offload_step_compiles_for_8_devices_with_host_params_and_state():
+    """XLA:GPU compile for 8 h100_sxm devices (no GPU) of the tiny full fine-tuning step
+    with ZeRO-3 + offload (bf16 params streamed per layer, 8-bit AdamW leaf by leaf): each
+    device's host arguments are its shards of the params and the state (an eighth of the
+    split leaves), the device arguments are the batch and scalars, and each device's shard
+    of every split stacked param is a host (``S(5)``) parameter of the program."""
+    reason = jmem.targets.unavailable_reason("h100_sxm")
+    if reason:
+        pytest.skip(f"no XLA:GPU compiler here: {reason}")
+    driver = _driver()
+    from jmem._src.measure import _compile_for  # noqa: PLC0415
+    from jmem._src.measure import report_from_compiled  # noqa: PLC0415
+
+    step, state, batch, _ = driver.build("tiny", 256, fsdp=8)
+    compiled = _compile_for(step.jitted, jmem.targets.get("h100_sxm"), (state, batch), {})
+    report = report_from_compiled(compiled, "h100_sxm")
+
+    def shard_bytes(tree):
+        return sum(
+            x.size * x.dtype.itemsize // (8 if "fsdp" in str(x.sharding.spec) else 1)
+            for x in jax.tree.leaves(tree)
+        )
+
+    host = shard_bytes(state.params) + shard_bytes(state.opt_state)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"pinned_host"}
+    np.testing.assert_allclose(report.host_argument_bytes, host, rtol=0.02)
+    assert report.argument_bytes < 4096  # tokens and the step counter
+    layers = [x for x in jax.tree.leaves(state.params["layers"]) if "fsdp" in str(x.sharding.spec)]
+    assert layers
+    text = compiled.as_text()
+    # Not asserted: XLA's SPMD partitioner all-gathers some whole stacks on the device in
+    # this ZeRO-3 step with or without offload (docs/offload.md, "ZeRO-3 + offload").
+    params = [ln for ln in text.splitlines() if " parameter(" in ln]
+    for x in layers:  # the device's shard of each stacked param: a host parameter
+        shard = list(x.shape)
+        shard[list(x.sharding.spec).index("fsdp")] //= 8
+        s = f"= bf16[{','.join(map(str, shard))}]{{"
+        layouts = [ln.split(s)[1].split("}")[0] for ln in params if s in ln]
+        assert any(lay.endswith("S(5)") for lay in layouts), (s, layouts)

@@ -113,33 +113,68 @@ def test_train_step_keeps_the_base_on_host_and_trains_bitwise():
     assert {x.sharding.memory_kind for x in jax.tree.leaves(abstract.frozen)} == {"pinned_host"}
 
 
-@pytest.mark.slow
-def test_the_job_streams_to_one_device_and_refuses_a_mesh(tmp_path, capsys):
-    """``jmem finetune --offload params`` on a machine with several devices and no
-    ``--mesh`` runs on one device with a note (not an FSDP mesh it would then refuse); an
-    explicit ``--mesh`` of more than one device is one ``error:`` line before compiling."""
-    import helpers
-
+def test_the_job_shards_over_every_device_with_offload_params():
+    """``jmem finetune --offload params`` with no ``--mesh`` builds FSDP over all the
+    devices like a run without it (no note): it no longer falls back to one device."""
     from jmem import finetune
     from jmem._src.finetune.mesh import job_mesh
 
     assert jax.device_count() > 1  # conftest: 8 host devices
-    config = finetune.parse_args(["--config", "tiny", "--offload", "params"])
+    config = finetune.parse_args(["--config", "tiny", "--offload", "params", "--batch-size", "8"])
     mesh, notes = job_mesh(config)
-    assert mesh is None and "runs on one device" in notes[0]
+    assert mesh is not None and mesh.size == jax.device_count() and not notes
+
+
+@pytest.mark.slow
+def test_the_job_streams_the_base_on_a_mesh(tmp_path):
+    """``jmem finetune --offload params --mesh data=1,fsdp=2`` trains on that mesh (two
+    finite losses; the values against the in-memory mesh run are checked by
+    ``test_qlora_on_an_fsdp_mesh_streams_the_sharded_base_bitwise``)."""
+    import json
+
+    from jmem import finetune
+
     argv = ["--config", "tiny", "--batch-size", "4", "--seq-len", "16", "--lora-rank", "4"]
-    argv += ["--out", str(tmp_path / "r"), "--offload", "params", "--mesh", "data=1,fsdp=2"]
-    with pytest.raises(SystemExit) as e:
-        finetune.main(argv)
-    helpers.one_line_error(capsys, e, "--offload params", "one device", "--mesh")
-    assert not (tmp_path / "r" / "run.json").exists()
+    argv += ["--steps", "2", "--mesh", "data=1,fsdp=2", "--offload", "params"]
+    finetune.main(argv + ["--out", str(tmp_path / "r")])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 1, "fsdp": 2} and summary["devices"] == 2
+    assert len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
 
 
-def test_offload_params_with_a_mesh_is_refused():
-    mesh = jmem.sharding.make_mesh(fsdp=2, devices=jax.devices()[:2])
-    lv = jmem.Levers(remat="full", offload_params=True)
-    with pytest.raises(ValueError, match="offload_params with mesh= is not supported"):
-        jmem.train_step(_loss_fn(lv), jmem.adamw_8bit(1e-2), levers=lv, mesh=mesh)
+def _specs(tree) -> list:
+    return [x.sharding.spec for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.slow
+def test_qlora_on_an_fsdp_mesh_streams_the_sharded_base_bitwise():
+    """ZeRO-3 + offload, QLoRA: on a 4-device FSDP mesh the NF4 base lives in
+    ``pinned_host`` with the ``PartitionSpec`` of the in-memory run (split by blocks over
+    ``fsdp``), before and after the steps; adapters and their 8-bit state stay on the
+    device; the two steps' losses and adapters are bitwise those of the same mesh in
+    memory (each device copies its shard of a layer; the all-gather is the same)."""
+    frozen, adapters, batch = _model()
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[::-1]]), batch)  # 4 rows: 1 a device
+    mesh = jmem.sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
+    runs = {}
+    for off in (False, True):
+        lv = jmem.Levers(remat="full", offload_params=off)
+        step = jmem.train_step(_loss_fn(lv), jmem.adamw_8bit(1e-2), levers=lv, mesh=mesh)
+        state = step.init(adapters, frozen=frozen)
+        assert _kinds(state.frozen) == {"pinned_host" if off else "device"}
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        runs[off] = (losses, state.params, _specs(state.frozen))
+        assert _kinds(state.frozen) == {"pinned_host" if off else "device"}
+        assert _kinds((state.params, state.opt_state)) == {"device"}
+    assert runs[True][2] == runs[False][2]
+    assert any("fsdp" in str(spec) for spec in runs[True][2])  # the base is really split
+    chex.assert_trees_all_equal(runs[False][:2], runs[True][:2])
+    abstract = step.abstract_state(adapters, frozen=frozen)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(abstract.frozen)} == {"pinned_host"}
+    assert _specs(abstract.frozen) == runs[True][2]
 
 
 @pytest.mark.parametrize(

@@ -200,7 +200,11 @@ def _is_special(x: Any) -> bool:
 
 
 def _existing_kind(x: Any) -> str | None:
-    """A non-device memory kind the leaf already lives in (kept), else None."""
+    """A non-device memory kind the leaf already lives in (kept), else None; a traced
+    value in ``jax.memory.Space.Host`` (inside ``jit``) is ``"pinned_host"``."""
+    if isinstance(x, jax.core.Tracer):
+        host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        return "pinned_host" if host else None
     s = getattr(x, "sharding", None)
     k = getattr(s, "memory_kind", None)
     return k if k not in (None, "device") else None
@@ -251,7 +255,12 @@ def _tree_shardings(
 
 
 def param_shardings(
-    params: Any, mesh: Mesh, strategy: str = "zero3", *, min_size: int = DEFAULT_MIN_SIZE
+    params: Any,
+    mesh: Mesh,
+    strategy: str = "zero3",
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+    memory_kind: str | None = None,
 ) -> Any:
     """``NamedSharding`` per leaf of ``params`` (or of a frozen base) for ``strategy``.
 
@@ -261,6 +270,9 @@ def param_shardings(
       mesh: a mesh with ``"data"`` and ``"fsdp"`` axes (:func:`make_mesh`).
       strategy: one of ``STRATEGIES``; ``"zero1"``/``"zero2"`` replicate params.
       min_size: dense arrays with fewer elements are replicated.
+      memory_kind: e.g. ``"pinned_host"`` for params streamed from host memory
+        (``jmem.Levers(offload_params=True)``): the same ``PartitionSpec`` in that memory;
+        None keeps each leaf's current non-device memory kind, if any.
 
     Returns:
       A pytree like ``params`` whose array leaves are ``NamedSharding``.
@@ -271,7 +283,7 @@ def param_shardings(
     """
     check_mesh(mesh)
     split = check_strategy(strategy) in ("zero3", "fsdp")
-    return _tree_shardings(params, mesh, split=split, min_size=min_size)
+    return _tree_shardings(params, mesh, split=split, min_size=min_size, memory_kind=memory_kind)
 
 
 def gradient_shardings(
@@ -324,6 +336,8 @@ def state_shardings(
     *,
     opt_state_memory_kind: str | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
+    params_memory_kind: str | None = None,
+    frozen_memory_kind: str | None = None,
 ) -> Any:
     """``NamedSharding`` for every leaf of a ``jmem.TrainState``.
 
@@ -336,6 +350,10 @@ def state_shardings(
       opt_state_memory_kind: memory kind of the optimizer state (``"pinned_host"`` when it is
         offloaded); None keeps leaves' current non-device memory kinds.
       min_size: dense arrays with fewer elements are replicated.
+      params_memory_kind, frozen_memory_kind: the memory kind of the trainable / frozen
+        params (``"pinned_host"`` for the ones ``jmem.Levers(offload_params=True)``
+        streams); their ``PartitionSpec`` is that of the params rule either way. None
+        keeps leaves' current non-device memory kinds.
 
     Returns:
       The same ``TrainState`` type whose leaves are ``NamedSharding`` (usable as
@@ -359,12 +377,16 @@ def state_shardings(
     s = abstract_state
     return s.replace(
         step=replicated(s.step, mesh),
-        params=param_shardings(s.params, mesh, strategy, min_size=min_size),
+        params=param_shardings(
+            s.params, mesh, strategy, min_size=min_size, memory_kind=params_memory_kind
+        ),
         opt_state=opt_state_shardings(
             s.opt_state, mesh, memory_kind=opt_state_memory_kind, min_size=min_size
         ),
         loss_scale=replicated(s.loss_scale, mesh),
-        frozen=param_shardings(s.frozen, mesh, strategy, min_size=min_size),
+        frozen=param_shardings(
+            s.frozen, mesh, strategy, min_size=min_size, memory_kind=frozen_memory_kind
+        ),
         fp8=replicated(s.fp8, mesh),
         **({"dropout_key": replicated(s.dropout_key, mesh)} if hasattr(s, "dropout_key") else {}),
     )

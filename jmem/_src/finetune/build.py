@@ -135,8 +135,6 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
       S]`` batch of pairs, the step built with ``has_aux``), the compute dtype and the optax learning-rate schedule
       (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
     """
-    if mesh is not None and offloads(config.levers, "params"):
-        raise CliError("--offload params with --mesh is not supported yet; use one device")
     dtype = jnp.float16 if config.levers.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)

@@ -190,7 +190,8 @@ class LeversConfig(_Group):
     offload: str = option(
         "none",
         "what lives in pinned_host memory: optimizer (its state and masters), params (the "
-        "frozen base, streamed to the device layer by layer), optimizer,params, or none; "
+        "frozen base, streamed to the device layer by layer; on a mesh each device streams its "
+        "FSDP shard), optimizer,params, or none; "
         "bare --offload (or true in a config file): optimizer",
         check=offload_spec,
         const="optimizer",

@@ -1,7 +1,8 @@
 """The devices a run uses: ``--mesh data=N,fsdp=M`` over ``jax.devices()`` (every process's
 devices after ``jax.distributed.initialize``), default FSDP over all of them; the frozen
 base (NF4 included), adapters, optimizer state and batch are placed by ``jmem.sharding``'s
-rules (``jmem.train_step(mesh=...)``)."""
+rules (``jmem.train_step(mesh=...)``); with ``--offload params`` the base keeps its FSDP
+sharding in host memory, each device streaming its shard."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from jax.experimental import multihost_utils
 
 from jmem import sharding
 from jmem._src.cli import CliError
-from jmem._src.finetune.config import offloads
 
 
 def _sizes(spec: str, n_devices: int) -> tuple[int, int]:
@@ -35,8 +35,6 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     n = len(devices)
     if config.levers.offload_dir is not None:
         return None, _one_device(config, n, "--offload-dir")
-    if offloads(config.levers, "params"):
-        return None, _one_device(config, n, "--offload params")
     if config.devices.mesh is None:
         if n == 1:
             return None, []
@@ -68,11 +66,6 @@ _ONE_DEVICE = {
         "ordered disk reads and writes",
         "or keep the optimizer state in host memory with --offload on a mesh",
         "--offload (host memory) shards over them",
-    ),
-    "--offload params": (
-        "streaming on a mesh is not supported yet",
-        "or keep the base on the devices and shard it with --mesh",
-        "without it the base shards over them (FSDP)",
     ),
 }
 

@@ -257,7 +257,10 @@ def train_step(
         memory between steps (``init`` puts them there, a step moves them there if they
         arrive on the device) and the model streams its layers from there
         (docs/offload.md); the trainable params and their optimizer state stay on the
-        device unless ``offload_optimizer``.
+        device unless ``offload_optimizer``. Without ``frozen`` params the trainable
+        params are the streamed ones (full fine-tuning). With ``mesh=`` the streamed params
+        keep their FSDP ``PartitionSpec`` in ``pinned_host`` (ZeRO-3 + offload): each
+        device copies its shard of a layer, and the all-gather runs on the device.
       microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
         The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
         each microbatch is weighted by its count of unmasked tokens (the loss is the mean
@@ -301,11 +304,10 @@ def train_step(
       ValueError: for an unknown remat policy, precision string or strategy,
         ``microbatches < 1``, an ``offload_optimizer`` other than
         False/True/"whole_tree"/"leaf_by_leaf"/"disk", ``"disk"`` without
-        ``offload_dir`` or with ``mesh``, a bad ``offload_dir``, ``levers.offload_params``
-        with ``mesh=`` (not supported yet), or ``jit_kwargs`` that set shardings or
-        donation together with ``mesh``. When the step is first traced: ``levers.fp8``
-        with no FP8 metas in the state (``init(..., fp8=metas)``) or a loss that runs no
-        FP8 matmul (not wrapped in ``jmem.fp8.apply``; ``fp8_check``).
+        ``offload_dir`` or with ``mesh``, a bad ``offload_dir``, or ``jit_kwargs`` that
+        set shardings or donation together with ``mesh``. When the step is first traced:
+        ``levers.fp8`` with no FP8 metas in the state (``init(..., fp8=metas)``) or a loss
+        that runs no FP8 matmul (not wrapped in ``jmem.fp8.apply``; ``fp8_check``).
       TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
         ``precision=``).
 
@@ -404,11 +406,6 @@ def _parse_options(unknown: dict, **kw: Any) -> _Options:
         )
     offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
     kw["offload_dir"] = _offload_dir(mode, kw["offload_dir"], kw["mesh"])
-    if kw["offload_params"] and kw["mesh"] is not None:
-        raise ValueError(
-            "levers.offload_params with mesh= is not supported yet: train on one device, "
-            "or keep the params on the device (offload_params=False)."
-        )
     if kw["loss_scale"] is None:
         kw["loss_scale"] = NoOpLossScale()
     kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
@@ -666,8 +663,12 @@ def _jit(step: Callable, init: Callable, o: _Options) -> tuple[Callable, Callabl
         donate=o.donate,
         jit_kwargs=o.jit_kwargs,
         opt_state_memory_kind=kind,
+        offload_params=o.offload_params,
     )
-    return jitted, sharded_init(init, o.mesh, o.strategy, opt_state_memory_kind=kind)
+    init = sharded_init(
+        init, o.mesh, o.strategy, opt_state_memory_kind=kind, offload_params=o.offload_params
+    )
+    return jitted, init
 
 
 def _opt_state_to_host(state: TrainState) -> TrainState:

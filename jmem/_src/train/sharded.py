@@ -21,6 +21,19 @@ from jmem._src.sharding import shape_of
 from jmem._src.sharding import shard_state
 from jmem._src.sharding import state_shardings
 
+HOST = "pinned_host"
+
+
+def streamed_kinds(state: Any, offload_params: bool) -> dict:
+    """``state_shardings``' ``params_memory_kind``/``frozen_memory_kind`` for a state
+    whose streamed params (``jmem.Levers(offload_params=True)``) live in host memory: the
+    frozen base when there is one (QLoRA), else the trainable params (full fine-tuning)."""
+    if not offload_params:
+        return {}
+    if getattr(state, "frozen", None) is not None:
+        return {"frozen_memory_kind": HOST}
+    return {"params_memory_kind": HOST}
+
 
 def sharded_init(
     init: Callable,
@@ -29,29 +42,45 @@ def sharded_init(
     *,
     opt_state_memory_kind: str | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
+    offload_params: bool = False,
 ) -> ShardedInit:
     """Wraps a ``TrainState`` builder ``init(params, frozen, fp8, loss_scale, dropout_key)`` so its result
     is born sharded: inputs are placed by the param rule, then ``init`` runs under
     ``jax.jit(out_shardings=state_shardings(...))``. The optimizer state is therefore never
-    materialized whole on one device, and size thresholds see global shapes.
+    materialized whole on one device, and size thresholds see global shapes. With
+    ``offload_params`` the streamed params (``streamed_kinds``) get their rule's
+    ``PartitionSpec`` in ``pinned_host`` memory.
     """
     check_mesh(mesh)
     check_strategy(strategy)
-    return ShardedInit(init, mesh, strategy, opt_state_memory_kind, min_size)
+    return ShardedInit(init, mesh, strategy, opt_state_memory_kind, min_size, offload_params)
 
 
 class ShardedInit:
     """``init(params, frozen, fp8, loss_scale, dropout_key)`` placed by the rules
     (``sharded_init``)."""
 
-    def __init__(self, init: Callable, mesh: Mesh, strategy: str, kind: str | None, min_size: int):
+    def __init__(
+        self,
+        init: Callable,
+        mesh: Mesh,
+        strategy: str,
+        kind: str | None,
+        min_size: int,
+        offload_params: bool = False,
+    ):
         self.init, self.mesh, self.strategy = init, mesh, strategy
-        self._kind, self._min = kind, min_size
+        self._kind, self._min, self._offload_params = kind, min_size, offload_params
 
     def shardings(self, abstract: Any) -> Any:
         """The ``NamedSharding`` of each leaf of the state ``abstract`` (from ``init``)."""
         return state_shardings(
-            abstract, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
+            abstract,
+            self.mesh,
+            self.strategy,
+            min_size=self._min,
+            opt_state_memory_kind=self._kind,
+            **streamed_kinds(abstract, self._offload_params),
         )
 
     def abstract(self, params, frozen=None, fp8=None, loss_scale=None, dropout_key=None):
@@ -84,7 +113,8 @@ class ShardedStep:
     The shardings depend on the state's shapes, so the jitted function is built on first use
     for each (structure, shapes, dtypes) of ``(state, batch)`` and cached: in_shardings
     ``(state_shardings(state), batch shardings)``, out_shardings ``(state_shardings(state),
-    replicated metrics)``, state donated. Supports ``__call__`` and ``.lower`` (so
+    replicated metrics)``, state donated (with ``offload_params``, the streamed params in
+    ``pinned_host``: ``streamed_kinds``). Supports ``__call__`` and ``.lower`` (so
     ``jmem.measure`` and ``TrainStep.measure`` work; the figures are per device).
     """
 
@@ -98,6 +128,7 @@ class ShardedStep:
         opt_state_memory_kind: str | None = None,
         min_size: int = DEFAULT_MIN_SIZE,
         jit_kwargs: dict | None = None,
+        offload_params: bool = False,
     ):
         check_mesh(mesh)
         check_strategy(strategy)
@@ -113,13 +144,18 @@ class ShardedStep:
             )
         self.step, self.mesh, self.strategy = step, mesh, strategy
         self._donate, self._kind, self._min = donate, opt_state_memory_kind, min_size
-        self._jit_kwargs = jit_kwargs
+        self._jit_kwargs, self._offload_params = jit_kwargs, offload_params
         self._cache: dict = {}
 
     def shardings(self, state: Any, batch: Any):
         """``(state shardings, batch shardings)`` used for this state and batch."""
         st = state_shardings(
-            state, self.mesh, self.strategy, min_size=self._min, opt_state_memory_kind=self._kind
+            state,
+            self.mesh,
+            self.strategy,
+            min_size=self._min,
+            opt_state_memory_kind=self._kind,
+            **streamed_kinds(state, self._offload_params),
         )
         return st, batch_shardings_of(batch, self.mesh)
 
