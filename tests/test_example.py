@@ -40,9 +40,19 @@ SMALL = [
 ]
 
 
-def test_interrupted_and_resumed_run_gives_the_same_losses(example, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def four_steps(example, tmp_path_factory):
+    """An uninterrupted 4-step run with checkpoints 2 and 4: ``(out, summary)``. Tests copy
+    ``out`` before changing it."""
+    out = tmp_path_factory.mktemp("four_steps") / "run"
     full = example.main(SMALL + ["--steps", "4", "--save-every", "2", "--out", str(out)])
+    return out, full
+
+
+def test_interrupted_and_resumed_run_gives_the_same_losses(example, four_steps, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(four_steps[0], out)
+    full = four_steps[1]
     # Interrupt after step 2's checkpoint: drop the later one, then resume.
     ckpts = out / "checkpoints"
     assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2, 4]
@@ -82,11 +92,13 @@ def test_resume_without_checkpoint_is_a_clear_error(example, tmp_path, capsys):
     assert e.value.code == 2 and "--resume: no checkpoint" in capsys.readouterr().err
 
 
-def test_a_second_run_into_the_same_out_replaces_or_resumes_never_mixes(example, tmp_path, capsys):
+def test_a_second_run_into_the_same_out_replaces_or_resumes_never_mixes(
+    example, four_steps, tmp_path, capsys
+):
     """--overwrite drops the older run's checkpoints, so a later --resume finds the newer
     run's; summary.json records the model, data, tokenizer, flags and the held-out losses."""
     out = str(tmp_path / "run")
-    example.main(SMALL + ["--steps", "4", "--save-every", "4", "--out", out])
+    shutil.copytree(four_steps[0], out)  # the older run: 4 steps, checkpoints 2 and 4
     with pytest.raises(SystemExit):
         example.main(SMALL + ["--steps", "2", "--out", out])
     assert "--overwrite" in capsys.readouterr().err

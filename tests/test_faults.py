@@ -508,7 +508,9 @@ def test_inf_in_the_base_weights_is_refused_naming_the_tensor(tmp_path, capsys):
     assert prepare_out(jmem.finetune.parse_args(argv + ["--steps", "2"])) is None
 
 
-def _killed(phase, argv):
+def _killed(phase, argv, expect=()):
+    """Runs ``tests/_faults_worker.py PHASE ARGV`` (killed with SIGKILL at ``phase``);
+    asserts it died so and that its output holds each of ``expect``; returns its pid."""
     worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
@@ -521,24 +523,30 @@ def _killed(phase, argv):
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == -9, stdout[-2000:] + stderr[-2000:]
     assert stdout.rstrip().endswith("killed")
+    for words in expect:
+        assert words in stdout, (words, stdout[-2000:])
     return proc.pid
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["save:4", "outputs"])
-def test_a_run_killed_at_each_phase_resumes_to_the_same_results(reference, tmp_path, capsys, phase):
-    """kill -9 while checkpoint 4 is saved (its files written, before orbax's rename) or
-    after the last checkpoint (before the adapters): --resume takes over the dead run's
-    lock, continues from the last committed checkpoint (or only writes the outputs) and
-    gives the uninterrupted run's losses bit for bit."""
+def test_a_run_killed_at_each_phase_resumes_to_the_same_results(reference, tmp_path, capsys):
+    """kill -9 while checkpoint 4 is saved (its files written, before orbax's rename); the
+    resume of that run killed -9 after the last checkpoint (before the adapters); a second
+    --resume. Each resume takes over the dead run's lock and continues from the last
+    committed checkpoint (step 2, then 4: only the outputs are left to write), and the last
+    one gives the uninterrupted run's losses bit for bit. (One chain of kills: the run the
+    ``outputs`` kill interrupts is itself a resume.)"""
     out = tmp_path / "run"
     argv = SMALL + ["--steps", "4", "--out", str(out)]
-    pid = _killed(phase, argv)
+    pid = _killed("save:4", argv)
+    assert not (out / "summary.json").exists()
+    expect = (f"took over the lock of pid {pid}", "Resumed at step 2")
+    pid = _killed("outputs", argv + ["--resume"], expect)
     assert not (out / "summary.json").exists()
     summary = jmem.finetune.main(argv + ["--resume"])
     printed = capsys.readouterr().out
     assert f"took over the lock of pid {pid}" in printed
-    assert ("Resumed at step 2" if phase == "save:4" else "Resumed at step 4") in printed
+    assert "Resumed at step 4" in printed
     assert "Nothing to do" not in printed
     assert summary["losses"] == reference[1]["losses"]
     assert (out / "adapter" / "adapter_config.json").exists()

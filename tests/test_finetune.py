@@ -462,8 +462,19 @@ def _fraction_per_device(tree):
     return sum(x.addressable_shards[0].data.nbytes for x in leaves) / sum(x.nbytes for x in leaves)
 
 
+_MESH_RUN = SMALL + ["--steps", "4", "--save-every", "2", "--eval-split", "0"]
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory):
+    """A 4-step run on an FSDP mesh of the 8 simulated devices, checkpoints 2 and 4:
+    ``(out, summary)``. Tests copy ``out`` before changing it."""
+    out = tmp_path_factory.mktemp("eight") / "run"
+    return out, finetune.main(_MESH_RUN + ["--mesh", "data=1,fsdp=8", "--out", str(out)])
+
+
 @pytest.mark.slow
-def test_eight_devices_train_as_one_and_hold_an_eighth_of_the_state(tmp_path):
+def test_eight_devices_train_as_one_and_hold_an_eighth_of_the_state(eight_devices, tmp_path):
     """FSDP over 8 simulated devices gives the 1-device losses within 2e-3 nats (bf16
     compute; the reductions run in another order). Each device holds 1/8 of the frozen NF4
     base (plus the replicated norm scales) and of the optimizer state's moments wherever
@@ -471,9 +482,8 @@ def test_eight_devices_train_as_one_and_hold_an_eighth_of_the_state(tmp_path):
     those stay whole; Llama-2-7B's all divide); the LoRA adapters themselves are replicated
     (jmem.sharding: small, and every device needs all of them)."""
     assert jax.device_count() == 8
-    argv = SMALL + ["--steps", "3", "--eval-split", "0"]
-    one = finetune.main(argv + ["--mesh", "fsdp=1", "--out", str(tmp_path / "one")])
-    eight = finetune.main(argv + ["--mesh", "data=1,fsdp=8", "--out", str(tmp_path / "eight")])
+    one = finetune.main(_MESH_RUN + ["--mesh", "fsdp=1", "--out", str(tmp_path / "one")])
+    eight = eight_devices[1]
     np.testing.assert_allclose(eight["losses"], one["losses"], atol=2e-3)
     assert (one["devices"], eight["devices"]) == (1, 8)
     assert eight["mesh"] == {"data": 1, "fsdp": 8}
@@ -492,12 +502,12 @@ def test_eight_devices_train_as_one_and_hold_an_eighth_of_the_state(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_saved_on_eight_devices_resumes_on_four(tmp_path):
-    out = str(tmp_path / "run")
-    argv = SMALL + ["--steps", "4", "--save-every", "2", "--eval-split", "0", "--out", out]
-    full = finetune.main(argv + ["--mesh", "fsdp=8"])
-    shutil.rmtree(os.path.join(out, "checkpoints", "4"))
-    resumed = finetune.main(argv + ["--mesh", "fsdp=4", "--resume"])
+def test_a_run_saved_on_eight_devices_resumes_on_four(eight_devices, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(eight_devices[0], out)
+    full = eight_devices[1]
+    shutil.rmtree(out / "checkpoints" / "4")
+    resumed = finetune.main(_MESH_RUN + ["--mesh", "fsdp=4", "--out", str(out), "--resume"])
     np.testing.assert_array_equal(resumed["losses"][:2], full["losses"][:2])  # restored
     np.testing.assert_allclose(resumed["losses"], full["losses"], atol=2e-3)
     assert resumed["mesh"] == {"data": 1, "fsdp": 4}
@@ -530,21 +540,26 @@ def _two_processes(argv, timeout=300):
 
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume(tmp_path):
-    """2 processes x 2 CPU devices: one FSDP mesh of 4, process 0 alone prints and writes
-    the summary and adapters, checkpoints are written and restored by both; a resumed run
-    continues from step 2 with the losses it had."""
+    """2 processes x 2 CPU devices: one FSDP mesh of 4, process 0 alone prints (process 1's
+    output is empty, gloo's lines included) and writes the summary and adapters,
+    checkpoints are written and restored by both; a resumed run continues from step 2 with
+    the losses it had."""
     if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
         pytest.skip("this JAX has no gloo CPU collectives")
     out = str(tmp_path / "run")
     argv = SMALL + ["--save-every", "2", "--eval-split", "0.05", "--out", out]
     logs = _two_processes(argv + ["--steps", "2"])
-    assert "first loss" in logs[0] and "first loss" not in logs[1]
+    # process 1 prints nothing, gloo's connection lines included (process 0 prints the run
+    # and, unavoidably, its own gloo lines)
+    assert "first loss" in logs[0]
+    assert "[Gloo]" not in logs[1] and "first loss" not in logs[1], logs[1][-2000:]
     first = json.loads(open(os.path.join(out, "summary.json")).read())
     assert first["processes"] == 2 and first["devices"] == 4
     assert first["mesh"] == {"data": 1, "fsdp": 4} and len(first["losses"]) == 2
     assert os.path.exists(os.path.join(out, "adapter", "adapter_config.json"))
     logs = _two_processes(argv + ["--steps", "4", "--resume"])
     assert "Resumed at step 2" in logs[0]
+    assert "[Gloo]" not in logs[1] and "Resumed" not in logs[1], logs[1][-2000:]
     second = json.loads(open(os.path.join(out, "summary.json")).read())
     assert second["losses"][:2] == first["losses"] and len(second["losses"]) == 4
     assert all(np.isfinite(second["losses"])) and np.isfinite(second["last_eval_loss"])
