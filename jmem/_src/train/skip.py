@@ -28,7 +28,7 @@ def skip_if_nonfinite(
     copies every donated param and optimizer-state shard the cond passes through (a whole
     second copy of the sharded state as temporaries: 13.5 GB per device for Llama-2-7B,
     ZeRO-3 over 8 ``h100_sxm``, fp32 AdamW + masters; issue #39), while the select fuses
-    into each leaf's update and writes it in place (docs/sharding.md).
+    into each leaf's update and writes it in place (docs/offload.md, "ZeRO-3 + offload, compiled").
 
     Args:
       inner: the transformation (its ``init`` is kept).
