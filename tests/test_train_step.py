@@ -235,6 +235,52 @@ def test_offload_leaf_by_leaf_in_builder_trains_like_whole_tree():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_skip_nonfinite_on_a_zero3_mesh_is_a_select_that_trains_bitwise():
+    """On a mesh the non-finite skip is a select, not a ``lax.cond`` (whose SPMD program
+    copies the whole sharded state, issue #39): the lowered step has no conditional (the
+    one-device step has one); two finite steps (bf16 params, fp32 masters, Adam, zero3 over
+    4 devices) give bitwise the losses and params of ``skip_nonfinite=False``; a step with a
+    NaN input keeps params, optimizer state and step count bitwise."""
+    from jmem import sharding
+
+    k1, k2, k3 = jax.random.split(jax.random.key(15), 3)
+    params = {
+        "w1": jax.random.normal(k1, (64, 128)) * 0.1,
+        "w2": jax.random.normal(k2, (128, 64)) * 0.1,
+    }
+    batch = {"x": jax.random.normal(k3, (8, 64))}
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2)
+
+    mesh = sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
+    kw = dict(master_weights=True, precision="p=bf16,c=bf16,o=f32")
+    runs = {}
+    for skip in (True, False):
+        step = train_step(loss, optax.adam(1e-2), mesh=mesh, skip_nonfinite=skip, **kw)
+        state, losses = step.init(params), []
+        if skip:
+            assert "case" not in step.jitted.lower(state, batch).as_text()
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(np.asarray(metrics["loss"]))
+        runs[skip] = (losses, jax.tree.map(np.asarray, state.params))
+    helpers.assert_bitwise_equal(runs[True], runs[False])
+    assert any("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(state.params))
+    one = train_step(loss, optax.adam(1e-2), **kw)
+    assert "case" in one.jitted.lower(one.init(params), batch).as_text()
+
+    step = train_step(loss, optax.adam(1e-2), mesh=mesh, **kw)
+    state = step.init(params)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state, state.step))
+    state, metrics = step(state, {"x": batch["x"].at[0, 0].set(jnp.nan)})
+    assert not np.isfinite(metrics["loss"])
+    helpers.assert_bitwise_equal(
+        jax.tree.map(np.asarray, (state.params, state.opt_state, state.step)), before
+    )
+
+
 def test_offload_leaf_by_leaf_on_a_zero3_mesh_matches_whole_tree():
     """Sharded builder (zero3 over fsdp=4): leaf by leaf keeps the state's shardings and
     memory kind and trains bitwise like whole-tree offload."""

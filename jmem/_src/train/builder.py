@@ -441,7 +441,9 @@ def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
     base = mixed_precision(optimizer) if o.master_weights else optimizer
     stepper = _stack(_new_params(base, o.master_weights), o)
     if o.skip_nonfinite:
-        stepper = skip_if_nonfinite(stepper, select_inside=o.offload)
+        stepper = skip_if_nonfinite(
+            stepper, select_inside=o.offload, select=o.mesh is not None and not o.offload
+        )
     return _stack(base, o), stepper
 
 
@@ -631,7 +633,7 @@ def _norm_before_update(grads: Any, finite: jax.Array, o: _Options, norm: Any = 
     when already taken (``_unscale``'s, for host-resident gradients).
     """
     grad_norm = optax.tree.norm(grads) if norm is None else norm
-    if o.skip_nonfinite and not o.offload:
+    if o.skip_nonfinite and not o.offload and o.mesh is None:  # the lax.cond
         return grads, grad_norm, jnp.logical_and(finite, jnp.logical_not(grad_norm < 0))
     grads, grad_norm = jax.lax.optimization_barrier((grads, grad_norm))
     return grads, grad_norm, finite
