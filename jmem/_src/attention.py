@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src.mesh_batch import batch_groups
+from jmem._src.mesh_batch import constrain_groups
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
 from jmem._src.targets import compile_platform
@@ -457,19 +459,10 @@ def _batch_sharded(q, k, v):
     """q, k, v constrained to one sharding: cuDNN's partitioner refuses q, k and v sharded
     differently ("Query, key and value should have same sharding"), as GSPMD leaves them under
     FSDP. On a mesh in context (``jax.set_mesh``; jmem's sharded step sets its mesh), the
-    batch goes over the Auto axes whose sizes divide it, the other dims replicated."""
-    m = jax.sharding.get_abstract_mesh()
-    if m.empty or m.size == 1:
-        return q, k, v
-    axes, n = [], 1
-    for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
-        if kind == jax.sharding.AxisType.Auto and q.shape[0] % (n * size) == 0:
-            axes.append(name)
-            n *= size
-    if n == 1:
-        return q, k, v
-    spec = jax.sharding.PartitionSpec(tuple(axes))
-    return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
+    batch goes over the Auto axes whose sizes divide it (``mesh_batch.batch_groups``), the
+    other dims replicated."""
+    axes, _ = batch_groups(q.shape[0])
+    return tuple(constrain_groups(x, axes) for x in (q, k, v))
 
 
 def _cudnn(q, k, v, sliding_window, scale):

@@ -10,6 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem._src.mesh_batch import batch_groups
+from jmem._src.mesh_batch import constrain_groups
+
 __all__ = ("ignore_negative_targets", "linear_cross_entropy", "token_nll")
 
 
@@ -59,9 +62,10 @@ def ignore_negative_targets(targets: jax.Array, mask: jax.Array | None):
 
 
 def _chunk_sum(head, logit_softcap, carry, xs):
-    """Adds one chunk's masked NLL sum to ``carry`` (float32 scalar)."""
+    """Adds one chunk's masked NLL sum to ``carry`` (float32 scalar); ``xs``: ``x [G, C, H]``,
+    ``targets``/``weight [G, C]``."""
     x, targets, weight = xs
-    logits = _logits(x, head.astype(x.dtype))
+    logits = _logits(x.reshape(-1, x.shape[-1]), head.astype(x.dtype)).reshape(*x.shape[:2], -1)
     return carry + jnp.sum(token_nll(logits, targets, logit_softcap) * weight), None
 
 
@@ -98,7 +102,8 @@ def linear_cross_entropy(
     Equal to ``llama.cross_entropy(x @ head, targets, mask)``: ``sum(nll * mask) /
     max(sum(mask), 1)`` (the mean over tokens without ``mask``), so microbatches combine
     as ``jmem.accumulate_gradients`` weights them (by their unmasked-token counts). The
-    ``B * S`` tokens are cut into chunks of ``chunk``; a ``lax.scan`` computes one chunk's
+    ``B * S`` tokens are cut into chunks of ``chunk`` (on a mesh in context that splits the
+    batch, each device's own tokens: ``_group_chunks``); a ``lax.scan`` computes one chunk's
     float32 logits ``[chunk, V]``, its log-sum-exp and the picked logit, keeps only their
     masked sum, and (checkpointed) recomputes that chunk's logits in the backward pass, so
     the largest temporaries are ``[chunk, V]`` float32 (forward and backward) instead of
@@ -115,7 +120,8 @@ def linear_cross_entropy(
       targets: int ``[B, S]``; a negative id (PyTorch's ``ignore_index=-100``) is
         ignored, as a 0 in ``mask``.
       mask: optional ``[B, S]`` loss weights (bool, int or float), 0 = ignored.
-      chunk: tokens per chunk; 0 (or ``>= B * S``) computes all logits at once.
+      chunk: tokens per chunk (per device of the batch split); 0 (or ``>= B * S``, per
+        device) computes all logits at once.
       logit_softcap: None or ``c``: logits become ``c * tanh(logits / c)`` (Gemma 2's
         final-logit soft-capping).
 
@@ -130,13 +136,27 @@ def linear_cross_entropy(
     n = b * s
     weight, targets = ignore_negative_targets(targets, mask)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
-    if chunk == 0 or chunk >= n:
+    if chunk == 0 or chunk >= n // batch_groups(b)[1]:  # each device's tokens: one chunk
         logits = _logits(x.reshape(n, h), head.astype(x.dtype)).reshape(b, s, -1)
         return jnp.sum(token_nll(logits, targets, logit_softcap) * weight) / denom
-    pad = -n % chunk
-    xs = jnp.pad(x.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
-    ts = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
-    ws = jnp.pad(weight.reshape(n), (0, pad)).reshape(-1, chunk)
     body = jax.checkpoint(lambda c, xs_: _chunk_sum(head, logit_softcap, c, xs_))
-    total, _ = lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))
+    total, _ = lax.scan(body, jnp.zeros((), jnp.float32), _group_chunks(chunk, x, targets, weight))
     return total / denom
+
+
+def _group_chunks(chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """``[B, S, ...]`` arrays as ``[K, G, chunk, ...]`` scan inputs: the rows in ``G`` groups
+    (one per device of the batch split of the mesh in context, ``jmem._src.mesh_batch``;
+    1 without), each group's ``B / G * S`` tokens zero-padded to ``K`` chunks. The scan
+    slices the unsplit axis ``K``: each device computes its own tokens' chunks."""
+    b, s = arrays[0].shape[:2]
+    axes, g = batch_groups(b)
+    n = b // g * s
+    pad = -n % chunk
+    out = []
+    for a in arrays:
+        a = constrain_groups(a.reshape(g, n, *a.shape[2:]), axes)
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(g, -1, chunk, *a.shape[2:]).swapaxes(0, 1)
+        out.append(constrain_groups(a, axes, axis=1))
+    return tuple(out)

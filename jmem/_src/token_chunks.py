@@ -24,20 +24,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem._src.mesh_batch import batch_groups
+from jmem._src.mesh_batch import constrain_groups
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
 
 
 def _slice(x, i, size):
-    """Rows ``[i * size, (i + 1) * size)`` of ``x``, sliced as integer bits when 16-bit."""
-    return from_bits(lax.dynamic_slice_in_dim(to_bits(x), i * size, size, axis=0), x.dtype)
+    """Tokens ``[i * size, (i + 1) * size)`` (axis 1) of ``x [G, T, ...]``, sliced as integer
+    bits when 16-bit."""
+    return from_bits(lax.dynamic_slice_in_dim(to_bits(x), i * size, size, axis=1), x.dtype)
 
 
 def _update(x, y, i):
-    """``x`` with rows ``[i * len(y), ...)`` set to ``y``, written as integer bits when
-    16-bit (XLA:CPU writes a bf16 slice by converting the whole array to float32)."""
+    """``x [G, T, ...]`` with tokens ``[i * y.shape[1], ...)`` set to ``y``, written as
+    integer bits when 16-bit (XLA:CPU writes a bf16 slice by converting the whole array to
+    float32)."""
     y = to_bits(y.astype(x.dtype))
-    return from_bits(lax.dynamic_update_slice_in_dim(to_bits(x), y, i * y.shape[0], 0), x.dtype)
+    return from_bits(lax.dynamic_update_slice_in_dim(to_bits(x), y, i * y.shape[1], 1), x.dtype)
 
 
 @jax.custom_vjp
@@ -74,7 +78,7 @@ def _put(out: jax.Array, y: jax.Array, i: jax.Array) -> jax.Array:
     """``out`` with chunk ``i`` set to ``y``. The cotangent passes through to ``out`` whole:
     exact when every chunk is written once into an array that does not depend on the
     inputs (``over_tokens``'s zeros)."""
-    size = y.shape[0]
+    size = y.shape[1]
 
     @jax.custom_vjp
     def put(out, y, i):
@@ -128,19 +132,26 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     """``fn(*arrays)`` computed over chunks of ``chunk`` tokens.
 
     ``fn`` must be token-local (row ``t`` of each output depends on row ``t`` of each input
-    only: norms, projections, RoPE, an MLP); it is called on ``[1, chunk, ...]`` slices under
+    only: norms, projections, RoPE, an MLP); it is called on ``[G, chunk, ...]`` slices under
     ``jax.checkpoint``, so its intermediates exist for one chunk at a time and are recomputed
     chunk by chunk in the backward pass.
 
+    On a mesh in context whose Auto axes split the batch (jmem's sharded step), the rows
+    form ``G`` groups, one per device of the split (``jmem._src.mesh_batch``), and each
+    group's ``B / G * S`` tokens are chunked: every device loops over its own tokens (the
+    same ``chunk`` tokens per device per iteration as on one device) and no activation of
+    the whole batch is gathered. Without a mesh ``G = 1``: the ``B * S`` tokens are chunked.
+
     Args:
-      fn: ``fn(*chunks) -> tuple of arrays``, each ``[1, chunk, ...]``.
-      chunk: tokens per chunk (> 0).
-      *arrays: ``[B, S, ...]`` arrays (same ``B, S``); the ``B * S`` tokens are chunked
+      fn: ``fn(*chunks) -> tuple of arrays``, each ``[G, chunk, ...]``.
+      chunk: tokens per chunk (> 0), per row group.
+      *arrays: ``[B, S, ...]`` arrays (same ``B, S``); each group's tokens are chunked
         (the last chunk zero-padded).
 
     Returns:
       ``fn``'s outputs as ``[B, S, ...]`` arrays, equal to ``fn`` on the whole arrays
-      (token-local ``fn``); whole (``fn(*arrays)``, no loop) when the tokens fit one chunk.
+      (token-local ``fn``); whole (``fn(*arrays)``, no loop) when a group's tokens fit one
+      chunk.
 
     Raises:
       ValueError: ``chunk`` not a positive int, or arrays with different ``[B, S]``.
@@ -153,26 +164,29 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     b, s = arrays[0].shape[:2]
     if any(a.shape[:2] != (b, s) for a in arrays):
         raise ValueError(f"arrays must share their [B, S] axes; got {[a.shape for a in arrays]}.")
-    n = b * s
+    axes, g = batch_groups(b)
+    n = b // g * s  # tokens per row group (per device of the batch split)
     if n <= chunk:
         return tuple(fn(*arrays))
     pad = -n % chunk
-    flat = [a.reshape(n, *a.shape[2:]) for a in arrays]
-    flat = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a for a in flat]
+    flat = [constrain_groups(a.reshape(g, n, *a.shape[2:]), axes) for a in arrays]
+    flat = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a for a in flat]
 
     def chunk_fn(flat, sinks, i):
         taken = [_take(a, sink, i, chunk) for a, sink in zip(flat, sinks)]
-        return tuple(fn(*(c[None] for c, _ in taken))), [sink for _, sink in taken]
+        return tuple(fn(*(c for c, _ in taken))), [sink for _, sink in taken]
 
     shapes = jax.eval_shape(chunk_fn, flat, flat, 0)[0]
-    init = tuple(jnp.zeros((n + pad, *o.shape[2:]), o.dtype) for o in shapes)
+    init = tuple(
+        constrain_groups(jnp.zeros((g, n + pad, *o.shape[2:]), o.dtype), axes) for o in shapes
+    )
     values = [lax.stop_gradient(a) for a in flat]  # cotangents go through the sinks
 
     def body(i, carry):
         out, sinks = carry
         ys, sinks = _recomputed(chunk_fn, values, sinks, i)
-        return tuple(_put(o, y[0], i) for o, y in zip(out, ys)), sinks
+        return tuple(_put(o, y, i) for o, y in zip(out, ys)), sinks
 
     sinks = [_grad_sink(a) for a in flat]
     outs, _ = lax.fori_loop(0, (n + pad) // chunk, body, (init, sinks))
-    return tuple((o[:n] if pad else o).reshape(b, s, *o.shape[1:]) for o in outs)
+    return tuple((o[:, :n] if pad else o).reshape(b, s, *o.shape[2:]) for o in outs)

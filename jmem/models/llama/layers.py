@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src.mesh_batch import rows_split
 from jmem.models.llama.config import ACTIVATIONS
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
@@ -81,8 +82,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """``x @ kernel`` in the activation dtype (the kernel is cast to it if needed). Under
-    ``jmem.fp8.apply`` a kernel with an ``Fp8Meta`` makes this an FP8 matmul."""
-    return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+    ``jmem.fp8.apply`` a kernel with an ``Fp8Meta`` makes this an FP8 matmul. On a mesh in
+    context the output keeps the rows' batch split (``rows_split``): FSDP, not tensor
+    parallelism over the whole batch."""
+    return rows_split(jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype)))
 
 
 def _proj(h: jax.Array, layer: Params, name: str) -> jax.Array:

@@ -1,0 +1,53 @@
+"""The batch split of the mesh in context: the mesh axes a ``[B, ...]`` activation's rows are
+sharded over, so that loops over tokens slice each device's own rows.
+
+Inside jmem's sharded step (``jax.set_mesh``) the batch is split over ``("data", "fsdp")``
+(``jmem.sharding.batch_sharding``). A loop that flattens the ``B * S`` tokens and slices
+chunk ``i`` of them slices across that split: the partitioner then gathers or reshards the
+whole batch's activations, and every device works on every chunk. ``batch_groups`` gives the
+number of row groups ``G`` (the devices' shares); the token loops reshape ``[B, S, ...]``
+to ``[G, B / G * S, ...]`` and chunk the second axis, so each device loops over its own
+tokens, as without a mesh. Source: GSPMD (arXiv:2105.04663), sharding propagation through
+reshapes and ``with_sharding_constraint``.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+
+def batch_groups(batch_size: int) -> tuple[tuple[str, ...], int]:
+    """``(axes, G)``: the Auto axes of the mesh in context (``jax.sharding.get_abstract_mesh``)
+    over which ``batch_size`` rows are split, in mesh order while their product divides
+    ``batch_size``, and ``G``, that product; ``((), 1)`` without a mesh (or a 1-device one)."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty or m.size == 1:
+        return (), 1
+    axes, n = [], 1
+    for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
+        if kind == AxisType.Auto and size > 1 and batch_size % (n * size) == 0:
+            axes.append(name)
+            n *= size
+    return tuple(axes), n
+
+
+def constrain_groups(x: jax.Array, axes: tuple[str, ...], axis: int = 0) -> jax.Array:
+    """``x`` with its ``axis`` split over ``axes`` (the other axes replicated); unchanged when
+    ``axes`` is empty."""
+    if not axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*([None] * axis), axes))
+
+
+def rows_split(x: jax.Array) -> jax.Array:
+    """``x [B, ...]`` constrained to its rows' batch split (``batch_groups(B)``), the other
+    axes replicated: applied to a projection's output it makes the partitioner all-gather
+    the (FSDP-sharded) weight and keep each device's rows, instead of gathering the whole
+    batch's activations to multiply with a weight shard (tensor parallelism, which it
+    otherwise picks when the activations are the smaller operand). Unchanged without a
+    mesh in context."""
+    if x.ndim == 0:
+        return x
+    return constrain_groups(x, batch_groups(x.shape[0])[0])
