@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
+import jmem
 from jmem import measure
 from jmem import nf4
 from jmem import sharding
@@ -348,6 +349,63 @@ def test_per_device_state_bytes_are_one_eighth():
     assert per_device == expected  # XLA reports per-device (shard) bytes
     # about 1/8: only the bias (and its moments) and the counters are replicated
     assert full / 8 <= per_device <= full / 8 * 1.05
+
+
+def _llama_step(cfg, levers, mesh, batch_size, seq_len):
+    """``(step, abstract state, abstract batch)`` of a full fine-tuning Llama step."""
+    from jmem.models import llama
+
+    loss = lambda p, b: llama.loss_fn(p, b, cfg, levers=levers)
+    step = train_step(loss, adam(), mesh=mesh, levers=levers, precision="p=f32,c=bf16,o=f32")
+    state = step.abstract_state(llama.abstract_params(cfg))
+    batch = {
+        k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in ("inputs", "targets")
+    }
+    return step, state, batch
+
+
+@pytest.mark.slow
+def test_fsdp_step_computes_only_each_devices_rows():
+    """FSDP over 8 devices, batch 8 x 512: per device, the dots do the FLOPs of the 1-device
+    step on batch 1 (trip-count weighted, within 2%). The 4,096 tokens exceed the default
+    2,048-token chunk: the token-chunk loop once sliced the flattened whole batch, every
+    device computing other devices' chunks (+15% FLOPs here, whole-batch attention
+    buffers, 7.5x the collective bytes); now each device loops over its own rows."""
+    from jmem.models import llama
+
+    cfg, lv = llama.get_config("tiny", num_layers=1), jmem.Levers()
+
+    def dot_flops(mesh, batch_size):
+        step, state, batch = _llama_step(cfg, lv, mesh, batch_size, 512)
+        return helpers.hlo_dot_flops(step.jitted.lower(state, batch).compile().as_text())
+
+    eight, one = dot_flops(sharding.make_mesh(fsdp=8), 8), dot_flops(None, 1)
+    print(f"dot FLOPs per device: FSDP 8 x batch 8 {eight:.4g}, 1 device x batch 1 {one:.4g}")
+    assert one > 2 * 512 * llama.num_params(cfg)  # at least the forward pass's matmuls
+    assert one <= eight <= 1.02 * one
+
+
+@pytest.mark.slow
+def test_fsdp_llama_with_token_and_loss_chunks_matches_one_device():
+    """The chunk loops per device (8 x 32 tokens in chunks of 16 on 8 devices, 256 tokens
+    in chunks of 16 on one) give the 1-device losses and params (float32 compute)."""
+    from jmem.models import llama
+
+    cfg = helpers.small_config()
+    lv = jmem.Levers(token_chunk=16, loss_chunk=16)
+    loss = lambda p, b: llama.loss_fn(p, b, cfg, levers=lv)
+    params = llama.init(jax.random.key(0), cfg)
+    batches = [helpers.token_batch(cfg, 8, 32, seed=i) for i in range(2)]
+    runs = []
+    for mesh in (None, sharding.make_mesh(fsdp=8)):
+        step = train_step(loss, adam(), mesh=mesh, levers=lv)
+        state, losses = step.init(_copy(params)), []
+        for b in batches:
+            state, metrics = step(state, b)
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, state.params))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    chex.assert_trees_all_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------
