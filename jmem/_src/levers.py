@@ -66,10 +66,12 @@ class Levers:
         can run, else dense up to 1024 keys and blockwise beyond.
       loss_chunk: tokens per chunk of the cross-entropy (``[loss_chunk, V]`` float32
         logits at a time, ``jmem.ops.linear_cross_entropy``); 0 computes all ``[B, S, V]``
-        logits at once.
+        logits at once. On a mesh that splits the batch rows, per device: each device
+        chunks its own rows (``jmem._src.mesh_batch``).
       token_chunk: tokens per chunk of each layer's token-local parts (norms, q/k/v and
         output projections, RoPE, the MLP; ``jmem._src.token_chunks``); 0, or fewer tokens
-        than this, runs them whole. Only attention sees every token.
+        than this, runs them whole. Only attention sees every token. On a mesh that splits
+        the batch rows, per device, as ``loss_chunk``.
       scan_unroll: ``lax.scan``'s ``unroll`` for the layer loop: None resolves to True
         (every layer inlined) with ``remat="none"`` (a loop would stack each saved
         residual as ``[L, ...]``) and to 1 (a loop) otherwise; or an explicit True / int.
