@@ -14,8 +14,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jmem._src.linear_cross_entropy import _check
+from jmem._src.linear_cross_entropy import _group_chunks
 from jmem._src.linear_cross_entropy import _logits
 from jmem._src.linear_cross_entropy import token_nll
+from jmem._src.mesh_batch import batch_groups
 
 __all__ = ("SequenceLogprobs", "sequence_logprobs")
 
@@ -52,6 +54,24 @@ def _chunk_logprobs(head, logit_softcap, carry, xs):
     return carry, _token_logprobs(head, logit_softcap, x, targets)
 
 
+def _grouped_logprobs(head, logit_softcap, hidden, targets, chunk):
+    """float32 ``[B, S]`` target log-probs, chunked per row group of the mesh's batch split
+    (``linear_cross_entropy._group_chunks``: ``[K, G, chunk, ...]`` scan inputs), so that
+    each device computes its own rows' chunks."""
+    b, s = targets.shape
+    xs, ts = _group_chunks(chunk, hidden, targets)
+    k, g = ts.shape[:2]
+
+    def body(carry, xs_):
+        x, t = xs_
+        logp = _token_logprobs(head, logit_softcap, x.reshape(-1, x.shape[-1]), t.reshape(-1))
+        return carry, logp.reshape(t.shape)
+
+    _, logp = lax.scan(jax.checkpoint(body), (), (xs, ts))  # [K, G, chunk]
+    logp = logp.swapaxes(0, 1).reshape(g, k * chunk)[:, : b // g * s]
+    return logp.reshape(b, s)
+
+
 @jax.named_scope("sequence_logprobs")
 def sequence_logprobs(
     hidden: jax.Array,
@@ -84,7 +104,8 @@ def sequence_logprobs(
       targets: int ``[B, S]``, the next token of each position (already shifted).
       mask: optional ``[B, S]`` weights (bool, int or float), 1 on the response tokens to
         count, 0 elsewhere (prompt, padding). Default: every token.
-      chunk: tokens per chunk; 0 (or ``>= B * S``) computes all logits at once.
+      chunk: tokens per chunk (per device on a mesh that splits the batch rows: each device
+        chunks its own rows); 0 (or ``>= B * S``, per device) computes all logits at once.
       logit_softcap: None or ``c``: logits become ``c * tanh(logits / c)`` (Gemma 2's
         ``final_logit_softcapping``).
 
@@ -102,8 +123,11 @@ def sequence_logprobs(
     n = b * s
     weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
     targets = jnp.where(weight != 0, targets, 0).astype(jnp.int32)
-    if chunk == 0 or chunk >= n:
+    g = batch_groups(b)[1]
+    if chunk == 0 or chunk >= n // g:  # each device's tokens: one chunk
         logp = _token_logprobs(head, logit_softcap, hidden.reshape(n, h), targets.reshape(n))
+    elif g > 1:  # a mesh splits the rows: each device chunks its own tokens
+        logp = _grouped_logprobs(head, logit_softcap, hidden, targets, chunk)
     else:
         pad = -n % chunk
         xs = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
