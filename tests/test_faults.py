@@ -621,6 +621,8 @@ def test_fp16_run_with_skipped_steps_resumes_bitwise_on_one_step_counter(
     assert full["skipped_steps"], "no step was skipped: the test needs a higher scale"
     assert len(full["losses"]) == 6
     applied = [s for s in range(6) if s + 1 not in full["skipped_steps"]]
+    if len(used) == 6:  # on a mesh the skip is a select: the update runs on every step
+        used[:] = [used[s] for s in applied]
     assert [c for c, _ in used] == list(range(len(applied)))  # the count: updates applied
     assert [v for _, v in used] == [full["learning_rates"][s] for s in applied]
     used.clear()
