@@ -459,7 +459,7 @@ def _batch_sharded(q, k, v):
     """q, k, v constrained to one sharding: cuDNN's partitioner refuses q, k and v sharded
     differently ("Query, key and value should have same sharding"), as GSPMD leaves them under
     FSDP. On a mesh in context (``jax.set_mesh``; jmem's sharded step sets its mesh), the
-    batch goes over the Auto axes whose sizes divide it (``mesh_batch.batch_groups``), the
+    batch goes over the Auto batch axes whose sizes divide it (``mesh_batch.batch_groups``), the
     other dims replicated."""
     axes, _ = batch_groups(q.shape[0])
     return tuple(constrain_groups(x, axes) for x in (q, k, v))

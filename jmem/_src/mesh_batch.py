@@ -17,17 +17,23 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jmem._src.sharding import DATA_AXIS
+from jmem._src.sharding import FSDP_AXIS
+
 
 def batch_groups(batch_size: int) -> tuple[tuple[str, ...], int]:
-    """``(axes, G)``: the Auto axes of the mesh in context (``jax.sharding.get_abstract_mesh``)
+    """``(axes, G)``: the Auto batch axes (``"data"``, ``"fsdp"``: those of
+    ``jmem.sharding.batch_sharding``) of the mesh in context (``jax.sharding.get_abstract_mesh``)
     over which ``batch_size`` rows are split, in mesh order while their product divides
-    ``batch_size``, and ``G``, that product; ``((), 1)`` without a mesh (or a 1-device one)."""
+    ``batch_size``, and ``G``, that product; ``((), 1)`` without a mesh (or a 1-device one).
+    Other axes (a user's tensor-parallel ``"model"`` axis) never split the rows."""
     m = jax.sharding.get_abstract_mesh()
     if m.empty or m.size == 1:
         return (), 1
     axes, n = [], 1
     for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
-        if kind == AxisType.Auto and size > 1 and batch_size % (n * size) == 0:
+        batch_axis = name in (DATA_AXIS, FSDP_AXIS)
+        if batch_axis and kind == AxisType.Auto and size > 1 and batch_size % (n * size) == 0:
             axes.append(name)
             n *= size
     return tuple(axes), n
