@@ -141,25 +141,24 @@ def test_python_api_checks_values_as_the_flags_do(tmp_path):
         validate(c)
 
 
-def test_the_parser_knows_the_live_names_without_importing_jax():
-    """The names the flags accept (spelled in config.py so that --help needs no JAX) are
-    the live tables' names, and the levers' defaults are LlamaConfig's."""
+def test_the_name_table_is_the_one_every_parser_and_implementation_reads():
+    """The flags, the levers, the planner and the implementations share one name table
+    (``jmem._src.names``, no JAX); the levers' long-context defaults are LlamaConfig's."""
+    from jmem._src import names
     from jmem._src.attention import IMPLEMENTATIONS
     from jmem._src.finetune import config as fc
-    from jmem._src.finetune.build import OPTIMIZERS
     from jmem._src.remat import REMAT_POLICIES
     from jmem.models import llama
 
-    assert fc.MODEL_NAMES == tuple(sorted(llama.CONFIGS))
-    assert fc.REMAT_NAMES == tuple(REMAT_POLICIES)
-    assert fc.ATTENTION_NAMES == tuple(IMPLEMENTATIONS)
-    assert fc.OPTIMIZER_NAMES == tuple(sorted(OPTIMIZERS))
+    assert names.MODEL_NAMES == tuple(sorted(llama.CONFIGS))
+    assert tuple(REMAT_POLICIES) == names.REMAT_NAMES
+    assert fc.REMAT_NAMES is names.REMAT_NAMES is jmem.planner.REMAT_MODES
+    assert IMPLEMENTATIONS is names.ATTENTION_NAMES
+    assert jmem.targets.NAMES is names.COMPILE_TARGET_NAMES
     d = jmem.Levers()
     assert fc.LONG_CONTEXT_DEFAULTS == (d.attention, d.loss_chunk, d.token_chunk)
-    assert fc.REMAT_NAMES == jmem._src.levers.REMAT_NAMES
-    from jmem import targets  # noqa: PLC0415
-
-    assert fc.TARGET_NAMES == targets.NAMES
+    with pytest.raises(RuntimeError, match="jmem._src.names lists"):
+        names.check_implements("T", ("a", "b"), {"a": 1})
 
 
 def test_help_is_grouped_by_config_group_and_imports_no_jax():

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src.mesh_batch import batch_groups
 from jmem._src.mesh_batch import constrain_groups
+from jmem._src.names import ATTENTION_NAMES
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
 from jmem._src.targets import compile_platform
@@ -24,7 +25,7 @@ from jmem._src.targets import compile_platform
 __all__ = ("IMPLEMENTATIONS", "attention", "attention_mask")
 
 #: ``attention(implementation=...)`` values.
-IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn")
+IMPLEMENTATIONS = ATTENTION_NAMES
 
 #: ``"auto"`` runs the dense path up to this many keys (one block would cover them anyway,
 #: and the dense path is one pair of matmuls), blockwise beyond.

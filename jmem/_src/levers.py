@@ -22,11 +22,9 @@ import jax.numpy as jnp
 
 from jmem._src import attention as attention_lib
 from jmem._src import targets as targets_lib
+from jmem._src.names import REMAT_NAMES
 
 __all__ = ["Levers", "ResolvedLevers", "resolve"]
-
-#: ``Levers.remat`` values, from most device memory to least (``jmem.REMAT_POLICIES``).
-REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
 
 
 _OFFLOAD_PARAMS_WHY = {

@@ -25,6 +25,8 @@ from jmem._src import jaxpr as _jaxpr
 from jmem._src import remat_bits as _bits
 from jmem._src import scan_intercept as _si
 from jmem._src import tree as _tree
+from jmem._src.names import REMAT_NAMES
+from jmem._src.names import check_implements
 
 _cp = jax.checkpoint_policies
 
@@ -81,6 +83,7 @@ REMAT_POLICIES = RematPolicies(
     offload=_offload_policy,
     offload_inputs=_offload_inputs,
 )
+check_implements("REMAT_POLICIES", REMAT_NAMES, REMAT_POLICIES)
 
 
 def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | None:

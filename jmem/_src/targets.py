@@ -14,6 +14,9 @@ import os
 import jax
 import numpy as np
 
+from jmem._src.names import COMPILE_TARGET_NAMES
+from jmem._src.names import check_implements
+
 GPU_PLAN_INSTALL = 'pip install "jmem[gpu-plan]"'
 
 
@@ -138,7 +141,8 @@ def _gpu_target(name: str, f: _GpuFacts) -> Target:
 
 TARGETS = {name: _gpu_target(name, f) for name, f in _GPUS.items()}
 TARGETS["cpu"] = Target("cpu", "cpu", None, _host_memory(), "the host CPU (XLA:CPU)")
-NAMES = tuple(TARGETS)
+check_implements("TARGETS", COMPILE_TARGET_NAMES, TARGETS)
+NAMES = COMPILE_TARGET_NAMES
 
 
 def get(target: str | Target) -> Target:

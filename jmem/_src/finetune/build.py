@@ -26,12 +26,15 @@ from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import offloads
 from jmem._src.finetune.setup import job_levers
+from jmem._src.names import OPTIMIZER_NAMES
+from jmem._src.names import check_implements
 from jmem._src.offload.disk import DiskState
 from jmem.models import hf
 from jmem.models import llama
 from jmem.models import preference
 
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
+check_implements("the job's OPTIMIZERS", OPTIMIZER_NAMES, OPTIMIZERS)
 
 
 def _loss(cfg, lv):

@@ -18,39 +18,16 @@ from typing import Mapping
 
 from jmem._src import cli
 from jmem._src.cli import option
+from jmem._src.names import ATTENTION_NAMES
+from jmem._src.names import COMPILE_TARGET_NAMES as TARGET_NAMES
+from jmem._src.names import MODEL_NAMES
+from jmem._src.names import OPTIMIZER_NAMES
+from jmem._src.names import REMAT_NAMES
 
 #: Default ``--lora-targets``: the seven projections of every layer (the QLoRA paper's).
 ALL_PROJECTIONS = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
 
-# The names the flags accept, spelled here so that the parser needs no JAX;
-# tests/test_finetune.py checks them against the live tables (llama.CONFIGS,
-# REMAT_POLICIES, attention.IMPLEMENTATIONS, build.OPTIMIZERS, LlamaConfig's defaults).
-MODEL_NAMES = (
-    "gemma2_2b",
-    "gemma2_9b",
-    "gemma3_12b",
-    "gemma3_1b",
-    "gemma3_4b",
-    "llama2_7b",
-    "llama3_1_70b",
-    "llama3_1_8b",
-    "llama3_2_1b",
-    "llama3_8b",
-    "llama_1b",
-    "mistral_7b",
-    "olmo2_7b",
-    "phi3_mini",
-    "qwen2_5_72b",
-    "qwen2_5_7b",
-    "qwen3_0_6b",
-    "qwen3_8b",
-    "tiny",
-)
-REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
-ATTENTION_NAMES = ("auto", "dense", "blockwise", "cudnn")
-OPTIMIZER_NAMES = ("adamw", "adamw_4bit", "adamw_8bit")
 HOST_ALLOCATORS = ("auto", "huge-pages", "retain", "system")
-TARGET_NAMES = ("h100_sxm", "h200", "a100_sxm_80", "a100_sxm_40", "b200", "rtx4090", "cpu")
 #: ``jmem.Levers``' defaults for the long-sequence levers (attention, loss_chunk, token_chunk).
 LONG_CONTEXT_DEFAULTS = ("auto", 2048, 2048)
 #: ``--objective``: supervised fine-tuning, or a preference loss (``jmem.losses``).

@@ -12,6 +12,7 @@ from typing import Any
 
 from jmem._src import dtypes as _dtypes
 from jmem._src.attention import pick_implementation
+from jmem._src.names import REMAT_NAMES
 from jmem._src.planner.shapes import ModelShape
 
 __all__ = [
@@ -25,8 +26,8 @@ __all__ = [
     "is_long_context",
 ]
 
-#: Remat modes, as named by ``jmem.REMAT_POLICIES``, from most to least memory.
-REMAT_MODES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
+#: Remat modes (``jmem.REMAT_POLICIES``' names), from most to least memory.
+REMAT_MODES = REMAT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

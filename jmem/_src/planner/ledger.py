@@ -16,6 +16,7 @@ from typing import Sequence
 
 from jmem._src import dtypes as _dtypes
 from jmem._src import levers as _levers
+from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.planner.activations import activation_bytes
 from jmem._src.planner.activations import compiler_terms
 from jmem._src.planner.shapes import LINEAR_NAMES
@@ -65,6 +66,9 @@ OPTIMIZERS: dict[str, _Opt] = {
     "sgd_momentum": _Opt(1, 32, None, "fp32 momentum (optax.sgd(momentum=...))"),
     "lion": _Opt(1, 32, None, "fp32 momentum (Chen et al. 2023; optax.lion)"),
 }
+
+if not set(OPTIMIZER_NAMES) <= set(OPTIMIZERS):
+    raise RuntimeError(f"the planner's OPTIMIZERS lack some of {OPTIMIZER_NAMES}.")
 
 _MIN_QUANTIZED_SIZE = 4096  # scale_by_quantized_adam(min_quantized_size=...)
 
