@@ -358,3 +358,36 @@ def test_fp8_llama_step_compiles_to_fp8_matmuls_on_the_target():
     hlo = compiled.as_text()
     assert "f8e4m3fn" in hlo and "f8e5m2" in hlo
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
+
+
+def test_single_device_skip_is_a_select_without_a_second_state_copy():
+    """On one h100_sxm device the non-finite skip of a full fine-tuning step (bf16 params,
+    fp32 masters, AdamW) is a per-leaf select: no conditional in the HLO, and the
+    temporaries are those of the step without the skip (a cond's branch copied every
+    donated param and state leaf: 16 bytes per parameter). XLA:CPU keeps the cond."""
+    from jmem._src.measure import _compile_for
+    from jmem._src.measure import report_from_compiled
+
+    cfg = jmem.models.llama.get_config("tiny")
+    cfg = dataclasses.replace(cfg, hidden_size=512, intermediate_size=1536, num_layers=4)
+    params = jax.eval_shape(
+        lambda k: jmem.models.llama.init(k, cfg, jnp.bfloat16), jax.random.key(0)
+    )
+    n = sum(x.size for x in jax.tree.leaves(params))
+    batch = {k: jax.ShapeDtypeStruct((1, 512), jnp.int32) for k in ("inputs", "targets")}
+    temps, texts = {}, {}
+    for skip in (True, False):
+        step = jmem.train_step(
+            lambda p, b: jmem.models.llama.loss_fn(p, b, cfg, levers=jmem.Levers()),
+            optax.adamw(1e-4, mask=jmem.decay_mask),
+            precision="p=bf16,c=bf16,o=f32",
+            master_weights=True,
+            remat="full",
+            skip_nonfinite=skip,
+        )
+        state = step.abstract_state(params)
+        compiled = _compile_for(step.jitted, jmem.targets.get(TARGET), (state, batch), {})
+        temps[skip] = report_from_compiled(compiled, TARGET).temp_bytes
+        texts[skip] = compiled.as_text()
+    assert " conditional(" not in texts[True], "the skip compiled to a conditional"
+    assert temps[True] <= temps[False] + 0.5 * n, (temps, n)

@@ -41,6 +41,7 @@ from jmem._src.train.sharded import ShardedInit
 from jmem._src.train.sharded import ShardedStep
 from jmem._src.train.sharded import sharded_init
 from jmem._src.train.skip import skip_if_nonfinite
+from jmem._src.train.skip import uses_select
 from jmem._src.train.state import TrainState
 from jmem._src.tree import is_float_array
 from jmem._src.tree import select_tree
@@ -442,7 +443,7 @@ def _optimizers(optimizer: optax.GradientTransformation, o: _Options):
     stepper = _stack(_new_params(base, o.master_weights), o)
     if o.skip_nonfinite:
         stepper = skip_if_nonfinite(
-            stepper, select_inside=o.offload, select=o.mesh is not None and not o.offload
+            stepper, select_inside=o.offload, select=True if o.mesh is not None else "auto"
         )
     return _stack(base, o), stepper
 
@@ -633,7 +634,7 @@ def _norm_before_update(grads: Any, finite: jax.Array, o: _Options, norm: Any = 
     when already taken (``_unscale``'s, for host-resident gradients).
     """
     grad_norm = optax.tree.norm(grads) if norm is None else norm
-    if o.skip_nonfinite and not o.offload and o.mesh is None:  # the lax.cond
+    if o.skip_nonfinite and not o.offload and o.mesh is None and not uses_select("auto"):
         return grads, grad_norm, jnp.logical_and(finite, jnp.logical_not(grad_norm < 0))
     grads, grad_norm = jax.lax.optimization_barrier((grads, grad_norm))
     return grads, grad_norm, finite

@@ -6,37 +6,37 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmem._src.targets import compile_platform
 from jmem._src.tree import select_tree
 
 
 def skip_if_nonfinite(
-    inner: optax.GradientTransformation, *, select_inside: bool = False, select: bool = False
+    inner: optax.GradientTransformation,
+    *,
+    select_inside: bool = False,
+    select: bool | str = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps a transformation whose update returns new params so a non-finite step is a no-op.
 
     ``inner.update(grads, state, params, **extra)`` must return ``(new_params, new_state)``
     (the train-step builder's convention: the optimizer with the update already applied).
     The wrapper's ``update(grads, state, params, *, finite, **extra)`` takes a scalar bool
-    ``finite`` and returns ``(params, state)`` bitwise unchanged when it is false. As in
-    ``optax.conditionally_transform``, the update runs in a ``jax.lax.cond`` branch instead
-    of being computed and then discarded by a select: the state is then updated in place (a
-    select of new and old values keeps the old state alive next to the new one: 15 GiB more
-    temporaries for Llama-2-7B with ``optax.adamw``). XLA compiles the branch apart, so
-    results can differ in the last bit from the unwrapped update.
+    ``finite`` and returns ``(params, state)`` bitwise unchanged when it is false.
 
-    On a mesh (``select=True``) the cond is what costs memory: XLA:GPU's SPMD program
-    copies every donated param and optimizer-state shard the cond passes through (a whole
-    second copy of the sharded state as temporaries: 13.5 GB per device for Llama-2-7B,
-    ZeRO-3 over 8 ``h100_sxm``, fp32 AdamW + masters; issue #39), while the select fuses
-    into each leaf's update and writes it in place (docs/offload.md, "ZeRO-3 + offload, compiled").
+    Two forms, as the compiler updates state in place: a ``jax.lax.cond`` around the update
+    (as ``optax.conditionally_transform``; XLA:CPU keeps one state copy fewer with it), or
+    the update followed by a per-leaf ``jax.lax.select(finite, new, old)`` that fuses into
+    each leaf's update (XLA:GPU: the cond's branch copies every donated param and state
+    leaf, a second state as temporaries). docs/mixed_precision.md has the figures.
 
     Args:
       inner: the transformation (its ``init`` is kept).
       select_inside: for a state in host memory (``jmem.offload``): no ``cond``; ``inner``
         is called with ``skip=~finite`` and selects the state itself, on the device where
         old and new state both are; the params are then selected here.
-      select: no ``cond``: the update is computed and each new leaf selected against the old
-        one (``jax.lax.select(finite, new, old)``); for a step on a mesh (see above).
+      select: ``True``: the per-leaf select; ``False``: the cond; ``"auto"``: the select
+        when the program is compiled for a GPU or TPU (``compile_platform()`` at trace
+        time), the cond for XLA:CPU.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -54,13 +54,21 @@ def skip_if_nonfinite(
                 grads, state, params, skip=jnp.logical_not(finite), **extra_args
             )
             return select_tree(finite, new_params, params), new_state
-        if select:
+        if uses_select(select):
             new = inner.update(grads, state, params, **extra_args)
             _check_same_types(new, (params, state))
             return select_tree(finite, new, (params, state))
         return _cond(inner, finite, grads, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def uses_select(select: bool | str) -> bool:
+    """Whether ``skip_if_nonfinite(select=select)`` selects (else: a ``lax.cond``), decided
+    while tracing: ``"auto"`` selects unless the program compiles for XLA:CPU."""
+    if select == "auto":
+        return compile_platform() != "cpu"
+    return bool(select)
 
 
 def _cond(inner, finite, grads, state, params, extra_args):
