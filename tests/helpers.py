@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -108,57 +107,8 @@ def run_processes(argvs, timeout: float = 150) -> list[str]:
     return logs
 
 
-_HLO_COMP = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_HLO_INST = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+?)(?:\{[^}]*\})? ([\w-]+)\((.*)$")
-
-
-def _hlo_dims(shape: str) -> list[int]:
-    m = re.match(r"\w+\[([\d,]*)\]", shape)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _hlo_computations(text: str) -> tuple[dict, str]:
-    """``({computation: [(name, shape, op, rest)]}, entry name)`` of compiled HLO text."""
-    comps, entry, cur = {}, None, None
-    for line in text.splitlines():
-        m = _HLO_COMP.match(line)
-        if m:
-            cur = comps.setdefault(m.group(1), [])
-            entry = m.group(1) if line.startswith("ENTRY") else entry
-            continue
-        m = _HLO_INST.match(line)
-        if m and cur is not None:
-            cur.append(m.groups())
-    return comps, entry
-
-
 def hlo_dot_flops(text: str) -> float:
-    """The FLOPs of every ``dot`` of a compiled module's HLO text (``compiled.as_text()``),
-    ``2 * prod(out) * prod(contracted)``, counting a ``while`` body ``known_trip_count``
-    times (``cost_analysis()`` counts it once) and fused/called computations once per
-    call. Per device for an SPMD-partitioned module."""
-    comps, entry = _hlo_computations(text)
-    memo: dict = {}
+    """``jmem._src.hlo_flops.dot_flops``: dot FLOPs of compiled HLO text, loops by trip count."""
+    from jmem._src.hlo_flops import dot_flops
 
-    def flops(comp: str) -> float:
-        if comp in memo:
-            return memo[comp]
-        shapes = {name: shape for name, shape, _, _ in comps.get(comp, [])}
-        total = 0.0
-        for _, shape, op, rest in comps.get(comp, []):
-            if op == "dot":
-                lhs = shapes[re.match(r"%(\S+?),", rest).group(1)]
-                dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
-                k = np.prod([_hlo_dims(lhs)[int(d)] for d in dims.split(",") if d])
-                total += 2.0 * np.prod(_hlo_dims(shape)) * k
-            elif op == "while":
-                n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-                assert n, "a while loop without a known trip count"
-                total += int(n.group(1)) * flops(re.search(r"body=%([\w.-]+)", rest).group(1))
-            else:
-                for callee in re.findall(r"(?:calls|to_apply)=%([\w.-]+)", rest):
-                    total += flops(callee)
-        memo[comp] = total
-        return total
-
-    return flops(entry)
+    return dot_flops(text)

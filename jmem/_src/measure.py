@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jmem._src import targets as _targets
+from jmem._src.hlo_flops import dot_flops
 
 
 def format_bytes(n: float) -> str:
@@ -51,6 +52,10 @@ class MemoryReport:
         ``"planner"`` (``jmem.planner``'s analytic model).
       target: the target compiled for (``jmem.targets`` name, e.g. ``"h100_sxm"``, or the
         running backend's, e.g. ``"cpu"``).
+      dot_flops: the program's matmul FLOPs per execution (per device), ``while`` loops
+        counted by trip count (``jmem._src.hlo_flops``); None where not counted
+        (``report_from_compiled(..., flops=True)`` and ``TrainStep.measure(flops=True)``
+        count them).
       state_bytes (property): bytes that persist between steps when the state is donated,
         i.e. ``argument_bytes``.
     """
@@ -68,6 +73,7 @@ class MemoryReport:
     host_peak_bytes: int = 0
     source: str = "compiler"
     target: str = ""
+    dot_flops: float | None = None
 
     @classmethod
     def from_compiled(cls, compiled: Any, target: Any = None) -> MemoryReport:
@@ -120,9 +126,10 @@ def _target_name_platform(target: Any) -> tuple[str, str]:
     return t.name, t.platform
 
 
-def report_from_compiled(compiled: Any, target: Any = None) -> MemoryReport:
+def report_from_compiled(compiled: Any, target: Any = None, *, flops: bool = False) -> MemoryReport:
     """``MemoryReport`` from a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
-    for ``target`` (a ``jmem.targets`` name or ``Target``; None: the running backend).
+    for ``target`` (a ``jmem.targets`` name or ``Target``; None: the running backend);
+    ``flops=True`` also counts its dot FLOPs from the HLO text (``MemoryReport.dot_flops``).
 
     Raises:
       RuntimeError: if the backend gives no memory analysis.
@@ -164,6 +171,7 @@ def report_from_compiled(compiled: Any, target: Any = None) -> MemoryReport:
         host_peak_bytes=host_peak,
         source="compiler",
         target=name,
+        dot_flops=dot_flops(compiled.as_text()) if flops else None,
     )
 
 
@@ -244,7 +252,12 @@ def measure(fn: Callable, *args, target: Any = None, **kwargs) -> MemoryReport:
     compile is ``jax.experimental.topologies`` (docs/targets.md).
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return report_from_compiled(compile_for_target(jitted, args, kwargs, target), target)
+
+
+def compile_for_target(jitted: Any, args: tuple, kwargs: dict, target: Any = None) -> Any:
+    """``jitted`` lowered and compiled for ``target`` (None: the running backend), as
+    ``measure`` compiles it; returns the ``jax.stages.Compiled``."""
     if target is None or _targets.get(target).platform == jax.default_backend():
-        return report_from_compiled(jitted.lower(*args, **kwargs).compile(), target)
-    t = _targets.get(target)
-    return report_from_compiled(_compile_for(jitted, t, args, kwargs), t)
+        return jitted.lower(*args, **kwargs).compile()
+    return _compile_for(jitted, _targets.get(target), args, kwargs)

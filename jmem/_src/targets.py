@@ -118,6 +118,8 @@ class Target:
       description: the device name as the driver reports it.
       target_config: the ``GpuTargetConfigProto`` text XLA:GPU compiles for (GPU targets),
         else None.
+      bf16_flops: the device's dense bf16 tensor-core peak in FLOP/s (GPU targets), else
+        None.
     """
 
     name: str
@@ -126,6 +128,7 @@ class Target:
     host_memory_bytes: int | None = None
     description: str = ""
     target_config: str | None = None
+    bf16_flops: float | None = None
 
 
 def _host_memory() -> int | None:
@@ -135,8 +138,20 @@ def _host_memory() -> int | None:
         return None
 
 
+#: Dense bf16 tensor-core peaks (FLOP/s, FP32 accumulate, no sparsity), from NVIDIA's
+#: datasheets: the step-time bound of a compiled step's dot FLOPs (``--dry-run``).
+_BF16_FLOPS = {
+    "h100_sxm": 989.4e12,
+    "h200": 989.4e12,
+    "a100_sxm_80": 312e12,
+    "a100_sxm_40": 312e12,
+    "b200": 2250e12,
+    "rtx4090": 165.2e12,
+}
+
+
 def _gpu_target(name: str, f: _GpuFacts) -> Target:
-    return Target(name, "gpu", f.memory, None, f.description, _config_text(f))
+    return Target(name, "gpu", f.memory, None, f.description, _config_text(f), _BF16_FLOPS[name])
 
 
 TARGETS = {name: _gpu_target(name, f) for name, f in _GPUS.items()}

@@ -60,7 +60,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
     batch = abstract_batch(config)
     t0 = time.time()
-    report = step.measure(state, batch, target=target)
+    report = step.measure(state, batch, target=target, flops=True)
     q_bytes, q_count, frozen_bytes = base_bytes(frozen)
     targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
     devices = 1 if mesh is None else int(mesh.size)
@@ -88,6 +88,8 @@ def dry_run(config, cfg, mesh=None, target=None):
         ("peak", report.peak_bytes, est.total),
     ]
     _print_rows(rows, mesh, devices)
+    compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=False)
+    print(compute_line(compute))
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
     if config.run.memory is None:  # the target's own memory: the smaller cards too
@@ -98,22 +100,8 @@ def dry_run(config, cfg, mesh=None, target=None):
     if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
         streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
         _print_params_lever(frozen_bytes, est, streamed)
-    out = {
-        "config": config.model.config,
-        "checkpoint": config.model.checkpoint,
-        "model": dataclasses.asdict(cfg),
-        **dict(seq_len=config.data.seq_len, batch_size=config.data.batch_size),
-        "compiled": dataclasses.asdict(report),
-        "transfers": dict(est.transfers),
-        "estimate": est.as_dict(),
-        **dict(memory=memory, reserve=planner.DEFAULT_RESERVE, fits=fit, cards=smaller),
-        "levers": step.levers.as_dict(),
-        "nf4_bytes_per_param": q_bytes / q_count,
-        "trainable_params": n_adapter,
-        "args": flags(config),
-        "per_device": True,
-        **mesh_record(mesh),
-    }
+    out = _record(config, cfg, report, compute, est, step, q_bytes / q_count, n_adapter, mesh)
+    out.update(memory=memory, fits=fit, cards=smaller)
     if target is not None:
         t = jtargets.get(target)
         out.update(target=t.name, device=t.description or t.name)
@@ -121,6 +109,61 @@ def dry_run(config, cfg, mesh=None, target=None):
     with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+def compute_record(flops: float, cfg, batch, devices: int, target, *, full: bool) -> dict:
+    """The compiled step's dot FLOPs (per device) against the model's minimum: a forward
+    and the input gradients, ``4 N T`` (``6 N T`` when the base trains, ``full``), with
+    ``N`` the parameters in matmuls (all but an untied input embedding) and ``T`` the
+    device's tokens; with the target's bf16 peak, the step-time bound it implies."""
+    n = llama.num_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
+    tokens = batch["inputs"].size / devices
+    minimum = (6 if full else 4) * n * tokens
+    peak = None if target is None else jtargets.get(target).bf16_flops
+    return {
+        "dot_flops": flops,
+        "minimum_flops": minimum,
+        "minimum": "6NT" if full else "4NT",
+        "ratio": flops / minimum,
+        "bf16_flops_per_s": peak,
+        "seconds_bound": None if peak is None else flops / peak,
+    }
+
+
+def compute_line(c: dict) -> str:
+    """``compute_record`` as the dry run prints it."""
+    line = (
+        f"compute: {c['dot_flops'] / 1e12:.4g} TFLOP of matmuls per step per device (compiled; "
+        f"loops by trip count) = {c['ratio']:.2f}x the minimum {c['minimum']} = "
+        f"{c['minimum_flops'] / 1e12:.4g} TFLOP"
+    )
+    if c["seconds_bound"] is not None:
+        line += (
+            f"; at {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s dense bf16: at least "
+            f"{c['seconds_bound']:.3g} s per step"
+        )
+    return line
+
+
+def _record(config, cfg, report, compute, est, step, nf4_bytes, n_adapter, mesh) -> dict:
+    """``dry_run.json``'s record (the verdict and the target are added by the caller)."""
+    return {
+        "config": config.model.config,
+        "checkpoint": config.model.checkpoint,
+        "model": dataclasses.asdict(cfg),
+        **dict(seq_len=config.data.seq_len, batch_size=config.data.batch_size),
+        "compiled": dataclasses.asdict(report),
+        "compute": compute,
+        "transfers": dict(est.transfers),
+        "estimate": est.as_dict(),
+        "reserve": planner.DEFAULT_RESERVE,
+        "levers": step.levers.as_dict(),
+        "nf4_bytes_per_param": nf4_bytes,
+        "trainable_params": n_adapter,
+        "args": flags(config),
+        "per_device": True,
+        **mesh_record(mesh),
+    }
 
 
 #: per ``Ledger.transfers`` key: what moves and over which link

@@ -18,7 +18,8 @@ from jmem._src.loss_scale import all_finite
 from jmem._src.master_weights import mixed_precision
 from jmem._src.master_weights import params_from_masters
 from jmem._src.measure import MemoryReport
-from jmem._src.measure import measure
+from jmem._src.measure import compile_for_target
+from jmem._src.measure import report_from_compiled
 from jmem._src.offload.disk import check_directory
 from jmem._src.offload.memory_kinds import to_host
 from jmem._src.offload.params import in_host_space
@@ -125,12 +126,14 @@ class TrainStep:
         warn_if_norms_decayed(self._user_optimizer, params)
         return self._init(params, frozen, fp8, loss_scale, _key_data(dropout_key))
 
-    def measure(self, state: TrainState, batch: Any, *, target: Any = None) -> MemoryReport:
+    def measure(
+        self, state: TrainState, batch: Any, *, target: Any = None, flops: bool = False
+    ) -> MemoryReport:
         """Compiles the step for ``state``/``batch`` (arrays or ShapeDtypeStructs) and
         reports its memory (``jmem.measure``); nothing is allocated. ``target``: a
         ``jmem.targets`` name or ``Target`` to compile for (None: the running backend); a
         step built with ``mesh=`` needs ``mesh=jmem.targets.mesh(target, ...)`` for a GPU
-        target.
+        target. ``flops=True`` also counts the step's dot FLOPs (``MemoryReport.dot_flops``).
 
         Raises:
           ValueError: for a step built on a mesh of another platform's devices than
@@ -145,7 +148,8 @@ class TrainStep:
                     f"build it with mesh=jmem.targets.mesh({target!r}, {mesh.axis_sizes}, "
                     f"{mesh.axis_names})."
                 )
-        return measure(self.jitted, state, batch, target=target)
+        compiled = compile_for_target(self.jitted, (state, batch), {}, target)
+        return report_from_compiled(compiled, target, flops=flops)
 
     def abstract_state(self, params: Any, **kwargs: Any) -> TrainState:
         """``jax.ShapeDtypeStruct``s of the state ``init`` would build from ``params``
