@@ -177,7 +177,7 @@ def _dense_saving_probs(q, k, v, mask, scale, g):
     """The dense path (no soft-cap) with one residual of score size: the probabilities in
     ``v``'s dtype, as the context matmul reads them. Autodiff saved the float32 softmax
     output as well (and the bf16 copy), two ``[.., S, T]`` stacks per layer without remat:
-    in bf16 the float32 one was the largest array of the step (issue #30)."""
+    in bf16 the float32 one would be the largest array of the step."""
     return _dense_context(_dense_probs(q, k, mask, scale, None, g).astype(v.dtype), v)
 
 

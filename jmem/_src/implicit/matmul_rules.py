@@ -57,8 +57,8 @@ def _opaque_zero(dep: jax.Array) -> jax.Array:
     popcount, so the result stays a data dependency on ``dep``. It reads the first element
     of ``dep`` along every axis that is not sharded in its type (explicit sharding cannot
     slice a sharded axis; there the whole axis is kept and reduced): a reduction over all of
-    ``dep`` cost a pass over every activation per projection, 9% of a QLoRA step on XLA:CPU
-    (issue #30), and a data dependency on part of it orders the work as well."""
+    ``dep`` cost a pass over every activation per projection, 9% of a QLoRA step on XLA:CPU,
+    and a data dependency on part of it orders the work as well."""
     if dep.size == 0:
         return jnp.zeros((), jnp.uint8)
     if jnp.iscomplexobj(dep):
@@ -291,7 +291,7 @@ def _flatten_free(x, xb, xc):
 
     With one free axis the LoRA factors' gradients (``tᵀ·g``, contracting the tokens) are
     plain 2-D matmuls; with several, XLA:CPU copies the ``[*free, out]`` cotangent into a
-    transposed layout first, which cost more than the matmuls themselves (issue #21). Only
+    transposed layout first, which costs more than the matmuls themselves. Only
     when the batch axes lead and the contracted axis is last (the usual ``x @ W``); else
     ``(x, None)``."""
     nb = len(xb)
