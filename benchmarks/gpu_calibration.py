@@ -30,7 +30,7 @@ CALIBRATION = os.path.join(RESULTS, "calibration.json")
 TARGET = "h100_sxm"
 LABEL = "XLA:GPU compile for h100_sxm, no GPU"
 
-#: The calibration grid (issue #36, item 5): Llama-3.1-8B QLoRA r=32, batch 1.
+#: The calibration grid: Llama-3.1-8B QLoRA r=32, batch 1.
 MODEL, RANK = "llama3_1_8b", 32
 SEQS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 REMATS = ("full", "offload_inputs")

@@ -1,5 +1,5 @@
 """The seed's 7B / 8-GPU ZeRO-3 table, compiled: full fine-tuning of Llama-2-7B on 8
-``h100_sxm`` devices with and without each offload rung (issue #39), without a GPU.
+``h100_sxm`` devices with and without each offload rung, without a GPU.
 
     JAX_PLATFORMS=cpu python benchmarks/zero3_offload.py                    # all rungs
     JAX_PLATFORMS=cpu python benchmarks/zero3_offload.py --rungs none --no-save
