@@ -1,5 +1,5 @@
 """Full-parameter fine-tuning with the params and the optimizer state in host memory,
-compiled for a GPU target without a GPU (docs/offload.md).
+compiled for a GPU target without a GPU (docs/offload.md, "The 8B figure").
 
     JAX_PLATFORMS=cpu python benchmarks/full_ft_offload.py                       # 8B, 4,096
     JAX_PLATFORMS=cpu python benchmarks/full_ft_offload.py --config tiny --seq-len 256 --no-save

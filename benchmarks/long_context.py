@@ -3,11 +3,10 @@
 Contenders on a Llama-shaped model (hidden 512, 4 layers, 8 heads of 64, 2 KV heads, MLP
 1376, vocabulary 32,000; batch 1; full remat; float32), each a ``LlamaConfig``:
 
-- ``dense``: ``attention="dense"``, ``loss_chunk=0``, ``mlp_chunk=0`` (no long-context
-  levers: float32 ``[nH, S, S]`` scores and ``[S, V]`` logits);
+- ``dense``: ``attention="dense"``, ``loss_chunk=0``, ``mlp_chunk=0`` (no chunks:
+  float32 ``[nH, S, S]`` scores and ``[S, V]`` logits);
 - ``long``: ``attention="blockwise"``, ``loss_chunk=2048``, ``mlp_chunk=4096`` (each
-  layer's token-local parts in 4,096-token chunks; the default is now 2,048, and the
-  results file predates the chunking of the attention's projections).
+  layer's token-local parts in 4,096-token chunks; the job's default is 2,048).
 
 For each sequence length: temp and peak bytes of the compiled gradient step
 (``jmem.measure``, compile-only) and, up to ``--time-max-seq``, the median step time, the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for issue #27 (long context): the longest sequence of a Llama-3.1-8B QLoRA r=32
+# GPU check for long context: the longest sequence of a Llama-3.1-8B QLoRA r=32
 # train step (NF4 base, 8-bit AdamW, batch 1) whose compiled device peak fits a 24 GB and an
 # 80 GB budget, with remat "full" and "offload_inputs" (each layer's input in pinned_host),
 # then a few real steps at that length: measured peak (memory_stats) and tokens/s.

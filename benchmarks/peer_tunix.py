@@ -10,9 +10,9 @@ batch 16 x seq 128), both in JAX, both compiled once with ``jax.jit`` (state don
   state built from the public API: NF4 base *without* double quantization
   (``jmem.qlora.quantize_params(..., double_quant=False)``, blocks of 64), LoRA r=8
   alpha=16 on the seven projections (``jmem.lora.init``, float32 adapters). The job itself
-  always double-quantizes and defaults to 8-bit AdamW (``benchmarks/peer_qlora.py``); this
-  benchmark compares with Tunix at NF4 without double quantization and float32 Adam on
-  both sides, which is what runs here.
+  always double-quantizes and defaults to 8-bit AdamW (``benchmarks/peer_qlora.py``); the
+  comparison with Tunix is at NF4 without double quantization and float32 Adam on both
+  sides, which is what runs here.
 * Tunix: ``tunix.models.llama3.model.Llama3`` built with the same config (its
   ``ModelConfig``: embed 256, hidden 688, 4 layers, 8 / 4 heads, head dim 32, vocab 256,
   same norm eps, untied head), weights redrawn normal(0, 0.02) as jmem's ``llama.init``

@@ -344,7 +344,7 @@ def _has_graph_nodes(args, kwargs) -> bool:
 _UNROLLED_ADVICE = (
     "Put the repeated layers under a scan so each layer is checkpointed: nnx.scan over "
     "layers created with nnx.vmap, flax.linen.scan, or jax.lax.scan over stacked layer "
-    "params (README, 'Remat policies')."
+    "params (docs/remat.md)."
 )
 
 

@@ -221,84 +221,41 @@ def train_step(
     """Builds a jitted, donating ``step(state, batch) -> (state, metrics)``.
 
     The step differentiates ``loss_fn`` under the precision policy, the loss scale and
-    ``jmem.remat`` (every layer scan body checkpointed), accumulates gradients over
-    microbatches, unscales and checks them once, and applies the optimizer wrapped as
-    mixed precision -> offload -> sharding constraints -> skip if non-finite.
+    ``jmem.remat``, accumulates gradients over microbatches, unscales and checks them once,
+    and applies the optimizer wrapped as mixed precision -> offload -> sharding
+    constraints -> skip if non-finite. Design notes: ``docs/levers.md`` ("The train step").
 
     Args:
-      loss_fn: ``loss_fn(params, batch, **extras) -> loss`` (or ``(loss, aux)`` with
-        ``has_aux``), a float scalar mean over the batch: over the tokens where
-        ``batch["mask"]`` is nonzero when the batch has a ``"mask"`` (as
-        ``jmem.models.llama.loss_fn``), so that microbatches are weighted by their token
-        counts (see ``microbatches``); ``extras`` holds ``frozen=``, ``fp8=`` and/or
-        ``dropout_key=`` when the state has them (FP8 metadata is differentiated with the
-        "overwrite with gradient" rule: its new value comes out as its gradient). The
-        ``dropout_key`` (a state built by ``init(..., dropout_key=key)``) is
-        ``fold_in(fold_in(key, state.step), i)`` for microbatch ``i``: new each step and
-        microbatch, the same after a restore; pass it to ``lora.apply``'d functions as
-        ``lora_dropout_key=``. A skipped (non-finite) step does not advance ``step``, so the
-        retry of that step number draws the same masks.
+      loss_fn: ``loss_fn(params, batch, **extras) -> loss`` (or ``(loss, aux)``), a scalar
+        mean over the batch's unmasked tokens; ``extras`` holds ``frozen=``, ``fp8=`` and
+        ``dropout_key=`` when the state has them (a new key each step and microbatch).
       optimizer: any optax ``GradientTransformation`` (optax, jmem 8-/4-bit, chains).
-      precision: a ``jmem.Policy`` or its string form (``"p=f32,c=bf16,o=f32"``): params are
-        stored in ``param_dtype`` and cast to ``compute_dtype`` inside the loss. With a
-        16-bit compute dtype the traced loss is checked once (per loss function): matmuls
-        whose operands are all float32 (a module that pinned its dtype at construction,
-        e.g. ``flax.nnx.Embed`` without ``dtype=``) give one ``UserWarning`` naming how many
-        (see ``docs/mixed_precision.md``).
-      master_weights: wrap the optimizer in ``jmem.mixed_precision``: params live in the
-        precision's param dtype (e.g. bf16), fp32 masters in the optimizer state.
-      loss_scale: initial ``NoOpLossScale`` (default), ``StaticLossScale`` or
-        ``DynamicLossScale``.
-      remat: a ``jmem.REMAT_POLICIES`` name, checkpoint names or a policy callable, applied
-        with ``jmem.remat`` to the loss (default: ``levers.remat``, else no remat).
-      levers: the ``jmem.Levers`` (or ``jmem.resolve_levers``'s ``ResolvedLevers``) the
-        loss runs with: the step applies their ``remat`` and records them as
-        ``TrainStep.levers``; bind the same value into the loss
-        (``llama.loss_fn(p, b, cfg, levers=lv)``) so model and step read one value.
-        With ``fp8=True`` the step refuses (``ValueError`` when traced) a state without
-        FP8 metas or a loss that runs no FP8 matmul: FP8 runs where the loss is wrapped
-        in ``jmem.fp8.apply`` with the ``fp8=`` metas the step passes it, and the levers
-        only record it. With ``offload_params=True`` the state's ``frozen`` params live in ``pinned_host``
-        memory between steps (``init`` puts them there, a step moves them there if they
-        arrive on the device) and the model streams its layers from there
-        (docs/offload.md); the trainable params and their optimizer state stay on the
-        device unless ``offload_optimizer``. Without ``frozen`` params the trainable
-        params are the streamed ones (full fine-tuning). With ``mesh=`` the streamed params
-        keep their FSDP ``PartitionSpec`` in ``pinned_host`` (ZeRO-3 + offload): each
-        device copies its shard of a layer, and the all-gather runs on the device.
-      microbatches: gradient accumulation steps within one call (``jmem.accumulate_gradients``).
-        The step's loss and gradient are those of the whole batch: with a ``batch["mask"]``
-        each microbatch is weighted by its count of unmasked tokens (the loss is the mean
-        over all unmasked target tokens of the step, not a mean of microbatch means);
-        without one, every microbatch weighs ``1 / microbatches``.
-      offload_optimizer: keep the optimizer state (and masters) in ``pinned_host`` memory
-        between steps (``jmem.offload``): ``True``/``"whole_tree"``, or ``"leaf_by_leaf"``
-        (one parameter leaf's state on the device at a time; separable optimizers only),
-        or ``"disk"``: the state in files under ``offload_dir``, streamed leaf by leaf
-        each step (``jmem.offload(memory_kind="disk")``; the state leaves may depend on
-        their own leaf only, work on the gradients alone such as a global-norm clip is
-        allowed; one device; ``init`` runs eagerly and ``abstract_state`` is not
-        available).
+      precision: a ``jmem.Policy`` or its string (``"p=f32,c=bf16,o=f32"``): params stored
+        in ``param_dtype``, cast to ``compute_dtype`` inside the loss.
+      master_weights: wrap the optimizer in ``jmem.mixed_precision`` (fp32 masters).
+      loss_scale: ``NoOpLossScale`` (default), ``StaticLossScale`` or ``DynamicLossScale``.
+      remat: a ``jmem.REMAT_POLICIES`` name, checkpoint names or a policy callable
+        (default: ``levers.remat``, else none).
+      microbatches: gradient accumulation steps per call; the loss and gradient are those
+        of the whole batch (microbatches weighted by their unmasked tokens).
+      offload_optimizer: keep the optimizer state and masters out of device memory between
+        steps: ``True``/``"whole_tree"``, ``"leaf_by_leaf"`` (separable optimizers only) or
+        ``"disk"`` (files under ``offload_dir``, one device; see ``jmem.offload``).
       offload_dir: the directory for ``offload_optimizer="disk"`` (its parent must exist).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches (with
-        the same weights as the loss) and returned in ``metrics["aux"]``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged over microbatches like
+        the loss and returned in ``metrics["aux"]``.
       skip_nonfinite: a step with non-finite gradients leaves params, optimizer state, step
-        and FP8 metadata unchanged (the loss scale still adjusts). The update runs in a
-        ``lax.cond`` branch, so the state is updated in place; results can differ in the
-        last bit from ``False``.
+        and FP8 metas unchanged (the loss scale still adjusts): a per-leaf ``lax.select``
+        for GPU/TPU, on a mesh or with an offloaded state; a ``lax.cond`` on one XLA:CPU
+        device.
       donate: donate the state buffers to the step.
       jit_kwargs: extra ``jax.jit`` arguments (e.g. ``in_shardings``/``out_shardings``).
-      mesh: a ``jax.sharding.Mesh`` with ``"data"``/``"fsdp"`` axes
-        (``jmem.sharding.make_mesh``): the step is jitted with shardings from
+      mesh: a ``jax.sharding.Mesh`` with ``"data"``/``"fsdp"`` axes: the step is jitted with
         ``jmem.sharding``'s rules and ``init`` returns a state placed with them.
       strategy: ``"zero1"``, ``"zero2"``, ``"zero3"`` or ``"fsdp"``; used only with ``mesh``.
-
-    Warns:
-      UserWarning, once per process, from ``init``/``abstract_state`` when ``optimizer``
-      applies weight decay to norm scales or biases of ``params`` (no ``mask=``; see
-      ``jmem.decay_mask``). Read from the data dependencies of the traced update, so it
-      covers optax chains and wrappers; an optimizer that cannot be traced on abstract
-      shapes is not checked.
+      levers: the ``jmem.Levers`` (or ``ResolvedLevers``) the loss runs with: the step
+        applies their ``remat``, streams ``frozen`` params from host memory with
+        ``offload_params``, and records them as ``TrainStep.levers``.
 
     Returns:
       A ``TrainStep``: call it, ``.init(params)`` it, ``.measure(state, batch)`` it. Metrics:
@@ -306,15 +263,17 @@ def train_step(
       ``grads_finite``, ``step`` (after the update).
 
     Raises:
-      ValueError: for an unknown remat policy, precision string or strategy,
-        ``microbatches < 1``, an ``offload_optimizer`` other than
-        False/True/"whole_tree"/"leaf_by_leaf"/"disk", ``"disk"`` without
-        ``offload_dir`` or with ``mesh``, a bad ``offload_dir``, or ``jit_kwargs`` that
-        set shardings or donation together with ``mesh``. When the step is first traced:
-        ``levers.fp8`` with no FP8 metas in the state (``init(..., fp8=metas)``) or a loss
-        that runs no FP8 matmul (not wrapped in ``jmem.fp8.apply``; ``fp8_check``).
-      TypeError: for an unknown keyword (the message names renamed ones: ``policy=`` is
+      ValueError: an unknown remat policy, precision string or strategy, ``microbatches <
+        1``, a bad ``offload_optimizer`` or ``offload_dir`` (``"disk"`` needs one and no
+        ``mesh``), ``jit_kwargs`` setting shardings or donation with ``mesh``; when first
+        traced, ``levers.fp8`` without FP8 metas in the state or an FP8 matmul in the loss.
+      TypeError: an unknown keyword (the message names renamed ones: ``policy=`` is
         ``precision=``).
+
+    Warns:
+      UserWarning: from ``init`` when ``optimizer`` decays norm scales or biases (see
+        ``jmem.decay_mask``), and, with a 16-bit compute dtype, when matmuls of the traced
+        loss run with all-float32 operands.
 
     Source: mixed precision after Micikevicius et al. 2018 (arXiv:1710.03740); remat after
     Chen et al. 2016 and Korthikanti et al. 2022; ZeRO after Rajbhandari et al. 2020.
