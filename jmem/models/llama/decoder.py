@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jmem._src import fp8 as fp8_lib
+from jmem._src import fp8_apply
+from jmem._src import fp8_meta
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
@@ -168,10 +169,10 @@ def _check_fp8(fp8) -> None:
     """ValueError for fp8 metas outside ``"layers"`` (the deprecated ``fp8=`` argument
     scaled the layers' projections only)."""
     if fp8 is not None and any(
-        fp8_lib.is_meta(m)
+        fp8_meta.is_meta(m)
         for k, v in fp8.items()
         if k != "layers"
-        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
+        for m in jax.tree.leaves(v, is_leaf=fp8_meta.is_meta)
     ):
         raise ValueError(
             "fp8 metas are only used for the projections under 'layers'; "
@@ -184,13 +185,13 @@ def with_fp8(fn: Callable, name: str, params, fp8, *args, **kwargs):
     ``jmem.fp8.apply(fn)(params, fp8, ...)`` after ``_check_fp8``, with a warning."""
     warn_fp8_argument(name, stacklevel=4)
     _check_fp8(fp8)
-    return fp8_lib.apply(fn)(params, fp8, *args, **kwargs)
+    return fp8_apply.apply(fn)(params, fp8, *args, **kwargs)
 
 
 def _check_fp8_levers(lv) -> None:
     """ValueError for ``levers.fp8=True`` outside ``jmem.fp8.apply``: the layers' matmuls
     are plain, so they would run in the compute dtype, not FP8."""
-    if lv.fp8 and not fp8_lib.applying():
+    if lv.fp8 and not fp8_apply.applying():
         raise ValueError(
             "levers.fp8=True but the model is not under jmem.fp8.apply with FP8 metas, so its "
             "matmuls would not run in FP8: call jmem.fp8.apply(llama.loss_fn)(params, metas, "
