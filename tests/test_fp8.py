@@ -552,7 +552,7 @@ def test_llama_layer_code_takes_no_fp8_tree():
         block._local,
         block._over_tokens,
         block._resolved,
-        decoder._hidden,
+        decoder.hidden_states,
         layers._dense,
         layers._proj,
         layers._qkv,

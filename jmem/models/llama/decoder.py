@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src import fp8_apply
 from jmem._src import fp8_meta
+from jmem._src import levers as levers_lib
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
@@ -200,8 +201,37 @@ def _check_fp8_levers(lv) -> None:
         )
 
 
-def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, levers):
-    """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    config: LlamaConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    layer_transform: Callable | None = None,
+    levers: Any = None,
+) -> tuple[jax.Array, levers_lib.ResolvedLevers]:
+    """The decoder's hidden states: the last layer's output, before the final norm and the
+    head, and the levers the layers ran with.
+
+    ``forward`` is ``final_norm`` then the head (``head_kernel``, float32 accumulation,
+    ``final_logit_softcap``) on these states; a loss over token chunks reads them instead
+    of the logits (``loss_fn``, ``jmem.models.preference``).
+
+    Args:
+      params, tokens, config, positions, segment_ids, layer_transform, levers: as
+        ``forward`` (tokens int32 ``[B, S]``; ``levers`` a ``jmem.Levers`` resolved here
+        for this batch, a ``jmem.ResolvedLevers``, or None for ``jmem.Levers()``).
+
+    Returns:
+      ``(hidden, resolved)``: ``hidden`` ``[B, S, H]`` in the activations' dtype (the
+      embedding's), and the ``jmem.ResolvedLevers`` of this call (its ``loss_chunk`` is the
+      token chunk a loss over ``hidden`` uses).
+
+    Raises:
+      ValueError: as ``forward`` (misshaped tokens, positions or segment ids;
+        ``levers.fp8=True`` outside ``jmem.fp8.apply``).
+    """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
             f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
@@ -279,7 +309,7 @@ def forward(
     if fp8 is not None:
         return with_fp8(forward, "forward", params, fp8, tokens, config, **kw, levers=levers)
     params = offload_params.fetch_resident(params, levers)
-    x = _hidden(
+    x = hidden_states(
         params,
         tokens,
         config,
