@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from jmem import fp8  # noqa: E402
-from jmem._src import fp8 as fp8_src  # noqa: E402
+from jmem._src import fp8_meta  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8_gpu.json")
 F8_GEMM = "__cublas$lt$matmul$f8"
@@ -81,8 +81,8 @@ def bench_matmul(n: int, iters: int) -> list[dict]:
     meta = fp8.init_meta(16)
     # Settle the scales once so the timed calls quantize with real scales.
     meta = jax.jit(jax.grad(lambda m: jnp.sum(fp8.fp8_dot(x, w, m).astype(jnp.float32))))(meta)
-    qx = fp8_src.quantize(x, meta.x.scale_inv, fp8.E4M3)
-    qw = fp8_src.quantize(w, meta.kernel.scale_inv, fp8.E4M3)
+    qx = fp8_meta.quantize(x, meta.x.scale_inv, fp8.E4M3)
+    qw = fp8_meta.quantize(w, meta.kernel.scale_inv, fp8.E4M3)
     flops = 2.0 * n**3
     dn = (((1,), (0,)), ((), ()))
     cases = {

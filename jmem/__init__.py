@@ -5,17 +5,20 @@ Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offl
 ``train_step`` which composes them.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
 ``jmem.planner``, ``jmem.targets`` (compile targets), ``jmem.tree``, ``jmem.data``, ``jmem.losses`` (preference losses),
-``jmem.host`` (the host allocator of CPU steps); the reference model in ``jmem.models``.
+``jmem.host`` (the host allocator of CPU steps); the reference model in ``jmem.models``, the
+fine-tuning job in ``jmem.finetune`` (both load on first use, as every name here).
 """
 
 import typing
 
 if typing.TYPE_CHECKING:  # imported on first use (``__getattr__``): ``jmem --help`` needs no JAX
     from jmem import data as data
+    from jmem import finetune as finetune  # the job; not in __all__ (``import *`` skips it)
     from jmem import fp8 as fp8
     from jmem import host as host
     from jmem import lora as lora
     from jmem import losses as losses
+    from jmem import models as models  # on top; not in __all__
     from jmem import nf4 as nf4
     from jmem import ops as ops
     from jmem import planner as planner
@@ -159,4 +162,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"finetune", "models"})

@@ -1,20 +1,20 @@
 """FP8 matmuls with delayed scaling (Micikevicius et al. 2022, arXiv:2209.05433)."""
 
-from jmem._src.fp8 import AMAX_COMPUTE_ALGOS
-from jmem._src.fp8 import DEFAULT_HISTORY_LEN
-from jmem._src.fp8 import E4M3
-from jmem._src.fp8 import E5M2
-from jmem._src.fp8 import Fp8Meta
-from jmem._src.fp8 import Fp8TensorMeta
-from jmem._src.fp8 import apply
-from jmem._src.fp8 import combine
-from jmem._src.fp8 import fp8_dot
-from jmem._src.fp8 import fp8_dot_general
-from jmem._src.fp8 import init_meta
-from jmem._src.fp8 import init_metas
-from jmem._src.fp8 import is_meta
-from jmem._src.fp8 import partition
-from jmem._src.fp8 import update_tensor_meta
+from jmem._src.fp8_apply import apply
+from jmem._src.fp8_dot import fp8_dot
+from jmem._src.fp8_dot import fp8_dot_general
+from jmem._src.fp8_meta import AMAX_COMPUTE_ALGOS
+from jmem._src.fp8_meta import DEFAULT_HISTORY_LEN
+from jmem._src.fp8_meta import E4M3
+from jmem._src.fp8_meta import E5M2
+from jmem._src.fp8_meta import Fp8Meta
+from jmem._src.fp8_meta import Fp8TensorMeta
+from jmem._src.fp8_meta import combine
+from jmem._src.fp8_meta import init_meta
+from jmem._src.fp8_meta import init_metas
+from jmem._src.fp8_meta import is_meta
+from jmem._src.fp8_meta import partition
+from jmem._src.fp8_meta import update_tensor_meta
 
 __all__ = (
     "AMAX_COMPUTE_ALGOS",

@@ -20,7 +20,8 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from jmem import fp8
-from jmem._src import fp8 as fp8_src
+from jmem._src import fp8_dot
+from jmem._src import fp8_meta
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -226,7 +227,7 @@ def test_overflow_saturates():
     y = jax.jit(fp8.fp8_dot)(x, w, m)
     chex.assert_tree_all_finite(y)
     np.testing.assert_allclose(y, [[1.0, -1.0, 0.5]], rtol=1e-6)
-    q = fp8_src.quantize(jnp.array([1e9, -1e9]), jnp.float32(1.0), fp8.E5M2)
+    q = fp8_meta.quantize(jnp.array([1e9, -1e9]), jnp.float32(1.0), fp8.E5M2)
     np.testing.assert_array_equal(q.astype(F32), [E5M2_MAX, -E5M2_MAX])
 
 
@@ -341,7 +342,7 @@ def test_remat_policies():
         chex.assert_trees_all_close(grad(ws, ms, policy), ref, rtol=1e-6, atol=1e-7)
     # Without remat the backward pass keeps the FP8 operands (1 byte/element);
     # nothing_saveable recomputes them, dots_saveable keeps the first FP8 matmul output.
-    assert "u8[8,32]" in saved(None)  # FP8 bits, see fp8._fp8_dg_fwd
+    assert "u8[8,32]" in saved(None)  # FP8 bits, see fp8_dot.fp8_dot_forward
     assert "u8[" not in saved(cp.nothing_saveable)
     assert "f32[8,64] output of dot_general" not in saved(cp.nothing_saveable)
     assert "f32[8,64] output of dot_general" in saved(cp.dots_saveable)
@@ -453,8 +454,8 @@ def test_dot_config_marks_the_fp8_custom_vjp():
     m = fp8.init_meta(4, amax_compute_algo="most_recent", margin=1)
     jaxpr = jax.make_jaxpr(lambda x, w, m: fp8.fp8_dot(x.astype(BF16), w, m))(x, w, m).jaxpr
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name.startswith("custom_vjp_call")]
-    cfg = fp8_src.dot_config_of(eqn.params)
-    assert cfg == fp8_src.Fp8DotConfig(
+    cfg = fp8_dot.dot_config_of(eqn.params)
+    assert cfg == fp8_dot.Fp8DotConfig(
         (((2,), (0,)), ((), ())), jnp.dtype(F32), jnp.dtype(BF16), jnp.dtype(F32), "most_recent", 1
     )
     leaves = [jnp.full_like(a, i) for i, a in enumerate(jax.tree.leaves(m))]
@@ -468,7 +469,7 @@ def test_dot_config_marks_the_fp8_custom_vjp():
 
     other.defvjp(lambda x: (x, None), lambda _, g: (g,))
     (eqn,) = jax.make_jaxpr(other)(x).jaxpr.eqns
-    assert fp8_src.dot_config_of(eqn.params) is None
+    assert fp8_dot.dot_config_of(eqn.params) is None
 
 
 # ----------------------------------------------------------------------------- implicit weights
@@ -551,7 +552,7 @@ def test_llama_layer_code_takes_no_fp8_tree():
         block._local,
         block._over_tokens,
         block._resolved,
-        decoder._hidden,
+        decoder.hidden_states,
         layers._dense,
         layers._proj,
         layers._qkv,

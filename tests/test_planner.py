@@ -807,7 +807,7 @@ def test_dry_run_judges_the_smaller_cards_and_names_the_cheapest_lever(capsys):
     4,096 tokens (the compiled peaks of ``offload_params_70b.json``): 46.69 GiB misses
     every card and ``--offload params`` brings the 24 GiB card under;
     with it, 11.85 GiB fits them all. Planner-only (the compiles are committed)."""
-    from jmem._src.finetune import cards
+    from jmem._src.finetune import card_fit
     from jmem._src.finetune import dry_run
     from jmem._src.measure import format_bytes
 
@@ -832,12 +832,12 @@ def test_dry_run_judges_the_smaller_cards_and_names_the_cheapest_lever(capsys):
     ]
     assert record == {"fits": {24: True, 32: True, 40: True, 48: True}, "levers": {}}
     # only the cards below the memory judged against; none below 24 GiB
-    assert list(cards.card_fits(peak, 40 * 2**30, planner.DEFAULT_RESERVE)) == [24, 32]
-    assert cards.card_lines(peak, 24 * 2**30, planner.DEFAULT_RESERVE, None) == ([], {})
+    assert list(card_fit.card_fits(peak, 40 * 2**30, planner.DEFAULT_RESERVE)) == [24, 32]
+    assert card_fit.card_lines(peak, 24 * 2**30, planner.DEFAULT_RESERVE, None) == ([], {})
 
 
 def test_card_levers_name_the_job_flags():
-    from jmem._src.finetune.cards import job_flags
+    from jmem._src.finetune.card_fit import job_flags
 
     assert job_flags({"offload": "params"}) == "--offload params"
     assert job_flags({"offload": "optimizer+masters,params"}) == "--offload optimizer,params"

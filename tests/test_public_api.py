@@ -5,6 +5,8 @@ import importlib
 import importlib.util
 import inspect
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -63,6 +65,27 @@ def test_top_level_names_load_on_first_use():
     assert set(jmem.__all__) <= set(dir(jmem))
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         jmem.nonexistent  # noqa: B018
+
+
+@pytest.mark.slow
+def test_namespaces_load_on_first_use_in_a_fresh_interpreter():
+    """``import jmem`` alone reaches the job and the models (nothing imported them first),
+    and imports neither JAX nor the job until a name is used."""
+    code = (
+        "import sys, jmem; assert 'jax' not in sys.modules, 'jax'; "
+        "assert 'jmem.finetune' not in sys.modules, 'the job'; "
+        "jmem.finetune.FinetuneConfig; jmem.models.llama.hidden_states; jmem.data"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_job_and_the_models_are_listed_and_lazy():
+    import jmem.models
+
+    assert {"finetune", "models"} <= set(dir(jmem)) and "finetune" not in jmem.__all__
+    assert {"llama", "families", "hf", "preference"} <= set(dir(jmem.models))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        jmem.models.nonexistent  # noqa: B018
 
 
 def test_internal_names_are_not_exported():

@@ -20,7 +20,6 @@ Design notes: docs/checkpoints.md.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import warnings
@@ -32,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jmem._src.file_hash import hash_file
 from jmem._src.quantization import QuantizedArray
 
 #: At most this many differing leaves are listed in a mismatch error.
@@ -413,15 +413,6 @@ def _nonfinite_leaves(state: Any) -> list[str]:
     if jax.process_count() > 1 and len(flags):
         flags = np.asarray(multihost_utils.process_allgather(flags)).any(axis=0)
     return [n for n, f in zip(names, flags) if f]
-
-
-def hash_file(path: str) -> str:
-    """The SHA-256 of a file's bytes (hex)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_files(root: str, skip: tuple[str, ...] = _UNHASHED) -> dict[str, str]:

@@ -42,7 +42,7 @@ def hidden_states(
     Raises:
       ValueError: as ``llama.forward`` (misshaped tokens, positions or segment ids).
     """
-    x, _ = llama._hidden(
+    x, _ = llama.hidden_states(
         params,
         tokens,
         config,
@@ -51,12 +51,11 @@ def hidden_states(
         layer_transform=layer_transform,
         levers=levers,
     )
-    return llama._final_norm(params, x, config)
+    return llama.final_norm(params, x, config)
 
 
-def head_kernel(params: llama.Params, config: llama.LlamaConfig) -> jax.Array:
-    """The output head ``[H, V]``: ``lm_head/kernel``, or ``embedding.T`` when tied."""
-    return llama._head_kernel(params, config)
+#: The output head ``[H, V]``: ``lm_head/kernel``, or ``embedding.T`` when tied.
+head_kernel = llama.head_kernel
 
 
 def sequence_logprobs(
@@ -87,7 +86,7 @@ def sequence_logprobs(
     Raises:
       ValueError: misshaped rows; KeyError: a missing ``inputs``/``targets``/``completion_mask``.
     """
-    x, lv = llama._hidden(
+    x, lv = llama.hidden_states(
         params,
         rows["inputs"],
         config,
@@ -97,7 +96,7 @@ def sequence_logprobs(
         levers=levers,
     )
     return _sequence_logprobs(
-        llama._final_norm(params, x, config),
+        llama.final_norm(params, x, config),
         head_kernel(params, config),
         rows["targets"],
         rows["completion_mask"],

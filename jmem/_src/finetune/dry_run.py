@@ -15,7 +15,7 @@ from jmem import MemoryReport
 from jmem import lora as jlora
 from jmem import planner
 from jmem import targets as jtargets
-from jmem._src.finetune import cards
+from jmem._src.finetune import card_fit as cards
 from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build

@@ -13,6 +13,7 @@ import os
 import struct
 
 from jmem._src.cli import CliError
+from jmem._src.file_hash import hash_file
 
 #: Blocks of each safetensors file's data hashed besides its header, and their bytes.
 SAMPLES, SAMPLE_BYTES = 16, 1 << 16
@@ -23,14 +24,6 @@ WHOLE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _safetensors_print(path: str) -> str:
@@ -58,7 +51,7 @@ def checkpoint_fingerprint(directory: str) -> dict:
     for name in WHOLE_FILES:
         path = os.path.join(directory, name)
         if os.path.isfile(path):
-            files[name] = f"sha256:{_sha256(path)}"
+            files[name] = f"sha256:{hash_file(path)}"
     for name in sorted(os.listdir(directory)):
         if name.endswith(".safetensors"):
             path = os.path.join(directory, name)
@@ -72,7 +65,7 @@ def data_fingerprint(path: str) -> dict:
     return {
         "path": os.path.realpath(path),
         "size": os.path.getsize(path),
-        "sha256": _sha256(path),
+        "sha256": hash_file(path),
     }
 
 

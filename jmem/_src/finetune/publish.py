@@ -20,8 +20,8 @@ import os
 import shutil
 
 from jmem._src.checkpointing import compare_hashes
-from jmem._src.checkpointing import hash_file
 from jmem._src.checkpointing import hash_files
+from jmem._src.file_hash import hash_file
 from jmem._src.finetune.rundir import MANIFEST
 from jmem._src.finetune.rundir import read_json
 from jmem._src.finetune.rundir import write_json

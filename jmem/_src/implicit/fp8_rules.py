@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmem._src import fp8 as _fp8
+from jmem._src import fp8_dot as _fp8
+from jmem._src import fp8_meta as _fp8_meta
 from jmem._src import jaxpr as _jaxpr
 from jmem._src.implicit import registry as _registry
 from jmem._src.implicit.matmul_rules import lora_term
@@ -60,7 +61,7 @@ def _fp8_base_dot(x, src, meta, *, w: Weight, cfg):
             k, k_vjp = build(src), None
         else:
             k, k_vjp = jax.vjp(build, src)
-        qk = _fp8.fp8_bits(k, k_meta.scale_inv, _fp8.E4M3)
+        qk = _fp8.fp8_bits(k, k_meta.scale_inv, _fp8_meta.E4M3)
         gx, gk, new_meta = _fp8.fp8_dot_backward(cfg, (qx, qk, x_meta, k_meta, g_meta), g)
         return gx, (None if k_vjp is None else k_vjp(gk)[0]), new_meta
 

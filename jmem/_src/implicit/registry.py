@@ -1,7 +1,7 @@
 """The open rule registry of the implicit-weight interpreter (in the spirit of
 ``quax.register``): ``register(primitive, rule)`` adds a rule for equations of that primitive
-that receive a ``Weight``; a kind of implicit value (FP8 matmuls, ``jmem._src.fp8``) brings its
-own rules and the core never imports it. Source: quax (``quax/_core.py``)."""
+that receive a ``Weight``; a kind of implicit value (FP8 matmuls, ``jmem._src.fp8_apply``)
+brings its own rules and the core never imports it. Source: quax (``quax/_core.py``)."""
 
 from __future__ import annotations
 

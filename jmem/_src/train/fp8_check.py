@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jmem._src import fp8 as fp8_lib
+from jmem._src import fp8_meta
 from jmem._src.train.precision_check import shape_specs
 
 #: ids of the loss functions whose trace already showed FP8 values.
@@ -59,7 +59,7 @@ def check_fp8_levers(key: Any, levers: Any, metas: Any, fn: Callable, *args: Any
     """
     if levers is None or not levers.fp8:
         return
-    if not fp8_lib.meta_paths(metas):
+    if not fp8_meta.meta_paths(metas):
         raise ValueError(
             "levers.fp8=True but the state has no FP8 metas: build it with "
             "step.init(params, fp8=jmem.fp8.init_metas(params, names)) and wrap the loss in "

@@ -17,7 +17,7 @@ pytree the single source of truth, with no module state to split and merge.
 The files, as flax's ``examples/gemma``: ``config`` (``LlamaConfig``, names), ``presets``
 (``CONFIGS``, ``get_config``, from ``jmem._src.model_table``), ``layers`` (norms, RoPE,
 projections, MLP, embedding, head), ``block`` (the residual block and its token chunks),
-``decoder`` (params, the layer scan, ``forward``), ``loss`` and ``generation``.
+``decoder`` (params, the layer scan, ``hidden_states``, ``forward``), ``loss`` and ``generation``.
 Intermediates carry ``checkpoint_name`` tags (``CHECKPOINT_NAMES``) for name-based remat
 policies.
 """
@@ -35,16 +35,16 @@ from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
 from jmem.models.llama.config import RopeScaling
 from jmem.models.llama.config import linear_names
-from jmem.models.llama.decoder import _hidden  # noqa: F401  (jmem.models.preference)
 from jmem.models.llama.decoder import abstract_params
 from jmem.models.llama.decoder import forward
+from jmem.models.llama.decoder import hidden_states
 from jmem.models.llama.decoder import init
 from jmem.models.llama.decoder import num_params
 from jmem.models.llama.decoder import param_shapes
 from jmem.models.llama.generation import generate
-from jmem.models.llama.layers import _final_norm  # noqa: F401  (jmem.models.preference)
-from jmem.models.llama.layers import _head_kernel  # noqa: F401  (jmem.models.preference)
 from jmem.models.llama.layers import apply_rope
+from jmem.models.llama.layers import final_norm
+from jmem.models.llama.layers import head_kernel
 from jmem.models.llama.layers import rms_norm
 from jmem.models.llama.layers import rope_frequencies
 from jmem.models.llama.layers import rope_tables
@@ -72,9 +72,12 @@ __all__ = [
     "attention_mask",
     "cross_entropy",
     "decoder_layer",
+    "final_norm",
     "forward",
     "generate",
     "get_config",
+    "head_kernel",
+    "hidden_states",
     "init",
     "linear_names",
     "loss_fn",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jmem._src import fp8 as fp8_lib
+from jmem._src import fp8_apply
 from jmem._src import levers as levers_lib
 from jmem._src.attention import attention
 from jmem._src.token_chunks import over_tokens
@@ -183,7 +183,7 @@ def decoder_layer(
         def f(layer, x, cos, sin, attn):
             return decoder_layer(x, layer, config, cos, sin, attn, levers=levers)
 
-        return fp8_lib.apply(f)(layer, fp8, x, cos, sin, attn)
+        return fp8_apply.apply(f)(layer, fp8, x, cos, sin, attn)
     lv = _resolved(levers, config, x.shape[:2], x.dtype, attn.get("segment_ids"))
     return _layer(x, layer, config, (cos, sin), attn, lv=lv)[0]
 

@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jmem._src import fp8 as fp8_lib
+from jmem._src import fp8_apply
+from jmem._src import fp8_meta
+from jmem._src import levers as levers_lib
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
@@ -168,10 +170,10 @@ def _check_fp8(fp8) -> None:
     """ValueError for fp8 metas outside ``"layers"`` (the deprecated ``fp8=`` argument
     scaled the layers' projections only)."""
     if fp8 is not None and any(
-        fp8_lib.is_meta(m)
+        fp8_meta.is_meta(m)
         for k, v in fp8.items()
         if k != "layers"
-        for m in jax.tree.leaves(v, is_leaf=fp8_lib.is_meta)
+        for m in jax.tree.leaves(v, is_leaf=fp8_meta.is_meta)
     ):
         raise ValueError(
             "fp8 metas are only used for the projections under 'layers'; "
@@ -184,13 +186,13 @@ def with_fp8(fn: Callable, name: str, params, fp8, *args, **kwargs):
     ``jmem.fp8.apply(fn)(params, fp8, ...)`` after ``_check_fp8``, with a warning."""
     warn_fp8_argument(name, stacklevel=4)
     _check_fp8(fp8)
-    return fp8_lib.apply(fn)(params, fp8, *args, **kwargs)
+    return fp8_apply.apply(fn)(params, fp8, *args, **kwargs)
 
 
 def _check_fp8_levers(lv) -> None:
     """ValueError for ``levers.fp8=True`` outside ``jmem.fp8.apply``: the layers' matmuls
     are plain, so they would run in the compute dtype, not FP8."""
-    if lv.fp8 and not fp8_lib.applying():
+    if lv.fp8 and not fp8_apply.applying():
         raise ValueError(
             "levers.fp8=True but the model is not under jmem.fp8.apply with FP8 metas, so its "
             "matmuls would not run in FP8: call jmem.fp8.apply(llama.loss_fn)(params, metas, "
@@ -199,8 +201,37 @@ def _check_fp8_levers(lv) -> None:
         )
 
 
-def _hidden(params, tokens, config, *, positions, segment_ids, layer_transform, levers):
-    """The last layer's output ``[B, S, H]`` (before the final norm); see ``forward``."""
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    config: LlamaConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    layer_transform: Callable | None = None,
+    levers: Any = None,
+) -> tuple[jax.Array, levers_lib.ResolvedLevers]:
+    """The decoder's hidden states: the last layer's output, before the final norm and the
+    head, and the levers the layers ran with.
+
+    ``forward`` is ``final_norm`` then the head (``head_kernel``, float32 accumulation,
+    ``final_logit_softcap``) on these states; a loss over token chunks reads them instead
+    of the logits (``loss_fn``, ``jmem.models.preference``).
+
+    Args:
+      params, tokens, config, positions, segment_ids, layer_transform, levers: as
+        ``forward`` (tokens int32 ``[B, S]``; ``levers`` a ``jmem.Levers`` resolved here
+        for this batch, a ``jmem.ResolvedLevers``, or None for ``jmem.Levers()``).
+
+    Returns:
+      ``(hidden, resolved)``: ``hidden`` ``[B, S, H]`` in the activations' dtype (the
+      embedding's), and the ``jmem.ResolvedLevers`` of this call (its ``loss_chunk`` is the
+      token chunk a loss over ``hidden`` uses).
+
+    Raises:
+      ValueError: as ``forward`` (misshaped tokens, positions or segment ids;
+        ``levers.fp8=True`` outside ``jmem.fp8.apply``).
+    """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
             f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
@@ -278,7 +309,7 @@ def forward(
     if fp8 is not None:
         return with_fp8(forward, "forward", params, fp8, tokens, config, **kw, levers=levers)
     params = offload_params.fetch_resident(params, levers)
-    x = _hidden(
+    x = hidden_states(
         params,
         tokens,
         config,

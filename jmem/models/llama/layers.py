@@ -145,20 +145,23 @@ def _embed(params: Params, tokens: jax.Array, config: LlamaConfig) -> jax.Array:
     return x
 
 
-def _head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
-    """The output head ``[H, V]``: ``lm_head`` or, tied, the embedding transposed."""
+def head_kernel(params: Params, config: LlamaConfig) -> jax.Array:
+    """The output head ``[H, V]`` (the params' dtype): ``lm_head/kernel``, or
+    ``embed/embedding`` transposed when ``config.tie_embeddings``."""
     return params["embed"]["embedding"].T if config.tie_embeddings else params["lm_head"]["kernel"]
 
 
-def _final_norm(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
+def final_norm(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
+    """The final norm of ``hidden_states``' output: ``[B, S, H]`` -> ``[B, S, H]``, same
+    dtype (``rms_norm`` with ``final_norm/scale``, ``rms_norm_eps``, ``norm_offset``)."""
     return rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_offset)
 
 
 def _head(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
     """Final norm and output head: ``[B, S, H]`` -> float32 logits ``[B, S, V]``
     (soft-capped with ``final_logit_softcap``)."""
-    x = _final_norm(params, x, config)
-    head = _head_kernel(params, config)
+    x = final_norm(params, x, config)
+    head = head_kernel(params, config)
     logits = jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
     cap = config.final_logit_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)

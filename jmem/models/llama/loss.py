@@ -15,10 +15,10 @@ from jmem._src.linear_cross_entropy import token_nll
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
-from jmem.models.llama.decoder import _hidden
+from jmem.models.llama.decoder import hidden_states
 from jmem.models.llama.decoder import with_fp8
-from jmem.models.llama.layers import _final_norm
-from jmem.models.llama.layers import _head_kernel
+from jmem.models.llama.layers import final_norm
+from jmem.models.llama.layers import head_kernel
 
 
 @jax.named_scope("cross_entropy")
@@ -55,7 +55,7 @@ def loss_fn(
         return with_fp8(loss_fn, "loss_fn", params, fp8, batch, config, levers=levers, **kwargs)
     kwargs = {"layer_transform": None, **kwargs}
     params = offload_params.fetch_resident(params, levers)
-    x, lv = _hidden(
+    x, lv = hidden_states(
         params,
         batch["inputs"],
         config,
@@ -65,8 +65,8 @@ def loss_fn(
         **kwargs,
     )
     return linear_cross_entropy(
-        _final_norm(params, x, config),
-        _head_kernel(params, config),
+        final_norm(params, x, config),
+        head_kernel(params, config),
         batch["targets"],
         batch.get("mask"),
         chunk=lv.loss_chunk,

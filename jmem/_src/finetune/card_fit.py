@@ -1,4 +1,4 @@
-"""The dry run's verdict for the common smaller cards: with ``--memory`` not given the step
+"""Which smaller GPU cards (device memory sizes) a step fits: with ``--memory`` not given the step
 is judged against the target's own memory (79.11 GiB for ``h100_sxm``), and this adds one line
 for the 24, 32, 40 and 48 GiB cards below it, by the same rule (``planner.fits``: compiled
 device peak + the 2 GB reserve within the card), with the cheapest lever of the planner's

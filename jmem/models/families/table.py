@@ -1,44 +1,41 @@
-"""Model families as config mappings: each transformers ``model_type`` jmem loads is a set of
-``LlamaConfig`` family options plus the ``config.json`` fields that set the rest.
+"""The table of model families: each transformers ``model_type`` jmem loads is a ``Family``
+entry, a set of ``LlamaConfig`` family options plus the ``config.json`` fields that set the
+rest, and ``tensor_names`` maps every params leaf to its Hugging Face tensor name.
 
-One table, ``FAMILIES``, read by ``jmem.models.hf`` (``config.json`` -> ``LlamaConfig``)
-and ``jmem.models.export`` (the inverse); ``tensor_names`` maps every params leaf to its
-Hugging Face tensor name. Every family rule is a field of its entry (the options it implies,
-from ``jmem._src.model_table.FAMILY_OPTIONS``; how it places windows; which configs it
-computes), so a new Llama-like family is one ``Family`` entry here (see
-``docs/families.md``). Sources: transformers' ``modeling_<family>.py`` and
-``configuration_<family>.py`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2).
+Every family rule is a field of its entry (the options it implies, from
+``jmem._src.model_table.FAMILY_OPTIONS``; how it places windows; which configs it computes),
+so a new Llama-like family is one ``Family`` entry here (see ``docs/families.md``); the
+``config.json`` reader is ``read.py``, the writer ``write.py``. Sources: transformers'
+``modeling_<family>.py`` and ``configuration_<family>.py`` (Llama, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3, Phi-3, OLMo 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 from typing import Callable
 
 from jmem._src import model_table
-from jmem.models.llama import ACTIVATIONS
 from jmem.models.llama import LlamaConfig
-from jmem.models.llama import RopeScaling
 from jmem.models.llama import param_shapes
 
 __all__ = [
+    "ALTERNATING",
+    "EVERY_LAYER",
     "FAMILIES",
     "FAMILY_OPTIONS",
     "HANDLED_FIELDS",
     "IGNORED_FIELDS",
     "NOT_LOADED",
+    "NO_WINDOWS",
+    "PATTERN",
+    "QWEN_WINDOWS",
     "Family",
-    "carried_fields",
     "Windows",
-    "config_from_dict",
     "family_of",
-    "hf_config",
-    "layer_windows",
     "refuse",
     "tensor_names",
-    "write_windows",
 ]
 
 _ATTN_BIASES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -501,37 +498,6 @@ def tensor_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
     return names
 
 
-def layer_windows(c: dict, family: Family) -> tuple[int | None, tuple[str, ...] | None]:
-    """``(sliding_window, layer_types)`` of a ``config.json`` in ``LlamaConfig``'s normal
-    form: no window when no layer slides, ``layer_types`` only when layers differ.
-    ``family.windows`` says where the windows are when the file has no ``layer_types``."""
-    n = c["num_hidden_layers"]
-    window = c.get("sliding_window") if family.windows.enabled(c) else None
-    if window is None:
-        types = ["full_attention"] * n
-    elif c.get("layer_types") is not None:
-        types = list(c["layer_types"])
-    else:
-        types = family.windows.layer_types(c, n)
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown or len(types) != n:
-        refuse("layer_types", types, f"{n} entries of full_attention, sliding_attention")
-    if "sliding_attention" not in types:
-        return None, None
-    return int(window), (None if len(set(types)) == 1 else tuple(types))
-
-
-def write_windows(config: LlamaConfig, model_type: str) -> dict:
-    """``config.json``'s window fields of ``config`` for ``model_type`` (inverse of
-    ``layer_windows``)."""
-    c = config
-    types = list(c.layer_types or [])
-    if not types:
-        kind = "full_attention" if c.sliding_window is None else "sliding_attention"
-        types = [kind] * c.num_layers
-    return FAMILIES[model_type].windows.write(c, types)
-
-
 #: config.json fields that do not change the computation (token ids, init, bookkeeping).
 IGNORED_FIELDS = frozenset(
     {
@@ -555,33 +521,6 @@ IGNORED_FIELDS = frozenset(
         "return_dict",
     }
 )
-
-#: IGNORED_FIELDS an export writes from what it computes (its family, its tensors' dtype),
-#: never from the source checkpoint.
-_WRITTEN_FIELDS = frozenset(
-    {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version"}
-)
-
-
-def carried_fields(source: dict, model_type: str) -> dict:
-    """The fields of a source ``config.json`` an export of it writes back unchanged: what
-    jmem reads but does not compute with (``IGNORED_FIELDS``: token ids, ``use_cache``,
-    ``max_position_embeddings``, ...) and, when the export has the source's ``model_type``,
-    fields unknown to jmem. Fields that set the computation (``HANDLED_FIELDS``, the
-    family's own) are written from the ``LlamaConfig`` instead, as are the architecture and
-    the dtype (those of the written tensors).
-
-    Args:
-      source: the parsed ``config.json`` of the checkpoint the model was loaded from.
-      model_type: the export's family (``family_of``).
-
-    Returns:
-      ``{field: value}`` to merge over the written config.
-    """
-    same = source.get("model_type", "llama") == model_type
-    computed = HANDLED_FIELDS | set(FAMILIES[model_type].fields) | _WRITTEN_FIELDS
-    return {k: v for k, v in source.items() if k not in computed and (k in IGNORED_FIELDS or same)}
-
 
 #: config.json fields every family reads (implemented, or refused for values jmem does not
 #: implement); each ``Family`` adds its own ``fields``.
@@ -610,237 +549,3 @@ HANDLED_FIELDS = frozenset(
         "quantization_config",
     }
 )
-
-_ROPE_KEYS = {
-    None: {"rope_type", "type", "rope_theta"},
-    "default": {"rope_type", "type", "rope_theta"},
-    "linear": {"rope_type", "type", "rope_theta", "factor"},
-    "llama3": {
-        "rope_type",
-        "type",
-        "rope_theta",
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    },
-}
-
-
-def _rope_dict(c: dict) -> tuple[str, dict]:
-    """``(field, merged parameters)`` from ``rope_scaling`` (transformers < 5) and
-    ``rope_parameters`` (>= 5, which also holds ``rope_theta``); ``rope_scaling`` wins."""
-    field = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-    winner = c.get(field) or {}
-    kind = winner.get("rope_type", winner.get("type"))
-    rope = {**(c.get("rope_parameters") or {}), **(c.get("rope_scaling") or {})}
-    rope.pop("type", None)
-    rope["rope_type"] = kind  # the winning spelling's type, not the other's
-    return field, rope
-
-
-def _rope(c: dict, field: str | None = None, rope: dict | None = None):
-    """``(rope_theta, rope_scaling)``; refuses RoPE types and keys jmem does not implement
-    (Phi-3's ``longrope``/``su``, YaRN, dynamic NTK, partial rotary)."""
-    if rope is None:
-        field, rope = _rope_dict(c)
-    kind = rope.get("rope_type")
-    supported = "rope_type default, linear, llama3"
-    if kind not in _ROPE_KEYS:
-        refuse(f"{field}.rope_type", kind, supported)
-    required = _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
-    missing = sorted(k for k in required if rope.get(k) is None)
-    if missing:
-        raise ValueError(
-            f"config.json: {field} with rope_type={kind!r} lacks {missing}; RoPE "
-            f"{kind} scaling needs {sorted(required)}."
-        )
-    extra = {k: v for k, v in rope.items() if k not in _ROPE_KEYS[kind] and v is not None}
-    partial = extra.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        refuse("partial_rotary_factor", partial, "1.0 (rotary over the whole head)")
-    if extra:
-        refuse(field, extra, f"{supported} with keys {sorted(_ROPE_KEYS[kind] - {'type'})}")
-    theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-    if kind in (None, "default"):
-        return theta, None
-    factor = float(rope["factor"])
-    if kind == "linear":
-        return theta, RopeScaling("linear", factor)
-    return theta, RopeScaling(
-        "llama3",
-        factor,
-        float(rope["low_freq_factor"]),
-        float(rope["high_freq_factor"]),
-        int(rope["original_max_position_embeddings"]),
-    )
-
-
-def _gemma3_rope(c: dict) -> tuple[float, RopeScaling | None, float]:
-    """``(rope_theta, rope_scaling, local_rope_theta)`` of Gemma 3: ``rope_parameters``
-    per layer type (transformers >= 5), or ``rope_theta``/``rope_scaling`` for the global
-    layers and ``rope_local_base_freq`` for the local ones (< 5)."""
-    params = c.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
-        if unknown:
-            refuse("rope_parameters", unknown, "keys full_attention, sliding_attention")
-        full = {"rope_type": "default", "rope_theta": 1e6, **params.get("full_attention", {})}
-        local = {"rope_type": "default", "rope_theta": 1e4, **params.get("sliding_attention", {})}
-        theta, scaling = _rope(c, "rope_parameters.full_attention", full)
-        local_theta, local_scaling = _rope(c, "rope_parameters.sliding_attention", local)
-        if local_scaling is not None:
-            refuse("rope_parameters.sliding_attention.rope_type", local["rope_type"], "default")
-        return theta, scaling, local_theta
-    c = {"rope_theta": 1e6, **c}
-    theta, scaling = _rope(c)
-    return theta, scaling, float(c.get("rope_local_base_freq", 1e4))
-
-
-def _check_fields(c: dict, family: Family) -> None:
-    """Refuses fields whose values jmem does not implement; warns about unknown fields."""
-    if c.get("quantization_config"):
-        method = c["quantization_config"].get("quant_method", "?")
-        refuse(
-            "quantization_config.quant_method",
-            method,
-            "unquantized checkpoints; use load_params(quantize='nf4') to quantize on load",
-        )
-    field = family.activation_field
-    if c.get(field) is not None and c[field] not in ACTIVATIONS:
-        refuse(field, c[field], ", ".join(sorted(ACTIVATIONS)))
-    if c.get("attention_dropout", 0.0):
-        refuse("attention_dropout", c["attention_dropout"], "0.0 (jmem applies no dropout)")
-    known = IGNORED_FIELDS | HANDLED_FIELDS | set(family.fields)
-    unknown = sorted(k for k in set(c) - known if c[k] is not None)
-    if unknown:
-        warnings.warn(
-            f"config.json fields {unknown} are unknown to jmem.models.hf and ignored; if "
-            "they change the model, its logits will differ from transformers'.",
-            stacklevel=3,
-        )
-
-
-def config_from_dict(c: dict) -> LlamaConfig:
-    """``LlamaConfig`` from a parsed Hugging Face ``config.json`` of a ``FAMILIES`` model
-    type. See ``jmem.models.hf.load_config``."""
-    model_type = c.get("model_type", "llama")
-    if model_type not in FAMILIES:
-        hint = f"; {NOT_LOADED[model_type]}" if model_type in NOT_LOADED else ""
-        refuse("model_type", model_type, ", ".join(FAMILIES) + hint)
-    family = FAMILIES[model_type]
-    c = {**dict(family.defaults), **c}  # fields the file omits take the family's defaults
-    _check_fields(c, family)
-    if family.per_layer_rope:
-        rope_theta, rope_scaling, local_theta = _gemma3_rope(c)
-    else:
-        (rope_theta, rope_scaling), local_theta = _rope(c), None
-    window, layer_types = layer_windows(c, family)
-    if layer_types is None and window is not None and local_theta is not None:
-        rope_theta, rope_scaling = local_theta, None  # every layer is local
-    heads = c["num_attention_heads"]
-    kwargs = dict(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rope_theta=rope_theta,
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_seq_len=int(c.get("max_position_embeddings", 4096)),
-        rope_scaling=rope_scaling,
-        sliding_window=window,
-        layer_types=layer_types,
-        local_rope_theta=local_theta if layer_types is not None else None,
-        hidden_act=c.get("hidden_act", "silu"),
-        **dict(family.options),
-    )
-    return LlamaConfig(**{**kwargs, **family.read(c)})
-
-
-def _rope_parameters(theta: float, rs: RopeScaling | None) -> dict:
-    """One RoPE parameter dict as transformers >= 5 writes it (``rope_theta`` inside)."""
-    if rs is None:
-        scaling = {"rope_type": "default"}
-    elif rs.rope_type == "linear":
-        scaling = {"rope_type": "linear", "factor": rs.factor}
-    else:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": rs.factor,
-            "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings,
-        }
-    return {**scaling, "rope_theta": theta}
-
-
-def _rope_fields(config: LlamaConfig, per_layer: bool) -> dict[str, Any]:
-    """RoPE as transformers >= 5 writes it (``rope_parameters``), with ``rope_theta`` /
-    ``rope_scaling`` (and Gemma 3's ``rope_local_base_freq``) for transformers 4."""
-    c = config
-    params = _rope_parameters(c.rope_theta, c.rope_scaling)
-    scaling = None if c.rope_scaling is None else dict(params)
-    if scaling is not None:
-        scaling.pop("rope_theta")
-    out = {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
-    if per_layer:
-        local = c.rope_theta if c.local_rope_theta is None else c.local_rope_theta
-        out["rope_local_base_freq"] = local
-        out["rope_parameters"] = {
-            "full_attention": params,
-            "sliding_attention": _rope_parameters(local, None),
-        }
-    return out
-
-
-def _check_round_trip(config: LlamaConfig, written: dict) -> None:
-    """ValueError naming the fields of ``config`` that ``written`` would not reproduce
-    (every field: a ``LlamaConfig`` holds the model's identity only)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        back = config_from_dict(written)
-    lost = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(LlamaConfig)
-        if getattr(back, f.name) != getattr(config, f.name)
-    }
-    if lost:
-        raise ValueError(
-            f"The {written['model_type']} config.json cannot express {lost} of {config}: "
-            "transformers' family would compute a different model; export a config its "
-            "family implements."
-        )
-
-
-def hf_config(config: LlamaConfig, dtype_name: str = "float32") -> dict[str, Any]:
-    """The Hugging Face ``config.json`` dict of ``config`` (see ``jmem.models.export``)."""
-    c = config
-    model_type = family_of(c)
-    family = FAMILIES[model_type]
-    out = {
-        "architectures": [family.architecture],
-        "model_type": model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.rms_norm_eps,
-        **_rope_fields(c, family.per_layer_rope),
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": 0.0,
-        **write_windows(c, model_type),
-        **family.write(c),
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,
-    }
-    _check_round_trip(c, out)
-    return out
