@@ -7,19 +7,19 @@ from jmem._src.planner.advice import Advice
 from jmem._src.planner.advice import Lever
 from jmem._src.planner.advice import advise
 from jmem._src.planner.advice import fits
-from jmem._src.planner.ledger import GB
-from jmem._src.planner.ledger import OPTIMIZERS
+from jmem._src.planner.capacity import largest_batch
+from jmem._src.planner.capacity import largest_model
+from jmem._src.planner.capacity import largest_seq_len
+from jmem._src.planner.capacity import max_seq_len
+from jmem._src.planner.estimate import estimate
 from jmem._src.planner.ledger import Ledger
-from jmem._src.planner.ledger import estimate
-from jmem._src.planner.ledger import largest_batch
-from jmem._src.planner.ledger import largest_model
-from jmem._src.planner.ledger import largest_seq_len
-from jmem._src.planner.ledger import max_seq_len
-from jmem._src.planner.ledger import parse_memory
 from jmem._src.planner.shapes import MODEL_SHAPES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import resolve_shape
 from jmem._src.planner.shapes import standard_shape
+from jmem._src.planner.tables import OPTIMIZERS
+from jmem._src.units import GB
+from jmem._src.units import parse_memory
 
 __all__ = (
     "DEFAULT_RESERVE",

@@ -12,7 +12,7 @@ from typing import Mapping
 from jmem._src.measure import format_bytes
 from jmem._src.planner.advice import Advice
 from jmem._src.planner.advice import fits
-from jmem._src.planner.ledger import offload_modes
+from jmem._src.planner.tables import offload_modes
 
 #: Device memories (GiB) of the cards users compare with: RTX 3090/4090 (24), RTX 5090 (32),
 #: A100 40GB (40), L40S/RTX 6000 Ada (48).

@@ -14,7 +14,7 @@ import io
 import tempfile
 
 from jmem._src.cli import CliError
-from jmem._src.planner.ledger import offload_modes
+from jmem._src.planner.tables import offload_modes
 
 #: ``--max-seq --target`` searches multiples of this many tokens.
 SEARCH_MULTIPLE = 8192

@@ -26,7 +26,7 @@ from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.config import offloads
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
-from jmem._src.planner.ledger import offload_value
+from jmem._src.planner.tables import offload_value
 from jmem._src.units import format_count
 from jmem.models import llama
 

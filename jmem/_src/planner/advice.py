@@ -12,13 +12,13 @@ from typing import Any
 from typing import Mapping
 
 from jmem._src.planner.activations import REMAT_MODES
-from jmem._src.planner.ledger import GB
+from jmem._src.planner.capacity import largest_seq_len
+from jmem._src.planner.estimate import estimate
 from jmem._src.planner.ledger import Ledger
-from jmem._src.planner.ledger import estimate
-from jmem._src.planner.ledger import largest_seq_len
-from jmem._src.planner.ledger import offload_modes
-from jmem._src.planner.ledger import offload_value
-from jmem._src.planner.ledger import parse_memory
+from jmem._src.planner.tables import offload_modes
+from jmem._src.planner.tables import offload_value
+from jmem._src.units import GB
+from jmem._src.units import parse_memory
 
 __all__ = ["Advice", "Lever", "advise"]
 

@@ -1,0 +1,152 @@
+"""The capacity searches: the largest model, batch or sequence whose training step (its
+``estimate``) fits a memory size, by bisection over a monotone total."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jmem._src.planner.estimate import estimate
+from jmem._src.units import parse_memory
+
+__all__ = ["largest_batch", "largest_model", "largest_seq_len", "max_seq_len"]
+
+
+def _bisect(fits, lo: int, hi: int) -> int:
+    """Largest x in [lo, hi] with fits(x), assuming monotone; lo - 1 if none."""
+    if not fits(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def largest_model(
+    memory: Any, *, activation_budget: float | None = 6e9, reserve: float = 2e9, **config
+) -> int:
+    """Largest parameter count whose training step fits in ``memory``.
+
+    Constraint: ``static(N) + activations + reserve <= memory``, with activations either
+    the fixed ``activation_budget`` (bytes) or, when it is ``None``, computed for
+    :func:`standard_shape` ``(N)`` at the given ``batch_size``/``seq_len``/``remat``.
+
+    Example (nominal accounting, 24 GB, 6 GB activations, 2 GB reserve): mixed-precision
+    Adam 16 N <= 16 GB gives 1.0e9; 8-bit states 10 N gives 1.6e9; 8-bit with the moments
+    offloaded 8 N gives 2.0e9.
+
+    Args:
+      memory: device bytes or a string (see :func:`parse_memory`).
+      activation_budget: bytes set aside for activations, or None to compute them.
+      reserve: bytes left for fragmentation, workspace and the runtime.
+      **config: keywords of :func:`estimate` (``optimizer``, ``offload``, ...).
+
+    Returns:
+      Parameters (int); 0 if nothing fits.
+
+    Raises:
+      ValueError: as :func:`estimate`, or if ``config`` names a ``model``.
+    """
+    if "model" in config:
+        raise ValueError("largest_model searches over the parameter count; do not pass model.")
+    mem = parse_memory(memory)
+
+    def fits(n: int) -> bool:
+        if n < 1:
+            return True
+        kw = dict(config)
+        if activation_budget is not None:
+            kw["activations"] = int(activation_budget)
+        return estimate(n, **kw).total + reserve <= mem
+
+    return max(0, _bisect(fits, 1, 4 * int(mem)))  # NF4: about 0.52 bytes a parameter
+
+
+def largest_batch(
+    memory: Any, model: Any, *, reserve: float = 2e9, max_batch: int = 1 << 20, **config
+) -> int:
+    """Largest per-device ``batch_size`` (sequences) whose step fits in ``memory - reserve``.
+
+    Returns 0 when even one sequence does not fit. ``config``: keywords of :func:`estimate`.
+
+    Raises:
+      ValueError: as :func:`estimate`.
+    """
+    mem = parse_memory(memory)
+    config.pop("batch_size", None)
+    return max(
+        0,
+        _bisect(
+            lambda b: estimate(model, batch_size=b, **config).total + reserve <= mem, 1, max_batch
+        ),
+    )
+
+
+def largest_seq_len(
+    memory: Any,
+    model: Any,
+    *,
+    reserve: float = 2e9,
+    multiple_of: int = 1,
+    max_seq_len: int = 1 << 22,
+    **config,
+) -> int:
+    """Largest ``seq_len`` (a multiple of ``multiple_of``) whose step fits; 0 if none.
+
+    Raises:
+      ValueError: as :func:`estimate`.
+    """
+    mem = parse_memory(memory)
+    config.pop("seq_len", None)
+    m = int(multiple_of)
+    if m < 1:
+        raise ValueError(f"multiple_of must be >= 1; got {multiple_of!r}.")
+    k = _bisect(
+        lambda j: estimate(model, seq_len=j * m, **config).total + reserve <= mem,
+        1,
+        max(1, max_seq_len // m),
+    )
+    return max(0, k) * m
+
+
+def max_seq_len(
+    memory: Any, model: Any, *, reserve: float = 2e9, multiple_of: int = 1024, **config
+) -> dict[str, int]:
+    """Largest sequence (tokens, a multiple of ``multiple_of``) whose step fits in
+    ``memory - reserve``, without and with each layer's input offloaded to host memory.
+
+    Without offload the step runs ``config``'s remat (``"full"`` when unset or ``"none"``:
+    a long sequence needs remat); with offload, remat ``"offload_inputs"`` (the residual
+    stream of ``L`` hidden-sized activations per token lives in ``pinned_host``, the
+    device keeps one layer's working set; the host bytes are ``L * seq * A * h``). A
+    ``LlamaConfig`` model brings its long-context paths (``attention``, ``loss_chunk``,
+    ``mlp_chunk``); the activation model is the compile target's (``target=`` in
+    ``config``, see :func:`estimate`): XLA:CPU's by default, which keeps bf16 temporaries
+    in float32, or XLA:GPU's for a GPU target (``target="h100_sxm"``: within 0.4% of its
+    compiles from 2k to 128k tokens; beyond 256k tokens with the inputs offloaded it is
+    under the compile, -15% at 1.2M, so ``jmem estimate --target`` answers from the
+    compiler there).
+
+    Args:
+      memory: device bytes or a string (see :func:`parse_memory`).
+      model: as :func:`estimate` (a ``LlamaConfig`` for the long-context paths).
+      reserve: bytes left for fragmentation, workspace and the runtime.
+      multiple_of: the granularity of the search (tokens).
+      **config: keywords of :func:`estimate` (``optimizer``, ``lora``, ``quantization``...).
+
+    Returns:
+      ``{remat: tokens, "offload_inputs": tokens}`` (0 where nothing fits).
+
+    Raises:
+      ValueError: as :func:`estimate`.
+    """
+    config.pop("seq_len", None)
+    remat = config.pop("remat", None)
+    remat = "full" if remat in (None, "none") else remat
+    kw = dict(reserve=reserve, multiple_of=multiple_of, **config)
+    return {
+        remat: largest_seq_len(memory, model, remat=remat, **kw),
+        "offload_inputs": largest_seq_len(memory, model, remat="offload_inputs", **kw),
+    }

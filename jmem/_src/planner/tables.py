@@ -1,0 +1,102 @@
+"""The planner's tables: the optimizers' per-parameter state layouts and the offload rungs'
+grammar (``offload="optimizer,params"``). Sources: Kingma & Ba 2015 (Adam), Dettmers et al.
+2022 (8-bit states), Li et al. 2023 (4-bit states), Chen et al. 2023 (Lion)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jmem._src.names import OPTIMIZER_NAMES
+
+__all__ = ["OPTIMIZERS", "PARAMS", "OptimizerLayout", "offload_modes", "offload_value"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerLayout:
+    """Per-parameter state layout of an optimizer."""
+
+    states: int  # per-parameter state tensors (Adam: m and v)
+    bits: float  # bits per state element
+    block: int | None  # quantization block (one fp32 absmax per block) or None
+    about: str  # what it is and where it comes from
+
+
+#: Optimizer state layouts: name -> (states per parameter, bits each, quant block, note).
+#: Only optimizers a user can build: optax's, and jmem's block-quantized Adam.
+OPTIMIZERS: dict[str, OptimizerLayout] = {
+    "adamw": OptimizerLayout(2, 32, None, "fp32 m and v (Kingma & Ba 2015; optax.adamw)"),
+    "adam": OptimizerLayout(2, 32, None, "fp32 m and v (optax.adam)"),
+    "adamw_8bit": OptimizerLayout(
+        2, 8, 256, "block-wise 8-bit m and v (Dettmers et al. 2022; jmem.adamw_8bit)"
+    ),
+    "adam_8bit": OptimizerLayout(2, 8, 256, "block-wise 8-bit m and v (jmem.adam_8bit)"),
+    "adamw_4bit": OptimizerLayout(
+        2, 4, 128, "block-wise 4-bit m and v (Li et al. 2023; jmem.adamw_4bit)"
+    ),
+    "adam_4bit": OptimizerLayout(2, 4, 128, "block-wise 4-bit m and v (jmem.adam_4bit)"),
+    "sgd": OptimizerLayout(0, 0, None, "no state (optax.sgd)"),
+    "sgd_momentum": OptimizerLayout(1, 32, None, "fp32 momentum (optax.sgd(momentum=...))"),
+    "lion": OptimizerLayout(1, 32, None, "fp32 momentum (Chen et al. 2023; optax.lion)"),
+}
+
+
+if not set(OPTIMIZER_NAMES) <= set(OPTIMIZERS):
+    raise RuntimeError(f"the planner's OPTIMIZERS lack some of {OPTIMIZER_NAMES}.")
+
+#: scale_by_quantized_adam(min_quantized_size=...): smaller leaves keep fp32 moments.
+MIN_QUANTIZED_SIZE = 4096
+
+STATE_RUNGS = {
+    False: (),
+    None: (),
+    "none": (),
+    "optimizer": ("optimizer_state",),
+    "optimizer+masters": ("optimizer_state", "master_weights"),
+    "disk": ("optimizer_state", "master_weights"),
+    True: ("optimizer_state",),
+}
+
+#: The params rung (``offload="params"``, composable: ``"optimizer,params"``,
+#: ``"optimizer+masters,params"``, ``"disk,params"``): the layer-stacked weights stream from
+#: host memory, one layer at a time (``jmem.Levers(offload_params=True)``).
+PARAMS = "params"
+
+
+def offload_modes(offload) -> tuple[Any, bool]:
+    """``(state rung, params rung)`` of an ``offload=`` value: ``"optimizer,params"`` is
+    ``("optimizer", True)``, ``"params"`` is ``(False, True)``, ``"disk"`` is
+    ``("disk", False)``.
+
+    Raises:
+      ValueError: an unknown value, or two state rungs (``"optimizer,disk"``).
+    """
+    if isinstance(offload, str) and "," in offload or offload == PARAMS:
+        parts = [p.strip() for p in offload.split(",")]
+        states = [p for p in parts if p != PARAMS]
+        if PARAMS in parts and len(states) <= 1 and all(p in STATE_RUNGS for p in states):
+            return (states[0] if states else False), True
+    elif isinstance(offload, (bool, str)) or offload is None:
+        if offload in STATE_RUNGS:
+            return offload, False
+    raise ValueError(
+        "offload must be False, 'optimizer', 'optimizer+masters', 'disk', 'params' or a "
+        f"state rung with params ('optimizer,params'); got {offload!r}."
+    )
+
+
+def offload_value(state, params: bool):
+    """The ``offload=`` value of a state rung and the params rung (``offload_modes``'s
+    inverse): ``("optimizer", True)`` is ``"optimizer,params"``."""
+    if not params:
+        return state
+    return PARAMS if state in (False, None, "none") else f"{state},{PARAMS}"
+
+
+def state_bytes_per_param(opt: OptimizerLayout, accounting: str, block: int | None) -> float:
+    """Optimizer-state bytes per parameter (``stored`` adds one fp32 absmax per block)."""
+    per = opt.bits / 8
+    b = block or opt.block
+    if accounting == "stored" and b:
+        per += 4 / b
+    return opt.states * per
