@@ -18,6 +18,7 @@ from typing import Any
 from typing import Sequence
 
 from jmem._src import cli
+from jmem._src.planner.offload import Offload
 
 
 def _model(name: str) -> Any:
@@ -91,7 +92,7 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
         seq_len=args.seq_len,
         num_shards=args.shards,
         zero_stage=args.zero_stage,
-        offload=args.offload or False,
+        offload=Offload.parse(args.offload),
         lora=_lora(args),
         quantization=_quant(args),
         accounting=args.accounting,
@@ -175,7 +176,7 @@ def _compiled_flags(args: argparse.Namespace, opt: str, remat: str) -> dict:
         lora_rank=args.lora_rank,
         quant=_quant(args),
         lora_targets=args.lora_targets,
-        offload=args.offload,
+        offload=Offload.parse(args.offload),
         optimizer=opt,
         remat=remat,
         batch_size=args.batch_size,

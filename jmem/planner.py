@@ -13,6 +13,7 @@ from jmem._src.planner.capacity import largest_seq_len
 from jmem._src.planner.capacity import max_seq_len
 from jmem._src.planner.estimate import estimate
 from jmem._src.planner.ledger import Ledger
+from jmem._src.planner.offload import Offload
 from jmem._src.planner.shapes import MODEL_SHAPES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import resolve_shape
@@ -31,6 +32,7 @@ __all__ = (
     "Ledger",
     "Lever",
     "ModelShape",
+    "Offload",
     "activation_bytes",
     "advise",
     "estimate",

@@ -191,6 +191,29 @@ def test_bad_input_raises():
         planner.parse_memory("24 potatoes")
 
 
+def test_offload_is_one_value_read_once_from_its_text():
+    """``Offload.parse`` reads every text form ``estimate(offload=)`` takes (a state rung, the
+    params rung, both in either order, True/False); ``str`` is the canonical text, which
+    parses back; an estimate given the value equals the one given its text."""
+    Offload = planner.Offload
+    assert Offload.parse("optimizer,params") == Offload("optimizer", True)
+    assert Offload.parse("params, disk") == Offload("disk", True)
+    assert Offload.parse(True) == Offload("optimizer") and not Offload.parse(False)
+    assert Offload.parse(None) == Offload.parse("none") == Offload()
+    for text in ("none", "optimizer", "optimizer+masters", "disk", "params", "disk,params"):
+        assert str(Offload.parse(text)) == text
+        assert Offload.parse(str(Offload.parse(text))) == Offload.parse(text)
+    for bad in ("optimizer,disk", "host", "", 1, "optimizer,optimizer"):
+        with pytest.raises(ValueError, match="offload must be"):
+            Offload.parse(bad)
+    with pytest.raises(ValueError, match="unknown"):
+        Offload("host")
+    kw = dict(remat="full", lora=8, quantization="nf4")
+    text = estimate("llama2_7b", offload="optimizer,params", **kw)
+    value = estimate("llama2_7b", offload=Offload("optimizer", True), **kw)
+    assert text == value and text.config["offload"] == "optimizer,params"
+
+
 def test_parse_memory():
     assert planner.parse_memory("24GB") == 24 * 10**9
     assert planner.parse_memory("24GiB") == 24 * 2**30
@@ -751,7 +774,7 @@ def test_advise_offers_the_params_rung_after_the_state_rungs_before_disk():
     assert rungs[0] == "offload optimizer state to host"
     assert "--offload params" in rungs[-2] and rungs[-1].endswith("on disk (NVMe)")
     params = next(lv for lv in advice.levers if "--offload params" in lv.name)
-    assert params.fits and params.changes == {"offload": "params"}
+    assert params.fits and params.changes == {"offload": planner.Offload(params=True)}
     assert advice.plan[-1].fits and "--offload params" in advice.plan[-1].name
     assert planner.advise("24GiB", cfg, offload="params", **kw).fits
     # no params rung without a frozen base (jmem streams a frozen base only)

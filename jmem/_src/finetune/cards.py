@@ -12,7 +12,7 @@ from typing import Mapping
 from jmem._src.measure import format_bytes
 from jmem._src.planner.advice import Advice
 from jmem._src.planner.advice import fits
-from jmem._src.planner.tables import offload_modes
+from jmem._src.planner.offload import Offload
 
 #: Device memories (GiB) of the cards users compare with: RTX 3090/4090 (24), RTX 5090 (32),
 #: A100 40GB (40), L40S/RTX 6000 Ada (48).
@@ -29,11 +29,11 @@ def job_flags(changes: Mapping) -> str:
     "" for a change the job has no flag for (LoRA, quantization: the job is QLoRA)."""
     flags = []
     if "offload" in changes:
-        state, params = offload_modes(changes["offload"])
-        if state == "disk":
-            flags.append("--offload-dir DIR" + (" --offload params" if params else ""))
+        off = Offload.parse(changes["offload"])
+        if off.disk:
+            flags.append("--offload-dir DIR" + (" --offload params" if off.params else ""))
         else:
-            parts = ["optimizer"] * (state not in (None, False, "none")) + ["params"] * params
+            parts = ["optimizer"] * off.optimizer + ["params"] * off.params
             flags.append("--offload " + ",".join(parts))
     if "optimizer" in changes:
         flags.append(f"--optimizer {changes['optimizer']}")

@@ -15,8 +15,7 @@ from jmem._src.planner.activations import REMAT_MODES
 from jmem._src.planner.capacity import largest_seq_len
 from jmem._src.planner.estimate import estimate
 from jmem._src.planner.ledger import Ledger
-from jmem._src.planner.tables import offload_modes
-from jmem._src.planner.tables import offload_value
+from jmem._src.planner.offload import Offload
 from jmem._src.units import GB
 from jmem._src.units import parse_memory
 
@@ -85,6 +84,11 @@ class Advice:
         return "\n".join(lines)
 
 
+def _offload(config: Mapping[str, Any]) -> Offload:
+    """The configuration's offload rungs (``estimate``'s ``offload=``, parsed)."""
+    return Offload.parse(config.get("offload", False))
+
+
 def _check_reserve(memory: Any, reserve: float) -> tuple[int, int]:
     """``(memory, reserve)`` in int bytes; the reserve must leave some memory."""
     mem = parse_memory(memory)
@@ -116,21 +120,21 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
                 {"optimizer": opt + "_4bit"},
             )
         )
-    state, params = offload_modes(config.get("offload", False))
-    if state in (None, False, "none"):
+    off = _offload(config)
+    if not off.optimizer:
         cands.append(
             (
                 "offload optimizer state to host",
                 "host<->device copies of the moments every step (PCIe-bound)",
-                {"offload": offload_value("optimizer", params)},
+                {"offload": dataclasses.replace(off, state="optimizer")},
             )
         )
-    if state != "optimizer+masters":
+    if off.state != "optimizer+masters":
         cands.append(
             (
                 "offload optimizer state and masters to host",
                 "more PCIe traffic: moments and fp32 masters every step",
-                {"offload": offload_value("optimizer+masters", params)},
+                {"offload": dataclasses.replace(off, state="optimizer+masters")},
             )
         )
     cands += _params_lever(config) + _disk_lever(config)
@@ -140,16 +144,16 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
 def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
     """The params rung, after the state rungs (it moves far more bytes per step: the frozen
     base 3x) and before disk: for a frozen base (``lora``) under remat, as jmem runs it."""
-    state, params = offload_modes(config.get("offload", False))
+    off = _offload(config)
     remat = config.get("remat") or getattr(config.get("levers"), "remat", None)
-    if params or config.get("lora") is None or remat in (None, "none"):
+    if off.params or config.get("lora") is None or remat in (None, "none"):
         return []
     return [
         (
             "stream the frozen base from host per layer (--offload params)",
             "host-to-device copies of the base 3x per step (forward, remat recomputation, "
             "backward; PCIe-bound: ~2 s per 50 GB at 25 GB/s)",
-            {"offload": offload_value(state, True)},
+            {"offload": dataclasses.replace(off, params=True)},
         )
     ]
 
@@ -157,15 +161,15 @@ def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
 def _disk_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
     """The last offload rung: state and masters on disk (the same device bytes as
     ``optimizer+masters``; it frees the host memory, at disk bandwidth)."""
-    state, params = offload_modes(config.get("offload", False))
-    if state == "disk":
+    off = _offload(config)
+    if off.disk:
         return []
     return [
         (
             "optimizer state and masters on disk (NVMe)",
             "as optimizer+masters, plus disk reads and writes of them every step "
             "(~3 GB/s NVMe: several times slower; for when host memory is short too)",
-            {"offload": offload_value("disk", params)},
+            {"offload": dataclasses.replace(off, state="disk")},
         )
     ]
 
@@ -294,6 +298,8 @@ def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **confi
       ValueError: as :func:`estimate`, or a reserve outside ``[0, memory)``.
     """
     mem, reserve = _check_reserve(memory, reserve)
+    if "offload" in config:
+        config = {**config, "offload": _offload(config)}
     led = estimate(model, **config)
     avail = mem - reserve
     if fits(led.total, mem, reserve):
@@ -328,14 +334,15 @@ def _to_remat(mode: str, c: Mapping[str, Any]) -> dict | None:
 
 
 def _to_offload_optimizer(c: Mapping[str, Any]) -> dict | None:
-    state, params = offload_modes(c.get("offload", False))
-    none = state in (None, False, "none")
-    return {"offload": offload_value("optimizer", params)} if none else None
+    off = _offload(c)
+    return None if off.optimizer else {"offload": dataclasses.replace(off, state="optimizer")}
 
 
 def _to_offload_masters(c: Mapping[str, Any]) -> dict | None:
-    state, params = offload_modes(c.get("offload", False))
-    return {"offload": offload_value("optimizer+masters", params)} if state == "optimizer" else None
+    off = _offload(c)
+    if off.state != "optimizer":
+        return None
+    return {"offload": dataclasses.replace(off, state="optimizer+masters")}
 
 
 def _to_offload_params(c: Mapping[str, Any]) -> dict | None:

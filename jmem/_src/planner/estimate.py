@@ -17,16 +17,15 @@ from jmem._src import levers as _levers
 from jmem._src.planner.activations import activation_bytes
 from jmem._src.planner.activations import compiler_terms
 from jmem._src.planner.ledger import Ledger
+from jmem._src.planner.offload import PARAMS
+from jmem._src.planner.offload import Offload
 from jmem._src.planner.shapes import LINEAR_NAMES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import is_count
 from jmem._src.planner.shapes import resolve_shape
 from jmem._src.planner.tables import MIN_QUANTIZED_SIZE
 from jmem._src.planner.tables import OPTIMIZERS
-from jmem._src.planner.tables import PARAMS
-from jmem._src.planner.tables import STATE_RUNGS
 from jmem._src.planner.tables import OptimizerLayout
-from jmem._src.planner.tables import offload_modes
 from jmem._src.planner.tables import state_bytes_per_param
 from jmem._src.units import GB
 from jmem._src.units import format_count
@@ -74,12 +73,13 @@ class _States:
 
 
 def _check_options(accounting, optimizer, offload, quantization, num_shards, zero_stage, lora):
-    """Validates the scalar options; returns ``(quantization, zero_stage, lora spec)``."""
+    """Validates the scalar options; returns ``(Offload, quantization, zero_stage, lora
+    spec)``."""
     if accounting not in ("stored", "nominal"):
         raise ValueError(f"accounting must be 'stored' or 'nominal'; got {accounting!r}.")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}.")
-    offload_modes(offload)
+    offload = Offload.parse(offload)
     if quantization not in (None, "none", "nf4"):
         raise ValueError(f"quantization must be None or 'nf4'; got {quantization!r}.")
     quantization = None if quantization == "none" else quantization
@@ -95,7 +95,7 @@ def _check_options(accounting, optimizer, offload, quantization, num_shards, zer
             "quantization='nf4' freezes the base weights; pass lora=(rank, targets) "
             "for the trainable adapters (QLoRA)."
         )
-    return quantization, zero_stage, spec
+    return offload, quantization, zero_stage, spec
 
 
 def _resolve(model: Any, count_given: bool, shape_kwargs: dict) -> tuple[ModelShape, float]:
@@ -265,27 +265,27 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P)
     return sharded, notes
 
 
-def _streamed_remat(streamed: dict, remat, offload):
+def _streamed_remat(streamed: dict, remat, offload: Offload):
     """``remat``, checked: the params rung needs remat, as ``Levers(offload_params=True)``."""
     if streamed and remat in (None, "none"):
         raise ValueError(
-            f"offload={offload!r} streams the params per layer and needs remat (e.g. "
+            f"offload={str(offload)!r} streams the params per layer and needs remat (e.g. "
             "remat='full'): with remat='none' every layer's device copy is kept for the backward."
         )
     return remat
 
 
-def _offload(st: _States, offload, params_host: int = 0) -> tuple[_States, dict[str, int]]:
+def _offload(st: _States, offload: Offload, params_host: int = 0) -> tuple[_States, dict[str, int]]:
     """Moves the offloaded state ledgers to host: ``(device states, host bytes)``;
     ``params_host``: the params rung's host bytes (``host["params"]``), if any."""
     host: dict[str, int] = {PARAMS: params_host} if params_host else {}
-    for name in STATE_RUNGS[offload_modes(offload)[0]]:
+    for name in offload.ledgers:
         host[name], st = int(round(getattr(st, name))), dataclasses.replace(st, **{name: 0})
     return st, host
 
 
 def _transfers(
-    host: dict, offload, streamed: dict
+    host: dict, offload: Offload, streamed: dict
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """``(host bytes, disk bytes, transfers per step)``: every offloaded state ledger goes to
     the device and back once per step (2 x its bytes); on disk, also from disk and back.
@@ -298,7 +298,7 @@ def _transfers(
     }
     if streamed:
         transfers[PARAMS] = int(round(3 * streamed["stack"] + streamed["resident"]))
-    if offload_modes(offload)[0] != "disk":
+    if not offload.disk:
         return host, {}, transfers
     transfers["disk"] = 2 * sum(moved.values())
     return {k: v for k, v in host.items() if k not in moved}, moved, transfers
@@ -361,6 +361,20 @@ def _with_levers(shape, model, count_given, levers, batch_size, seq_len, act_dty
     return shape, lv
 
 
+def _config(model: str, options: dict, quantization, num_shards: int, accounting: str) -> dict:
+    """``Ledger.config``: the model's name and the options, those at their defaults as None
+    (left out of the printout); the offload rungs in their text form."""
+    offload = options["offload"]
+    return {
+        "model": model,
+        **options,
+        "offload": str(offload) if offload else None,
+        "quantization": quantization,
+        "num_shards": num_shards if num_shards > 1 else None,
+        "accounting": accounting if accounting != "stored" else None,
+    }
+
+
 def _ledger(st: _States, act, host, n, detail, notes, config, **extra) -> Ledger:
     """Rounds the state ledgers to int bytes and assembles the :class:`Ledger`."""
     return Ledger(
@@ -387,7 +401,7 @@ def estimate(
     master_weights: bool | None = None,
     grad_dtype: Any = None,
     activation_dtype: Any = None,
-    offload: bool | str = False,
+    offload: Offload | bool | str = False,
     lora: Any = None,
     adapter_dtype: Any = "fp32",
     quantization: str | None = None,
@@ -472,7 +486,7 @@ def estimate(
     states), 2023 (QLoRA, NF4); Hu et al. 2021 (LoRA); Korthikanti et al. 2022 (activations).
     """
     explicit_stage = zero_stage not in (None, 0)
-    quantization, zero_stage, spec = _check_options(
+    offload, quantization, zero_stage, spec = _check_options(
         accounting, optimizer, offload, quantization, num_shards, zero_stage, lora
     )
     count_given = is_count(model)
@@ -497,7 +511,7 @@ def estimate(
     st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P)
     shards = (num_shards, zero_stage)
     streamed, params_host = {}, 0
-    if offload_modes(offload)[1]:
+    if offload.params:
         resident = _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings)
         st, params_host, streamed, rung = _stream_params(st, base, resident, shape, shards)
         detail, notes = {**detail, **rung}, notes + _params_notes(spec, streamed)
@@ -512,14 +526,10 @@ def estimate(
     )
     if host_act:
         host["activations"] = host_act
-    config = {
-        "model": shape.name or (f"{n / 1e9:.3g}B" if count_given else "config"),
-        **dict(param_dtype=param_dtype, optimizer=optimizer, remat=remat),
-        **dict(batch_size=batch_size, seq_len=seq_len, offload=offload, lora=spec),
-        "quantization": quantization,
-        "num_shards": num_shards if num_shards > 1 else None,
-        "accounting": accounting if accounting != "stored" else None,
-    }
+    config = dict(param_dtype=param_dtype, optimizer=optimizer, remat=remat)
+    config.update(batch_size=batch_size, seq_len=seq_len, offload=offload, lora=spec)
+    model = shape.name or (f"{n / 1e9:.3g}B" if count_given else "config")
+    config = _config(model, config, quantization, num_shards, accounting)
     host, disk, transfers = _transfers(host, offload, streamed)
     flops = int((6 if spec is None else 4) * n * batch_size * seq_len)
     notes += shard_notes + act_notes

@@ -1,15 +1,14 @@
-"""The planner's tables: the optimizers' per-parameter state layouts and the offload rungs'
-grammar (``offload="optimizer,params"``). Sources: Kingma & Ba 2015 (Adam), Dettmers et al.
-2022 (8-bit states), Li et al. 2023 (4-bit states), Chen et al. 2023 (Lion)."""
+"""The planner's table of optimizers: each one's per-parameter state layout. Sources: Kingma
+& Ba 2015 (Adam), Dettmers et al. 2022 (8-bit states), Li et al. 2023 (4-bit states), Chen
+et al. 2023 (Lion)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jmem._src.names import OPTIMIZER_NAMES
 
-__all__ = ["OPTIMIZERS", "PARAMS", "OptimizerLayout", "offload_modes", "offload_value"]
+__all__ = ["MIN_QUANTIZED_SIZE", "OPTIMIZERS", "OptimizerLayout", "state_bytes_per_param"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,51 +45,6 @@ if not set(OPTIMIZER_NAMES) <= set(OPTIMIZERS):
 
 #: scale_by_quantized_adam(min_quantized_size=...): smaller leaves keep fp32 moments.
 MIN_QUANTIZED_SIZE = 4096
-
-STATE_RUNGS = {
-    False: (),
-    None: (),
-    "none": (),
-    "optimizer": ("optimizer_state",),
-    "optimizer+masters": ("optimizer_state", "master_weights"),
-    "disk": ("optimizer_state", "master_weights"),
-    True: ("optimizer_state",),
-}
-
-#: The params rung (``offload="params"``, composable: ``"optimizer,params"``,
-#: ``"optimizer+masters,params"``, ``"disk,params"``): the layer-stacked weights stream from
-#: host memory, one layer at a time (``jmem.Levers(offload_params=True)``).
-PARAMS = "params"
-
-
-def offload_modes(offload) -> tuple[Any, bool]:
-    """``(state rung, params rung)`` of an ``offload=`` value: ``"optimizer,params"`` is
-    ``("optimizer", True)``, ``"params"`` is ``(False, True)``, ``"disk"`` is
-    ``("disk", False)``.
-
-    Raises:
-      ValueError: an unknown value, or two state rungs (``"optimizer,disk"``).
-    """
-    if isinstance(offload, str) and "," in offload or offload == PARAMS:
-        parts = [p.strip() for p in offload.split(",")]
-        states = [p for p in parts if p != PARAMS]
-        if PARAMS in parts and len(states) <= 1 and all(p in STATE_RUNGS for p in states):
-            return (states[0] if states else False), True
-    elif isinstance(offload, (bool, str)) or offload is None:
-        if offload in STATE_RUNGS:
-            return offload, False
-    raise ValueError(
-        "offload must be False, 'optimizer', 'optimizer+masters', 'disk', 'params' or a "
-        f"state rung with params ('optimizer,params'); got {offload!r}."
-    )
-
-
-def offload_value(state, params: bool):
-    """The ``offload=`` value of a state rung and the params rung (``offload_modes``'s
-    inverse): ``("optimizer", True)`` is ``"optimizer,params"``."""
-    if not params:
-        return state
-    return PARAMS if state in (False, None, "none") else f"{state},{PARAMS}"
 
 
 def state_bytes_per_param(opt: OptimizerLayout, accounting: str, block: int | None) -> float:
