@@ -264,10 +264,9 @@ def seed_table() -> dict:
         common = dict(
             activation_budget=None,
             param_dtype="bf16",
-            remat="full",
             seq_len=2048,
             batch_size=1,
-            levers=jmem.Levers(),
+            levers=jmem.Levers(remat="full"),
             **kw,
         )
         gpu = planner.largest_model("24GB", target=TARGET, **common)

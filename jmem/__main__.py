@@ -86,7 +86,6 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
     kw = dict(
         param_dtype=args.param_dtype,
         optimizer=optimizer,
-        remat=remat,
         levers=_levers(remat),
         batch_size=args.batch_size,
         seq_len=args.seq_len,

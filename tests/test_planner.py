@@ -191,6 +191,27 @@ def test_bad_input_raises():
         planner.parse_memory("24 potatoes")
 
 
+def test_the_levers_are_the_one_source_of_the_remat():
+    """``remat=`` alone builds the step's levers once, before they are resolved: on a GPU
+    target ``remat="offload"`` turns the token chunks off, as ``jmem.resolve_levers`` (and
+    the job) do. ``remat=`` beside ``levers=`` still works, folded into them, with a
+    ``DeprecationWarning``; ``largest_seq_len_by_remat`` and ``advise`` read the levers'."""
+    cfg = llama.get_config("llama3_1_8b")
+    kw = dict(seq_len=8192, target="h100_sxm", **_QLORA_8B)
+    alone = estimate(cfg, remat="offload", **kw)
+    assert alone == estimate(cfg, levers=jmem.Levers(remat="offload"), **kw)
+    chunked = estimate(cfg, levers=jmem.Levers(remat="offload", token_chunk=0), **kw)
+    assert alone.activations == chunked.activations
+    with pytest.warns(DeprecationWarning, match="levers carry the remat"):
+        both = estimate(cfg, remat="offload", levers=jmem.Levers(remat="full"), **kw)
+    assert both == alone
+    lv = jmem.Levers(remat="selective")
+    found = planner.max_seq_len("24GiB", cfg, levers=lv, **_QLORA_8B)
+    assert set(found) == {"selective", "offload_inputs"}
+    advice = planner.advise("24GiB", cfg, levers=lv, seq_len=65536, **_QLORA_8B)
+    assert "remat 'selective'" not in [s.name for s in advice.levers]
+
+
 def test_offload_is_one_value_read_once_from_its_text():
     """``Offload.parse`` reads every text form ``estimate(offload=)`` takes (a state rung, the
     params rung, both in either order, True/False); ``str`` is the canonical text, which
@@ -551,10 +572,9 @@ def test_long_context_paths_change_the_activation_model():
     tokens the dense paths' [S, S] scores and [S, V] logits dominate; the long-context
     ones (a config's default jmem.Levers()) do not."""
     cfg = llama.get_config("llama3_1_8b")
-    dense = jmem.Levers(attention="dense", loss_chunk=0, token_chunk=0)
-    new, old = (
-        estimate(cfg, remat="full", seq_len=32768, levers=lv, **_QLORA_8B) for lv in (None, dense)
-    )
+    dense = jmem.Levers(remat="full", attention="dense", loss_chunk=0, token_chunk=0)
+    new = estimate(cfg, remat="full", seq_len=32768, **_QLORA_8B)
+    old = estimate(cfg, seq_len=32768, levers=dense, **_QLORA_8B)
     assert new.activations < 20 * GB < 200 * GB < old.activations
 
 

@@ -91,7 +91,6 @@ def dry_run(config, cfg, mesh=None, target=None):
     smaller = {}
     if config.run.memory is None:  # the target's own memory: the smaller cards too
         kwargs = _planner_kwargs(config, step.levers, dtype, targets, devices)
-        kwargs["remat"] = step.levers.remat  # advise's remat levers start from it
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
     if not fit and not offload_of(config.levers).params and config.levers.remat != "none":

@@ -14,6 +14,8 @@ from typing import Mapping
 from jmem._src.planner.activations import REMAT_MODES
 from jmem._src.planner.capacity import largest_seq_len
 from jmem._src.planner.estimate import estimate
+from jmem._src.planner.estimate import remat_of
+from jmem._src.planner.estimate import with_remat
 from jmem._src.planner.ledger import Ledger
 from jmem._src.planner.offload import Offload
 from jmem._src.units import GB
@@ -89,6 +91,12 @@ def _offload(config: Mapping[str, Any]) -> Offload:
     return Offload.parse(config.get("offload", False))
 
 
+def _apply(config: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with one suggestion's ``changes``; a remat change goes into the levers."""
+    new = {**config, **changes}
+    return with_remat(new, changes["remat"]) if "remat" in changes else new
+
+
 def _check_reserve(memory: Any, reserve: float) -> tuple[int, int]:
     """``(memory, reserve)`` in int bytes; the reserve must leave some memory."""
     mem = parse_memory(memory)
@@ -145,7 +153,7 @@ def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
     """The params rung, after the state rungs (it moves far more bytes per step: the frozen
     base 3x) and before disk: for a frozen base (``lora``) under remat, as jmem runs it."""
     off = _offload(config)
-    remat = config.get("remat") or getattr(config.get("levers"), "remat", None)
+    remat = remat_of(config)
     if off.params or config.get("lora") is None or remat in (None, "none"):
         return []
     return [
@@ -227,7 +235,7 @@ def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
                 {"batch_size": 1},
             )
         )
-    cur = config.get("remat") or "none"
+    cur = remat_of(config) or "none"
     for r, cost in _REMAT_COSTS.items():
         if REMAT_MODES.index(r) > REMAT_MODES.index(cur):
             cands.append((f"remat '{r}'", cost, {"remat": r}))
@@ -252,7 +260,7 @@ def _priced(
     levers = []
     for name, cost, changes in cands:
         try:
-            t = estimate(model, **{**config, **changes}).total
+            t = estimate(model, **_apply(config, changes)).total
         except ValueError:
             continue
         if t >= current:  # a lever that saves nothing here is no advice
@@ -328,7 +336,7 @@ def _to_micro_batch(c: Mapping[str, Any]) -> dict | None:
 
 
 def _to_remat(mode: str, c: Mapping[str, Any]) -> dict | None:
-    cur = c.get("remat") or "none"
+    cur = remat_of(c) or "none"
     weaker = REMAT_MODES[: REMAT_MODES.index(mode)]
     return {"remat": mode} if cur in weaker else None
 
@@ -380,7 +388,7 @@ def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Lever, ...
         ch = change(cfg)
         if not ch:
             continue
-        new = {**cfg, **ch}
+        new = _apply(cfg, ch)
         t = estimate(model, **new).total
         if t < total:
             cfg, total = new, t

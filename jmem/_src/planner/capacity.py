@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from jmem._src.planner.estimate import estimate
+from jmem._src.planner.estimate import remat_of
+from jmem._src.planner.estimate import with_remat
 from jmem._src.units import parse_memory
 
 __all__ = ["largest_batch", "largest_model", "largest_seq_len", "max_seq_len"]
@@ -143,10 +145,10 @@ def max_seq_len(
       ValueError: as :func:`estimate`.
     """
     config.pop("seq_len", None)
-    remat = config.pop("remat", None)
+    remat = remat_of(config)
     remat = "full" if remat in (None, "none") else remat
     kw = dict(reserve=reserve, multiple_of=multiple_of, **config)
     return {
-        remat: largest_seq_len(memory, model, remat=remat, **kw),
-        "offload_inputs": largest_seq_len(memory, model, remat="offload_inputs", **kw),
+        mode: largest_seq_len(memory, model, **with_remat(kw, mode))
+        for mode in (remat, "offload_inputs")
     }

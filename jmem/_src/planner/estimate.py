@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 from typing import Mapping
 from typing import Sequence
@@ -30,7 +31,7 @@ from jmem._src.planner.tables import state_bytes_per_param
 from jmem._src.units import GB
 from jmem._src.units import format_count
 
-__all__ = ["PLAIN_LEVERS", "estimate"]
+__all__ = ["PLAIN_LEVERS", "estimate", "remat_of", "with_remat"]
 
 
 def _lora_spec(lora: Any) -> tuple[int, tuple[str, ...]] | None:
@@ -340,18 +341,48 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
 PLAIN_LEVERS = _levers.Levers(attention="dense", loss_chunk=0, token_chunk=0)
 
 
+def _step_levers(model, count_given: bool, levers, remat):
+    """The step's levers, the one source of its remat, attention and chunks: ``levers``, or
+    the default for the kind of ``model`` (a ``ModelShape``'s paths; the plain ones for a
+    name or a count; ``jmem.Levers()`` for a config), with ``remat`` (when given) in them."""
+    given = levers is not None
+    if isinstance(model, ModelShape) and not given:
+        levers = _levers.Levers(
+            attention=model.attention, loss_chunk=model.loss_chunk, token_chunk=model.mlp_chunk
+        )
+    elif not given:
+        levers = PLAIN_LEVERS if count_given or isinstance(model, str) else _levers.Levers()
+    if remat is None:
+        return levers
+    if given:
+        warnings.warn(
+            "estimate(remat=..., levers=...) is deprecated: the levers carry the remat; pass "
+            "levers=dataclasses.replace(levers, remat=...) (or remat= alone)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return dataclasses.replace(levers, remat=remat)
+
+
+def with_remat(config: Mapping[str, Any], remat) -> dict[str, Any]:
+    """``estimate``'s keywords ``config`` with the step's remat set to ``remat``: in its
+    ``levers`` when it has them, else as ``remat=``."""
+    config = dict(config)
+    if config.get("levers") is None:
+        return {**config, "remat": remat}
+    config.pop("remat", None)
+    return {**config, "levers": dataclasses.replace(config["levers"], remat=remat)}
+
+
+def remat_of(config: Mapping[str, Any]):
+    """The step's remat in ``estimate``'s keywords ``config``: ``remat=``, else its levers'
+    (None: none given)."""
+    return config.get("remat") or getattr(config.get("levers"), "remat", None)
+
+
 def _with_levers(shape, model, count_given, levers, batch_size, seq_len, act_dtype, target):
     """``shape`` with the long-context paths of ``levers`` resolved (``jmem.resolve_levers``,
     the same rules as the model and the job) for this batch and target."""
-    if levers is None:
-        if isinstance(model, ModelShape):
-            levers = _levers.Levers(
-                attention=model.attention, loss_chunk=model.loss_chunk, token_chunk=model.mlp_chunk
-            )
-        elif count_given or isinstance(model, str):
-            levers = PLAIN_LEVERS
-        else:
-            levers = _levers.Levers()
     source = shape if count_given or isinstance(model, (str, ModelShape)) else model
     dtype = _dtypes.parse_dtype(act_dtype) if isinstance(act_dtype, str) else act_dtype
     lv = _levers.resolve(levers, source, (batch_size, seq_len), target, dtype=dtype)
@@ -517,10 +548,11 @@ def estimate(
         detail, notes = {**detail, **rung}, notes + _params_notes(spec, streamed)
     st, host = _offload(st, offload, params_host)
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
+    levers = _step_levers(model, count_given, levers, remat)
     shape, lv = _with_levers(
         shape, model, count_given, levers, batch_size, seq_len, act_dtype, target
     )
-    remat = _streamed_remat(streamed, lv.remat if remat is None else remat, offload)
+    remat = _streamed_remat(streamed, lv.remat, offload)
     act, act_detail, host_act, act_notes = _activations(
         shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target
     )
