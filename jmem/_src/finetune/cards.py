@@ -52,7 +52,7 @@ def cheapest(advice: Advice) -> tuple[str, int] | None:
     """``(what, planner device total)`` of the cheapest lever of ``advice`` that fits alone
     (its levers are ordered by cost), else of its cumulative plan when that fits, else None.
     ``what``: the job's flags and the planner's name for the lever."""
-    for lever in advice.levers:
+    for lever in advice.suggestions:
         flags = job_flags(lever.changes)
         if lever.fits and flags:
             name = lever.name.split(" (--")[0]  # the params rung names its flag already

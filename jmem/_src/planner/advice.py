@@ -1,13 +1,13 @@
-"""Advice from the planner: does a configuration fit, which ledger is short, which levers help.
-
-Levers are ordered by cost (memory saved for speed or for what is trained); see
-``docs/planner.md`` for the table.
+"""Advice from the planner: does a configuration fit, which ledger is short, and which
+suggestions help (each a memory lever applied to the configuration), ordered by cost (memory
+saved for speed or for what is trained); see ``docs/planner.md`` for the table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 from typing import Mapping
 
@@ -21,12 +21,20 @@ from jmem._src.planner.offload import Offload
 from jmem._src.units import GB
 from jmem._src.units import parse_memory
 
-__all__ = ["Advice", "Lever", "advise"]
+__all__ = ["DEFAULT_RESERVE", "Advice", "Suggestion", "advise", "fits"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Lever:
-    """One way to cut memory: the estimate after applying it and what it costs."""
+class Suggestion:
+    """One item of ``advise``'s advice: a way to cut memory and what it costs.
+
+    Attributes:
+      name: what to do (``"8-bit optimizer states"``).
+      cost: what it costs (speed, what is trained).
+      changes: the ``estimate`` keywords it changes (``{"optimizer": "adamw_8bit"}``).
+      total: the estimate's device bytes with the changes applied.
+      fits: ``total`` fits the memory less the reserve.
+    """
 
     name: str
     cost: str
@@ -44,9 +52,9 @@ class Advice:
       short: ``None`` when it fits, ``"states"`` when the model state alone (params, grads,
         optimizer, masters) does not fit, else ``"activations"``.
       short_by: bytes missing (0 when it fits).
-      levers: options ordered by cost (cheapest first), each applied alone, with its
-        new total.
-      plan: levers applied cumulatively in cost order (states first, then activations)
+      suggestions: ``Suggestion``s ordered by cost (cheapest first), each applied alone,
+        with its new total.
+      plan: suggestions applied cumulatively in cost order (states first, then activations)
         until the configuration fits; ``plan_total`` is the total after the last one
         (the plan is empty when it fits already; it may end short of fitting).
     """
@@ -57,8 +65,19 @@ class Advice:
     memory: int
     reserve: int
     ledger: Ledger
-    levers: tuple[Lever, ...]
-    plan: tuple[Lever, ...] = ()
+    suggestions: tuple[Suggestion, ...]
+    plan: tuple[Suggestion, ...] = ()
+
+    @property
+    def levers(self) -> tuple[Suggestion, ...]:
+        """Deprecated: ``suggestions``."""
+        warnings.warn(
+            "Advice.levers is deprecated and will be removed in the next release: use "
+            "Advice.suggestions",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.suggestions
 
     def __str__(self) -> str:
         avail = self.memory - self.reserve
@@ -73,9 +92,9 @@ class Advice:
                 f"verdict: DOES NOT FIT: {self.ledger.total / GB:.2f} GB > {avail / GB:.2f} GB "
                 f"usable; short by {self.short_by / GB:.2f} GB in the {self.short} ledger(s)"
             )
-        if self.levers:
+        if self.suggestions:
             lines.append("levers, cheapest first:")
-            for i, lv in enumerate(self.levers, 1):
+            for i, lv in enumerate(self.suggestions, 1):
                 mark = "fits" if lv.fits else "still short"
                 lines.append(f"  {i}. {lv.name}: {lv.total / GB:.2f} GB ({mark}); cost: {lv.cost}")
         if self.plan:
@@ -224,7 +243,7 @@ _REMAT_COSTS = {
 
 def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
     """Gradient accumulation, stronger remat, and the longest shorter sequence (a multiple
-    of 1,024 tokens, as ``max_seq_len``) that fits ``avail`` bytes: never a shorter one."""
+    of 1,024 tokens, as ``largest_seq_len_by_remat``) that fits ``avail`` bytes: never a shorter one."""
     cands = []
     b = config.get("batch_size", 1)
     if b > 1:
@@ -255,7 +274,7 @@ def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
 
 def _priced(
     model: Any, config: Mapping[str, Any], cands, current: int, avail: int
-) -> tuple[Lever, ...]:
+) -> tuple[Suggestion, ...]:
     """Each candidate applied alone; drops those that are invalid or save nothing."""
     levers = []
     for name, cost, changes in cands:
@@ -265,7 +284,7 @@ def _priced(
             continue
         if t >= current:  # a lever that saves nothing here is no advice
             continue
-        levers.append(Lever(name, cost, changes, t, t <= avail))
+        levers.append(Suggestion(name, cost, changes, t, t <= avail))
     return tuple(levers)
 
 
@@ -285,7 +304,7 @@ def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **confi
     """Does ``model`` train in ``memory``? If not, which ledger is short and what helps.
 
     States short (params + grads + optimizer + masters + reserve > memory): remat cannot
-    help; levers in cost order are 8-bit optimizer states, 4-bit states, offloading the
+    help; suggestions in cost order are 8-bit optimizer states, 4-bit states, offloading the
     moments, offloading the masters too, streaming the frozen base from host memory per
     layer (``offload="params"``, the job's ``--offload params``; with ``lora`` and remat),
     state on disk, ZeRO sharding over the fewest devices that fit, and LoRA / QLoRA
@@ -378,7 +397,7 @@ _PLAN_STEPS = (
 )
 
 
-def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Lever, ...]:
+def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Suggestion, ...]:
     """Greedy cumulative plan: cheapest lever that lowers the total, until it fits."""
     cfg, plan = dict(config), []
     total = estimate(model, **cfg).total
@@ -392,5 +411,5 @@ def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Lever, ...
         t = estimate(model, **new).total
         if t < total:
             cfg, total = new, t
-            plan.append(Lever(name, cost, ch, t, t <= avail))
+            plan.append(Suggestion(name, cost, ch, t, t <= avail))
     return tuple(plan)

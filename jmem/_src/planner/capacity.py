@@ -10,7 +10,7 @@ from jmem._src.planner.estimate import remat_of
 from jmem._src.planner.estimate import with_remat
 from jmem._src.units import parse_memory
 
-__all__ = ["largest_batch", "largest_model", "largest_seq_len", "max_seq_len"]
+__all__ = ["largest_batch", "largest_model", "largest_seq_len", "largest_seq_len_by_remat"]
 
 
 def _bisect(fits, lo: int, hi: int) -> int:
@@ -113,7 +113,7 @@ def largest_seq_len(
     return max(0, k) * m
 
 
-def max_seq_len(
+def largest_seq_len_by_remat(
     memory: Any, model: Any, *, reserve: float = 2e9, multiple_of: int = 1024, **config
 ) -> dict[str, int]:
     """Largest sequence (tokens, a multiple of ``multiple_of``) whose step fits in

@@ -206,7 +206,7 @@ def _params_notes(spec, streamed: dict) -> list[str]:
     if spec is None:
         notes.append(
             "full fine-tuning with streamed params is a plan only: jmem streams a frozen "
-            "base (train_step's frozen=; issue #39 item 2); grads counted on the device"
+            "base (train_step's frozen=); grads counted on the device"
         )
     return notes
 
