@@ -116,33 +116,23 @@ def largest_seq_len(
 def largest_seq_len_by_remat(
     memory: Any, model: Any, *, reserve: float = 2e9, multiple_of: int = 1024, **config
 ) -> dict[str, int]:
-    """Largest sequence (tokens, a multiple of ``multiple_of``) whose step fits in
-    ``memory - reserve``, without and with each layer's input offloaded to host memory.
-
-    Without offload the step runs ``config``'s remat (``"full"`` when unset or ``"none"``:
-    a long sequence needs remat); with offload, remat ``"offload_inputs"`` (the residual
-    stream of ``L`` hidden-sized activations per token lives in ``pinned_host``, the
-    device keeps one layer's working set; the host bytes are ``L * seq * A * h``). A
-    ``LlamaConfig`` model brings its long-context paths (``attention``, ``loss_chunk``,
-    ``mlp_chunk``); the activation model is the compile target's (``target=`` in
-    ``config``, see :func:`estimate`): XLA:CPU's by default, which keeps bf16 temporaries
-    in float32, or XLA:GPU's for a GPU target (``target="h100_sxm"``: within 0.4% of its
-    compiles from 2k to 128k tokens; beyond 256k tokens with the inputs offloaded it is
-    under the compile, -15% at 1.2M, so ``jmem estimate --target`` answers from the
-    compiler there).
+    """The longest sequence that fits ``memory - reserve`` under each remat: the step's own
+    (``"full"`` when it has none or ``"none"``) and ``"offload_inputs"`` (each layer's input in
+    host memory).
 
     Args:
-      memory: device bytes or a string (see :func:`parse_memory`).
-      model: as :func:`estimate` (a ``LlamaConfig`` for the long-context paths).
+      memory: device bytes or a string (``parse_memory``).
+      model: as ``estimate`` (a ``LlamaConfig`` brings its long-context paths).
       reserve: bytes left for fragmentation, workspace and the runtime.
       multiple_of: the granularity of the search (tokens).
-      **config: keywords of :func:`estimate` (``optimizer``, ``lora``, ``quantization``...).
+      **config: keywords of ``estimate`` (``levers``, ``target``, ``lora``, ...); how close
+        each target's activation terms come to its compiler is in ``docs/planner.md``.
 
     Returns:
-      ``{remat: tokens, "offload_inputs": tokens}`` (0 where nothing fits).
+      ``{remat: tokens, "offload_inputs": tokens}``, 0 where nothing fits.
 
     Raises:
-      ValueError: as :func:`estimate`.
+      ValueError: as ``estimate``.
     """
     config.pop("seq_len", None)
     remat = remat_of(config)

@@ -450,71 +450,42 @@ def estimate(
     target: Any = None,
     **shape_kwargs,
 ) -> Ledger:
-    """Estimates the device memory of one training step, ledger by ledger.
+    """Estimates the device bytes of one training step, ledger by ledger (``docs/planner.md``).
 
     Args:
-      model: a ``LlamaConfig``-like object, a name in :data:`MODEL_SHAPES`, or a parameter
-        count (``7e9``, ``"7B"``; shape keywords below refine the activation estimate).
-      param_dtype: dtype of the weights the forward pass uses (``"bf16"``, ``"fp32"``...).
-      optimizer: a key of :data:`OPTIMIZERS` (``adamw``, ``adamw_8bit``, ``adamw_4bit``,
-        ``sgd``, ``sgd_momentum``, ``lion``, ...).
-      master_weights: keep fp32 masters of trainable weights. Default: True when
-        ``param_dtype`` is 16-bit (mixed precision), False for fp32.
-      grad_dtype: gradient dtype; default ``param_dtype``.
-      activation_dtype: activation dtype; default ``param_dtype``.
-      offload: ``False``, ``"optimizer"`` (m, v to host), ``"optimizer+masters"`` or
-        ``"disk"`` (state and masters in files, streamed through host memory); offloaded
-        ledgers are reported under ``Ledger.host`` (``Ledger.disk``), the bytes they move
-        per step under ``Ledger.transfers``. ``"params"``, alone or after a state rung
-        (``"optimizer,params"``, ``"disk,params"``): the frozen base (with ``lora``; else
-        the params, a plan only: jmem streams a frozen base) lives in host memory and its
-        layer stack streams to the device one layer at a time (``jmem.Levers(
-        offload_params=True)``, the job's ``--offload params``); the device keeps the
-        embedding, final norm and head and two layers' slices (in use, in flight). Sharded
-        as ZeRO-3 shards params. Needs remat.
-      lora: ``None``, a rank (targets q_proj, v_proj), ``(rank, targets)`` or
-        ``{"rank": r, "targets": [...]}``; targets from ``LINEAR_NAMES`` or ``"all"``.
-        The base is frozen; the adapters get grads and state in ``adapter_dtype``.
-      adapter_dtype: dtype of the LoRA adapters.
-      quantization: ``None`` or ``"nf4"`` (frozen base in NF4; requires ``lora``). With a
-        config only the layers' linear weights are quantized (unless
-        ``quantize_embeddings``); with a count, all are.
-      quantize_embeddings: also quantize the embedding and head (with a config).
-      double_quant: NF4 absmax double quantization (4.127 vs 4.5 bits per weight).
-      remat: one of :data:`REMAT_MODES` (``None`` = ``"none"``); see :func:`activation_bytes`.
-      batch_size, seq_len: per-device micro-batch (sequences) and sequence length (tokens).
-      num_shards: data-parallel devices the state is sharded over (ZeRO / FSDP).
-      zero_stage: 1 shards optimizer state and masters, 2 adds grads, 3 adds params
-        (default 3 when ``num_shards > 1``). Activations are per device and not divided.
-      accounting: ``"stored"`` (jmem's real bytes) or ``"nominal"`` (textbook tables);
-        see ``docs/planner.md``.
-      state_block_size: override the quantization block of 8-/4-bit optimizer states.
-      activations: fix the activation ledger to this many bytes instead of computing it.
-      levers: the step's ``jmem.Levers`` (or ``ResolvedLevers``): its attention, loss and
-        token chunks are resolved for ``batch_size``/``seq_len`` by ``jmem.resolve_levers``,
-        the rules the model and the job use; ``remat`` is taken from it when ``remat`` is
-        None. Default: ``jmem.Levers()`` for a config, the plain paths (dense attention,
-        whole loss, no chunks; ``PLAIN_LEVERS``) for a name or a count.
-      target: what the step is compiled for (``jmem.resolve_levers``'s ``target``; None:
-        the running backend; a ``levers`` already resolved brings its own). It also picks
-        whose buffers the long-context activations model: a GPU target's (``"h100_sxm"``,
-        ``"gpu"``) XLA:GPU's, fitted to h100_sxm compiles; otherwise XLA:CPU's.
-      **shape_kwargs: ``hidden_size``, ``num_layers``, ``intermediate_size``,
-        ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``tie_embeddings``
-        for a model given as a parameter count.
+      model: a ``LlamaConfig``, a ``ModelShape``, a name in ``MODEL_SHAPES`` or a parameter
+        count (``7e9``, ``"7B"``; ``**shape_kwargs`` refine its shape).
+      param_dtype, grad_dtype, activation_dtype: the weights the forward pass reads, the
+        gradients and the activations (the last two default to ``param_dtype``).
+      optimizer: a key of ``OPTIMIZERS``.
+      master_weights: fp32 masters of the trainable weights (default: for 16-bit params).
+      offload: an ``Offload`` or its text (``False``, ``"optimizer"``,
+        ``"optimizer+masters"``, ``"disk"``, ``"params"``, ``"optimizer,params"``, ...).
+      lora: None, a rank, ``(rank, targets)`` or ``{"rank", "targets"}`` (names of
+        ``LINEAR_NAMES`` or ``"all"``): a frozen base and adapters in ``adapter_dtype``.
+      quantization, quantize_embeddings, double_quant: ``"nf4"`` for an NF4 base (with
+        ``lora``), the embedding and head quantized too, NF4's double-quantized absmax.
+      remat: a remat mode: shorthand for ``levers`` with that remat.
+      batch_size, seq_len: per-device micro-batch (sequences) and tokens per sequence.
+      num_shards, zero_stage: devices the state is sharded over and the ZeRO stage (default 3
+        when ``num_shards > 1``).
+      accounting: ``"stored"`` (jmem's bytes) or ``"nominal"`` (textbook tables).
+      state_block_size: the quantization block of 8-/4-bit optimizer states.
+      activations: the activation ledger in bytes, instead of computing it.
+      levers: the step's ``jmem.Levers`` or ``ResolvedLevers``, the source of its remat,
+        attention and chunks (default: ``jmem.Levers()`` for a config, ``PLAIN_LEVERS`` for
+        a name or a count).
+      target: the compile target the levers are resolved for, whose activation terms are
+        used (None: the running backend).
+      **shape_kwargs: ``ModelShape`` fields for a parameter count (``hidden_size``, ...).
 
     Returns:
-      A :class:`Ledger` (bytes).
+      A ``Ledger`` (bytes).
 
     Raises:
-      ValueError: unknown optimizer, dtype, remat mode, offload mode, quantization,
-        accounting, or inconsistent options (NF4 without LoRA, bad shard counts, the params
-        rung without remat).
+      ValueError: an unknown name, dtype or mode, or options that do not go together (NF4
+        without LoRA, the params rung without remat, bad shard counts).
       TypeError: a model or LoRA spec of the wrong type.
-
-    Sources: ZeRO (Rajbhandari et al. 2020) for the 2+2+12 bytes/param Adam ledger and the
-    sharding stages; Micikevicius et al. 2017 (masters); Dettmers et al. 2022 (8-bit
-    states), 2023 (QLoRA, NF4); Hu et al. 2021 (LoRA); Korthikanti et al. 2022 (activations).
     """
     explicit_stage = zero_stage not in (None, 0)
     offload, quantization, zero_stage, spec = _check_options(
