@@ -109,7 +109,6 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
 def static_line(ledger) -> str:
     """The static subtotal of a ``planner.Ledger``: everything but activations, in GB and
     GiB."""
-
     return (
         f"static (params + grads + optimizer state + master weights): "
         f"{ledger.static / GB:.3f} GB = {ledger.static / 2**30:.3f} GiB"
