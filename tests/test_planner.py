@@ -692,7 +692,8 @@ def test_estimate_max_seq_answers_the_job_figure_and_explains_zero(capsys):
     from jmem import finetune
     from jmem._src.finetune.setup import job_levers
 
-    job = {**_JOB, "levers": job_levers(finetune.FinetuneConfig())}
+    job = {**_JOB, "levers": job_levers(finetune.FinetuneConfig())}  # its remat: full
+    job.pop("remat")
     fit = planner.advise("24GB", "llama3_8b", seq_len=longest, **job)
     over = planner.advise("24GB", "llama3_8b", seq_len=longest + 1024, **job)
     assert fit.fits and not over.fits
@@ -855,7 +856,7 @@ def _dry_run_70b(offload: str):
     cfg = llama.get_config("llama3_1_70b")
     lv = jmem.resolve_levers(job_levers(config), cfg, (1, 4096), "h100_sxm")
     kw = dry_run._planner_kwargs(config, lv, "bfloat16", list(llama.LINEAR_NAMES), 1)
-    return run, cfg, {**kw, "remat": lv.remat}
+    return run, cfg, kw
 
 
 _OFFLOAD_PARAMS_70B = "benchmarks/results/gpu_compile/offload_params_70b.json"
