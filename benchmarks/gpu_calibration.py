@@ -232,7 +232,7 @@ def max_seq_headlines(guesses: dict | None = None) -> dict:
     out = {}
     for memory in ("24GiB", "80GiB"):
         mem = planner.parse_memory(memory)
-        guess = planner.max_seq_len(mem, cfg, multiple_of=MULTIPLE, **job)
+        guess = planner.largest_seq_len_by_remat(mem, cfg, multiple_of=MULTIPLE, **job)
         for remat in ("full", "offload_inputs"):
             start = (guesses or {}).get(f"{memory}/{remat}", guess[remat])
             got = longest(MODEL, remat, mem, start, planner.DEFAULT_RESERVE)
@@ -264,10 +264,9 @@ def seed_table() -> dict:
         common = dict(
             activation_budget=None,
             param_dtype="bf16",
-            remat="full",
             seq_len=2048,
             batch_size=1,
-            levers=jmem.Levers(),
+            levers=jmem.Levers(remat="full"),
             **kw,
         )
         gpu = planner.largest_model("24GB", target=TARGET, **common)

@@ -18,6 +18,8 @@ from typing import Any
 from typing import Sequence
 
 from jmem._src import cli
+from jmem._src.planner.offload import Offload
+from jmem._src.units import GB
 
 
 def _model(name: str) -> Any:
@@ -85,13 +87,12 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
     kw = dict(
         param_dtype=args.param_dtype,
         optimizer=optimizer,
-        remat=remat,
         levers=_levers(remat),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         num_shards=args.shards,
         zero_stage=args.zero_stage,
-        offload=args.offload or False,
+        offload=Offload.parse(args.offload),
         lora=_lora(args),
         quantization=_quant(args),
         accounting=args.accounting,
@@ -108,11 +109,9 @@ def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> di
 def static_line(ledger) -> str:
     """The static subtotal of a ``planner.Ledger``: everything but activations, in GB and
     GiB."""
-    from jmem import planner  # noqa: PLC0415
-
     return (
         f"static (params + grads + optimizer state + master weights): "
-        f"{ledger.static / planner.GB:.3f} GB = {ledger.static / 2**30:.3f} GiB"
+        f"{ledger.static / GB:.3f} GB = {ledger.static / 2**30:.3f} GiB"
     )
 
 
@@ -152,10 +151,12 @@ def _max_seq(args: argparse.Namespace) -> int:
         return _max_seq_compiled(args)
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
-        found = planner.max_seq_len(args.memory, args.model, reserve=args.reserve, **kw)
+        found = planner.largest_seq_len_by_remat(
+            args.memory, args.model, reserve=args.reserve, **kw
+        )
         (mode, plain), (_, offloaded) = found.items()
         print(f"== optimizer={opt} remat={mode} ==")
-        print(f"longest sequence in {args.memory / planner.GB:g} GB: {plain:,} tokens")
+        print(f"longest sequence in {args.memory / GB:g} GB: {plain:,} tokens")
         print(
             f"with each layer's input offloaded to host (remat offload_inputs): "
             f"{offloaded:,} tokens"
@@ -175,7 +176,7 @@ def _compiled_flags(args: argparse.Namespace, opt: str, remat: str) -> dict:
         lora_rank=args.lora_rank,
         quant=_quant(args),
         lora_targets=args.lora_targets,
-        offload=args.offload,
+        offload=Offload.parse(args.offload),
         optimizer=opt,
         remat=remat,
         batch_size=args.batch_size,
@@ -242,16 +243,16 @@ def _why_nothing_fits(args: argparse.Namespace, kw: dict) -> str:
     advice = planner.advise(
         args.memory, args.model, reserve=args.reserve, **{**kw, "seq_len": 1024}
     )
-    need = (advice.ledger.static + args.reserve) / planner.GB
-    lever = next((lv for lv in advice.levers if lv.fits), None)
+    need = (advice.ledger.static + args.reserve) / GB
+    lever = next((s for s in advice.suggestions if s.fits), None)
     help_ = (
-        f"{lever.name} would fit ({lever.total / planner.GB:.2f} GB)"
+        f"{lever.name} would fit ({lever.total / GB:.2f} GB)"
         if lever
         else "none of the levers alone fits; see jmem estimate --memory for a cumulative plan"
     )
     return (
         f"why 0: the {advice.short or 'step'} alone need {need:.2f} GB with the "
-        f"{args.reserve / planner.GB:g} GB reserve, more than {args.memory / planner.GB:g} GB "
+        f"{args.reserve / GB:g} GB reserve, more than {args.memory / GB:g} GB "
         f"even at 1,024 tokens; {help_}"
     )
 

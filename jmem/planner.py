@@ -1,36 +1,39 @@
-"""Memory planner: ledgers of a training configuration, verdicts and levers."""
+"""Memory planner: ledgers of a training configuration, verdicts and suggestions."""
+
+import importlib
+import warnings
 
 from jmem._src.planner.activations import REMAT_MODES
 from jmem._src.planner.activations import activation_bytes
 from jmem._src.planner.advice import DEFAULT_RESERVE
 from jmem._src.planner.advice import Advice
-from jmem._src.planner.advice import Lever
+from jmem._src.planner.advice import Suggestion
 from jmem._src.planner.advice import advise
 from jmem._src.planner.advice import fits
-from jmem._src.planner.ledger import GB
-from jmem._src.planner.ledger import OPTIMIZERS
+from jmem._src.planner.capacity import largest_batch
+from jmem._src.planner.capacity import largest_model
+from jmem._src.planner.capacity import largest_seq_len
+from jmem._src.planner.capacity import largest_seq_len_by_remat
+from jmem._src.planner.estimate import estimate
 from jmem._src.planner.ledger import Ledger
-from jmem._src.planner.ledger import estimate
-from jmem._src.planner.ledger import largest_batch
-from jmem._src.planner.ledger import largest_model
-from jmem._src.planner.ledger import largest_seq_len
-from jmem._src.planner.ledger import max_seq_len
-from jmem._src.planner.ledger import parse_memory
+from jmem._src.planner.offload import Offload
 from jmem._src.planner.shapes import MODEL_SHAPES
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import resolve_shape
 from jmem._src.planner.shapes import standard_shape
+from jmem._src.planner.tables import OPTIMIZERS
+from jmem._src.units import parse_memory
 
 __all__ = (
     "DEFAULT_RESERVE",
-    "GB",
     "MODEL_SHAPES",
     "OPTIMIZERS",
     "REMAT_MODES",
     "Advice",
     "Ledger",
-    "Lever",
     "ModelShape",
+    "Offload",
+    "Suggestion",
     "activation_bytes",
     "advise",
     "estimate",
@@ -38,8 +41,31 @@ __all__ = (
     "largest_batch",
     "largest_model",
     "largest_seq_len",
-    "max_seq_len",
+    "largest_seq_len_by_remat",
     "parse_memory",
     "resolve_shape",
     "standard_shape",
 )
+
+#: Deprecated names, kept for one release: name -> (module, its new name, what to use).
+_DEPRECATED = {
+    "GB": ("jmem._src.units", "GB", "10**9 (bytes in a decimal gigabyte)"),
+    "Lever": ("jmem._src.planner.advice", "Suggestion", "jmem.planner.Suggestion"),
+    "max_seq_len": (
+        "jmem._src.planner.capacity",
+        "largest_seq_len_by_remat",
+        "jmem.planner.largest_seq_len_by_remat (same arguments)",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module 'jmem.planner' has no attribute {name!r}")
+    module, new, use = _DEPRECATED[name]
+    warnings.warn(
+        f"jmem.planner.{name} is deprecated and will be removed in the next release: use {use}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), new)

@@ -146,7 +146,7 @@ def test_qlora_step_tiny_at_4k(tmp_path):
 def test_qlora_step_llama_1b_at_4k_and_the_planner(tmp_path):
     """A mid-size config (llama_1b, QLoRA r=8, 4k tokens, full remat): the NF4 base and the
     adapters' state are the arguments (within 5% of the planner's), the device peak stays
-    under 3 GiB, and the planner calibrated to XLA:GPU (issue #36, item 5) is within 10% of
+    under 3 GiB, and the planner calibrated to XLA:GPU is within 10% of
     this live compile: the dry run's planner column (the step's levers, resolved for the
     target) takes XLA:GPU's terms and is closer than the XLA:CPU model of the same step
     (``tests/test_planner.py`` checks 8B at 2k-128k against the committed compiles of

@@ -168,12 +168,10 @@ def test_planner_resolves_the_same_levers():
     CPU's blockwise both hold no [S, T] scores; explicit dense does. A GPU target also
     takes XLA:GPU's activation terms (no float32 copies of bf16 temporaries: lower)."""
     cfg = llama.get_config("llama3_1_8b")
-    kw = dict(remat="full", seq_len=32768, lora=8, quantization="nf4")
-    dense = planner.estimate(cfg, levers=jmem.Levers(attention="dense"), **kw)
-    cpu = planner.estimate(cfg, levers=jmem.Levers(), target="cpu", **kw)
-    gpu = planner.estimate(cfg, levers=jmem.Levers(), target="gpu", **kw)
+    kw = dict(seq_len=32768, lora=8, quantization="nf4")
+    dense = planner.estimate(cfg, levers=jmem.Levers(remat="full", attention="dense"), **kw)
+    cpu = planner.estimate(cfg, levers=jmem.Levers(remat="full"), target="cpu", **kw)
+    gpu = planner.estimate(cfg, levers=jmem.Levers(remat="full"), target="gpu", **kw)
     assert gpu.activations < cpu.activations < dense.activations / 4
     lv = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 32768))
-    assert planner.estimate(cfg, levers=lv, **{**kw, "remat": None}).config["remat"] == (
-        "offload_inputs"
-    )
+    assert planner.estimate(cfg, levers=lv, **kw).config["remat"] == "offload_inputs"

@@ -183,7 +183,7 @@ def test_planner_transfers_are_the_analytic_sums():
     line = on_disk.trade(20.0, 4.0)
     assert f"moves {4 * (s + m) / 1e9:.3g} GB per step" in line and "at 4 GB/s" in line
     advice = jmem.planner.advise("8GB", n * 30, **kw)
-    names = [lv.name for lv in advice.levers]
+    names = [lv.name for lv in advice.suggestions]
     rungs = [k for k, x in enumerate(names) if "offload" in x or "disk" in x]
     assert [names[k] for k in rungs][-1].endswith("on disk (NVMe)")  # the costliest rung last
 

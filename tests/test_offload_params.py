@@ -231,13 +231,13 @@ def test_streamed_forward_is_the_in_memory_forward():
     ],
 )
 def test_job_offload_flags_map_to_the_planner_rungs(offload, offload_dir, planner_value, job_value):
-    """The dry run's planner ``offload=`` for ``--offload``/``--offload-dir``, and back: the
+    """The job's offload rungs (``offload_of``: ``--offload``/``--offload-dir`` as the planner's
+    ``Offload``), and back: the
     ``jmem estimate --target`` compile's job flags for the planner's value."""
     from jmem._src.finetune import compiled_plan
-    from jmem._src.finetune.dry_run import _offload_value
 
     levers = fc.LeversConfig(offload=offload, offload_dir=offload_dir)
-    assert _offload_value(levers) == planner_value
+    assert fc.offload_of(levers) == jmem.planner.Offload.parse(planner_value)
     flags = compiled_plan.job_flags(
         "tiny", lora_rank=8, quant="nf4", lora_targets=None, offload=planner_value
     )

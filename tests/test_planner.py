@@ -19,8 +19,8 @@ import pytest
 import jmem
 from jmem import planner
 from jmem.__main__ import main
+from jmem._src.units import GB
 from jmem.models import llama
-from jmem.planner import GB
 from jmem.planner import Ledger
 from jmem.planner import advise
 from jmem.planner import estimate
@@ -189,6 +189,68 @@ def test_bad_input_raises():
         estimate("tiny", lora=(8, ("qkv",)))
     with pytest.raises(ValueError, match="24GB"):
         planner.parse_memory("24 potatoes")
+
+
+def test_renamed_planner_names_warn_and_still_work():
+    """``Lever`` (now ``Suggestion``), ``max_seq_len`` (now ``largest_seq_len_by_remat``),
+    ``GB`` (hidden) and ``Advice.levers`` (now ``suggestions``) warn once each and keep
+    working for one release; none is in ``__all__``."""
+    for old, new in (("Lever", "Suggestion"), ("max_seq_len", "largest_seq_len_by_remat")):
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(planner, old) is getattr(planner, new)
+        assert old not in planner.__all__
+    with pytest.warns(DeprecationWarning, match="10"):
+        assert planner.GB == 10**9
+    assert "GB" not in planner.__all__
+    advice = planner.advise("24GB", "llama2_7b", remat="full")
+    with pytest.warns(DeprecationWarning, match="suggestions"):
+        assert advice.levers == advice.suggestions
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        planner.nonexistent  # noqa: B018
+
+
+def test_the_levers_are_the_one_source_of_the_remat():
+    """``remat=`` alone builds the step's levers once, before they are resolved: on a GPU
+    target ``remat="offload"`` turns the token chunks off, as ``jmem.resolve_levers`` (and
+    the job) do. ``remat=`` beside ``levers=`` still works, folded into them, with a
+    ``DeprecationWarning``; ``largest_seq_len_by_remat`` and ``advise`` read the levers'."""
+    cfg = llama.get_config("llama3_1_8b")
+    kw = dict(seq_len=8192, target="h100_sxm", **_QLORA_8B)
+    alone = estimate(cfg, remat="offload", **kw)
+    assert alone == estimate(cfg, levers=jmem.Levers(remat="offload"), **kw)
+    chunked = estimate(cfg, levers=jmem.Levers(remat="offload", token_chunk=0), **kw)
+    assert alone.activations == chunked.activations
+    with pytest.warns(DeprecationWarning, match="levers carry the remat"):
+        both = estimate(cfg, remat="offload", levers=jmem.Levers(remat="full"), **kw)
+    assert both == alone
+    lv = jmem.Levers(remat="selective")
+    found = planner.largest_seq_len_by_remat("24GiB", cfg, levers=lv, **_QLORA_8B)
+    assert set(found) == {"selective", "offload_inputs"}
+    advice = planner.advise("24GiB", cfg, levers=lv, seq_len=65536, **_QLORA_8B)
+    assert "remat 'selective'" not in [s.name for s in advice.suggestions]
+
+
+def test_offload_is_one_value_read_once_from_its_text():
+    """``Offload.parse`` reads every text form ``estimate(offload=)`` takes (a state rung, the
+    params rung, both in either order, True/False); ``str`` is the canonical text, which
+    parses back; an estimate given the value equals the one given its text."""
+    Offload = planner.Offload
+    assert Offload.parse("optimizer,params") == Offload("optimizer", True)
+    assert Offload.parse("params, disk") == Offload("disk", True)
+    assert Offload.parse(True) == Offload("optimizer") and not Offload.parse(False)
+    assert Offload.parse(None) == Offload.parse("none") == Offload()
+    for text in ("none", "optimizer", "optimizer+masters", "disk", "params", "disk,params"):
+        assert str(Offload.parse(text)) == text
+        assert Offload.parse(str(Offload.parse(text))) == Offload.parse(text)
+    for bad in ("optimizer,disk", "host", "", 1, "optimizer,optimizer"):
+        with pytest.raises(ValueError, match="offload must be"):
+            Offload.parse(bad)
+    with pytest.raises(ValueError, match="unknown"):
+        Offload("host")
+    kw = dict(remat="full", lora=8, quantization="nf4")
+    text = estimate("llama2_7b", offload="optimizer,params", **kw)
+    value = estimate("llama2_7b", offload=Offload("optimizer", True), **kw)
+    assert text == value and text.config["offload"] == "optimizer,params"
 
 
 def test_parse_memory():
@@ -386,13 +448,13 @@ def test_largest_batch_and_seq_len_are_tight():
 def test_advise_states_short_orders_levers():
     a = advise("24GB", "llama2_7b", remat="full")
     assert not a.fits and a.short == "states"
-    names = [lv.name for lv in a.levers]
+    names = [lv.name for lv in a.suggestions]
     assert names[0] == "8-bit optimizer states"
     assert names.index("offload optimizer state to host") < names.index(
         next(n for n in names if n.startswith("ZeRO-3"))
     )
-    assert all(lv.total < a.ledger.total for lv in a.levers)
-    assert any(lv.fits for lv in a.levers)  # QLoRA or sharding fits
+    assert all(lv.total < a.ledger.total for lv in a.suggestions)
+    assert any(lv.fits for lv in a.suggestions)  # QLoRA or sharding fits
     assert a.plan and a.plan[-1].fits
     assert "DOES NOT FIT" in str(a)
 
@@ -400,7 +462,7 @@ def test_advise_states_short_orders_levers():
 def test_advise_activations_short():
     a = advise("80GB", "llama_1b", optimizer="adamw", batch_size=16, seq_len=2048)
     assert not a.fits and a.short == "activations"
-    names = [lv.name for lv in a.levers]
+    names = [lv.name for lv in a.suggestions]
     assert names[0].startswith("gradient accumulation")
     assert names.index("remat 'selective'") < names.index("remat 'full'")
     fitting = advise("80GB", "llama_1b", optimizer="adamw", batch_size=1, seq_len=2048)
@@ -499,7 +561,7 @@ def test_every_listed_optimizer_ships_with_that_state_size(name):
     assert got == pytest.approx(per * leaf.size, rel=0.01, abs=64), (got, per)
 
 
-# ----------------------------------------------------------------- long context (#27)
+# ----------------------------------------------------------------------- long context
 
 _QLORA_8B = dict(
     param_dtype="bf16",
@@ -513,8 +575,8 @@ def test_max_seq_len_with_and_without_offload():
     """Llama-3.1-8B QLoRA r=32: with each layer's input in host memory the planner's
     longest sequence beats unsloth's published 78,475 (24 GB) and 342,733 (80 GB)."""
     cfg = llama.get_config("llama3_1_8b")
-    small = planner.max_seq_len("24GB", cfg, **_QLORA_8B)
-    big = planner.max_seq_len("80GB", cfg, **_QLORA_8B)
+    small = planner.largest_seq_len_by_remat("24GB", cfg, **_QLORA_8B)
+    big = planner.largest_seq_len_by_remat("80GB", cfg, **_QLORA_8B)
     assert set(small) == {"full", "offload_inputs"}
     assert 0 < small["full"] < small["offload_inputs"] and small["offload_inputs"] >= 80_000
     assert big["full"] > small["full"] and big["offload_inputs"] >= 350_000
@@ -528,10 +590,9 @@ def test_long_context_paths_change_the_activation_model():
     tokens the dense paths' [S, S] scores and [S, V] logits dominate; the long-context
     ones (a config's default jmem.Levers()) do not."""
     cfg = llama.get_config("llama3_1_8b")
-    dense = jmem.Levers(attention="dense", loss_chunk=0, token_chunk=0)
-    new, old = (
-        estimate(cfg, remat="full", seq_len=32768, levers=lv, **_QLORA_8B) for lv in (None, dense)
-    )
+    dense = jmem.Levers(remat="full", attention="dense", loss_chunk=0, token_chunk=0)
+    new = estimate(cfg, remat="full", seq_len=32768, **_QLORA_8B)
+    old = estimate(cfg, seq_len=32768, levers=dense, **_QLORA_8B)
     assert new.activations < 20 * GB < 200 * GB < old.activations
 
 
@@ -572,9 +633,9 @@ def test_long_context_estimate_matches_compiled_peak(seq):
 
 @pytest.mark.slow
 def test_main_job_step_at_49152_tokens_fits_24_gib():
-    """Issue #27's target: Llama-3.1-8B QLoRA r=32, batch 1, full remat, 8-bit AdamW at
+    """The long-context target: Llama-3.1-8B QLoRA r=32, batch 1, full remat, 8-bit AdamW at
     49,152 tokens compiles to a peak <= 24 GiB on XLA:CPU with default flags (23.14 GiB
-    measured; 26.42 before the token-local chunks), and the planner is within 10%."""
+    measured; 26.42 without the token-local chunks), and the planner is within 10%."""
     cfg = llama.get_config("llama3_1_8b")
     got = _compiled_peak(cfg, 49152)
     want = estimate(cfg, remat="full", seq_len=49152, **_QLORA_8B).total
@@ -619,7 +680,7 @@ def test_dry_run_and_estimate_agree_on_fit_for_the_8b_qlora_job(capsys, seq_len)
     out = capsys.readouterr().out
     assert "model=llama3_1_8b" in out and "optimizer=adamw_8bit remat=full" in out
     total = float(re.search(r"total \(device\)\s+([\d.]+)", out).group(1))
-    assert total == pytest.approx(led.total / planner.GB, abs=1e-3)
+    assert total == pytest.approx(led.total / GB, abs=1e-3)
     assert ("verdict: FITS" in out) == fits, out
 
 
@@ -631,12 +692,13 @@ def test_estimate_max_seq_answers_the_job_figure_and_explains_zero(capsys):
     from jmem import finetune
     from jmem._src.finetune.setup import job_levers
 
-    job = {**_JOB, "levers": job_levers(finetune.FinetuneConfig())}
+    job = {**_JOB, "levers": job_levers(finetune.FinetuneConfig())}  # its remat: full
+    job.pop("remat")
     fit = planner.advise("24GB", "llama3_8b", seq_len=longest, **job)
     over = planner.advise("24GB", "llama3_8b", seq_len=longest + 1024, **job)
     assert fit.fits and not over.fits
     # a longer request's advice offers the longest sequence that fits, never a shorter one
-    shorter = [lv for lv in over.levers if lv.name.startswith("shorter")]
+    shorter = [lv for lv in over.suggestions if lv.name.startswith("shorter")]
     assert shorter and shorter[0].changes["seq_len"] == longest
     main(
         ["estimate", "--model", "llama3_1_8b", "--memory", "12GB", "--max-seq", "--lora-rank", "0"]
@@ -746,17 +808,17 @@ def test_advise_offers_the_params_rung_after_the_state_rungs_before_disk():
     kw = dict(_QLORA_70B, levers=job_levers(finetune.FinetuneConfig()), seq_len=4096)
     advice = planner.advise("24GiB", cfg, **kw)
     assert not advice.fits and advice.short == "states"
-    names = [lv.name for lv in advice.levers]
+    names = [lv.name for lv in advice.suggestions]
     rungs = [n for n in names if "offload" in n or "disk" in n]
     assert rungs[0] == "offload optimizer state to host"
     assert "--offload params" in rungs[-2] and rungs[-1].endswith("on disk (NVMe)")
-    params = next(lv for lv in advice.levers if "--offload params" in lv.name)
-    assert params.fits and params.changes == {"offload": "params"}
+    params = next(lv for lv in advice.suggestions if "--offload params" in lv.name)
+    assert params.fits and params.changes == {"offload": planner.Offload(params=True)}
     assert advice.plan[-1].fits and "--offload params" in advice.plan[-1].name
     assert planner.advise("24GiB", cfg, offload="params", **kw).fits
     # no params rung without a frozen base (jmem streams a frozen base only)
     full = planner.advise("24GiB", "llama2_7b", remat="full", seq_len=1024)
-    assert not any("params" in lv.name for lv in full.levers)
+    assert not any("params" in lv.name for lv in full.suggestions)
 
 
 def test_dry_run_prints_the_bytes_each_rung_moves():
@@ -794,7 +856,7 @@ def _dry_run_70b(offload: str):
     cfg = llama.get_config("llama3_1_70b")
     lv = jmem.resolve_levers(job_levers(config), cfg, (1, 4096), "h100_sxm")
     kw = dry_run._planner_kwargs(config, lv, "bfloat16", list(llama.LINEAR_NAMES), 1)
-    return run, cfg, {**kw, "remat": lv.remat}
+    return run, cfg, kw
 
 
 _OFFLOAD_PARAMS_70B = "benchmarks/results/gpu_compile/offload_params_70b.json"
@@ -847,7 +909,7 @@ def test_card_levers_name_the_job_flags():
     assert job_flags({"lora": (8, "all")}) == ""
 
 
-# --------------------------------------- the planner against XLA:GPU's buffers (#36, item 5)
+# ---------------------------------------------------- the planner against XLA:GPU's buffers
 
 _CALIBRATION = (
     __import__("pathlib").Path(__file__).parent.parent

@@ -14,6 +14,8 @@ from typing import Any
 from typing import Callable
 from typing import Sequence
 
+from jmem._src.units import parse_memory
+
 
 class CliError(ValueError):
     """A bad input: a command prints ``error: <message>`` on one line and exits with status
@@ -106,8 +108,6 @@ def memory(allow_zero: bool) -> Callable[[str], int]:
     def parse(text: str) -> int:
         if allow_zero and re.fullmatch(r"\s*0+(\.0*)?\s*[A-Za-z]*\s*", text):
             return 0
-        from jmem._src.planner.ledger import parse_memory  # noqa: PLC0415 (JAX: on use)
-
         try:
             return parse_memory(text)
         except (TypeError, ValueError) as e:

@@ -24,7 +24,7 @@ from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
-from jmem._src.finetune.config import offloads
+from jmem._src.finetune.config import offload_of
 from jmem._src.finetune.setup import job_levers
 from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.names import check_implements
@@ -189,9 +189,10 @@ def offload_dir_input():
 def offload_mode(config, disk: bool = True):
     """``train_step``'s ``offload_optimizer`` for the job's flags: ``"disk"`` with
     ``--offload-dir`` (``True``, host memory, when ``disk`` is False), else ``--offload``."""
-    if config.levers.offload_dir is not None:
+    offload = offload_of(config.levers)
+    if offload.disk:
         return "disk" if disk else True
-    return offloads(config.levers, "optimizer")
+    return offload.optimizer
 
 
 def checkpointable(state):

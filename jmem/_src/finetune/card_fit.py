@@ -12,7 +12,7 @@ from typing import Mapping
 from jmem._src.measure import format_bytes
 from jmem._src.planner.advice import Advice
 from jmem._src.planner.advice import fits
-from jmem._src.planner.ledger import offload_modes
+from jmem._src.planner.offload import Offload
 
 #: Device memories (GiB) of the cards users compare with: RTX 3090/4090 (24), RTX 5090 (32),
 #: A100 40GB (40), L40S/RTX 6000 Ada (48).
@@ -29,11 +29,11 @@ def job_flags(changes: Mapping) -> str:
     "" for a change the job has no flag for (LoRA, quantization: the job is QLoRA)."""
     flags = []
     if "offload" in changes:
-        state, params = offload_modes(changes["offload"])
-        if state == "disk":
-            flags.append("--offload-dir DIR" + (" --offload params" if params else ""))
+        off = Offload.parse(changes["offload"])
+        if off.disk:
+            flags.append("--offload-dir DIR" + (" --offload params" if off.params else ""))
         else:
-            parts = ["optimizer"] * (state not in (None, False, "none")) + ["params"] * params
+            parts = ["optimizer"] * off.optimizer + ["params"] * off.params
             flags.append("--offload " + ",".join(parts))
     if "optimizer" in changes:
         flags.append(f"--optimizer {changes['optimizer']}")
@@ -52,7 +52,7 @@ def cheapest(advice: Advice) -> tuple[str, int] | None:
     """``(what, planner device total)`` of the cheapest lever of ``advice`` that fits alone
     (its levers are ordered by cost), else of its cumulative plan when that fits, else None.
     ``what``: the job's flags and the planner's name for the lever."""
-    for lever in advice.levers:
+    for lever in advice.suggestions:
         flags = job_flags(lever.changes)
         if lever.fits and flags:
             name = lever.name.split(" (--")[0]  # the params rung names its flag already

@@ -14,7 +14,7 @@ import io
 import tempfile
 
 from jmem._src.cli import CliError
-from jmem._src.planner.ledger import offload_modes
+from jmem._src.planner.offload import Offload
 
 #: ``--max-seq --target`` searches multiples of this many tokens.
 SEARCH_MULTIPLE = 8192
@@ -54,9 +54,9 @@ def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -
         )
     regex = _lora_regex(lora_targets)
     extra = {} if regex is None else {"lora_targets": regex}
-    state, params = offload_modes(offload or False)  # the job has no masters or disk here
-    job = ",".join(["optimizer"] * (state not in (False, None, "none")) + ["params"] * params)
-    return dict(config=model, lora_rank=lora_rank, offload=job or "none", **extra, **flags)
+    off = Offload.parse(offload)  # the job has no masters or disk here: optimizer
+    job = Offload("optimizer" if off.optimizer else "none", off.params)
+    return dict(config=model, lora_rank=lora_rank, offload=str(job), **extra, **flags)
 
 
 def compile_step(flags: dict, target: str, seq_len: int) -> CompiledStep:

@@ -23,6 +23,7 @@ from jmem._src.names import COMPILE_TARGET_NAMES as TARGET_NAMES
 from jmem._src.names import MODEL_NAMES
 from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.names import REMAT_NAMES
+from jmem._src.planner.offload import Offload
 
 #: Default ``--lora-targets``: the seven projections of every layer (the QLoRA paper's).
 ALL_PROJECTIONS = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
@@ -78,6 +79,15 @@ def offload_spec(text: str) -> str:
 def offloads(levers, part: str) -> bool:
     """Whether the levers group's ``--offload`` includes ``part`` (``optimizer``/``params``)."""
     return part in levers.offload.split(",")
+
+
+def offload_of(levers) -> Offload:
+    """The levers group's offload rungs as the planner's and the job's one value: ``--offload``
+    (``optimizer``, ``params``), with ``--offload-dir`` the disk rung for the state."""
+    parts = levers.offload.split(",")
+    state = "optimizer" if "optimizer" in parts else "none"
+    state = "disk" if levers.offload_dir is not None else state
+    return Offload(state, "params" in parts)
 
 
 class _Group:

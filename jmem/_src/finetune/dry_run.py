@@ -23,10 +23,9 @@ from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.build import rows_per_example
-from jmem._src.finetune.config import offloads
+from jmem._src.finetune.config import offload_of
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
-from jmem._src.planner.ledger import offload_value
 from jmem._src.units import format_count
 from jmem.models import llama
 
@@ -94,10 +93,9 @@ def dry_run(config, cfg, mesh=None, target=None):
     smaller = {}
     if config.run.memory is None:  # the target's own memory: the smaller cards too
         kwargs = _planner_kwargs(config, step.levers, dtype, targets, devices)
-        kwargs["remat"] = step.levers.remat  # advise's remat levers start from it
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
-    if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
+    if not fit and not offload_of(config.levers).params and config.levers.remat != "none":
         streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
         _print_params_lever(frozen_bytes, est, streamed)
     out = _record(config, cfg, report, compute, est, step, q_bytes / q_count, n_adapter, mesh)
@@ -253,14 +251,6 @@ def _print_params_lever(frozen_bytes: int, est, streamed) -> None:
     )
 
 
-def _offload_value(levers):
-    """The planner's ``offload=`` for the job's ``--offload``/``--offload-dir``."""
-    state = (
-        "disk" if levers.offload_dir else "optimizer" if offloads(levers, "optimizer") else False
-    )
-    return offload_value(state, offloads(levers, "params"))
-
-
 def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dict:
     """``cards.card_lines`` printed: the verdict for the cards below ``memory`` and the
     planner's cheapest lever per card missed, its totals judged with the compiled
@@ -282,7 +272,7 @@ def _estimate(config, levers, cfg, dtype, targets, devices: int, params: bool = 
     params rung added)."""
     kwargs = _planner_kwargs(config, levers, dtype, targets, devices)
     if params:
-        kwargs["offload"] = offload_value(kwargs["offload"] or False, True)
+        kwargs["offload"] = dataclasses.replace(kwargs["offload"], params=True)
     return planner.estimate(cfg, **kwargs)
 
 
@@ -293,7 +283,7 @@ def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
     offload rungs of ``--offload``/``--offload-dir``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     return dict(
-        offload=_offload_value(config.levers),
+        offload=offload_of(config.levers),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         lora={"rank": config.training.lora_rank, "targets": targets},

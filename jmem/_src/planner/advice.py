@@ -1,31 +1,40 @@
-"""Advice from the planner: does a configuration fit, which ledger is short, which levers help.
-
-Levers are ordered by cost (memory saved for speed or for what is trained); see
-``docs/planner.md`` for the table.
+"""Advice from the planner: does a configuration fit, which ledger is short, and which
+suggestions help (each a memory lever applied to the configuration), ordered by cost (memory
+saved for speed or for what is trained); see ``docs/planner.md`` for the table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 from typing import Mapping
 
 from jmem._src.planner.activations import REMAT_MODES
-from jmem._src.planner.ledger import GB
+from jmem._src.planner.capacity import largest_seq_len
+from jmem._src.planner.estimate import estimate
+from jmem._src.planner.estimate import remat_of
+from jmem._src.planner.estimate import with_remat
 from jmem._src.planner.ledger import Ledger
-from jmem._src.planner.ledger import estimate
-from jmem._src.planner.ledger import largest_seq_len
-from jmem._src.planner.ledger import offload_modes
-from jmem._src.planner.ledger import offload_value
-from jmem._src.planner.ledger import parse_memory
+from jmem._src.planner.offload import Offload
+from jmem._src.units import GB
+from jmem._src.units import parse_memory
 
-__all__ = ["Advice", "Lever", "advise"]
+__all__ = ["DEFAULT_RESERVE", "Advice", "Suggestion", "advise", "fits"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Lever:
-    """One way to cut memory: the estimate after applying it and what it costs."""
+class Suggestion:
+    """One item of ``advise``'s advice: a way to cut memory and what it costs.
+
+    Attributes:
+      name: what to do (``"8-bit optimizer states"``).
+      cost: what it costs (speed, what is trained).
+      changes: the ``estimate`` keywords it changes (``{"optimizer": "adamw_8bit"}``).
+      total: the estimate's device bytes with the changes applied.
+      fits: ``total`` fits the memory less the reserve.
+    """
 
     name: str
     cost: str
@@ -43,9 +52,9 @@ class Advice:
       short: ``None`` when it fits, ``"states"`` when the model state alone (params, grads,
         optimizer, masters) does not fit, else ``"activations"``.
       short_by: bytes missing (0 when it fits).
-      levers: options ordered by cost (cheapest first), each applied alone, with its
-        new total.
-      plan: levers applied cumulatively in cost order (states first, then activations)
+      suggestions: ``Suggestion``s ordered by cost (cheapest first), each applied alone,
+        with its new total.
+      plan: suggestions applied cumulatively in cost order (states first, then activations)
         until the configuration fits; ``plan_total`` is the total after the last one
         (the plan is empty when it fits already; it may end short of fitting).
     """
@@ -56,8 +65,19 @@ class Advice:
     memory: int
     reserve: int
     ledger: Ledger
-    levers: tuple[Lever, ...]
-    plan: tuple[Lever, ...] = ()
+    suggestions: tuple[Suggestion, ...]
+    plan: tuple[Suggestion, ...] = ()
+
+    @property
+    def levers(self) -> tuple[Suggestion, ...]:
+        """Deprecated: ``suggestions``."""
+        warnings.warn(
+            "Advice.levers is deprecated and will be removed in the next release: use "
+            "Advice.suggestions",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.suggestions
 
     def __str__(self) -> str:
         avail = self.memory - self.reserve
@@ -72,9 +92,9 @@ class Advice:
                 f"verdict: DOES NOT FIT: {self.ledger.total / GB:.2f} GB > {avail / GB:.2f} GB "
                 f"usable; short by {self.short_by / GB:.2f} GB in the {self.short} ledger(s)"
             )
-        if self.levers:
+        if self.suggestions:
             lines.append("levers, cheapest first:")
-            for i, lv in enumerate(self.levers, 1):
+            for i, lv in enumerate(self.suggestions, 1):
                 mark = "fits" if lv.fits else "still short"
                 lines.append(f"  {i}. {lv.name}: {lv.total / GB:.2f} GB ({mark}); cost: {lv.cost}")
         if self.plan:
@@ -83,6 +103,17 @@ class Advice:
                 lines.append(f"  + {lv.name}: {lv.total / GB:.2f} GB")
             lines.append("  => fits" if self.plan[-1].fits else "  => still does not fit")
         return "\n".join(lines)
+
+
+def _offload(config: Mapping[str, Any]) -> Offload:
+    """The configuration's offload rungs (``estimate``'s ``offload=``, parsed)."""
+    return Offload.parse(config.get("offload", False))
+
+
+def _apply(config: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with one suggestion's ``changes``; a remat change goes into the levers."""
+    new = {**config, **changes}
+    return with_remat(new, changes["remat"]) if "remat" in changes else new
 
 
 def _check_reserve(memory: Any, reserve: float) -> tuple[int, int]:
@@ -116,21 +147,21 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
                 {"optimizer": opt + "_4bit"},
             )
         )
-    state, params = offload_modes(config.get("offload", False))
-    if state in (None, False, "none"):
+    off = _offload(config)
+    if not off.optimizer:
         cands.append(
             (
                 "offload optimizer state to host",
                 "host<->device copies of the moments every step (PCIe-bound)",
-                {"offload": offload_value("optimizer", params)},
+                {"offload": dataclasses.replace(off, state="optimizer")},
             )
         )
-    if state != "optimizer+masters":
+    if off.state != "optimizer+masters":
         cands.append(
             (
                 "offload optimizer state and masters to host",
                 "more PCIe traffic: moments and fp32 masters every step",
-                {"offload": offload_value("optimizer+masters", params)},
+                {"offload": dataclasses.replace(off, state="optimizer+masters")},
             )
         )
     cands += _params_lever(config) + _disk_lever(config)
@@ -140,16 +171,16 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
 def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
     """The params rung, after the state rungs (it moves far more bytes per step: the frozen
     base 3x) and before disk: for a frozen base (``lora``) under remat, as jmem runs it."""
-    state, params = offload_modes(config.get("offload", False))
-    remat = config.get("remat") or getattr(config.get("levers"), "remat", None)
-    if params or config.get("lora") is None or remat in (None, "none"):
+    off = _offload(config)
+    remat = remat_of(config)
+    if off.params or config.get("lora") is None or remat in (None, "none"):
         return []
     return [
         (
             "stream the frozen base from host per layer (--offload params)",
             "host-to-device copies of the base 3x per step (forward, remat recomputation, "
             "backward; PCIe-bound: ~2 s per 50 GB at 25 GB/s)",
-            {"offload": offload_value(state, True)},
+            {"offload": dataclasses.replace(off, params=True)},
         )
     ]
 
@@ -157,15 +188,15 @@ def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
 def _disk_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
     """The last offload rung: state and masters on disk (the same device bytes as
     ``optimizer+masters``; it frees the host memory, at disk bandwidth)."""
-    state, params = offload_modes(config.get("offload", False))
-    if state == "disk":
+    off = _offload(config)
+    if off.disk:
         return []
     return [
         (
             "optimizer state and masters on disk (NVMe)",
             "as optimizer+masters, plus disk reads and writes of them every step "
             "(~3 GB/s NVMe: several times slower; for when host memory is short too)",
-            {"offload": offload_value("disk", params)},
+            {"offload": dataclasses.replace(off, state="disk")},
         )
     ]
 
@@ -212,7 +243,7 @@ _REMAT_COSTS = {
 
 def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
     """Gradient accumulation, stronger remat, and the longest shorter sequence (a multiple
-    of 1,024 tokens, as ``max_seq_len``) that fits ``avail`` bytes: never a shorter one."""
+    of 1,024 tokens, as ``largest_seq_len_by_remat``) that fits ``avail`` bytes: never a shorter one."""
     cands = []
     b = config.get("batch_size", 1)
     if b > 1:
@@ -223,7 +254,7 @@ def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
                 {"batch_size": 1},
             )
         )
-    cur = config.get("remat") or "none"
+    cur = remat_of(config) or "none"
     for r, cost in _REMAT_COSTS.items():
         if REMAT_MODES.index(r) > REMAT_MODES.index(cur):
             cands.append((f"remat '{r}'", cost, {"remat": r}))
@@ -243,17 +274,17 @@ def _activation_levers(model: Any, config: Mapping[str, Any], avail: int):
 
 def _priced(
     model: Any, config: Mapping[str, Any], cands, current: int, avail: int
-) -> tuple[Lever, ...]:
+) -> tuple[Suggestion, ...]:
     """Each candidate applied alone; drops those that are invalid or save nothing."""
     levers = []
     for name, cost, changes in cands:
         try:
-            t = estimate(model, **{**config, **changes}).total
+            t = estimate(model, **_apply(config, changes)).total
         except ValueError:
             continue
         if t >= current:  # a lever that saves nothing here is no advice
             continue
-        levers.append(Lever(name, cost, changes, t, t <= avail))
+        levers.append(Suggestion(name, cost, changes, t, t <= avail))
     return tuple(levers)
 
 
@@ -273,7 +304,7 @@ def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **confi
     """Does ``model`` train in ``memory``? If not, which ledger is short and what helps.
 
     States short (params + grads + optimizer + masters + reserve > memory): remat cannot
-    help; levers in cost order are 8-bit optimizer states, 4-bit states, offloading the
+    help; suggestions in cost order are 8-bit optimizer states, 4-bit states, offloading the
     moments, offloading the masters too, streaming the frozen base from host memory per
     layer (``offload="params"``, the job's ``--offload params``; with ``lora`` and remat),
     state on disk, ZeRO sharding over the fewest devices that fit, and LoRA / QLoRA
@@ -294,6 +325,8 @@ def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **confi
       ValueError: as :func:`estimate`, or a reserve outside ``[0, memory)``.
     """
     mem, reserve = _check_reserve(memory, reserve)
+    if "offload" in config:
+        config = {**config, "offload": _offload(config)}
     led = estimate(model, **config)
     avail = mem - reserve
     if fits(led.total, mem, reserve):
@@ -322,20 +355,21 @@ def _to_micro_batch(c: Mapping[str, Any]) -> dict | None:
 
 
 def _to_remat(mode: str, c: Mapping[str, Any]) -> dict | None:
-    cur = c.get("remat") or "none"
+    cur = remat_of(c) or "none"
     weaker = REMAT_MODES[: REMAT_MODES.index(mode)]
     return {"remat": mode} if cur in weaker else None
 
 
 def _to_offload_optimizer(c: Mapping[str, Any]) -> dict | None:
-    state, params = offload_modes(c.get("offload", False))
-    none = state in (None, False, "none")
-    return {"offload": offload_value("optimizer", params)} if none else None
+    off = _offload(c)
+    return None if off.optimizer else {"offload": dataclasses.replace(off, state="optimizer")}
 
 
 def _to_offload_masters(c: Mapping[str, Any]) -> dict | None:
-    state, params = offload_modes(c.get("offload", False))
-    return {"offload": offload_value("optimizer+masters", params)} if state == "optimizer" else None
+    off = _offload(c)
+    if off.state != "optimizer":
+        return None
+    return {"offload": dataclasses.replace(off, state="optimizer+masters")}
 
 
 def _to_offload_params(c: Mapping[str, Any]) -> dict | None:
@@ -363,7 +397,7 @@ _PLAN_STEPS = (
 )
 
 
-def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Lever, ...]:
+def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Suggestion, ...]:
     """Greedy cumulative plan: cheapest lever that lowers the total, until it fits."""
     cfg, plan = dict(config), []
     total = estimate(model, **cfg).total
@@ -373,9 +407,9 @@ def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Lever, ...
         ch = change(cfg)
         if not ch:
             continue
-        new = {**cfg, **ch}
+        new = _apply(cfg, ch)
         t = estimate(model, **new).total
         if t < total:
             cfg, total = new, t
-            plan.append(Lever(name, cost, ch, t, t <= avail))
+            plan.append(Suggestion(name, cost, ch, t, t <= avail))
     return tuple(plan)
