@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jmem._src import jaxpr as _jaxpr
 from jmem._src import tree as _tree
 from jmem._src.implicit import matmul_rules as _matmul
+from jmem._src.implicit import modules as _modules
 from jmem._src.implicit import registry as _registry
 from jmem._src.implicit import structural_rules as _structural
-from jmem._src.implicit import targets as _targets
 from jmem._src.implicit.weight import ImplicitWeightError
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import error
@@ -261,11 +261,11 @@ def call(
 
 
 def _add_rule_note(e: ImplicitWeightError, flat: list, lora: dict) -> None:
-    """Appends to ``e`` which target rule made its weight implicit (once, innermost call)."""
+    """Appends to ``e`` which module rule made its weight implicit (once, innermost call)."""
     leaf = dict(flat).get(e.weight_name)
     if leaf is None or getattr(e, "rule_noted", False):
         return
-    note = _targets.rule_note(e.weight_name, flat, nf4=is_nf4(leaf), lora=e.weight_name in lora)
+    note = _modules.rule_note(e.weight_name, flat, nf4=is_nf4(leaf), lora=e.weight_name in lora)
     if note:
         e.args = (f"{e.args[0]} {note}", *e.args[1:])
     e.rule_noted = True
