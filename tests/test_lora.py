@@ -280,7 +280,7 @@ def test_fp8_base_plus_bf16_lowrank_matches_hand_written():
 
 @pytest.mark.slow
 def test_fp8_unsupported_use_raises_or_materializes():
-    """A targeted weight as the *activation* operand of ``fp8_dot`` is not rewritten: the
+    """A selected weight as the *activation* operand of ``fp8_dot`` is not rewritten: the
     call is inlined and its ``abs`` (amax) raises; ``allow_materialize`` quantizes the merged weight."""
     p = _params()
     x = jax.random.normal(jax.random.key(2), (HID, 6))

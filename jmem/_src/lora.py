@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters kept as their own pytree, applied without merging weights.
 
-``apply(fn)`` computes ``x·W + s·(x·a)·b`` at every targeted matmul through the
+``apply(fn)`` computes ``x·W + s·(x·a)·b`` at every selected matmul through the
 implicit-weight interpreter (``jmem/_src/implicit/``). Semantics follow Hu et al. 2021
 ("LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685) and Hugging Face
 PEFT's ``LoraLayer``. Design and limits: ``docs/lora.md``.
@@ -32,7 +32,7 @@ DEFAULT_MODULES = _modules.LORA_DEFAULT_MODULES
 
 #: Last path keys never adapted, whatever ``modules`` says: biases (Qwen2's q/k/v biases are
 #: ``[L, out]`` when stacked, rank 2 like a matrix) and norm scales. PEFT adapts only the
-#: weight of a targeted module, never its bias or a norm.
+#: weight of a target module, never its bias or a norm.
 _NEVER_ADAPTED = ("bias", "scale")
 
 
@@ -314,7 +314,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     """Wraps ``fn(params, *args, **kwargs)`` as ``fn_lora(params, lora, *args, **kwargs)``.
 
     ``fn_lora`` computes ``fn(merge(params, lora), ...)`` as ``x·W + s·(x·a)·b`` at each
-    targeted matmul (no merged weight is built). ``params`` may contain ``NF4Array`` leaves
+    selected matmul (no merged weight is built). ``params`` may contain ``NF4Array`` leaves
     (QLoRA: dequantized per matmul, recomputed in backward). ``lora`` may be ``None``.
 
     LoRA dropout (PEFT's ``lora_dropout``): ``fn_lora(params, lora, *args,
@@ -334,7 +334,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     Args:
       fn: any JAX function whose first argument is a params pytree: a pure model function,
         an NNX ``nnx.merge(graphdef, state)(x)`` wrapper, the reference Llama.
-      allow_materialize: where a targeted weight cannot stay implicit (see ``docs/lora.md``),
+      allow_materialize: where a selected weight cannot stay implicit (see ``docs/lora.md``),
         materialize its merged, dequantized value for that operation instead of raising.
 
     Returns:
@@ -345,7 +345,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
         differentiated (``jax.grad``, ``jax.vjp``, ...) with respect to an adapter of
         ``dropout > 0`` and called without ``lora_dropout_key`` (pass a key to train with
         dropout, ``None`` to train without).
-      jmem.lora.ImplicitWeightError: a targeted weight used other than in a matmul (also
+      jmem.lora.ImplicitWeightError: a selected weight used other than in a matmul (also
         with ``allow_materialize`` when dropout is active: a merged weight cannot drop its
         adapter's input).
     """
