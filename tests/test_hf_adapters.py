@@ -382,7 +382,7 @@ def test_save_params_refuses_undeclared_biases(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_targets_never_adapt_biases_and_qwen2_qlora_trains():
+def test_lora_modules_never_adapt_biases_and_qwen2_qlora_trains():
     """On a Qwen2 tree (stacked q/k/v biases [L, out], rank 2 like a matrix) a regex
     matching biases and norm scales adapts kernels only, and QLoRA training lowers the loss."""
     optax = pytest.importorskip("optax")

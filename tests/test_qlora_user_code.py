@@ -263,7 +263,7 @@ def test_exclude_names():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_error_names_the_users_target_rule(kind):
+def test_error_names_the_users_module_rule(kind):
     """A user regex that picks a stacked norm scale: the error names the weight, says the
     users' modules= chose it (not the default rule) and how to change it."""
     params, fn, blocks = _flax_model(kind)
