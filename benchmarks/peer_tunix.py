@@ -132,7 +132,7 @@ class JmemEqualStep(JmemStep):
             frozen,
             rank=rank,
             alpha=2.0 * rank,
-            targets=TARGETS,
+            modules=TARGETS,
         )
         self._compile(step, step.init(adapters, frozen=frozen), tokens)
 

@@ -72,7 +72,7 @@ def _abstract_qlora(cfg: llama.LlamaConfig, rank: int):
     )
     targets = r"layers/.*_proj/kernel"
     adapters = jax.eval_shape(
-        lambda k: jmem.lora.init(k, frozen, rank=rank, alpha=2 * rank, targets=targets),
+        lambda k: jmem.lora.init(k, frozen, rank=rank, alpha=2 * rank, modules=targets),
         jax.random.key(0),
     )
     return frozen, adapters

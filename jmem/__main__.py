@@ -45,18 +45,27 @@ def _model(name: str) -> Any:
     return name
 
 
-def _lora_targets(text: str) -> tuple[str, ...] | str:
-    from jmem.models import llama  # noqa: PLC0415
+def _lora_targets(text: str) -> str:
+    """argparse type: ``--lora-targets`` as ``jmem finetune`` takes it (``lora_modules``:
+    module names, ``all`` or a regex), canonical, checked against the planner's model."""
+    from jmem._src import lora_modules  # noqa: PLC0415
 
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if names == ["all"]:
-        return "all"
-    return tuple(cli.choices_list(llama.LINEAR_NAMES)(text))
+    selection = lora_modules.parse(text)
+    try:
+        lora_modules.planner_names(selection)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{cli.one_line(e)}; {lora_modules.FORMS}") from None
+    return selection
 
 
 def _lora(args: argparse.Namespace) -> tuple[int, Any] | None:
-    """``(rank, targets)`` from ``--lora-rank``/``--lora-targets``; None without a rank."""
-    return (args.lora_rank, args.lora_targets) if args.lora_rank else None
+    """``(rank, module names)`` from ``--lora-rank``/``--lora-targets``; None without a
+    rank."""
+    from jmem._src import lora_modules  # noqa: PLC0415
+
+    if not args.lora_rank:
+        return None
+    return args.lora_rank, lora_modules.planner_names(args.lora_targets)
 
 
 def _quant(args: argparse.Namespace) -> str | None:
@@ -321,7 +330,7 @@ def _add_estimate(sub, full: bool) -> None:
         "--lora-targets",
         type=_lora_targets,
         default="all",
-        help="comma list or 'all' (default all seven projections, as jmem finetune)",
+        help="module names (q_proj,v_proj), all (the default) or a full-match regex, as finetune",
     )
     p.add_argument(
         "--max-seq",

@@ -49,7 +49,7 @@ def test_train_step_refuses_non_int_microbatches(value):
 def test_lora_refuses_alpha_that_cannot_learn(alpha):
     params = {"w": jnp.ones((4, 4))}
     with pytest.raises(ValueError, match="alpha"):
-        jmem.lora.init(jax.random.key(0), params, rank=2, alpha=alpha, targets=".*")
+        jmem.lora.init(jax.random.key(0), params, rank=2, alpha=alpha, modules=".*")
 
 
 @pytest.mark.parametrize("memory", ["1e400GB", float("inf"), float("nan"), "-3GB"])

@@ -240,7 +240,7 @@ def test_no_decay_warning_for_adam_zero_decay_lamb_or_lora(monkeypatch):
     from jmem._src.train import decay_warning
 
     monkeypatch.setattr(decay_warning, "_warned", False)
-    ad = jmem.lora.init(jax.random.key(0), _STACKED, targets=r"layers/q/kernel")
+    ad = jmem.lora.init(jax.random.key(0), _STACKED, modules=r"layers/q/kernel")
     cases = [
         (optax.adam(1e-3), _STACKED),
         (optax.adamw(1e-3, weight_decay=0.0), _STACKED),

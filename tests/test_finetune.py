@@ -409,6 +409,7 @@ def test_lora_dropout_key_per_step_and_none_at_evaluation():
     gives the loss a key per step (same step: same loss; another step: another), and the
     loss without a key (evaluation) applies no dropout (the loss of dropout 0)."""
     from jmem import lora
+    from jmem._src import lora_modules
     from jmem.models import llama
 
     c = finetune.FinetuneConfig.from_flat(
@@ -418,10 +419,10 @@ def test_lora_dropout_key_per_step_and_none_at_evaluation():
     cfg = llama.get_config("tiny")
     _, loss_fn, dtype, _ = build(c, cfg)
     frozen = quantized_base(c, cfg, dtype, abstract=False)
-    targets = c.training.lora_targets
-    a = lora.init(jax.random.key(1), frozen, rank=4, alpha=16.0, targets=targets, dropout=0.5)
+    modules = lora_modules.modules(c.training.lora_targets)
+    a = lora.init(jax.random.key(1), frozen, rank=4, alpha=16.0, modules=modules, dropout=0.5)
     a = jax.tree.map(lambda x: x + 0.05, a)  # non-zero B: dropout shows
-    a0 = lora.init(jax.random.key(1), frozen, rank=4, alpha=16.0, targets=targets)
+    a0 = lora.init(jax.random.key(1), frozen, rank=4, alpha=16.0, modules=modules)
     a0 = jax.tree.map(lambda x: x + 0.05, a0)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (4, 17)).astype(np.int32)

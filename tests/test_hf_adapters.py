@@ -86,7 +86,7 @@ def test_jmem_adapters_run_in_peft(tmp_path, use_rslora, targets):
         params,
         rank=4,
         alpha=12.0,
-        targets=targets,
+        modules=targets,
         use_rslora=use_rslora,
         dropout=0.1,
         init_lora_weights="gaussian",
@@ -154,7 +154,7 @@ def test_save_load_round_trip_is_bitwise(tmp_path, dtype):
         params,
         rank=3,
         alpha=7.0,
-        targets=r"layers/(q|down)_proj/kernel",
+        modules=r"layers/(q|down)_proj/kernel",
         use_rslora=True,
         dropout=0.25,
         init_lora_weights=False,
@@ -219,10 +219,10 @@ def test_load_and_save_refuse_unmappable_adapters(tmp_path):
     with pytest.raises(ValueError, match="layers_to_transform"):
         hf.load_adapters(str(tmp_path), params, cfg)
     # Saving: a head adapter has no PEFT Llama module here; ranks must agree.
-    head = lora.init(jax.random.key(0), params, rank=2, targets=r"lm_head/kernel")
+    head = lora.init(jax.random.key(0), params, rank=2, modules=r"lm_head/kernel")
     with pytest.raises(ValueError, match="lm_head/kernel"):
         hf.save_adapters(str(tmp_path), head, cfg)
-    mixed = {**ad, **lora.init(jax.random.key(0), params, rank=4, targets=r"layers/o_proj/kernel")}
+    mixed = {**ad, **lora.init(jax.random.key(0), params, rank=4, modules=r"layers/o_proj/kernel")}
     with pytest.raises(ValueError, match="rank"):
         hf.save_adapters(str(tmp_path), mixed, cfg)
 
@@ -238,7 +238,7 @@ def test_save_params_loads_in_transformers(tmp_path, tie):
     cfg = helpers.small_config(vocab_size=97, num_layers=3, tie_embeddings=tie)
     params = llama.init(jax.random.key(0), cfg)
     params = jax.tree.map(lambda x: x * 2.0, params)  # norms of 2: a swapped norm shows
-    ad = _perturb(lora.init(jax.random.key(1), params, rank=4, targets=ALL))
+    ad = _perturb(lora.init(jax.random.key(1), params, rank=4, modules=ALL))
     hf.save_params(str(tmp_path), params, cfg, max_shard_bytes=40_000, adapters=ad)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
@@ -258,7 +258,7 @@ def test_save_params_nf4_one_matrix_at_a_time(tmp_path, monkeypatch):
     cfg = helpers.small_config(vocab_size=97, num_layers=3)
     params = llama.init(jax.random.key(0), cfg)
     q = qlora.quantize_params(params)
-    ad = _perturb(lora.init(jax.random.key(1), q, rank=4, targets=ALL))
+    ad = _perturb(lora.init(jax.random.key(1), q, rank=4, modules=ALL))
     seen = []
     real = nf4.dequantize
     monkeypatch.setattr(
@@ -330,7 +330,7 @@ def test_family_export_loads_in_transformers(tmp_path, family):
     assert _max_diff(_logits(back), want) <= 1e-4, _max_diff(_logits(back), want)
 
     q, _ = hf.load_params(str(tmp_path / "src"), dtype=jnp.float32, quantize="nf4")
-    ad = _perturb(lora.init(jax.random.key(1), q, rank=4, targets=PROJ_ANY))
+    ad = _perturb(lora.init(jax.random.key(1), q, rank=4, modules=PROJ_ANY))
     assert sorted(ad) == [f"layers/{n}/kernel" for n in sorted(llama.LINEAR_NAMES)]
     hf.save_params(str(tmp_path / "qlora"), q, cfg, adapters=ad, dtype=jnp.float32)
     assert hf.load_config(str(tmp_path / "qlora")) == cfg
@@ -382,7 +382,7 @@ def test_save_params_refuses_undeclared_biases(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_targets_never_adapt_biases_and_qwen2_qlora_trains():
+def test_lora_modules_never_adapt_biases_and_qwen2_qlora_trains():
     """On a Qwen2 tree (stacked q/k/v biases [L, out], rank 2 like a matrix) a regex
     matching biases and norm scales adapts kernels only, and QLoRA training lowers the loss."""
     optax = pytest.importorskip("optax")
@@ -390,13 +390,13 @@ def test_lora_targets_never_adapt_biases_and_qwen2_qlora_trains():
     q = qlora.quantize_params(llama.init(jax.random.key(0), cfg))
     assert q["layers"]["q_proj"]["bias"].shape == (cfg.num_layers, cfg.num_heads * cfg.head_dim)
     kernels = [f"layers/{n}/kernel" for n in llama.LINEAR_NAMES]
-    for targets in (PROJ_ANY, r".*", lora.DEFAULT_TARGETS):
-        ad = lora.init(jax.random.key(1), q, targets=targets)
+    for targets in (PROJ_ANY, r".*", lora.DEFAULT_MODULES):
+        ad = lora.init(jax.random.key(1), q, modules=targets)
         assert set(ad) <= set(kernels) | {"lm_head/kernel", "embed/embedding"}, sorted(ad)
         assert not any(p.endswith(("/bias", "/scale")) for p in ad), sorted(ad)
     with pytest.raises(ValueError, match="biases and norm scales excluded"):
-        lora.init(jax.random.key(1), q, targets=r"layers/q_proj/bias")
-    ad = lora.init(jax.random.key(1), q, rank=8, targets=PROJ_ANY)
+        lora.init(jax.random.key(1), q, modules=r"layers/q_proj/bias")
+    ad = lora.init(jax.random.key(1), q, rank=8, modules=PROJ_ANY)
     assert sorted(ad) == sorted(kernels)
     loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))
     opt = optax.adam(3e-3)
@@ -426,7 +426,7 @@ def test_peft_adapters_on_other_families(tmp_path, family):
     (<= 1e-4); PEFT's own adapter -> load_adapters -> jmem: PEFT's logits (<= 1e-4)."""
     test_hf._save_family(tmp_path / "base", family)
     params, cfg = hf.load_params(str(tmp_path / "base"), dtype=jnp.float32)
-    ad = _perturb(lora.init(jax.random.key(1), params, rank=4, alpha=8.0, targets=PROJ_ANY))
+    ad = _perturb(lora.init(jax.random.key(1), params, rank=4, alpha=8.0, modules=PROJ_ANY))
     hf.save_adapters(str(tmp_path / "ad"), ad, cfg)
     c = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert c["target_modules"] == sorted(llama.LINEAR_NAMES) and c["bias"] == "none"

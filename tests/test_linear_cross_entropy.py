@@ -111,7 +111,7 @@ def test_qlora_nf4_head_stays_implicit():
         llama.init(jax.random.key(0), cfg), lambda p, x: p.endswith("kernel")
     )
     adapters = jmem.lora.init(
-        jax.random.key(1), params, rank=4, targets=lambda p, x: "lm_head" in p or "q_proj" in p
+        jax.random.key(1), params, rank=4, modules=lambda p, x: "lm_head" in p or "q_proj" in p
     )
     assert any("lm_head" in k for k in adapters)
     batch = token_batch(cfg, seq_len=24)

@@ -190,7 +190,7 @@ def test_generate_on_nf4_base_with_adapters():
     cfg = llama.get_config("tiny", num_layers=2)
     dense = llama.init(jax.random.key(0), cfg)
     q = qlora.quantize_params(dense)
-    ad = lora.init(jax.random.key(1), q, rank=4, targets=".*(q_proj|v_proj|down_proj).*")
+    ad = lora.init(jax.random.key(1), q, rank=4, modules=".*(q_proj|v_proj|down_proj).*")
     ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), ad)
     merged = lora.merge(qlora.dequantize_params(q), ad)
     prompt = jax.random.randint(jax.random.key(3), (1, 5), 0, 256, jnp.int32)

@@ -56,8 +56,8 @@ class QLoRAPropertyTest(chex.TestCase):
     @pytest.mark.slow
     def test_loss_and_grads_equal_dense_merged(self):
         """QLoRA loss and adapter grads equal the dequantized, merged dense computation."""
-        q = jax.jit(functools.partial(qlora.quantize_params, targets=r".*"))(_mlp_params())
-        init = functools.partial(lora.init, targets=r".*", rank=4)
+        q = jax.jit(functools.partial(qlora.quantize_params, modules=r".*"))(_mlp_params())
+        init = functools.partial(lora.init, modules=r".*", rank=4)
         ad = _nonzero(jax.jit(init)(jax.random.key(4), q), s=0.2)
         x = jax.random.normal(jax.random.key(5), (4, 32))
         deq = jax.jit(qlora.dequantize_params)(q)
@@ -70,7 +70,7 @@ class QLoRAPropertyTest(chex.TestCase):
 
 
 @pytest.mark.slow
-def test_quantize_default_targets():
+def test_quantize_default_modules():
     p = llama.init(jax.random.key(0), CFG)
     q = qlora.quantize_params(p)
     is_q = lambda x: isinstance(x, nf4.NF4Array)
@@ -87,7 +87,7 @@ def test_quantize_default_targets():
         assert not is_q(leaf), path
     assert jmem.tree.nbytes(q) < 0.35 * jmem.tree.nbytes(p)
     with pytest.raises(ValueError, match="matched no weight"):
-        qlora.quantize_params(p, targets="nothing")
+        qlora.quantize_params(p, modules="nothing")
 
 
 @pytest.mark.slow
@@ -95,7 +95,7 @@ def test_llama_outputs_and_grads_match_dequantized_merged():
     p = llama.init(jax.random.key(0), CFG)
     q = qlora.quantize_params(p)
     deq = qlora.dequantize_params(q)
-    ad = _nonzero(lora.init(jax.random.key(2), q, targets=PROJ))
+    ad = _nonzero(lora.init(jax.random.key(2), q, modules=PROJ))
     batch = _batch()
     fwd = jax.jit(qlora.apply(lambda p, t: llama.forward(p, t, CFG)))
     ref_fwd = jax.jit(lambda p, t: llama.forward(p, t, CFG))
@@ -118,7 +118,7 @@ def test_no_dequantized_weight_kept_for_backward():
     NF4 matmul saves x and the packed codes (forwarded scan inputs), not bf16 weights."""
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
     q = qlora.quantize_params(p)
-    ad = lora.init(jax.random.key(2), q, targets=PROJ)
+    ad = lora.init(jax.random.key(2), q, modules=PROJ)
     loss = qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG))
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(q, ad, _batch()).jaxpr
     weight_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(p["layers"]) if x.ndim == 3}
@@ -141,7 +141,7 @@ def test_frozen_nf4_matmul_saves_no_input():
     only residual is the packed weight, never the ``[N, in]`` input (issue #30: each saved
     input was a stacked copy per projection per layer without remat)."""
     w = {"kernel": jax.random.normal(jax.random.key(0), (64, 48))}
-    q = qlora.quantize_params(w, targets=r".*")
+    q = qlora.quantize_params(w, modules=r".*")
     x = jax.random.normal(jax.random.key(1), (16, 64))
     f = qlora.apply(lambda p, x: jnp.tanh(x @ p["kernel"]))
     shapes = _residual_shapes(lambda x: f(q, None, x), x)
@@ -158,8 +158,8 @@ def test_adapters_on_one_input_save_it_once():
     their ``a`` gradients, not three (``lora_term``'s per-evaluation memo)."""
     k = jax.random.split(jax.random.key(2), 4)
     w = {n: {"kernel": jax.random.normal(kk, (32, 32)) * 0.2} for n, kk in zip("qkv", k)}
-    q = qlora.quantize_params(w, targets=r".*")
-    ad = _nonzero(lora.init(jax.random.key(3), q, targets=r".*", rank=4))
+    q = qlora.quantize_params(w, modules=r".*")
+    ad = _nonzero(lora.init(jax.random.key(3), q, modules=r".*", rank=4))
     x = jax.random.normal(k[3], (2, 8, 32))
     f = qlora.apply(lambda p, x: sum(jnp.tanh(x @ p[n]["kernel"]) for n in "qkv").sum())
     shapes = _residual_shapes(lambda a: f(q, a, x), ad)
@@ -177,7 +177,7 @@ def test_cpu_dequantization_tie_reads_one_element_of_the_activation():
     activation's first element, not a reduction over all of it (which cost 9% of a QLoRA
     step, issue #30)."""
     w = {"kernel": jax.random.normal(jax.random.key(0), (64, 48))}
-    q = qlora.quantize_params(w, targets=r".*")
+    q = qlora.quantize_params(w, modules=r".*")
     x = jax.random.normal(jax.random.key(1), (16, 64))
     f = qlora.apply(lambda p, x: jnp.tanh(x @ p["kernel"]).sum())
     text = jax.jit(jax.grad(lambda x: f(q, None, x))).lower(x).as_text()
@@ -202,8 +202,8 @@ def test_plain_function_python_loop_and_fori_loop():
         x = jax.lax.fori_loop(0, 3, lambda i, x: jnp.tanh(x @ p["stack"][i].T), x)
         return jnp.einsum("hv,bh->bv", p["head"], x)
 
-    q = qlora.quantize_params(p, targets=r".*")
-    ad = _nonzero(lora.init(jax.random.key(4), q, targets=r".*", rank=4), s=0.2)
+    q = qlora.quantize_params(p, modules=r".*")
+    ad = _nonzero(lora.init(jax.random.key(4), q, modules=r".*", rank=4), s=0.2)
     x = jax.random.normal(k[2], (4, 32))
     deq = qlora.dequantize_params(q)
     f = jax.jit(qlora.apply(fn))
@@ -231,7 +231,7 @@ def test_nnx_model():
     q = qlora.quantize_params(state)
     flat, _ = flatten_params(q)
     assert {p for p, x in flat if isinstance(x, nf4.NF4Array)} == {"fc1/kernel", "fc2/kernel"}
-    ad = _nonzero(lora.init(jax.random.key(1), q, targets=r".*kernel", rank=4), s=0.2)
+    ad = _nonzero(lora.init(jax.random.key(1), q, modules=r".*kernel", rank=4), s=0.2)
     x = jax.random.normal(jax.random.key(2), (5, 32))
     deq = qlora.dequantize_params(q)
     chex.assert_trees_all_close(
@@ -265,7 +265,7 @@ def _train(loss, q, ad, opt, steps=6):
 def test_training_step_lowers_loss():
     p = llama.init(jax.random.key(0), CFG)
     q = qlora.quantize_params(p)
-    ad = lora.init(jax.random.key(2), q, targets=PROJ, rank=8)
+    ad = lora.init(jax.random.key(2), q, modules=PROJ, rank=8)
     losses = _train(qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG)), q, ad, optax.adamw(3e-3))
     assert losses[-1] < losses[0] - 0.05, losses
 
@@ -279,7 +279,7 @@ def test_training_step_remat_bf16_8bit_adamw():
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)  # bf16 weights and activations
     q = qlora.quantize_params(p)
     assert q["layers"]["q_proj"]["kernel"].dtype == jnp.bfloat16
-    ad = lora.init(jax.random.key(2), q, targets=PROJ, rank=8)
+    ad = lora.init(jax.random.key(2), q, modules=PROJ, rank=8)
     loss = qlora.apply(remat(lambda p, b: llama.loss_fn(p, b, CFG), "full"))
     losses = _train(loss, q, ad, opt)
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.05, losses
@@ -331,7 +331,7 @@ def test_fp8_base_exact_at_init_and_no_weight_residuals():
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
     q = qlora.quantize_params(p)
     metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
-    ad = lora.init(jax.random.key(2), q, targets=FP8_LORA)
+    ad = lora.init(jax.random.key(2), q, modules=FP8_LORA)
     batch = _batch()
     fwd = jax.jit(qlora.apply(lambda p, t, m: llama.forward(p, t, CFG, fp8=m)))
     ref = jax.jit(lambda p, t, m: llama.forward(p, t, CFG, fp8=m))
@@ -376,7 +376,7 @@ def test_fp8_remat_train_step():
     p = llama.init(jax.random.key(0), CFG, dtype=jnp.bfloat16)
     q = qlora.quantize_params(p)
     metas = fp8.init_metas(p, FP8_NAMES, history_len=4)
-    ad = lora.init(jax.random.key(2), q, targets=FP8_LORA, rank=8)
+    ad = lora.init(jax.random.key(2), q, modules=FP8_LORA, rank=8)
     lq = qlora.apply(lambda p, b, m: llama.loss_fn(p, b, CFG, fp8=m))
 
     def loss(adapters, batch, *, frozen, fp8):

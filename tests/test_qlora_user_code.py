@@ -1,5 +1,5 @@
 """QLoRA on models written without jmem in mind: Python-loop (unrolled) layers, Flax
-``nn.scan`` / ``nnx.scan`` stacks with default targets, error messages naming the target
+``nn.scan`` / ``nnx.scan`` stacks with default modules, error messages naming the module
 rule, and name stacks kept through the implicit-weight interpreter."""
 
 import functools
@@ -16,7 +16,7 @@ from flax import nnx
 from jmem import lora
 from jmem import nf4
 from jmem import qlora
-from jmem._src.implicit.targets import per_layer_vectors
+from jmem._src.implicit.modules import per_layer_vectors
 from jmem._src.implicit.weight import flatten_params
 
 # ------------------------------------------------------------ unrolled vs scanned memory
@@ -47,8 +47,8 @@ def _train_step_temp_bytes(fn, stacked: bool, quantize: bool, batched: bool = Fa
     allocated); the frozen base is an argument of the step, as in a train step."""
     base = _abstract_params(stacked)
     if quantize:
-        base = jax.eval_shape(functools.partial(qlora.quantize_params, targets=r".*w"), base)
-    ad = jax.eval_shape(lambda: lora.init(jax.random.key(0), base, targets=r".*w", rank=8))
+        base = jax.eval_shape(functools.partial(qlora.quantize_params, modules=r".*w"), base)
+    ad = jax.eval_shape(lambda: lora.init(jax.random.key(0), base, modules=r".*w", rank=8))
     x = jax.ShapeDtypeStruct((B, 1, D) if batched else (B, D), jnp.float32)
     loss = lambda a, q, x: jnp.mean(qlora.apply(fn)(q, a, x) ** 2)
     step = jax.value_and_grad(loss)
@@ -89,8 +89,8 @@ def test_ordering_is_a_barrier_on_gpu_tpu_and_a_data_dependency_on_cpu():
     optimization barrier where XLA keeps barriers through scheduling (GPU, TPU: no extra
     compute or communication), a popcount-zero dependency on XLA:CPU."""
     base = _abstract_params(stacked=False)
-    q = jax.eval_shape(functools.partial(qlora.quantize_params, targets=r".*w"), base)
-    ad = jax.eval_shape(lambda: lora.init(jax.random.key(0), q, targets=r".*w", rank=8))
+    q = jax.eval_shape(functools.partial(qlora.quantize_params, modules=r".*w"), base)
+    ad = jax.eval_shape(lambda: lora.init(jax.random.key(0), q, modules=r".*w", rank=8))
     x = jax.ShapeDtypeStruct((B, D), jnp.float32)
     loss = lambda a, q, x: jnp.mean(qlora.apply(_loop)(q, a, x) ** 2)
     traced = jax.jit(jax.value_and_grad(loss)).trace(ad, q, x)
@@ -120,8 +120,8 @@ def test_batch_sharded_activations_explicit_mesh():
 def _small_loop_case():
     k = jax.random.split(jax.random.key(3), L + 1)
     p = {"layers": [{"w": jax.random.normal(k[i], (64, 64)) * 0.2} for i in range(L)]}
-    q = qlora.quantize_params(p, targets=r".*w")
-    ad = lora.init(jax.random.key(4), q, targets=r".*w", rank=4)
+    q = qlora.quantize_params(p, modules=r".*w")
+    ad = lora.init(jax.random.key(4), q, modules=r".*w", rank=4)
     ad = jax.tree.map(lambda a: a + 0.05, ad)  # b != 0: the low-rank path matters
     return q, ad, jax.random.normal(k[-1], (5, 64))
 
@@ -220,8 +220,8 @@ def _nf4_paths(tree):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_default_targets_on_scanned_flax_model_train(kind):
-    """Default targets quantize the stacked kernels and the head, never a norm scale or a
+def test_default_modules_on_scanned_flax_model_train(kind):
+    """Default modules quantize the stacked kernels and the head, never a norm scale or a
     per-layer vector ([NL, H] looks like a matrix); training the adapters works."""
     params, fn, blocks = _flax_model(kind)
     flat = flatten_params(params)[0]
@@ -233,7 +233,7 @@ def test_default_targets_on_scanned_flax_model_train(kind):
     head = blocks.replace("blocks", "head")
     assert _nf4_paths(q) == {f"{blocks}/fc1/kernel", f"{blocks}/fc2/kernel", f"{head}/kernel"}
 
-    ad = lora.init(jax.random.key(1), q, targets=r".*fc\d/kernel", rank=4)
+    ad = lora.init(jax.random.key(1), q, modules=r".*fc\d/kernel", rank=4)
     x = jax.random.normal(jax.random.key(2), (16, H))
     y = jax.random.normal(jax.random.key(3), (16, 8))
     loss = lambda a: jnp.mean((qlora.apply(fn)(q, a, x) - y) ** 2)
@@ -257,23 +257,23 @@ def test_exclude_names():
     excluded = ["ln1/scale", "model/ln_f/kernel", "blocks/lnf/w", "x/norm1/w", "a/scale"]
     kept = ["blocks/fc1/kernel", "mlp/linear/kernel", "attn/upscale_proj/kernel"]
     leaf = jax.ShapeDtypeStruct((4, 4), jnp.float32)
-    assert not any(qlora.default_targets(p, leaf) for p in excluded)
-    assert all(qlora.default_targets(p, leaf) for p in kept)
+    assert not any(qlora.default_modules(p, leaf) for p in excluded)
+    assert all(qlora.default_modules(p, leaf) for p in kept)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_error_names_the_users_target_rule(kind):
+def test_error_names_the_users_module_rule(kind):
     """A user regex that picks a stacked norm scale: the error names the weight, says the
-    users' targets= chose it (not the default rule) and how to change it."""
+    users' modules= chose it (not the default rule) and how to change it."""
     params, fn, blocks = _flax_model(kind)
-    q = qlora.quantize_params(params, targets=r".*(kernel|ln1/scale)")
+    q = qlora.quantize_params(params, modules=r".*(kernel|ln1/scale)")
     with pytest.raises(qlora.ImplicitWeightError) as info:
         qlora.apply(fn)(q, None, jnp.ones((4, H)))
     msg = str(info.value)
     assert f"'{blocks}/ln1/scale'" in msg and "non-stacked axis" in msg
     assert "default rule would not pick it" in msg
-    assert "the targets= regex/predicate passed to qlora.quantize_params" in msg
+    assert "the modules= selection passed to qlora.quantize_params" in msg
 
 
 @pytest.mark.slow
@@ -284,11 +284,11 @@ def test_error_names_the_default_rules():
     with pytest.raises(qlora.ImplicitWeightError, match=r"'w'.*'reduce_sum'.*default rule picks"):
         qlora.apply(lambda p, x: x * jnp.sum(p["w"]))(q, None, x)
     p = {"q_proj": w, "w": w}
-    ad = lora.init(jax.random.key(1), p)  # lora.DEFAULT_TARGETS picks q_proj
-    with pytest.raises(qlora.ImplicitWeightError, match=r"default targets \(lora.DEFAULT_TARGETS"):
+    ad = lora.init(jax.random.key(1), p)  # lora.DEFAULT_MODULES picks q_proj
+    with pytest.raises(qlora.ImplicitWeightError, match=r"default modules \(lora.DEFAULT_MODULES"):
         lora.apply(lambda p, x: x * jnp.sum(p["q_proj"]))(p, ad, x)
-    ad = lora.init(jax.random.key(1), p, targets="w")
-    with pytest.raises(qlora.ImplicitWeightError, match=r"targets= regex/predicate passed to lora"):
+    ad = lora.init(jax.random.key(1), p, modules="w")
+    with pytest.raises(qlora.ImplicitWeightError, match=r"modules= selection passed to lora"):
         lora.apply(lambda p, x: x * jnp.sum(p["w"]))(p, ad, x)
 
 
@@ -318,8 +318,8 @@ def test_name_stacks_survive_the_interpreter(grad):
         "head": jax.random.normal(k[1], (32, 16)) * 0.1,
         "ln_f": jnp.ones((32,)),
     }
-    q = qlora.quantize_params(p, targets="stack|head")
-    ad = lora.init(jax.random.key(2), q, targets="stack|head", rank=4)
+    q = qlora.quantize_params(p, modules="stack|head")
+    ad = lora.init(jax.random.key(2), q, modules="stack|head", rank=4)
     x = jnp.ones((4, 32))
     f = qlora.apply(_scoped_model)
     if grad:

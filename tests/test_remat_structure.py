@@ -177,7 +177,7 @@ def test_qlora_loss_of_the_main_job_checkpoints_each_layer_once():
 
     cfg = helpers.small_config()
     q = qlora.quantize_params(llama.init(jax.random.key(0), cfg))
-    ad = lora.init(jax.random.key(1), q, targets=r"layers/.*_proj/kernel", rank=4)
+    ad = lora.init(jax.random.key(1), q, modules=r"layers/.*_proj/kernel", rank=4)
     batch = helpers.token_batch(cfg, 1, 8)
     loss = lambda ad, b: qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))(q, ad, b)
     assert_structure(jmem.remat(loss, "full"), loss, ad, batch)

@@ -111,7 +111,7 @@ def test_qlora_nf4_head_stays_implicit():
     adapter gradients) and nothing materializes the head (no ImplicitWeightError)."""
     x, head, targets, mask = _inputs(mask_kind="bool")
     params = qlora.quantize_params({"head": head}, lambda p, leaf: True, block_size=32)
-    adapters = jmem.lora.init(jax.random.key(1), params, rank=4, targets=lambda p, leaf: True)
+    adapters = jmem.lora.init(jax.random.key(1), params, rank=4, modules=lambda p, leaf: True)
     noise = lambda a: a + 0.1 * jax.random.normal(jax.random.key(2), a.shape)  # noqa: E731
     adapters = jax.tree.map(noise, adapters)  # random B != 0: the adapter acts
 

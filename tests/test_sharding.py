@@ -278,7 +278,7 @@ def test_qlora_sharded_matches_single_device():
         "b1": params["b1"],
         "w2": {"kernel": nf4.quantize(params["w2"]["kernel"])},
     }
-    adapters = lora.init(jax.random.key(5), base, rank=4, targets=r".*kernel")
+    adapters = lora.init(jax.random.key(5), base, rank=4, modules=r".*kernel")
     # The qlora loss: adapters trained, the NF4 base frozen (jmem.lora.apply on NF4 leaves).
     loss = lambda a, b, frozen: lora.apply(mlp)(frozen, a, b)
     ref_step = train_step(loss, adam())

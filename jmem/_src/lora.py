@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters kept as their own pytree, applied without merging weights.
 
-``apply(fn)`` computes ``x·W + s·(x·a)·b`` at every targeted matmul through the
+``apply(fn)`` computes ``x·W + s·(x·a)·b`` at every selected matmul through the
 implicit-weight interpreter (``jmem/_src/implicit/``). Semantics follow Hu et al. 2021
 ("LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685) and Hugging Face
 PEFT's ``LoraLayer``. Design and limits: ``docs/lora.md``.
@@ -11,26 +11,67 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any
 from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jmem._src import lora_modules as _lora_modules
 from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 from jmem._src.implicit import interpreter as _implicit
-from jmem._src.implicit import targets as _targets
+from jmem._src.implicit import modules as _modules
 
-__all__ = ["LoraWeight", "init", "apply", "merge", "num_trainable", "DEFAULT_TARGETS"]
+__all__ = ["LoraWeight", "init", "apply", "merge", "num_trainable", "DEFAULT_MODULES"]
 
-#: Default targets, as PEFT's default for Llama: the query and value projections.
-DEFAULT_TARGETS = _targets.LORA_DEFAULT_TARGETS
+#: Default modules, as PEFT's default for Llama: the query and value projections.
+DEFAULT_MODULES = _modules.LORA_DEFAULT_MODULES
 
-#: Last path keys never adapted, whatever ``targets`` says: biases (Qwen2's q/k/v biases are
+#: Last path keys never adapted, whatever ``modules`` says: biases (Qwen2's q/k/v biases are
 #: ``[L, out]`` when stacked, rank 2 like a matrix) and norm scales. PEFT adapts only the
-#: weight of a targeted module, never its bias or a norm.
+#: weight of a target module, never its bias or a norm.
 _NEVER_ADAPTED = ("bias", "scale")
+
+
+#: A keyword argument not passed.
+_UNSET = object()
+
+
+def renamed_keyword(where: str, old, new, default):
+    """``new``, or the value of the deprecated keyword ``targets=`` (``old``) with a
+    ``DeprecationWarning``; both passed raises ``TypeError``."""
+    if old is _UNSET:
+        return new
+    if new is not default:
+        raise TypeError(f"{where}: pass modules= only (targets= is its deprecated name).")
+    warnings.warn(
+        f"{where}(targets=...) is deprecated; pass modules=... (the same values).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old
+
+
+def _chosen(adaptable: list, modules) -> list:
+    """The ``(path, leaf)`` of ``adaptable`` that ``modules`` (names, regex or predicate)
+    selects; raises ``ValueError`` (``lora_modules.choose``'s, naming the modules of the
+    weights LoRA may adapt) when none is or a name matches none."""
+    if callable(modules):
+        pred = _tree.path_predicate(modules)
+        chosen = [(p, x) for p, x in adaptable if pred(p, x)]
+        if not chosen:
+            raise ValueError(
+                f"No weight of rank >= 2 (biases and norm scales excluded) is selected by "
+                f"modules={modules!r}; paths are {[p for p, _ in adaptable][:20]}."
+            )
+        return chosen
+    if not isinstance(modules, (str, list, tuple)):
+        _tree.path_predicate(modules)  # the TypeError naming what modules= takes
+    paths = set(_lora_modules.choose(modules, [p for p, _ in adaptable]))
+    return [(p, x) for p, x in adaptable if p in paths]
 
 
 def _adaptable(path: str, leaf) -> bool:
@@ -147,15 +188,16 @@ def init(
     *,
     rank: int = 8,
     alpha: float = 16.0,
-    targets: str | Callable[[str, Any], bool] = DEFAULT_TARGETS,
+    modules: str | Sequence[str] | Callable[[str, Any], bool] = DEFAULT_MODULES,
     init_lora_weights: bool | str = True,
     use_rslora: bool = False,
     dropout: float = 0.0,
     dtype=jnp.float32,
     init: str | None = None,
     rslora: bool | None = None,
+    targets: Any = _UNSET,
 ) -> dict[str, LoraWeight]:
-    """Creates LoRA adapters for the weights of ``params`` matched by ``targets``.
+    """Creates LoRA adapters for the weights of ``params`` that ``modules`` selects.
 
     Options are named as in PEFT's ``LoraConfig`` (``r`` -> ``rank``, ``lora_alpha`` ->
     ``alpha``, ``lora_dropout`` -> ``dropout``) and are recorded on each ``LoraWeight`` so
@@ -166,8 +208,11 @@ def init(
       params: the base params pytree (arrays, ``NF4Array`` or ``ShapeDtypeStruct`` leaves).
       rank: r, the adapter rank (>= 1).
       alpha: LoRA alpha; the scale is ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA).
-      targets: regex matched (``re.fullmatch``) against each leaf's '/'-joined path, or a
-        predicate ``(path, leaf) -> bool``. Only weights are adapted, as in PEFT (which
+      modules: module names as PEFT's ``target_modules`` (a list or tuple such as
+        ``["q_proj", "v_proj"]``: a weight whose module path, its path less the last key,
+        is a name or ends with ``/name``; each name must match), a regex matched
+        (``re.fullmatch``) against each leaf's '/'-joined path, or a predicate
+        ``(path, leaf) -> bool``. Only weights are adapted, as in PEFT (which
         adapts a module's weight, never its bias): leaves of rank >= 2 whose last path key
         is not ``bias`` or ``scale`` (so ``.*q_proj.*`` takes ``layers/q_proj/kernel``, not
         Qwen2's stacked ``layers/q_proj/bias [L, out]`` nor a stacked norm scale); rank-3+
@@ -187,13 +232,15 @@ def init(
       dtype: dtype of ``a`` and ``b`` (float32 by default, as PEFT keeps adapters).
       init: older name of ``init_lora_weights``: ``"kaiming"`` (= ``True``) or ``"gaussian"``.
       rslora: older name of ``use_rslora``.
+      targets: deprecated name of ``modules``.
 
     Returns:
       ``{path: LoraWeight}``, ordered as the leaves of ``params``.
 
     Raises:
       ValueError: for rank < 1, alpha <= 0, a dropout outside ``[0, 1)``, an unknown or
-        contradictory init choice, or when no leaf matches ``targets``.
+        contradictory init choice, a module name that matches no weight, or when no
+        weight is selected.
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int; got {rank!r}.")
@@ -206,14 +253,9 @@ def init(
         )
     how, use_rslora = _init_choice(init_lora_weights, init, use_rslora, rslora)
     scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-    pred = _tree.path_predicate(targets)
+    modules = renamed_keyword("lora.init", targets, modules, DEFAULT_MODULES)
     flat, _ = _implicit.flatten_params(params)
-    chosen = [(p, x) for p, x in flat if _adaptable(p, x) and pred(p, x)]
-    if not chosen:
-        raise ValueError(
-            f"No weight of rank >= 2 (biases and norm scales excluded) matches "
-            f"targets={targets!r}; paths are {[p for p, _ in flat][:20]}."
-        )
+    chosen = _chosen([(p, x) for p, x in flat if _adaptable(p, x)], modules)
     keys = jax.random.split(key, len(chosen))
     out: dict[str, LoraWeight] = {}
     for k, (path, w) in zip(keys, chosen):
@@ -272,7 +314,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     """Wraps ``fn(params, *args, **kwargs)`` as ``fn_lora(params, lora, *args, **kwargs)``.
 
     ``fn_lora`` computes ``fn(merge(params, lora), ...)`` as ``x·W + s·(x·a)·b`` at each
-    targeted matmul (no merged weight is built). ``params`` may contain ``NF4Array`` leaves
+    selected matmul (no merged weight is built). ``params`` may contain ``NF4Array`` leaves
     (QLoRA: dequantized per matmul, recomputed in backward). ``lora`` may be ``None``.
 
     LoRA dropout (PEFT's ``lora_dropout``): ``fn_lora(params, lora, *args,
@@ -292,7 +334,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
     Args:
       fn: any JAX function whose first argument is a params pytree: a pure model function,
         an NNX ``nnx.merge(graphdef, state)(x)`` wrapper, the reference Llama.
-      allow_materialize: where a targeted weight cannot stay implicit (see ``docs/lora.md``),
+      allow_materialize: where a selected weight cannot stay implicit (see ``docs/lora.md``),
         materialize its merged, dequantized value for that operation instead of raising.
 
     Returns:
@@ -303,7 +345,7 @@ def apply(fn: Callable, *, allow_materialize: bool = False) -> Callable:
         differentiated (``jax.grad``, ``jax.vjp``, ...) with respect to an adapter of
         ``dropout > 0`` and called without ``lora_dropout_key`` (pass a key to train with
         dropout, ``None`` to train without).
-      jmem.lora.ImplicitWeightError: a targeted weight used other than in a matmul (also
+      jmem.lora.ImplicitWeightError: a selected weight used other than in a matmul (also
         with ``allow_materialize`` when dropout is active: a merged weight cannot drop its
         adapter's input).
     """

@@ -16,25 +16,26 @@ from jmem._src import lora as _lora
 from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 from jmem._src.implicit import interpreter as _implicit
-from jmem._src.implicit import targets as _targets
-from jmem._src.implicit.targets import EXCLUDE
-from jmem._src.implicit.targets import default_targets
+from jmem._src.implicit import modules as _modules
+from jmem._src.implicit.modules import EXCLUDE
+from jmem._src.implicit.modules import default_modules
 
-__all__ = ["quantize_params", "dequantize_params", "apply", "default_targets", "EXCLUDE"]
+__all__ = ["quantize_params", "dequantize_params", "apply", "default_modules", "EXCLUDE"]
 
 
 def quantize_params(
     params,
-    targets: str | Callable[[str, Any], bool] | None = None,
+    modules: str | Callable[[str, Any], bool] | None = None,
     *,
     block_size: int = 64,
     double_quant: bool = True,
+    targets: Any = _lora._UNSET,
 ):
-    """Replaces the targeted weights of ``params`` with ``jmem.nf4.NF4Array`` leaves.
+    """Replaces the selected weights of ``params`` with ``jmem.nf4.NF4Array`` leaves.
 
     Args:
       params: a params pytree (arrays; ``jax.ShapeDtypeStruct`` under ``jax.eval_shape``).
-      targets: ``None`` for the default rule: ``default_targets`` (floating, rank >= 2,
+      modules: ``None`` for the default rule: ``default_modules`` (floating, rank >= 2,
         path not matching ``EXCLUDE``: no embedding, output head, norm, bias or ``scale``)
         minus the per-layer vectors of a stacked model (a ``[L, H]`` leaf whose siblings
         are ``[L, ...]`` stacks, e.g. a norm scale under ``nn.scan``/``nnx.scan``); or a
@@ -43,20 +44,22 @@ def quantize_params(
         rank >= 2 can be quantized; rank >= 3 leaves are stacks ``[*L, in, out]`` quantized
         per matrix, so a layer ``scan`` slices them into per-layer ``NF4Array``s.
       block_size, double_quant: see ``jmem.nf4.quantize``.
+      targets: deprecated name of ``modules``.
 
     Returns:
-      The same pytree structure with ``NF4Array`` leaves at the targeted paths; the
+      The same pytree structure with ``NF4Array`` leaves at the selected paths; the
       ``NF4Array`` keeps the original dtype, which the model sees when it runs.
 
     Raises:
-      ValueError: if a targeted leaf is not a floating array of rank >= 2, or nothing matched.
+      ValueError: if a selected leaf is not a floating array of rank >= 2, or nothing matched.
     """
+    modules = _lora.renamed_keyword("qlora.quantize_params", targets, modules, None)
     flat, treedef = _implicit.flatten_params(params)
-    if targets is None:
-        chosen = _targets.default_quantized(flat)
+    if modules is None:
+        chosen = _modules.default_quantized(flat)
         pred = lambda path, leaf: path in chosen  # noqa: E731
     else:
-        pred = _tree.path_predicate(targets)
+        pred = _tree.path_predicate(modules)
     out, n = [], 0
     for path, leaf in flat:
         if isinstance(leaf, _nf4.NF4Array) or not pred(path, leaf):
@@ -72,7 +75,7 @@ def quantize_params(
         n += 1
     if n == 0:
         raise ValueError(
-            "qlora.quantize_params matched no weight; pass targets= (a regex on paths "
+            "qlora.quantize_params matched no weight; pass modules= (a regex on paths "
             f"such as {[p for p, _ in flat][:8]})."
         )
     return jax.tree.unflatten(treedef, out)

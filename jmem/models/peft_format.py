@@ -89,7 +89,7 @@ def _module_of(path: str) -> str:
         raise ValueError(
             f"Adapter {path!r} has no PEFT counterpart: save_adapters writes adapters of "
             f"jmem.models.llama's layers/<name>/kernel for name in {_NAMES} (PEFT "
-            "target_modules); adapt only those (lora.init(targets=r'layers/.*_proj/kernel'))."
+            "target_modules); adapt only those (lora.init(modules=r'layers/.*_proj/kernel'))."
         )
     return m.group(1)
 

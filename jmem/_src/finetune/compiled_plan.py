@@ -29,17 +29,12 @@ class CompiledStep:
     host_bytes: int
 
 
-def _lora_regex(targets) -> str | None:
-    """The job's ``--lora-targets`` regex for ``estimate``'s names (None: the default, all)."""
-    if targets in (None, "all"):
-        return None
-    return ".*(" + "|".join(targets) + ").*"
-
-
 def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -> dict:
     """``jmem finetune`` flags for ``estimate``'s options (``model``: a preset's name, or
-    None for a parameter count), or a one-line ``CliError`` for what the job does not run
-    (full fine-tuning, no NF4, a parameter count)."""
+    None for a parameter count; ``lora_targets``: the one ``--lora-targets`` value both
+    commands take, ``lora_modules.parse``, None for the job's default), or a one-line
+    ``CliError`` for what the job does not run (full fine-tuning, no NF4, a parameter
+    count)."""
     from jmem._src.finetune.config import MODEL_NAMES  # noqa: PLC0415
 
     if model not in MODEL_NAMES:
@@ -52,8 +47,7 @@ def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -
             "--target compiles the QLoRA job's step (NF4 base, LoRA adapters): pass "
             "--lora-rank >= 1 and no --quant none"
         )
-    regex = _lora_regex(lora_targets)
-    extra = {} if regex is None else {"lora_targets": regex}
+    extra = {} if lora_targets is None else {"lora_targets": lora_targets}
     off = Offload.parse(offload)  # the job has no masters or disk here: optimizer
     job = Offload("optimizer" if off.optimizer else "none", off.params)
     return dict(config=model, lora_rank=lora_rank, offload=str(job), **extra, **flags)

@@ -17,6 +17,7 @@ from typing import Any
 from typing import Mapping
 
 from jmem._src import cli
+from jmem._src import lora_modules
 from jmem._src.cli import option
 from jmem._src.names import ATTENTION_NAMES
 from jmem._src.names import COMPILE_TARGET_NAMES as TARGET_NAMES
@@ -25,8 +26,8 @@ from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.names import REMAT_NAMES
 from jmem._src.planner.offload import Offload
 
-#: Default ``--lora-targets``: the seven projections of every layer (the QLoRA paper's).
-ALL_PROJECTIONS = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
+#: Default ``--lora-targets``: every projection of every layer (the QLoRA paper's).
+ALL_PROJECTIONS = lora_modules.ALL
 
 HOST_ALLOCATORS = ("auto", "huge-pages", "retain", "system")
 #: ``jmem.Levers``' defaults for the long-sequence levers (attention, loss_chunk, token_chunk).
@@ -257,8 +258,10 @@ class TrainingConfig(_Group):
     )
     lora_targets: str = option(
         ALL_PROJECTIONS,
-        "regex over weight paths (e.g. '.*(q_proj|v_proj).*' as in the QLoRA seed table)",
-        check=cli.regex,
+        "the weights LoRA adapts: module names as PEFT's target_modules (q_proj,v_proj, as "
+        "the QLoRA seed table), all (every projection) or a regex matched in full against "
+        "weight paths (.*(q_proj|v_proj).*)",
+        check=lora_modules.parse,
     )
     nonfinite_patience: int = option(
         10,

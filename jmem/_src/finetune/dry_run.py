@@ -15,6 +15,7 @@ from jmem import MemoryReport
 from jmem import lora as jlora
 from jmem import planner
 from jmem import targets as jtargets
+from jmem._src import lora_modules
 from jmem._src.finetune import card_fit as cards
 from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
@@ -45,29 +46,20 @@ def dry_run(config, cfg, mesh=None, target=None):
         mesh = jtargets.mesh(target, tuple(mesh.axis_sizes), tuple(mesh.axis_names))
     step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target, disk=False)
     frozen = quantized_base(config, cfg, dtype, abstract=True)
-    adapters = jax.eval_shape(
-        lambda k: jlora.init(
-            k,
-            frozen,
-            rank=config.training.lora_rank,
-            alpha=config.training.lora_alpha,
-            targets=config.training.lora_targets,
-            dropout=config.training.lora_dropout,
-        ),
-        jax.random.key(0),
-    )
+    adapters = _abstract_adapters(config, frozen)
     state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
     batch = abstract_batch(config)
     t0 = time.time()
     report = step.measure(state, batch, target=target, flops=True)
     q_bytes, q_count, frozen_bytes = base_bytes(frozen)
-    targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
+    adapted = lora_modules.module_names(list(adapters))
+    modules = lora_modules.linear_names(adapted)  # what the planner counts
     devices = 1 if mesh is None else int(mesh.size)
-    est = _estimate(config, step.levers, cfg, dtype, targets, devices)
+    est = _estimate(config, step.levers, cfg, dtype, modules, devices)
     n_adapter = jlora.num_trainable(adapters)
     print(
         f"\n{model_name(config)}: {format_count(llama.num_params(cfg))} params, "
-        f"LoRA r={config.training.lora_rank} on {targets}: {format_count(n_adapter)} trainable; "
+        f"LoRA r={config.training.lora_rank} on {adapted}: {format_count(n_adapter)} trainable; "
         f"compiled in {time.time() - t0:.0f}s (abstract shapes, nothing allocated)"
     )
     print(
@@ -92,11 +84,11 @@ def dry_run(config, cfg, mesh=None, target=None):
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
     if config.run.memory is None:  # the target's own memory: the smaller cards too
-        kwargs = _planner_kwargs(config, step.levers, dtype, targets, devices)
+        kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
     if not fit and not offload_of(config.levers).params and config.levers.remat != "none":
-        streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
+        streamed = _estimate(config, step.levers, cfg, dtype, modules, devices, params=True)
         _print_params_lever(frozen_bytes, est, streamed)
     out = _record(config, cfg, report, compute, est, step, q_bytes / q_count, n_adapter, mesh)
     out.update(memory=memory, fits=fit, cards=smaller)
@@ -267,16 +259,32 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dic
     return record
 
 
-def _estimate(config, levers, cfg, dtype, targets, devices: int, params: bool = False):
+def _abstract_adapters(config, frozen) -> dict:
+    """The job's adapters (``--lora-*``) as shapes, for the abstract ``frozen`` base."""
+    t = config.training
+    return jax.eval_shape(
+        lambda k: jlora.init(
+            k,
+            frozen,
+            rank=t.lora_rank,
+            alpha=t.lora_alpha,
+            modules=lora_modules.modules(t.lora_targets),
+            dropout=t.lora_dropout,
+        ),
+        jax.random.key(0),
+    )
+
+
+def _estimate(config, levers, cfg, dtype, modules, devices: int, params: bool = False):
     """The planner's ledger for one device (``_planner_kwargs``; ``params``: with the
     params rung added)."""
-    kwargs = _planner_kwargs(config, levers, dtype, targets, devices)
+    kwargs = _planner_kwargs(config, levers, dtype, modules, devices)
     if params:
         kwargs["offload"] = dataclasses.replace(kwargs["offload"], params=True)
     return planner.estimate(cfg, **kwargs)
 
 
-def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
+def _planner_kwargs(config, levers, dtype, modules, devices: int) -> dict:
     """``planner.estimate``'s options for the job's step on one device: the batch split and
     the state sharded (ZeRO-3) over ``devices``; preference pairs count as two sequences
     each (the planner's activations are those of an SFT step over as many rows); the
@@ -286,7 +294,7 @@ def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
         offload=offload_of(config.levers),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
-        lora={"rank": config.training.lora_rank, "targets": targets},
+        lora={"rank": config.training.lora_rank, "targets": modules},  # the planner's key
         quantization="nf4",
         levers=levers,
         batch_size=max(1, rows_per_example(config) * config.data.batch_size // devices),

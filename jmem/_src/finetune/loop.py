@@ -22,6 +22,7 @@ from jmem import MemoryReport
 from jmem import data as jdata
 from jmem import lora as jlora
 from jmem import sharding
+from jmem._src import lora_modules
 from jmem._src.checkpointing import CheckpointDamagedError
 from jmem._src.checkpointing import committed_steps
 from jmem._src.cli import CliError
@@ -140,7 +141,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         frozen,
         rank=config.training.lora_rank,
         alpha=config.training.lora_alpha,
-        targets=config.training.lora_targets,
+        modules=lora_modules.modules(config.training.lora_targets),
         dropout=config.training.lora_dropout,
     )
     disk = config.levers.offload_dir

@@ -4,6 +4,7 @@ Only committed checkpoints count (``jmem._src.checkpointing.committed_steps``)."
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
 import json
@@ -11,6 +12,7 @@ import os
 
 import jax
 
+from jmem._src import lora_modules
 from jmem._src.checkpointing import committed_steps
 from jmem._src.cli import CliError
 from jmem._src.cli import one_line
@@ -188,12 +190,22 @@ def _check_merged(merged: str | None, overwrite: bool) -> bool:
     raise CliError(f"--export-merged {merged} exists and is not empty; {why} pass a new directory")
 
 
+def _canonical(before: dict) -> dict:
+    """run.json's flags with ``lora_targets`` in its canonical form (``lora_modules.parse``:
+    the default's regex spelling is ``all``), as ``flags`` gives it now."""
+    value = before.get("lora_targets")
+    if isinstance(value, str):
+        with contextlib.suppress(argparse.ArgumentTypeError):
+            before = {**before, "lora_targets": lora_modules.parse(value)}
+    return before
+
+
 def _check_same_run(config, record: str) -> None:
     """--resume: the flags that shape the state and the data must match run.json's, and
     the files ``--checkpoint``/``--data`` name must hold what they held (fingerprints)."""
     if not os.path.exists(record):
         return
-    before = read_json(record, "; pass --overwrite to start over")
+    before = _canonical(read_json(record, "; pass --overwrite to start over"))
     now = flags(config)
     diff = [
         f"--{k.replace('_', '-')} {now[k]} (was {before[k]})"

@@ -11,8 +11,10 @@ import jax
 import jmem
 from jmem import data as jdata
 from jmem import lora as jlora
+from jmem._src import lora_modules
 from jmem._src.cli import CliError
 from jmem._src.cli import flag as cli_flag
+from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
@@ -152,18 +154,24 @@ def offload_note(config) -> str | None:
 
 
 def check_lora_targets(config, cfg) -> None:
-    """Fails fast (before any weight is read) when ``--lora-targets`` matches no matrix."""
+    """Fails fast (before any weight is read) when ``--lora-targets`` selects no weight or
+    names a module the model lacks: one line with the model's module names and the
+    accepted forms (``lora_modules.FORMS``)."""
     t = config.training
-    with user_input(f"--lora-targets {t.lora_targets!r}"):
+    try:
         jax.eval_shape(
             lambda: jlora.init(
                 jax.random.key(0),
                 llama.abstract_params(cfg),
                 rank=t.lora_rank,
                 alpha=t.lora_alpha,
-                targets=t.lora_targets,
+                modules=lora_modules.modules(t.lora_targets),
             )
         )
+    except ValueError as e:
+        raise CliError(
+            f"--lora-targets {t.lora_targets!r}: {one_line(e).rstrip('.')}; {lora_modules.FORMS}"
+        ) from e
 
 
 def make_tokenizer(config, cfg):

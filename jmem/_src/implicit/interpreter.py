@@ -3,7 +3,7 @@
 The mechanism behind ``jmem.lora.apply``, ``jmem.qlora.apply`` and ``jmem.fp8.apply``, in
 the spirit of qax ("implicit arrays"): NF4 leaves and LoRA-adapted leaves of ``params``
 stay packed/factored, leaves with an FP8 state carry it, and every matmul against them is
-rewritten. How it works and what a model may do with a targeted weight: ``docs/lora.md``.
+rewritten. How it works and what a model may do with a selected weight: ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jmem._src import jaxpr as _jaxpr
 from jmem._src import tree as _tree
 from jmem._src.implicit import matmul_rules as _matmul
+from jmem._src.implicit import modules as _modules
 from jmem._src.implicit import registry as _registry
 from jmem._src.implicit import structural_rules as _structural
-from jmem._src.implicit import targets as _targets
 from jmem._src.implicit.weight import ImplicitWeightError
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import error
@@ -117,8 +117,8 @@ def _check_adapter_paths(lora: dict, names: list, what: str = "LoRA adapters") -
         )
 
 
-def _check_target(name: str, shape: tuple, adapter) -> None:
-    """Raises ``ValueError`` for a targeted leaf below 2-D or adapter factors of wrong shape."""
+def _check_selected(name: str, shape: tuple, adapter) -> None:
+    """Raises ``ValueError`` for a selected leaf below 2-D or adapter factors of wrong shape."""
     if len(shape) < 2:
         raise ValueError(
             f"Targeted weight {name!r} has shape {shape}; NF4/LoRA weights "
@@ -161,11 +161,11 @@ def _check_meta(name: str, shape: tuple, meta) -> None:
 def _implicit_leaf(
     name: str, leaf, adapter, key=None, meta=None
 ) -> tuple[jax.ShapeDtypeStruct, Weight]:
-    """The tracing placeholder and the ``Weight`` standing for one targeted leaf; ``key``
+    """The tracing placeholder and the ``Weight`` standing for one selected leaf; ``key``
     (``[*L]`` keys) turns on the adapter's dropout, ``meta`` (an FP8 state with batch
     shape ``[*L]``) makes its matmuls FP8."""
     shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
-    _check_target(name, shape, adapter)
+    _check_selected(name, shape, adapter)
     if meta is not None:
         _check_meta(name, shape, meta)
     dropout = 0.0 if adapter is None else float(getattr(adapter, "dropout", 0.0))
@@ -218,7 +218,7 @@ def call(
 
     Raises:
       ValueError: if a LoRA or FP8 path is not a leaf of ``params`` or shapes disagree.
-      ImplicitWeightError: for an unsupported use of a targeted weight (see docs/lora.md).
+      ImplicitWeightError: for an unsupported use of a selected weight (see docs/lora.md).
     """
     lora, metas = dict(lora or {}), dict(metas or {})
     flat, treedef = flatten_params(params)
@@ -261,11 +261,11 @@ def call(
 
 
 def _add_rule_note(e: ImplicitWeightError, flat: list, lora: dict) -> None:
-    """Appends to ``e`` which target rule made its weight implicit (once, innermost call)."""
+    """Appends to ``e`` which module rule made its weight implicit (once, innermost call)."""
     leaf = dict(flat).get(e.weight_name)
     if leaf is None or getattr(e, "rule_noted", False):
         return
-    note = _targets.rule_note(e.weight_name, flat, nf4=is_nf4(leaf), lora=e.weight_name in lora)
+    note = _modules.rule_note(e.weight_name, flat, nf4=is_nf4(leaf), lora=e.weight_name in lora)
     if note:
         e.args = (f"{e.args[0]} {note}", *e.args[1:])
     e.rule_noted = True

@@ -161,7 +161,7 @@ def dot_general(interp, eqn, invals):
     params = dict(eqn.params)
     if is_weight(lhs) and is_weight(rhs):
         if not interp.allow_materialize:
-            raise error(lhs, "dot_general", f"both operands are targeted weights ({rhs.name!r})")
+            raise error(lhs, "dot_general", f"both operands are selected weights ({rhs.name!r})")
         rhs = rhs.materialize()
     wi = 0 if is_weight(lhs) else 1
     w, x = (lhs, rhs) if wi == 0 else (rhs, lhs)

@@ -231,7 +231,7 @@ def scan(interp, eqn, invals):
     consts, states, rebuild = _fan_out_scaling(consts, p["length"])
     for v in init:
         if is_weight(v):
-            raise error(v, "scan", "a targeted weight in the scan carry")
+            raise error(v, "scan", "a selected weight in the scan carry")
     xs_in = []
     for v in xs:
         if is_weight(v):
@@ -239,7 +239,7 @@ def scan(interp, eqn, invals):
                 return interp.fallback(eqn, invals, v, "scanned over a non-stacked axis")
             v = v.scan_carrier()
         xs_in.append(v)
-    check = _no_weight_out("scan", "a targeted weight returned from the scan body")
+    check = _no_weight_out("scan", "a selected weight returned from the scan body")
     ncarry = p["num_carry"]
 
     nxs = len(xs_in)
@@ -256,7 +256,7 @@ def cond(interp, eqn, invals):
     """``cond`` as ``lax.switch`` over the interpreted branches (weights among operands only)."""
     if is_weight(invals[0]):
         raise error(invals[0], "cond", "a weight used as a branch index")
-    check = _no_weight_out("cond", "a targeted weight returned from a branch")
+    check = _no_weight_out("cond", "a selected weight returned from a branch")
     return _jaxpr.rebind_cond(eqn, invals, interp.eval, check)
 
 
@@ -265,7 +265,7 @@ def while_(interp, eqn, invals):
     p = eqn.params
     for v in invals[p["cond_nconsts"] + p["body_nconsts"] :]:
         if is_weight(v):
-            raise error(v, "while", "a targeted weight in the loop carry")
+            raise error(v, "while", "a selected weight in the loop carry")
     return _jaxpr.rebind_while(eqn, invals, interp.eval)
 
 

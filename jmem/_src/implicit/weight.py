@@ -31,7 +31,7 @@ __all__ = [
 
 
 class ImplicitWeightError(ValueError):
-    """A targeted (NF4 / LoRA) weight is used in a way the interpreter cannot rewrite.
+    """A selected (NF4 / LoRA) weight is used in a way the interpreter cannot rewrite.
 
     Attributes:
       weight_name: the '/'-joined path of the weight in params ("" if unknown).

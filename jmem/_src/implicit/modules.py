@@ -1,12 +1,12 @@
-"""Target rules: which leaves of params become implicit (NF4 / LoRA) weights by default.
+"""Module rules: which leaves of params become implicit (NF4 / LoRA) weights by default.
 
-QLoRA's default rule (``jmem.qlora.quantize_params(targets=None)``) follows bitsandbytes /
+QLoRA's default rule (``jmem.qlora.quantize_params(modules=None)``) follows bitsandbytes /
 PEFT QLoRA, which quantize the ``nn.Linear`` layers of a model and nothing else: every
 floating matrix except embeddings, the output head, norms and biases. A params tree has
 no layer types, so the rule goes by name (``EXCLUDE``) and by role: in a stacked model
 (``nn.scan`` / ``nnx.scan`` / ``lax.scan`` over layers) a norm scale is ``[L, H]``, rank 2
 like a matrix; ``per_layer_vectors`` finds such leaves from their siblings. When a
-targeted weight cannot stay implicit, ``rule_note`` says which rule picked it and how to
+selected weight cannot stay implicit, ``rule_note`` says which rule picked it and how to
 change it (``docs/lora.md``).
 """
 
@@ -19,8 +19,8 @@ from jmem._src import tree as _tree
 
 __all__ = [
     "EXCLUDE",
-    "LORA_DEFAULT_TARGETS",
-    "default_targets",
+    "LORA_DEFAULT_MODULES",
+    "default_modules",
     "per_layer_vectors",
     "default_quantized",
     "rule_note",
@@ -31,11 +31,11 @@ __all__ = [
 #: ``ln`` such as ``ln1`` / ``ln_f``), biases and leaves named ``scale``.
 EXCLUDE = r"(embed|embedding|wte|wpe|lm_head|output_head|norm|ln_|(^|/)ln|bias|(^|/)scale$)"
 
-#: LoRA's default targets, as PEFT's default for Llama: the query and value projections.
-LORA_DEFAULT_TARGETS = r".*(q_proj|v_proj).*"
+#: LoRA's default modules, as PEFT's default for Llama: the query and value projections.
+LORA_DEFAULT_MODULES = r".*(q_proj|v_proj).*"
 
 
-def default_targets(path: str, leaf: Any) -> bool:
+def default_modules(path: str, leaf: Any) -> bool:
     """Every floating weight of rank >= 2 whose path does not match ``EXCLUDE``.
 
     Args:
@@ -87,14 +87,14 @@ def per_layer_vectors(flat: list[tuple[str, Any]]) -> set[str]:
 
 
 def default_quantized(flat: list[tuple[str, Any]]) -> set[str]:
-    """Paths that ``qlora.quantize_params(targets=None)`` quantizes: ``default_targets``
+    """Paths that ``qlora.quantize_params(modules=None)`` quantizes: ``default_modules``
     minus ``per_layer_vectors``."""
     vectors = per_layer_vectors(flat)
-    return {p for p, x in flat if p not in vectors and default_targets(p, x)}
+    return {p for p, x in flat if p not in vectors and default_modules(p, x)}
 
 
 def rule_note(name: str, flat: list[tuple[str, Any]], nf4: bool, lora: bool) -> str:
-    """Which target rule made ``name`` an implicit weight, and how to change it.
+    """Which module rule made ``name`` an implicit weight, and how to change it.
 
     Args:
       name: the weight's path.
@@ -106,30 +106,30 @@ def rule_note(name: str, flat: list[tuple[str, Any]], nf4: bool, lora: bool) -> 
         if name in default_quantized(flat):
             notes.append(
                 f"{name!r} is NF4: qlora.quantize_params' default rule picks it "
-                "(qlora.default_targets: floating, rank >= 2, path not matching qlora.EXCLUDE, "
-                "not a per-layer vector of a stacked model), as may a targets= you passed; to "
-                "keep it in float, pass qlora.quantize_params(params, targets=...) with a regex "
+                "(qlora.default_modules: floating, rank >= 2, path not matching qlora.EXCLUDE, "
+                "not a per-layer vector of a stacked model), as may a modules= you passed; to "
+                "keep it in float, pass qlora.quantize_params(params, modules=...) with a regex "
                 "or predicate that does not match it."
             )
         else:
             notes.append(
                 f"{name!r} is NF4 although qlora.quantize_params' default rule would not pick "
-                "it: the targets= regex/predicate passed to qlora.quantize_params (or a direct "
-                "nf4.quantize) chose it; change targets= so that it does not match this path."
+                "it: the modules= selection passed to qlora.quantize_params (or a direct "
+                "nf4.quantize) chose it; change modules= so that it does not match this path."
             )
     if lora:
-        if re.fullmatch(LORA_DEFAULT_TARGETS, name):
+        if re.fullmatch(LORA_DEFAULT_MODULES, name):
             how = (
-                f"lora.init's default targets (lora.DEFAULT_TARGETS = {LORA_DEFAULT_TARGETS!r}) "
-                "match it, as may a targets= you passed"
+                f"lora.init's default modules (lora.DEFAULT_MODULES = {LORA_DEFAULT_MODULES!r}) "
+                "match it, as may a modules= you passed"
             )
         else:
             how = (
-                "the targets= regex/predicate passed to lora.init chose it (the default "
-                "lora.DEFAULT_TARGETS does not match it)"
+                "the modules= selection passed to lora.init chose it (the default "
+                "lora.DEFAULT_MODULES does not match it)"
             )
         notes.append(
-            f"{name!r} has LoRA adapters: {how}; pass lora.init(..., targets=...) that does "
+            f"{name!r} has LoRA adapters: {how}; pass lora.init(..., modules=...) that does "
             "not match it."
         )
     return " ".join(notes)
