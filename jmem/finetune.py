@@ -15,7 +15,7 @@ from jmem._src.finetune.config import ModelConfig
 from jmem._src.finetune.config import OutputConfig
 from jmem._src.finetune.config import RunConfig
 from jmem._src.finetune.config import TrainingConfig
-from jmem._src.finetune.config import parse_args
+from jmem._src.finetune.config_file import parse_args
 from jmem._src.finetune.job import run
 from jmem._src.finetune.launcher import relaunch_with_huge_pages
 

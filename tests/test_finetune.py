@@ -165,15 +165,16 @@ def test_help_is_grouped_by_config_group_and_imports_no_jax():
     """``jmem finetune --help`` lists every field's flag under its group's title, and
     parsing the flags imports no JAX (a fresh interpreter)."""
     from jmem._src.finetune import config as fc
+    from jmem._src.finetune.config_file import make_parser
 
-    text = fc.make_parser("jmem finetune").format_help()
+    text = make_parser("jmem finetune").format_help()
     for group, cls in fc.GROUPS.items():
         block = text.split(f"\n{group}:\n", 1)[1].split("\n\n\n", 1)[0]
         for f in dataclasses.fields(cls):
             assert "--" + f.name.replace("_", "-") in block, (group, f.name)
     assert "[--mlp-chunk" not in text and "\n  --mlp-chunk" not in text  # alias hidden
     code = (
-        "import sys; from jmem._src.finetune.config import parse_args; "
+        "import sys; from jmem._src.finetune.config_file import parse_args; "
         "c = parse_args(['--lora-rank', '4', '--mlp-chunk', '8']); "
         "assert c.levers.token_chunk == 8; print('jax' in sys.modules)"
     )

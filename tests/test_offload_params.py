@@ -16,6 +16,7 @@ from jmem import lora
 from jmem import qlora
 from jmem._src.cli import CliError
 from jmem._src.finetune import config as fc
+from jmem._src.finetune import config_file
 from jmem._src.offload import params as offload_params
 from jmem.models import llama
 
@@ -197,12 +198,12 @@ def test_offload_flag_values(value, expected):
 
 
 def test_offload_flag_on_the_command_line(tmp_path):
-    parser = fc.make_parser("jmem finetune")
+    parser = config_file.make_parser("jmem finetune")
     assert parser.parse_args(["--offload"]).offload == "optimizer"  # bare: as before
     assert parser.parse_args(["--offload", "params"]).offload == "params"
     path = tmp_path / "old.yaml"
     path.write_text("levers: {offload: true}\n")
-    assert fc.read_config_file(str(path))["offload"] == "optimizer"
+    assert config_file.read_config_file(str(path))["offload"] == "optimizer"
     with pytest.raises(CliError, match="offload: expected optimizer, params"):
         fc.LeversConfig(offload="gpu")
 

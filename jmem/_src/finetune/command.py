@@ -4,7 +4,7 @@ job (``job.run_command``), which starts JAX."""
 
 from __future__ import annotations
 
-from jmem._src.finetune.config import parse_args
+from jmem._src.finetune.config_file import parse_args
 
 #: The job's one-paragraph description (``--help``).
 DESCRIPTION = (

@@ -1,18 +1,16 @@
 """The fine-tuning job's options: ``FinetuneConfig``, nested frozen groups (``model``,
 ``data``, ``levers``, ``training``, ``run``, ``output``, ``devices``) whose fields declare
 their flags (help, checking type, choices), so that the command line (``jmem finetune``,
-``examples/qlora_7b.py``), config files (YAML or TOML, nested the same way) and Python are
-checked by the same code, as levanter's ``TrainLmConfig`` (draccus) generates its command
-line and config files from nested dataclasses. Importing this module does not import JAX:
-``--help`` answers at once."""
+``examples/qlora_7b.py``), config files (YAML or TOML, nested the same way; read by
+``config_file``) and Python are checked by the same code, as levanter's ``TrainLmConfig``
+(draccus) generates its command line and config files from nested dataclasses; and the
+rules that combine options. Importing this module does not import JAX."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
-import tomllib
 from typing import Any
 from typing import Mapping
 
@@ -372,7 +370,7 @@ ALIASES = {
     for f in cli.options(cls)
     for a in f.metadata["option"]["aliases"]
 }
-_FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
+FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,7 +456,7 @@ def check_combinations(values: Mapping[str, Any], name) -> None:
     Raises:
       CliError: naming both options.
     """
-    get = lambda k: values.get(k, _FIELDS[k].default)
+    get = lambda k: values.get(k, FIELDS[k].default)
     for a, b in (("config", "checkpoint"), ("resume", "overwrite")):
         if get(a) and get(b):
             raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
@@ -483,7 +481,7 @@ def _check_objective(get, name) -> None:
     """A loss option given (not at its default) belongs to an objective that reads it."""
     objective = get("objective")
     for option_name, objectives in OBJECTIVE_OPTIONS.items():
-        if objective in objectives or get(option_name) == _FIELDS[option_name].default:
+        if objective in objectives or get(option_name) == FIELDS[option_name].default:
             continue
         raise cli.CliError(
             f"{name(option_name)} applies to {name('objective')} {'|'.join(objectives)}, "
@@ -507,157 +505,3 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"expected a jmem.finetune.FinetuneConfig, got {type(config).__name__}")
     return FinetuneConfig.from_flat(**config.flat())
-
-
-#: What an unknown flag may have meant besides the closest real flag.
-UNKNOWN_FLAG_HINTS = {
-    "--export": "the adapters are always written to --out/adapter in PEFT format; "
-    "--export-merged DIR also writes the merged model",
-    "--mlp-chunk": "renamed --token-chunk",
-}
-
-
-def make_parser(prog: str, description: str | None = None) -> cli.Parser:
-    """The job's parser, generated from the groups' fields (a flag per field, grouped as
-    the config) and ``--config-file``: one-line usage errors (status 2), defaults shown in
-    --help, every default None so that the flags the command line gave can be told apart."""
-    p = cli.Parser(prog=prog, description=description)
-    p.unknown_flag_hints = UNKNOWN_FLAG_HINTS
-    p.add_argument(
-        "--config-file",
-        metavar="FILE",
-        help="a YAML (.yaml/.yml) or TOML (.toml) file of options nested as the config "
-        "(levers: {remat: full}); flags given on the command line override it",
-    )
-    for name, cls in GROUPS.items():
-        cli.add_options(p, cls, name)
-    return p
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    """The options in a YAML or TOML file, nested by group (``levers: {remat: full}``; the
-    flat ``remat: full`` of earlier versions is read with one deprecation note), each checked
-    by its field's checker. Returns them by option name.
-
-    Raises:
-      CliError: ``--config-file FILE: ...`` naming the key, for an unreadable file, an
-        unknown key (with the closest name), a command-line-only option, or a bad value.
-    """
-    where = f"--config-file {path}: "
-    raw = _load(path, where)
-    values, flat = {}, []
-    for key, value in raw.items():
-        name = _key(key)
-        if name in GROUPS and isinstance(value, Mapping):
-            for sub, v in value.items():
-                option_name = _option(f"{name}.{_key(sub)}", where, group=name)
-                values[option_name] = _checked(option_name, v, f"{name}.{sub}", where)
-        elif name in GROUPS:
-            raise cli.CliError(
-                f"{where}{key!r} is a group: expected a mapping such as {name}: {{...}}, "
-                f"got {value!r}"
-            )
-        else:
-            option_name = _option(name, where)
-            flat.append(f"{key} -> {GROUP_OF[option_name]}.{option_name}")
-            values[option_name] = _checked(option_name, value, str(key), where)
-    if flat:
-        print(
-            f"note: {where}flat keys are deprecated; nest them by group: {', '.join(flat)}",
-            flush=True,
-        )
-    check_combinations(values, lambda k: f"{where}{k}")
-    return values
-
-
-def _key(key) -> str:
-    return str(key).replace("-", "_")
-
-
-def _option(key: str, where: str, group: str | None = None) -> str:
-    """The option a file's key names (``levers.remat`` or a flat ``remat``), or a CliError
-    with the closest nested key."""
-    name = key.split(".", 1)[1] if group else key
-    new = ALIASES.get(name, name)
-    if new != name:
-        print(f"note: {where}{key} is deprecated; use {GROUP_OF[new]}.{new}", flush=True)
-    if new in _FIELDS and (group is None or GROUP_OF[new] == group):
-        if _FIELDS[new].metadata["option"]["cli_only"]:
-            raise cli.CliError(
-                f"{where}{key!r} is command-line only (it says what to do with this "
-                f"invocation, not what the run is); pass {cli.flag(new)}"
-            )
-        return new
-    if new in _FIELDS:
-        raise cli.CliError(
-            f"{where}unknown key {key!r}: {new} belongs to the {GROUP_OF[new]} group; "
-            f"write {GROUP_OF[new]}.{new}"
-        )
-    nested = [f"{g}.{n}" for n, g in GROUP_OF.items()]
-    hint = cli.did_you_mean(key, nested if group else list(GROUP_OF))
-    if not group and hint:
-        close = hint.split("'")[1]
-        hint = f" (did you mean '{GROUP_OF[close]}.{close}'?)"
-    raise cli.CliError(f"{where}unknown key {key!r}{hint}")
-
-
-def _checked(name: str, value, key: str, where: str):
-    try:
-        return cli.check_field(_FIELDS[name], value, key)
-    except cli.CliError as e:
-        raise cli.CliError(f"{where}{e}") from None
-
-
-def _load(path: str, where: str) -> dict:
-    """The file's mapping (an empty file: none)."""
-    if not os.path.isfile(path):
-        raise cli.CliError(f"{where}no such file; pass a .yaml, .yml or .toml file")
-    ext = os.path.splitext(path)[1].lower()
-    with cli.user_input(f"--config-file {path}", (OSError, ValueError, ImportError)):
-        if ext == ".toml":
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        elif ext in (".yaml", ".yml"):
-            raw = _read_yaml(path)
-        else:
-            raise ValueError(f"unknown extension {ext!r}; pass a .yaml, .yml or .toml file")
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise cli.CliError(f"{where}expected a mapping of option: value, got {type(raw).__name__}")
-    return raw
-
-
-def _read_yaml(path: str):
-    try:
-        import yaml  # noqa: PLC0415 (optional: the examples extra)
-    except ImportError:
-        raise ImportError("reading YAML needs PyYAML: pip install 'jmem[examples]'") from None
-    with open(path) as f:
-        try:
-            return yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"not valid YAML ({cli.one_line(e)})") from None
-
-
-def parse_args(argv=None, prog: str = "jmem finetune", description: str | None = None):
-    """``FinetuneConfig`` from flags (and ``--config-file``, which flags override). Unset
-    sizes stay None until the job resolves them for the model and the device. A bad flag or
-    file exits with status 2 and one line ``error: ...``; no JAX is imported."""
-    p = make_parser(prog, description)
-    args = p.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
-    values = {}
-    if args.config_file is not None:
-        try:
-            values = read_config_file(args.config_file)
-        except cli.CliError as e:
-            p.exit(2, f"error: {e}\n")
-        if "config" in given or "checkpoint" in given:  # a flag picks the model
-            values.pop("config", None), values.pop("checkpoint", None)
-    values.update(given)
-    try:
-        check_combinations(values, cli.flag)
-        return FinetuneConfig.from_flat(**values)
-    except cli.CliError as e:
-        p.error(str(e))

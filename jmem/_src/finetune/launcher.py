@@ -21,8 +21,8 @@ from typing import Sequence
 
 from jmem._src import host_allocator
 from jmem._src.cli import CliError
-from jmem._src.finetune.config import parse_args
 from jmem._src.finetune.config import validate
+from jmem._src.finetune.config_file import parse_args
 
 #: The start of the note ``auto`` leaves when a JAX accelerator plugin is installed.
 PLUGIN_NOTE = "host allocator: unchanged ("
