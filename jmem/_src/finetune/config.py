@@ -1,5 +1,5 @@
 """The fine-tuning job's options: ``FinetuneConfig``, nested frozen groups (``model``,
-``data``, ``levers``, ``training``, ``run``, ``output``, ``devices``) whose fields declare
+``data``, ``execution``, ``training``, ``run``, ``output``, ``devices``) whose fields declare
 their flags (help, checking type, choices), so that the command line (``jmem finetune``,
 ``examples/qlora_7b.py``), config files (YAML or TOML, nested the same way; read by
 ``config_file``) and Python are checked by the same code, as levanter's ``TrainLmConfig``
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import warnings
 from typing import Any
 from typing import Mapping
 
@@ -136,9 +137,9 @@ class DataConfig(_Group):
 
 
 @dataclasses.dataclass(frozen=True)
-class LeversConfig(_Group):
-    """The execution levers: how the step runs (memory against speed), not what it
-    computes."""
+class ExecutionConfig(_Group):
+    """How the step executes (memory against speed), not what it computes: remat,
+    attention, chunks, precision, offload, accumulation."""
 
     remat: str = option("full", "remat policy", choices=REMAT_NAMES)
     attention: str = option(
@@ -355,12 +356,14 @@ class DevicesConfig(_Group):
 GROUPS = {
     "model": ModelConfig,
     "data": DataConfig,
-    "levers": LeversConfig,
+    "execution": ExecutionConfig,
     "training": TrainingConfig,
     "run": RunConfig,
     "output": OutputConfig,
     "devices": DevicesConfig,
 }
+#: Former group names (a config file's key) -> their groups.
+GROUP_ALIASES = {"levers": "execution"}
 #: Option name (the flag's, ``lora_rank`` for ``--lora-rank``) -> its group's name.
 GROUP_OF = {f.name: g for g, cls in GROUPS.items() for f in cli.options(cls)}
 #: Deprecated option names -> their new names.
@@ -373,42 +376,74 @@ ALIASES = {
 FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class FinetuneConfig:
     """Every option of the QLoRA fine-tuning job, in groups: ``model``, ``data``,
-    ``levers``, ``training``, ``run``, ``output``, ``devices``. A field is named as its flag
-    (``training.lora_rank`` is ``--lora-rank``); ``None`` means "sized for the model and the
-    device" (``run`` resolves it into a new value). Frozen: change it with ``replace``.
+    ``execution``, ``training``, ``run``, ``output``, ``devices``. A field is named as its
+    flag (``training.lora_rank`` is ``--lora-rank``); ``None`` means "sized for the model and
+    the device" (``run`` resolves it into a new value). Frozen: change it with ``replace``.
 
     ``FinetuneConfig(training=TrainingConfig(steps=20))``, or with the flags' names,
     ``FinetuneConfig.from_flat(steps=20)``; a group may be given as a dict of its fields.
+    The flags' names as keywords (``FinetuneConfig(steps=20, data="a.txt")``) and
+    ``levers=`` for ``execution=`` are deprecated: they work, with a ``DeprecationWarning``
+    (a ``data=`` that is not a group or a mapping is the ``data`` option).
 
     Raises:
       CliError: (a ``ValueError``) naming the field, for a value its flag would refuse, for
         ``config`` and ``checkpoint`` (or ``resume`` and ``overwrite``) both set, or for a
         ``batch_size`` that ``grad_accum`` does not divide.
-      TypeError: for a group of the wrong type.
+      TypeError: for a group of the wrong type, or an unknown keyword.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    levers: LeversConfig = dataclasses.field(default_factory=LeversConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
 
-    def __post_init__(self):
+    def __init__(self, *groups: Any, **kwargs: Any):
+        if len(groups) > len(GROUPS):
+            raise TypeError(f"FinetuneConfig takes at most {len(GROUPS)} groups by position")
+        given = dict(zip(GROUPS, groups))
+        flat = {}
+        for key, value in kwargs.items():
+            if key == "levers" and _is_group(value):
+                _deprecated("FinetuneConfig(levers=...) is deprecated; pass execution=...")
+                key = "execution"
+            if key in GROUPS and _is_group(value):
+                if key in given:
+                    raise TypeError(f"FinetuneConfig: the {key} group is given twice")
+                given[key] = value
+            else:
+                flat[key] = value
         for name, cls in GROUPS.items():
-            value = getattr(self, name)
+            value = given.get(name, cls())
             if isinstance(value, Mapping):
-                object.__setattr__(self, name, cls(**value))
+                value = cls(**value)
             elif not isinstance(value, cls):
                 raise TypeError(
                     f"FinetuneConfig.{name}: expected a {cls.__name__} (or a dict of its "
                     f"fields), got {type(value).__name__}"
                 )
+            object.__setattr__(self, name, value)
+        if flat:
+            _deprecated(
+                f"FinetuneConfig({', '.join(f'{k}=...' for k in flat)}) with the flags' names "
+                "is deprecated; use FinetuneConfig.from_flat(...) or the nested groups "
+                "(training=TrainingConfig(...))"
+            )
+            for name, kw in _by_group(flat).items():
+                object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **kw))
         check_combinations(self.flat(), lambda k: k)
+
+    @property
+    def levers(self) -> ExecutionConfig:
+        """Deprecated: the ``execution`` group."""
+        _deprecated("FinetuneConfig.levers is deprecated; use FinetuneConfig.execution")
+        return self.execution
 
     @classmethod
     def from_flat(cls, **options: Any) -> FinetuneConfig:
@@ -418,10 +453,8 @@ class FinetuneConfig:
         Raises:
           TypeError: for an unknown name (with the closest one).
         """
-        groups: dict[str, dict] = {g: {} for g in GROUPS}
-        for name, value in options.items():
-            groups[_group_of(name)][ALIASES.get(name, name)] = value
-        return cls(**{g: GROUPS[g](**kw) for g, kw in groups.items()})
+        groups = _by_group(options)
+        return cls(**{g: GROUPS[g](**groups.get(g, {})) for g in GROUPS})
 
     def flat(self) -> dict[str, Any]:
         """Every option by its flag's name (``{"lora_rank": 8, ...}``), group by group."""
@@ -433,12 +466,31 @@ class FinetuneConfig:
 
     def replace(self, **options: Any) -> FinetuneConfig:
         """A copy with ``options`` (named as the flags) changed, checked as on construction."""
-        changes: dict[str, dict] = {}
-        for name, value in options.items():
-            changes.setdefault(_group_of(name), {})[ALIASES.get(name, name)] = value
+        changes = _by_group(options)
         return dataclasses.replace(
             self, **{g: dataclasses.replace(getattr(self, g), **kw) for g, kw in changes.items()}
         )
+
+
+def _is_group(value: Any) -> bool:
+    """Whether a keyword's value is a group (an instance of one, or a mapping of fields)."""
+    return isinstance(value, (Mapping, *GROUPS.values()))
+
+
+def _deprecated(message: str) -> None:
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+
+
+def _by_group(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``options`` named as the flags, by group (deprecated names read as their new ones).
+
+    Raises:
+      TypeError: for an unknown name (with the closest one).
+    """
+    groups: dict[str, dict] = {}
+    for name, value in options.items():
+        groups.setdefault(_group_of(name), {})[ALIASES.get(name, name)] = value
+    return groups
 
 
 def _group_of(name: str) -> str:
@@ -505,3 +557,12 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"expected a jmem.finetune.FinetuneConfig, got {type(config).__name__}")
     return FinetuneConfig.from_flat(**config.flat())
+
+
+def __getattr__(name: str):
+    if name == "LeversConfig":
+        warnings.warn(
+            "LeversConfig is deprecated; use ExecutionConfig", DeprecationWarning, stacklevel=2
+        )
+        return ExecutionConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,7 @@ from typing import Mapping
 from jmem._src import cli
 from jmem._src.finetune.config import ALIASES
 from jmem._src.finetune.config import FIELDS
+from jmem._src.finetune.config import GROUP_ALIASES
 from jmem._src.finetune.config import GROUP_OF
 from jmem._src.finetune.config import GROUPS
 from jmem._src.finetune.config import FinetuneConfig
@@ -36,7 +37,7 @@ def make_parser(prog: str, description: str | None = None) -> cli.Parser:
         "--config-file",
         metavar="FILE",
         help="a YAML (.yaml/.yml) or TOML (.toml) file of options nested as the config "
-        "(levers: {remat: full}); flags given on the command line override it",
+        "(execution: {remat: full}); flags given on the command line override it",
     )
     for name, cls in GROUPS.items():
         cli.add_options(p, cls, name)
@@ -44,9 +45,13 @@ def make_parser(prog: str, description: str | None = None) -> cli.Parser:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """The options in a YAML or TOML file, nested by group (``levers: {remat: full}``; the
-    flat ``remat: full`` of earlier versions is read with one deprecation note), each checked
-    by its field's checker. Returns them by option name.
+    """The options in a YAML or TOML file, nested by group (``execution: {remat: full}``),
+    each checked by its field's checker. Returns them by option name.
+
+    A top-level key whose value is a mapping is a group (``levers:``, the execution group's
+    former name, is read with a deprecation note); any other is an option by its flag's
+    name, the flat form of earlier versions (``data: chat.jsonl``, ``steps: 40``), read with
+    one deprecation note naming each key's nested form.
 
     Raises:
       CliError: ``--config-file FILE: ...`` naming the key, for an unreadable file, an
@@ -57,13 +62,16 @@ def read_config_file(path: str) -> dict[str, Any]:
     values, flat = {}, []
     for key, value in raw.items():
         name = _key(key)
-        if name in GROUPS and isinstance(value, Mapping):
+        group = GROUP_ALIASES.get(name, name)
+        if group in GROUPS and isinstance(value, Mapping):
+            if group != name:
+                print(f"note: {where}{key} is deprecated; name the group {group}", flush=True)
             for sub, v in value.items():
-                option_name = _option(f"{name}.{_key(sub)}", where, group=name)
-                values[option_name] = _checked(option_name, v, f"{name}.{sub}", where)
-        elif name in GROUPS:
+                option_name = _option(f"{key}.{_key(sub)}", where, group=group)
+                values[option_name] = _checked(option_name, v, f"{key}.{sub}", where)
+        elif group in GROUPS and name not in FIELDS:
             raise cli.CliError(
-                f"{where}{key!r} is a group: expected a mapping such as {name}: {{...}}, "
+                f"{where}{key!r} is a group: expected a mapping such as {group}: {{...}}, "
                 f"got {value!r}"
             )
         else:
@@ -84,8 +92,8 @@ def _key(key) -> str:
 
 
 def _option(key: str, where: str, group: str | None = None) -> str:
-    """The option a file's key names (``levers.remat`` or a flat ``remat``), or a CliError
-    with the closest nested key."""
+    """The option a file's key names (``execution.remat``, its group ``group``, or a flat
+    ``remat``), or a CliError with the closest nested key."""
     name = key.split(".", 1)[1] if group else key
     new = ALIASES.get(name, name)
     if new != name:
@@ -102,11 +110,13 @@ def _option(key: str, where: str, group: str | None = None) -> str:
             f"{where}unknown key {key!r}: {new} belongs to the {GROUP_OF[new]} group; "
             f"write {GROUP_OF[new]}.{new}"
         )
-    nested = [f"{g}.{n}" for n, g in GROUP_OF.items()]
-    hint = cli.did_you_mean(key, nested if group else list(GROUP_OF))
-    if not group and hint:
-        close = hint.split("'")[1]
-        hint = f" (did you mean '{GROUP_OF[close]}.{close}'?)"
+    if group:
+        hint = cli.did_you_mean(f"{group}.{name}", [f"{g}.{n}" for n, g in GROUP_OF.items()])
+    else:
+        hint = cli.did_you_mean(key, list(GROUP_OF))
+        if hint:
+            close = hint.split("'")[1]
+            hint = f" (did you mean '{GROUP_OF[close]}.{close}'?)"
     raise cli.CliError(f"{where}unknown key {key!r}{hint}")
 
 

@@ -95,7 +95,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         kwargs["remat"] = step.levers.remat  # advise's remat levers start from it
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
-    if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
+    if not fit and not offloads(config.execution, "params") and config.execution.remat != "none":
         streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
         _print_params_lever(frozen_bytes, est, streamed)
     out = {
@@ -153,8 +153,8 @@ def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offlo
 
 
 def _print_transfers(config, est) -> None:
-    flag = "--offload-dir" if config.levers.offload_dir else "--offload"
-    for line in transfer_lines(est, config.levers.pcie_gbps, config.levers.disk_gbps, flag):
+    flag = "--offload-dir" if config.execution.offload_dir else "--offload"
+    for line in transfer_lines(est, config.execution.pcie_gbps, config.execution.disk_gbps, flag):
         print(line)
 
 
@@ -250,7 +250,7 @@ def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
     offload rungs of ``--offload``/``--offload-dir``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     return dict(
-        offload=_offload_value(config.levers),
+        offload=_offload_value(config.execution),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         lora={"rank": config.training.lora_rank, "targets": targets},
