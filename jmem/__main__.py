@@ -67,17 +67,12 @@ def _quant(args: argparse.Namespace) -> str | None:
 
 def _levers(remat: str) -> Any:
     """The job's execution settings (``jmem finetune``'s defaults: attention, loss and token
-    chunks) with ``remat``, resolved by the planner per sequence length as the job does."""
-    import jmem  # noqa: PLC0415 (JAX: only once a command runs)
+    chunks) with ``remat``, by the job's own conversion (``setup.job_levers``), resolved by
+    the planner per sequence length as the job does."""
+    from jmem._src.finetune import setup  # noqa: PLC0415 (JAX: only once a command runs)
     from jmem._src.finetune.config import FinetuneConfig  # noqa: PLC0415
 
-    job = FinetuneConfig().execution
-    return jmem.Levers(
-        remat=remat,
-        attention=job.attention,
-        loss_chunk=job.loss_chunk,
-        token_chunk=job.token_chunk,
-    )
+    return setup.job_levers(FinetuneConfig.from_flat(remat=remat))
 
 
 def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> dict[str, Any]:

@@ -36,9 +36,10 @@ def model_config(config) -> llama.LlamaConfig:
 
 
 def job_levers(config) -> jmem.Levers:
-    """The run's execution settings as one ``jmem.Levers``: the levers group's
+    """The run's execution settings as one ``jmem.Levers``: the execution group's
     ``--remat``, ``--attention``, ``--loss-chunk``, ``--token-chunk`` and ``--offload
-    params`` (resolved per batch and target by ``build``)."""
+    params`` (resolved per batch and target by ``build``). The one conversion from the job
+    config to ``Levers``: the job, its dry run and ``jmem estimate`` use it."""
     levers = config.execution
     return jmem.Levers(
         remat=levers.remat,
