@@ -28,19 +28,16 @@ A bad input exits with status 2 and one line `error: ...` naming the flag or fil
 `jmem finetune`, which takes `--config-file` too); this script only calls it.
 """
 
-import sys
-
 from jmem import finetune
 
 
-def main(argv=None):
+def main(argv=None, restart_with_huge_pages=False):
     """Runs the job with this script's flags (``jmem.finetune.main``; ``argv`` None: the
-    command line); returns the summary."""
-    return finetune.main(argv, prog="qlora_7b.py")
+    command line); returns the summary. ``restart_with_huge_pages``: the script's entry
+    point only (on CPU, restarts the process once, before JAX starts, with glibc's
+    huge-page tunable GLIBC_TUNABLES=glibc.malloc.hugetlb=1; faster steps)."""
+    return finetune.main(argv, prog="qlora_7b.py", restart_with_huge_pages=restart_with_huge_pages)
 
 
 if __name__ == "__main__":
-    # The launcher, before JAX starts: on CPU, restarts this script once with glibc's
-    # huge-page tunable (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; faster steps).
-    finetune.relaunch_with_huge_pages(sys.argv[1:], prog="qlora_7b.py")
-    main()
+    main(restart_with_huge_pages=True)

@@ -78,17 +78,12 @@ def _quant(args: argparse.Namespace) -> str | None:
 
 def _levers(remat: str) -> Any:
     """The job's execution settings (``jmem finetune``'s defaults: attention, loss and token
-    chunks) with ``remat``, resolved by the planner per sequence length as the job does."""
-    import jmem  # noqa: PLC0415 (JAX: only once a command runs)
+    chunks) with ``remat``, by the job's own conversion (``setup.job_levers``), resolved by
+    the planner per sequence length as the job does."""
+    from jmem._src.finetune import setup  # noqa: PLC0415 (JAX: only once a command runs)
     from jmem._src.finetune.config import FinetuneConfig  # noqa: PLC0415
 
-    job = FinetuneConfig().levers
-    return jmem.Levers(
-        remat=remat,
-        attention=job.attention,
-        loss_chunk=job.loss_chunk,
-        token_chunk=job.token_chunk,
-    )
+    return setup.job_levers(FinetuneConfig.from_flat(remat=remat))
 
 
 def _estimate_kwargs(args: argparse.Namespace, optimizer: str, remat: str) -> dict[str, Any]:
@@ -444,16 +439,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command. A bad input exits with status 2 and one line ``error: ...``.
 
     ``argv`` None is the process's own command line: ``finetune`` then restarts the process
-    once with glibc's huge-page tunable where it applies (``relaunch_with_huge_pages``)."""
+    once with glibc's huge-page tunable where its flags ask for it
+    (``finetune.main(restart_with_huge_pages=True)``: the flags parsed once, for the
+    restart and the job)."""
     command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["finetune"]:
         from jmem._src.finetune.command import main as finetune_main  # noqa: PLC0415
-        from jmem._src.finetune.launcher import relaunch_with_huge_pages  # noqa: PLC0415
 
-        if command_line:
-            relaunch_with_huge_pages(argv[1:], prog="jmem finetune")  # may os.execve
-        finetune_main(argv[1:], prog="jmem finetune")
+        finetune_main(argv[1:], prog="jmem finetune", restart_with_huge_pages=command_line)
         return 0
     parser = cli.Parser(prog="jmem", description="jmem command line tools")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)

@@ -16,6 +16,7 @@ from jmem import finetune
 from jmem import planner
 from jmem.__main__ import main as jmem_main
 from jmem._src.cli import CliError
+from jmem._src.finetune.config_file import parse_args
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.rundir import prepare_out
 from jmem._src.finetune.setup import check_outputs
@@ -142,10 +143,10 @@ def test_export_of_a_model_the_exporter_cannot_write_is_refused_before_training(
     from jmem.models import llama  # noqa: PLC0415
 
     cfg = llama.get_config("tiny", biases=("q_proj",))  # no transformers family has it
-    args = example.parse_args(["--export-merged", str(tmp_path / "merged")])
+    args = parse_args(["--export-merged", str(tmp_path / "merged")])
     with pytest.raises(CliError, match="--export-merged .*biases"):
         check_outputs(args, cfg, data.ByteTokenizer())
-    check_outputs(example.parse_args([]), cfg, data.ByteTokenizer())  # no export: ok
+    check_outputs(parse_args([]), cfg, data.ByteTokenizer())  # no export: ok
 
 
 def test_overwrite_replaces_an_earlier_merged_checkpoint_only(example, tmp_path, capsys):
@@ -159,15 +160,15 @@ def test_overwrite_replaces_an_earlier_merged_checkpoint_only(example, tmp_path,
     (merged / "model.safetensors").write_text("")
     argv = ["--out", str(out), "--export-merged", str(merged)]
     with pytest.raises(CliError, match="--export-merged .* --overwrite to replace it"):
-        prepare_out(example.parse_args(argv))
-    assert prepare_out(example.parse_args(argv + ["--overwrite"])) is None
+        prepare_out(parse_args(argv))
+    assert prepare_out(parse_args(argv + ["--overwrite"])) is None
     # kept: the run replaces them once it has succeeded (tests/test_faults.py)
     assert (merged / "config.json").exists() and (out / "checkpoints" / "2").is_dir()
     for name in ("config.json", "model.safetensors"):
         os.remove(merged / name)
     (merged / "notes.txt").write_text("mine")
     with pytest.raises(CliError, match="not a checkpoint; pass a new directory"):
-        prepare_out(example.parse_args(argv + ["--overwrite"]))
+        prepare_out(parse_args(argv + ["--overwrite"]))
     assert (merged / "notes.txt").read_text() == "mine"
 
 
@@ -180,21 +181,21 @@ def test_defaults_are_filled_with_is_none_and_sized_for_the_device(example, tmp_
     """A --checkpoint run on CPU takes its shapes from config.json and CPU-sized defaults;
     on a GPU the 7B sizes, capped at the model's max_seq_len; given values are kept."""
     ck = _config_json(tmp_path / "ck", max_position_embeddings=512)
-    args = example.parse_args(["--checkpoint", ck])
+    args = parse_args(["--checkpoint", ck])
     cfg = model_config(args)
     assert (cfg.vocab_size, cfg.num_layers, cfg.max_seq_len) == (128, 2, 512)
     c, notes = resolve_defaults(args, cfg, on_gpu=False)
     assert (c.training.steps, c.data.batch_size, c.data.seq_len) == (200, 16, 128)
     assert c.training.lr == 2e-4 and c.data.eval_every == 20 and "CPU-sized" in notes[0]
     assert c.model.tokenizer == ck and c.training.lora_alpha == 16.0
-    assert args == example.parse_args(["--checkpoint", ck])  # a new value; the given one kept
+    assert args == parse_args(["--checkpoint", ck])  # a new value; the given one kept
     c, _ = resolve_defaults(args, cfg, on_gpu=True)
     assert (c.training.steps, c.data.batch_size, c.data.seq_len) == (20, 1, 512)
-    args = example.parse_args(["--checkpoint", ck, "--steps", "1", "--seq-len", "1024"])
+    args = parse_args(["--checkpoint", ck, "--steps", "1", "--seq-len", "1024"])
     c, notes = resolve_defaults(args, cfg, on_gpu=False)
     assert (c.training.steps, c.data.seq_len, c.data.eval_every) == (1, 1024, 1)
     assert any("exceeds the model's max_seq_len 512" in n for n in notes)
-    c, _ = resolve_defaults(example.parse_args([]), cfg, on_gpu=False)
+    c, _ = resolve_defaults(parse_args([]), cfg, on_gpu=False)
     assert (c.model.config, c.model.tokenizer, c.training.lr) == ("tiny", "byte", 3e-3)
 
 
@@ -213,7 +214,7 @@ def test_example_entry_point_prints_no_traceback(tmp_path):
 def test_instruction_data_trains_on_responses_only(example, tmp_path):
     """--data sft.jsonl: packed examples whose mask is 1 exactly on the completions."""
     sft = helpers.sft_jsonl(tmp_path / "sft.jsonl")
-    args = example.parse_args(
+    args = parse_args(
         ["--data", sft, "--seq-len", "32", "--batch-size", "4", "--eval-split", "0.2"]
     )
     args, _ = resolve_defaults(args, model_config(args), on_gpu=False)

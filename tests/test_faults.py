@@ -22,6 +22,7 @@ from jmem import Checkpointer
 from jmem import DynamicLossScale
 from jmem import TrainState
 from jmem import finetune  # noqa: F401 (jmem.finetune.main)
+from jmem._src.finetune.config_file import parse_args
 
 SMALL = ["--config", "tiny", "--batch-size", "4", "--seq-len", "16", "--lora-rank", "4"]
 SMALL += ["--no-progress", "--lr", "3e-3", "--eval-split", "0", "--save-every", "2"]
@@ -505,7 +506,7 @@ def test_inf_in_the_base_weights_is_refused_naming_the_tensor(tmp_path, capsys):
         jmem.finetune.main(argv + ["--steps", "2"])
     helpers.one_line_error(capsys, e, "--checkpoint", Q_PROJ, "non-finite")
     assert not (tmp_path / "run" / "run.json").exists()  # the retry is not refused
-    assert prepare_out(jmem.finetune.parse_args(argv + ["--steps", "2"])) is None
+    assert prepare_out(parse_args(argv + ["--steps", "2"])) is None
 
 
 def _killed(phase, argv, expect=()):
@@ -675,7 +676,7 @@ def test_a_stray_step_directory_is_no_checkpoint(tmp_path):
     ck.close()
     (out / "checkpoints" / "9").mkdir()
     argv = SMALL + ["--steps", "2", "--out", str(out), "--resume"]
-    assert prepare_out(jmem.finetune.parse_args(argv)) == 2
+    assert prepare_out(parse_args(argv)) == 2
 
 
 # ------------------------------------------- results published at once, never half-written

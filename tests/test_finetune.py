@@ -24,6 +24,7 @@ from jmem.__main__ import main as jmem_main
 from jmem._src.cli import CliError
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import quantized_base
+from jmem._src.finetune.config_file import parse_args
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.loop import init_state
 
@@ -45,43 +46,44 @@ def test_flags_override_the_config_file_yaml_and_toml(tmp_path, capsys):
         '[training]\nlora_rank = 16\nsteps = 7\nlr = 1e-4\n[data]\ndata = "a.txt"\n'
     )
     for name in ("f.yaml", "f.toml"):
-        c = finetune.parse_args(["--config-file", str(tmp_path / name), "--steps", "5"])
+        c = parse_args(["--config-file", str(tmp_path / name), "--steps", "5"])
         t = c.training
         assert (t.lora_rank, t.steps, t.lr, c.data.data) == (16, 5, 1e-4, "a.txt")
         assert c.data.seq_len is None and c.data.eval_split == 0.05  # untouched defaults
     assert "deprecated" not in capsys.readouterr().out
     # A value on the command line equal to the default still overrides the file.
-    c = finetune.parse_args(["--config-file", str(tmp_path / "f.yaml"), "--lora-rank", "8"])
+    c = parse_args(["--config-file", str(tmp_path / "f.yaml"), "--lora-rank", "8"])
     assert c.training.lora_rank == 8
     # --checkpoint on the command line replaces the file's --config.
     (tmp_path / "m.yaml").write_text("model: {config: tiny}\n")
-    c = finetune.parse_args(["--config-file", str(tmp_path / "m.yaml"), "--checkpoint", "x"])
+    c = parse_args(["--config-file", str(tmp_path / "m.yaml"), "--checkpoint", "x"])
     assert (c.model.config, c.model.checkpoint) == (None, "x")
 
 
 def test_flat_config_file_keys_are_read_with_one_deprecation_note(tmp_path, capsys):
     """Earlier versions' flat keys still work: one note names each key's nested form."""
     (tmp_path / "f.yaml").write_text("lora_rank: 16\nremat: none\nmlp_chunk: 64\n")
-    c = finetune.parse_args(["--config-file", str(tmp_path / "f.yaml")])
-    assert (c.training.lora_rank, c.levers.remat, c.levers.token_chunk) == (16, "none", 64)
+    c = parse_args(["--config-file", str(tmp_path / "f.yaml")])
+    assert (c.training.lora_rank, c.execution.remat, c.execution.token_chunk) == (16, "none", 64)
     out = capsys.readouterr().out
     note = [line for line in out.splitlines() if "flat keys are deprecated" in line]
     assert len(note) == 1, out
-    assert "lora_rank -> training.lora_rank" in note[0] and "remat -> levers.remat" in note[0]
-    assert "mlp_chunk is deprecated; use levers.token_chunk" in out
+    assert "lora_rank -> training.lora_rank" in note[0] and "remat -> execution.remat" in note[0]
+    assert "mlp_chunk is deprecated; use execution.token_chunk" in out
 
 
 BAD_FILES = {
     "unknown key": ("lora_rnk: 4\n", ["f.yaml", "'lora_rnk'", "did you mean 'training.lora_rank'"]),
-    "unknown nested key": ("levers:\n  remt: full\n", ["'levers.remt'", "'levers.remat'"]),
-    "key in another group": ("levers: {lora_rank: 4}\n", ["'levers.lora_rank'", "training"]),
-    "group not a mapping": ("levers: full\n", ["'levers' is a group", "mapping"]),
+    "unknown nested key": ("execution:\n  remt: full\n", ["'execution.remt'", "'execution.remat'"]),
+    "unknown key, old group": ("levers:\n  remt: full\n", ["'levers.remt'", "'execution.remat'"]),
+    "key in another group": ("execution: {lora_rank: 4}\n", ["'execution.lora_rank'", "training"]),
+    "group not a mapping": ("execution: full\n", ["'execution' is a group", "mapping"]),
     "command-line only": ("run: {resume: true}\n", ["'run.resume'", "command-line only"]),
     "bad value": ("training: {lora_rank: 0}\n", ["f.yaml", "lora_rank", "positive integer"]),
     "bad flat value": ("lora_rank: 0\n", ["f.yaml", "lora_rank", "positive integer"]),
     "bad float": ("data: {eval_split: 1.5}\n", ["eval_split", "[0, 1)"]),
     "bad choice": ("optimizer: adamw8bit\n", ["optimizer", "did you mean 'adamw_8bit'"]),
-    "bool flag": ("levers: {offload: 3}\n", ["offload", "true or false"]),
+    "bool flag": ("execution: {offload: 3}\n", ["offload", "true or false"]),
     "list value": ("steps: [1, 2]\n", ["steps", "single value"]),
     "not a mapping": ("- a\n- b\n", ["f.yaml", "mapping"]),
     "both models": ("model: {config: tiny, checkpoint: x}\n", ["config", "checkpoint"]),
@@ -115,24 +117,26 @@ def test_python_api_checks_values_as_the_flags_do(tmp_path):
     with pytest.raises(ValueError, match="lora_rank: must be a positive integer"):
         finetune.TrainingConfig(lora_rank=0)
     with pytest.raises(ValueError, match="remat: 'everything' is not one of"):
-        finetune.FinetuneConfig(levers=finetune.LeversConfig(remat="everything"))
+        finetune.FinetuneConfig(execution=finetune.ExecutionConfig(remat="everything"))
     with pytest.raises(ValueError, match="batch_size 3 must be divisible by grad_accum 2"):
         finetune.FinetuneConfig.from_flat(batch_size=3, grad_accum=2)
     with pytest.raises(TypeError, match="FinetuneConfig"):
         finetune.run({"steps": 1})
-    with pytest.raises(TypeError, match="FinetuneConfig.levers: expected a LeversConfig"):
-        finetune.FinetuneConfig(levers="full")
+    with pytest.raises(TypeError, match="FinetuneConfig.execution: expected an? ExecutionConfig"):
+        finetune.FinetuneConfig(execution=finetune.TrainingConfig())
     with pytest.raises(TypeError, match="no option 'lora_rnk' \\(did you mean 'lora_rank'"):
         finetune.FinetuneConfig.from_flat(lora_rnk=4)
     assert not os.listdir(tmp_path)
     # Values are converted as a flag's would be; groups may be dicts; every group is frozen.
-    c = finetune.FinetuneConfig(training={"lr": "1e-3", "lora_rank": 4}, levers={"remat": "none"})
-    assert (c.training.lr, c.training.lora_rank, c.levers.remat) == (1e-3, 4, "none")
+    c = finetune.FinetuneConfig(
+        training={"lr": "1e-3", "lora_rank": 4}, execution={"remat": "none"}
+    )
+    assert (c.training.lr, c.training.lora_rank, c.execution.remat) == (1e-3, 4, "none")
     assert c == finetune.FinetuneConfig.from_flat(lr=1e-3, lora_rank=4, remat="none")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.training.lr = 1.0
     d = c.replace(steps=3, mlp_chunk=0)  # a deprecated name still replaces its field
-    assert (d.training.steps, d.levers.token_chunk, c.training.steps) == (3, 0, None)
+    assert (d.training.steps, d.execution.token_chunk, c.training.steps) == (3, 0, None)
     from jmem._src.finetune.config import validate
 
     assert validate(c) == c
@@ -165,17 +169,18 @@ def test_help_is_grouped_by_config_group_and_imports_no_jax():
     """``jmem finetune --help`` lists every field's flag under its group's title, and
     parsing the flags imports no JAX (a fresh interpreter)."""
     from jmem._src.finetune import config as fc
+    from jmem._src.finetune.config_file import make_parser
 
-    text = fc.make_parser("jmem finetune").format_help()
+    text = make_parser("jmem finetune").format_help()
     for group, cls in fc.GROUPS.items():
         block = text.split(f"\n{group}:\n", 1)[1].split("\n\n\n", 1)[0]
         for f in dataclasses.fields(cls):
             assert "--" + f.name.replace("_", "-") in block, (group, f.name)
     assert "[--mlp-chunk" not in text and "\n  --mlp-chunk" not in text  # alias hidden
     code = (
-        "import sys; from jmem._src.finetune.config import parse_args; "
+        "import sys; from jmem._src.finetune.config_file import parse_args; "
         "c = parse_args(['--lora-rank', '4', '--mlp-chunk', '8']); "
-        "assert c.levers.token_chunk == 8; print('jax' in sys.modules)"
+        "assert c.execution.token_chunk == 8; print('jax' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=os.path.abspath(os.path.join(__file__, "..", "..")))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -379,12 +384,12 @@ def test_long_context_flags_reach_the_model_and_train_as_dense(tmp_path):
     from jmem._src.finetune.setup import model_config
     from jmem.models import llama
 
-    c = finetune.parse_args(["--config", "tiny", "--attention", "blockwise", "--loss-chunk", "0"])
+    c = parse_args(["--config", "tiny", "--attention", "blockwise", "--loss-chunk", "0"])
     lv = job_levers(c)
     assert (lv.attention, lv.loss_chunk, lv.token_chunk) == ("blockwise", 0, 2048)
     assert model_config(c) == llama.get_config("tiny")
-    c = finetune.parse_args(["--config", "tiny", "--mlp-chunk", "64"])  # the deprecated name
-    assert job_levers(c).token_chunk == 64 == c.levers.token_chunk
+    c = parse_args(["--config", "tiny", "--mlp-chunk", "64"])  # the deprecated name
+    assert job_levers(c).token_chunk == 64 == c.execution.token_chunk
     argv = SMALL + ["--steps", "2", "--eval-split", "0", "--mesh", "fsdp=1"]
     dense = finetune.main(
         argv

@@ -19,6 +19,7 @@ import pytest
 from jmem import data as jdata
 from jmem import finetune
 from jmem._src.cli import CliError
+from jmem._src.finetune.config_file import parse_args
 from jmem._src.finetune.datasets import load_datasets
 
 HERE = os.path.dirname(__file__)
@@ -52,7 +53,7 @@ BAD_FLAGS = {
 def test_bad_objective_flags_are_one_line(capsys, case):
     argv, words = BAD_FLAGS[case]
     with pytest.raises(SystemExit) as e:
-        finetune.parse_args(argv)
+        parse_args(argv)
     helpers.one_line_error(capsys, e, *words)
 
 
@@ -60,7 +61,7 @@ def test_objective_options_in_a_config_file_and_python(tmp_path):
     (tmp_path / "f.yaml").write_text(
         "training: {objective: simpo, beta: 2.5, simpo_gamma: 0.8, label_smoothing: 0.1}\n"
     )
-    t = finetune.parse_args(["--config-file", str(tmp_path / "f.yaml")]).training
+    t = parse_args(["--config-file", str(tmp_path / "f.yaml")]).training
     assert (t.objective, t.beta, t.simpo_gamma, t.label_smoothing) == ("simpo", 2.5, 0.8, 0.1)
     with pytest.raises(CliError, match="loss_type applies to objective dpo, not simpo"):
         finetune.FinetuneConfig.from_flat(objective="simpo", loss_type="ipo")
@@ -234,7 +235,7 @@ def test_dpo_adapter_loads_in_peft_and_the_merged_export_matches(dpo_run, tmp_pa
     from jmem.models import llama
 
     _, out, merged, _, argv = dpo_run
-    config, _ = resolve_defaults(finetune.parse_args(argv), llama.get_config("tiny"), on_gpu=False)
+    config, _ = resolve_defaults(parse_args(argv), llama.get_config("tiny"), on_gpu=False)
     cfg = llama.get_config("tiny")
     hf.save_params(str(tmp_path / "base"), quantized_base(config, cfg, jnp.bfloat16, False), cfg)
     params, _ = hf.load_params(str(tmp_path / "base"), cfg, dtype=jnp.float32)

@@ -26,6 +26,7 @@ from jmem._src import host_allocator as ha
 from jmem._src.cli import CliError
 from jmem._src.finetune import job
 from jmem._src.finetune import launcher
+from jmem._src.finetune.config_file import parse_args
 
 GLIBC = sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"
 
@@ -381,6 +382,16 @@ def _launcher_machine(monkeypatch, plugin=None, **kw):
     monkeypatch.setattr(ha.sys, "argv", ["/x/jmem/__main__.py", "finetune"])
 
 
+def _restart(argv):
+    """The entry point's decision: the flags parsed once, then the launcher (help and a
+    bad input exit while parsing: the job's own report, no restart)."""
+    try:
+        config = parse_args(list(argv))
+    except SystemExit as e:
+        return f"exit {e.code}"
+    return launcher.restart_with_huge_pages(config)
+
+
 @pytest.mark.parametrize(
     "argv,plugin,env,restarts",
     [
@@ -407,11 +418,11 @@ def test_the_launcher_restarts_only_when_huge_pages_are_asked_for(
     monkeypatch.setenv(ha.ENV_VAR, env)
     if restarts:
         with pytest.raises(_Exec):
-            launcher.relaunch_with_huge_pages(argv)
+            _restart(argv)
         assert fake_execve[0][1] == [sys.executable, "-m", "jmem", "finetune"]
         assert "glibc.malloc.hugetlb=1" in fake_execve[0][2]["GLIBC_TUNABLES"]
     else:
-        assert launcher.relaunch_with_huge_pages(argv)
+        assert _restart(argv)
         assert fake_execve == []
 
 
@@ -421,17 +432,28 @@ def test_the_launcher_reads_the_config_file_and_respects_what_is_set(
     config = tmp_path / "job.toml"
     config.write_text('host_allocator = "system"\n')
     _launcher_machine(monkeypatch)
-    assert "system" in launcher.relaunch_with_huge_pages(["--config-file", str(config)])
+    assert "system" in _restart(["--config-file", str(config)])
     _launcher_machine(monkeypatch, start_tunables="glibc.malloc.hugetlb=1")  # in effect
-    assert launcher.relaunch_with_huge_pages([]) is None
+    assert _restart([]) is None
     _launcher_machine(monkeypatch, start_tunables="glibc.malloc.hugetlb=0")  # the user's
-    assert "hugetlb=0" in launcher.relaunch_with_huge_pages([])
+    assert "hugetlb=0" in _restart([])
     assert fake_execve == []
     _launcher_machine(monkeypatch)
     monkeypatch.setattr(ha, "_restart_hazard", lambda: "2 other threads are running")
-    assert "2 other threads" in launcher.relaunch_with_huge_pages(["--remat", "none"])
+    assert "2 other threads" in _restart(["--remat", "none"])
     note = launcher.allocator_note("auto", "none", dry_run=False)  # the reason is kept
     assert note.startswith("host allocator: no huge pages (a restart is unsafe here (2 other")
+
+
+def test_the_old_launcher_name_parses_quietly_and_warns(monkeypatch, fake_execve, capsys):
+    """``relaunch_with_huge_pages(argv)`` (deprecated) parses ``argv`` itself, quietly, and
+    makes the same decision as ``restart_with_huge_pages``."""
+    _launcher_machine(monkeypatch)
+    with pytest.warns(DeprecationWarning, match="restart_with_huge_pages=True"):
+        assert "bad input" in finetune.relaunch_with_huge_pages(["--lora-rank", "0"])
+    with pytest.warns(DeprecationWarning), pytest.raises(_Exec):
+        launcher.relaunch_with_huge_pages([])
+    assert capsys.readouterr().err == "" and len(fake_execve) == 1
 
 
 def test_only_the_entry_points_restart(monkeypatch, fake_execve):

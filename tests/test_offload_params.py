@@ -16,6 +16,8 @@ from jmem import lora
 from jmem import qlora
 from jmem._src.cli import CliError
 from jmem._src.finetune import config as fc
+from jmem._src.finetune import config_file
+from jmem._src.finetune.config_file import parse_args
 from jmem._src.offload import params as offload_params
 from jmem.models import llama
 
@@ -116,11 +118,10 @@ def test_train_step_keeps_the_base_on_host_and_trains_bitwise():
 def test_the_job_shards_over_every_device_with_offload_params():
     """``jmem finetune --offload params`` with no ``--mesh`` builds FSDP over all the
     devices like a run without it (no note): it no longer falls back to one device."""
-    from jmem import finetune
     from jmem._src.finetune.mesh import job_mesh
 
     assert jax.device_count() > 1  # conftest: 8 host devices
-    config = finetune.parse_args(["--config", "tiny", "--offload", "params", "--batch-size", "8"])
+    config = parse_args(["--config", "tiny", "--offload", "params", "--batch-size", "8"])
     mesh, notes = job_mesh(config)
     assert mesh is not None and mesh.size == jax.device_count() and not notes
 
@@ -190,21 +191,21 @@ def test_qlora_on_an_fsdp_mesh_streams_the_sharded_base_bitwise():
 def test_offload_flag_values(value, expected):
     """``--offload``: ``optimizer``/``params``/both (any order); true/false (old config
     files' bool) read as ``optimizer``/``none``."""
-    levers = fc.LeversConfig(offload=value)
+    levers = fc.ExecutionConfig(offload=value)
     assert levers.offload == expected
     assert fc.offloads(levers, "params") == ("params" in expected)
     assert fc.offloads(levers, "optimizer") == ("optimizer" in expected)
 
 
 def test_offload_flag_on_the_command_line(tmp_path):
-    parser = fc.make_parser("jmem finetune")
+    parser = config_file.make_parser("jmem finetune")
     assert parser.parse_args(["--offload"]).offload == "optimizer"  # bare: as before
     assert parser.parse_args(["--offload", "params"]).offload == "params"
     path = tmp_path / "old.yaml"
-    path.write_text("levers: {offload: true}\n")
-    assert fc.read_config_file(str(path))["offload"] == "optimizer"
+    path.write_text("execution: {offload: true}\n")
+    assert config_file.read_config_file(str(path))["offload"] == "optimizer"
     with pytest.raises(CliError, match="offload: expected optimizer, params"):
-        fc.LeversConfig(offload="gpu")
+        fc.ExecutionConfig(offload="gpu")
 
 
 @pytest.mark.slow
@@ -236,7 +237,7 @@ def test_job_offload_flags_map_to_the_planner_rungs(offload, offload_dir, planne
     ``jmem estimate --target`` compile's job flags for the planner's value."""
     from jmem._src.finetune import compiled_plan
 
-    levers = fc.LeversConfig(offload=offload, offload_dir=offload_dir)
+    levers = fc.ExecutionConfig(offload=offload, offload_dir=offload_dir)
     assert fc.offload_of(levers) == jmem.planner.Offload.parse(planner_value)
     flags = compiled_plan.job_flags(
         "tiny", lora_rank=8, quant="nf4", lora_targets=None, offload=planner_value

@@ -43,18 +43,34 @@ def test_no_function_shadows_a_module(name):
 
 
 def test_the_job_exports_what_users_call():
-    """``jmem.finetune``: the config, its groups, ``run``, ``main``, ``parse_args`` and the
-    entry points' ``relaunch_with_huge_pages``; the pieces (``resolve_defaults``,
-    ``prepare_out``, ``build``...) stay in ``jmem._src``."""
+    """``jmem.finetune``: the config, its groups, ``run`` and ``main``; the pieces
+    (``resolve_defaults``, ``prepare_out``, ``build``, the parser, the launcher...) stay in
+    ``jmem._src``. The names exported before still resolve, with a DeprecationWarning."""
     from jmem import finetune
 
-    groups = ["DataConfig", "DevicesConfig", "LeversConfig", "ModelConfig", "OutputConfig"]
+    groups = ["DataConfig", "DevicesConfig", "ExecutionConfig", "ModelConfig", "OutputConfig"]
     groups += ["RunConfig", "TrainingConfig"]
-    assert sorted(finetune.__all__) == sorted(
-        ["FinetuneConfig", *groups, "main", "parse_args", "run", "relaunch_with_huge_pages"]
-    )
+    assert sorted(finetune.__all__) == sorted(["FinetuneConfig", *groups, "main", "run"])
     for name in ["resolve_defaults", "check_outputs", "prepare_out", "CliError", "build"]:
         assert not hasattr(finetune, name), name
+    for name in ["LeversConfig", "parse_args", "relaunch_with_huge_pages"]:
+        with pytest.warns(DeprecationWarning, match=f"jmem.finetune.{name} is deprecated"):
+            assert callable(getattr(finetune, name))
+    with pytest.warns(DeprecationWarning):
+        assert finetune.LeversConfig is finetune.ExecutionConfig
+
+
+def test_the_host_namespace_hides_its_internals():
+    """``jmem.host`` exports its functions, not the allocator's tables or state probes;
+    those still resolve for one release, with a DeprecationWarning."""
+    from jmem import host
+
+    for name in ["ENV_VALUES", "HUGE_PAGES_TUNABLE", "restarted", "retained"]:
+        assert name not in host.__all__ and name not in vars(host), name
+        with pytest.warns(DeprecationWarning, match=f"jmem.host.{name} is internal"):
+            assert getattr(host, name) is not None
+    with pytest.raises(AttributeError):
+        host.nonexistent  # noqa: B018
 
 
 def test_top_level_names_load_on_first_use():

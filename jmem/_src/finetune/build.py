@@ -91,7 +91,7 @@ def job_resolved_levers(config, cfg, dtype, target=None):
     running backend)."""
     data, batch = config.data, None
     if data.batch_size is not None and data.seq_len is not None:
-        rows = rows_per_example(config) * max(1, data.batch_size // config.levers.grad_accum)
+        rows = rows_per_example(config) * max(1, data.batch_size // config.execution.grad_accum)
         batch = (rows, data.seq_len)
     return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype)
 
@@ -120,7 +120,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
     Args:
       config: a resolved ``FinetuneConfig`` (``lr`` and ``steps`` set).
       cfg: the model's ``LlamaConfig``.
-      compute_dtype: overrides ``config.levers.precision`` (e.g. float32 for a benchmark).
+      compute_dtype: overrides ``config.execution.precision`` (e.g. float32 for a benchmark).
       mesh: a ``jmem.sharding.make_mesh`` mesh: the step is sharded by its rules (FSDP).
       target: the compile target the levers are resolved for (``jmem.resolve_levers``;
         None: the running backend). The resolved levers are ``step.levers``; with
@@ -138,7 +138,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
       S]`` batch of pairs, the step built with ``has_aux``), the compute dtype and the optax learning-rate schedule
       (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
     """
-    dtype = jnp.float16 if config.levers.precision == "fp16" else jnp.bfloat16
+    dtype = jnp.float16 if config.execution.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)
     preference_run = config.training.objective != "sft"
@@ -155,7 +155,7 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
     )
     opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
     scale = DynamicLossScale(2.0**15, period=500) if dtype == jnp.float16 else NoOpLossScale()
-    on_disk = disk and config.levers.offload_dir is not None
+    on_disk = disk and config.execution.offload_dir is not None
     with offload_dir_input() if on_disk else contextlib.nullcontext():
         step = jmem.train_step(
             loss_fn,
@@ -163,9 +163,9 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
             precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
             loss_scale=scale,
             levers=lv,
-            microbatches=config.levers.grad_accum,
+            microbatches=config.execution.grad_accum,
             offload_optimizer=offload_mode(config, disk),
-            offload_dir=config.levers.offload_dir if on_disk else None,
+            offload_dir=config.execution.offload_dir if on_disk else None,
             mesh=mesh,
             has_aux=preference_run,
         )
@@ -189,7 +189,7 @@ def offload_dir_input():
 def offload_mode(config, disk: bool = True):
     """``train_step``'s ``offload_optimizer`` for the job's flags: ``"disk"`` with
     ``--offload-dir`` (``True``, host memory, when ``disk`` is False), else ``--offload``."""
-    offload = offload_of(config.levers)
+    offload = offload_of(config.execution)
     if offload.disk:
         return "disk" if disk else True
     return offload.optimizer

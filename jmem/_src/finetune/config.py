@@ -1,18 +1,17 @@
 """The fine-tuning job's options: ``FinetuneConfig``, nested frozen groups (``model``,
-``data``, ``levers``, ``training``, ``run``, ``output``, ``devices``) whose fields declare
+``data``, ``execution``, ``training``, ``run``, ``output``, ``devices``) whose fields declare
 their flags (help, checking type, choices), so that the command line (``jmem finetune``,
-``examples/qlora_7b.py``), config files (YAML or TOML, nested the same way) and Python are
-checked by the same code, as levanter's ``TrainLmConfig`` (draccus) generates its command
-line and config files from nested dataclasses. Importing this module does not import JAX:
-``--help`` answers at once."""
+``examples/qlora_7b.py``), config files (YAML or TOML, nested the same way; read by
+``config_file``) and Python are checked by the same code, as levanter's ``TrainLmConfig``
+(draccus) generates its command line and config files from nested dataclasses; and the
+rules that combine options. Importing this module does not import JAX."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
-import tomllib
+import warnings
 from typing import Any
 from typing import Mapping
 
@@ -149,9 +148,9 @@ class DataConfig(_Group):
 
 
 @dataclasses.dataclass(frozen=True)
-class LeversConfig(_Group):
-    """The execution levers: how the step runs (memory against speed), not what it
-    computes."""
+class ExecutionConfig(_Group):
+    """How the step executes (memory against speed), not what it computes: remat,
+    attention, chunks, precision, offload, accumulation."""
 
     remat: str = option("full", "remat policy", choices=REMAT_NAMES)
     attention: str = option(
@@ -370,12 +369,14 @@ class DevicesConfig(_Group):
 GROUPS = {
     "model": ModelConfig,
     "data": DataConfig,
-    "levers": LeversConfig,
+    "execution": ExecutionConfig,
     "training": TrainingConfig,
     "run": RunConfig,
     "output": OutputConfig,
     "devices": DevicesConfig,
 }
+#: Former group names (a config file's key) -> their groups.
+GROUP_ALIASES = {"levers": "execution"}
 #: Option name (the flag's, ``lora_rank`` for ``--lora-rank``) -> its group's name.
 GROUP_OF = {f.name: g for g, cls in GROUPS.items() for f in cli.options(cls)}
 #: Deprecated option names -> their new names.
@@ -385,45 +386,77 @@ ALIASES = {
     for f in cli.options(cls)
     for a in f.metadata["option"]["aliases"]
 }
-_FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
+FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class FinetuneConfig:
     """Every option of the QLoRA fine-tuning job, in groups: ``model``, ``data``,
-    ``levers``, ``training``, ``run``, ``output``, ``devices``. A field is named as its flag
-    (``training.lora_rank`` is ``--lora-rank``); ``None`` means "sized for the model and the
-    device" (``run`` resolves it into a new value). Frozen: change it with ``replace``.
+    ``execution``, ``training``, ``run``, ``output``, ``devices``. A field is named as its
+    flag (``training.lora_rank`` is ``--lora-rank``); ``None`` means "sized for the model and
+    the device" (``run`` resolves it into a new value). Frozen: change it with ``replace``.
 
     ``FinetuneConfig(training=TrainingConfig(steps=20))``, or with the flags' names,
     ``FinetuneConfig.from_flat(steps=20)``; a group may be given as a dict of its fields.
+    The flags' names as keywords (``FinetuneConfig(steps=20, data="a.txt")``) and
+    ``levers=`` for ``execution=`` are deprecated: they work, with a ``DeprecationWarning``
+    (a ``data=`` that is not a group or a mapping is the ``data`` option).
 
     Raises:
       CliError: (a ``ValueError``) naming the field, for a value its flag would refuse, for
         ``config`` and ``checkpoint`` (or ``resume`` and ``overwrite``) both set, or for a
         ``batch_size`` that ``grad_accum`` does not divide.
-      TypeError: for a group of the wrong type.
+      TypeError: for a group of the wrong type, or an unknown keyword.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    levers: LeversConfig = dataclasses.field(default_factory=LeversConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
 
-    def __post_init__(self):
+    def __init__(self, *groups: Any, **kwargs: Any):
+        if len(groups) > len(GROUPS):
+            raise TypeError(f"FinetuneConfig takes at most {len(GROUPS)} groups by position")
+        given = dict(zip(GROUPS, groups))
+        flat = {}
+        for key, value in kwargs.items():
+            if key == "levers" and _is_group(value):
+                _deprecated("FinetuneConfig(levers=...) is deprecated; pass execution=...")
+                key = "execution"
+            if key in GROUPS and _is_group(value):
+                if key in given:
+                    raise TypeError(f"FinetuneConfig: the {key} group is given twice")
+                given[key] = value
+            else:
+                flat[key] = value
         for name, cls in GROUPS.items():
-            value = getattr(self, name)
+            value = given.get(name, cls())
             if isinstance(value, Mapping):
-                object.__setattr__(self, name, cls(**value))
+                value = cls(**value)
             elif not isinstance(value, cls):
                 raise TypeError(
                     f"FinetuneConfig.{name}: expected a {cls.__name__} (or a dict of its "
                     f"fields), got {type(value).__name__}"
                 )
+            object.__setattr__(self, name, value)
+        if flat:
+            _deprecated(
+                f"FinetuneConfig({', '.join(f'{k}=...' for k in flat)}) with the flags' names "
+                "is deprecated; use FinetuneConfig.from_flat(...) or the nested groups "
+                "(training=TrainingConfig(...))"
+            )
+            for name, kw in _by_group(flat).items():
+                object.__setattr__(self, name, dataclasses.replace(getattr(self, name), **kw))
         check_combinations(self.flat(), lambda k: k)
+
+    @property
+    def levers(self) -> ExecutionConfig:
+        """Deprecated: the ``execution`` group."""
+        _deprecated("FinetuneConfig.levers is deprecated; use FinetuneConfig.execution")
+        return self.execution
 
     @classmethod
     def from_flat(cls, **options: Any) -> FinetuneConfig:
@@ -433,10 +466,8 @@ class FinetuneConfig:
         Raises:
           TypeError: for an unknown name (with the closest one).
         """
-        groups: dict[str, dict] = {g: {} for g in GROUPS}
-        for name, value in options.items():
-            groups[_group_of(name)][ALIASES.get(name, name)] = value
-        return cls(**{g: GROUPS[g](**kw) for g, kw in groups.items()})
+        groups = _by_group(options)
+        return cls(**{g: GROUPS[g](**groups.get(g, {})) for g in GROUPS})
 
     def flat(self) -> dict[str, Any]:
         """Every option by its flag's name (``{"lora_rank": 8, ...}``), group by group."""
@@ -448,12 +479,31 @@ class FinetuneConfig:
 
     def replace(self, **options: Any) -> FinetuneConfig:
         """A copy with ``options`` (named as the flags) changed, checked as on construction."""
-        changes: dict[str, dict] = {}
-        for name, value in options.items():
-            changes.setdefault(_group_of(name), {})[ALIASES.get(name, name)] = value
+        changes = _by_group(options)
         return dataclasses.replace(
             self, **{g: dataclasses.replace(getattr(self, g), **kw) for g, kw in changes.items()}
         )
+
+
+def _is_group(value: Any) -> bool:
+    """Whether a keyword's value is a group (an instance of one, or a mapping of fields)."""
+    return isinstance(value, (Mapping, *GROUPS.values()))
+
+
+def _deprecated(message: str) -> None:
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+
+
+def _by_group(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``options`` named as the flags, by group (deprecated names read as their new ones).
+
+    Raises:
+      TypeError: for an unknown name (with the closest one).
+    """
+    groups: dict[str, dict] = {}
+    for name, value in options.items():
+        groups.setdefault(_group_of(name), {})[ALIASES.get(name, name)] = value
+    return groups
 
 
 def _group_of(name: str) -> str:
@@ -471,7 +521,7 @@ def check_combinations(values: Mapping[str, Any], name) -> None:
     Raises:
       CliError: naming both options.
     """
-    get = lambda k: values.get(k, _FIELDS[k].default)
+    get = lambda k: values.get(k, FIELDS[k].default)
     for a, b in (("config", "checkpoint"), ("resume", "overwrite")):
         if get(a) and get(b):
             raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
@@ -496,7 +546,7 @@ def _check_objective(get, name) -> None:
     """A loss option given (not at its default) belongs to an objective that reads it."""
     objective = get("objective")
     for option_name, objectives in OBJECTIVE_OPTIONS.items():
-        if objective in objectives or get(option_name) == _FIELDS[option_name].default:
+        if objective in objectives or get(option_name) == FIELDS[option_name].default:
             continue
         raise cli.CliError(
             f"{name(option_name)} applies to {name('objective')} {'|'.join(objectives)}, "
@@ -522,155 +572,10 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
     return FinetuneConfig.from_flat(**config.flat())
 
 
-#: What an unknown flag may have meant besides the closest real flag.
-UNKNOWN_FLAG_HINTS = {
-    "--export": "the adapters are always written to --out/adapter in PEFT format; "
-    "--export-merged DIR also writes the merged model",
-    "--mlp-chunk": "renamed --token-chunk",
-}
-
-
-def make_parser(prog: str, description: str | None = None) -> cli.Parser:
-    """The job's parser, generated from the groups' fields (a flag per field, grouped as
-    the config) and ``--config-file``: one-line usage errors (status 2), defaults shown in
-    --help, every default None so that the flags the command line gave can be told apart."""
-    p = cli.Parser(prog=prog, description=description)
-    p.unknown_flag_hints = UNKNOWN_FLAG_HINTS
-    p.add_argument(
-        "--config-file",
-        metavar="FILE",
-        help="a YAML (.yaml/.yml) or TOML (.toml) file of options nested as the config "
-        "(levers: {remat: full}); flags given on the command line override it",
-    )
-    for name, cls in GROUPS.items():
-        cli.add_options(p, cls, name)
-    return p
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    """The options in a YAML or TOML file, nested by group (``levers: {remat: full}``; the
-    flat ``remat: full`` of earlier versions is read with one deprecation note), each checked
-    by its field's checker. Returns them by option name.
-
-    Raises:
-      CliError: ``--config-file FILE: ...`` naming the key, for an unreadable file, an
-        unknown key (with the closest name), a command-line-only option, or a bad value.
-    """
-    where = f"--config-file {path}: "
-    raw = _load(path, where)
-    values, flat = {}, []
-    for key, value in raw.items():
-        name = _key(key)
-        if name in GROUPS and isinstance(value, Mapping):
-            for sub, v in value.items():
-                option_name = _option(f"{name}.{_key(sub)}", where, group=name)
-                values[option_name] = _checked(option_name, v, f"{name}.{sub}", where)
-        elif name in GROUPS:
-            raise cli.CliError(
-                f"{where}{key!r} is a group: expected a mapping such as {name}: {{...}}, "
-                f"got {value!r}"
-            )
-        else:
-            option_name = _option(name, where)
-            flat.append(f"{key} -> {GROUP_OF[option_name]}.{option_name}")
-            values[option_name] = _checked(option_name, value, str(key), where)
-    if flat:
-        print(
-            f"note: {where}flat keys are deprecated; nest them by group: {', '.join(flat)}",
-            flush=True,
+def __getattr__(name: str):
+    if name == "LeversConfig":
+        warnings.warn(
+            "LeversConfig is deprecated; use ExecutionConfig", DeprecationWarning, stacklevel=2
         )
-    check_combinations(values, lambda k: f"{where}{k}")
-    return values
-
-
-def _key(key) -> str:
-    return str(key).replace("-", "_")
-
-
-def _option(key: str, where: str, group: str | None = None) -> str:
-    """The option a file's key names (``levers.remat`` or a flat ``remat``), or a CliError
-    with the closest nested key."""
-    name = key.split(".", 1)[1] if group else key
-    new = ALIASES.get(name, name)
-    if new != name:
-        print(f"note: {where}{key} is deprecated; use {GROUP_OF[new]}.{new}", flush=True)
-    if new in _FIELDS and (group is None or GROUP_OF[new] == group):
-        if _FIELDS[new].metadata["option"]["cli_only"]:
-            raise cli.CliError(
-                f"{where}{key!r} is command-line only (it says what to do with this "
-                f"invocation, not what the run is); pass {cli.flag(new)}"
-            )
-        return new
-    if new in _FIELDS:
-        raise cli.CliError(
-            f"{where}unknown key {key!r}: {new} belongs to the {GROUP_OF[new]} group; "
-            f"write {GROUP_OF[new]}.{new}"
-        )
-    nested = [f"{g}.{n}" for n, g in GROUP_OF.items()]
-    hint = cli.did_you_mean(key, nested if group else list(GROUP_OF))
-    if not group and hint:
-        close = hint.split("'")[1]
-        hint = f" (did you mean '{GROUP_OF[close]}.{close}'?)"
-    raise cli.CliError(f"{where}unknown key {key!r}{hint}")
-
-
-def _checked(name: str, value, key: str, where: str):
-    try:
-        return cli.check_field(_FIELDS[name], value, key)
-    except cli.CliError as e:
-        raise cli.CliError(f"{where}{e}") from None
-
-
-def _load(path: str, where: str) -> dict:
-    """The file's mapping (an empty file: none)."""
-    if not os.path.isfile(path):
-        raise cli.CliError(f"{where}no such file; pass a .yaml, .yml or .toml file")
-    ext = os.path.splitext(path)[1].lower()
-    with cli.user_input(f"--config-file {path}", (OSError, ValueError, ImportError)):
-        if ext == ".toml":
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        elif ext in (".yaml", ".yml"):
-            raw = _read_yaml(path)
-        else:
-            raise ValueError(f"unknown extension {ext!r}; pass a .yaml, .yml or .toml file")
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise cli.CliError(f"{where}expected a mapping of option: value, got {type(raw).__name__}")
-    return raw
-
-
-def _read_yaml(path: str):
-    try:
-        import yaml  # noqa: PLC0415 (optional: the examples extra)
-    except ImportError:
-        raise ImportError("reading YAML needs PyYAML: pip install 'jmem[examples]'") from None
-    with open(path) as f:
-        try:
-            return yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"not valid YAML ({cli.one_line(e)})") from None
-
-
-def parse_args(argv=None, prog: str = "jmem finetune", description: str | None = None):
-    """``FinetuneConfig`` from flags (and ``--config-file``, which flags override). Unset
-    sizes stay None until the job resolves them for the model and the device. A bad flag or
-    file exits with status 2 and one line ``error: ...``; no JAX is imported."""
-    p = make_parser(prog, description)
-    args = p.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
-    values = {}
-    if args.config_file is not None:
-        try:
-            values = read_config_file(args.config_file)
-        except cli.CliError as e:
-            p.exit(2, f"error: {e}\n")
-        if "config" in given or "checkpoint" in given:  # a flag picks the model
-            values.pop("config", None), values.pop("checkpoint", None)
-    values.update(given)
-    try:
-        check_combinations(values, cli.flag)
-        return FinetuneConfig.from_flat(**values)
-    except cli.CliError as e:
-        p.error(str(e))
+        return ExecutionConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

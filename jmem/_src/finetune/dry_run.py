@@ -87,7 +87,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
-    if not fit and not offload_of(config.levers).params and config.levers.remat != "none":
+    if not fit and not offload_of(config.execution).params and config.execution.remat != "none":
         streamed = _estimate(config, step.levers, cfg, dtype, modules, devices, params=True)
         _print_params_lever(frozen_bytes, est, streamed)
     out = _record(config, cfg, report, compute, est, step, q_bytes / q_count, n_adapter, mesh)
@@ -186,8 +186,8 @@ def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offlo
 
 
 def _print_transfers(config, est) -> None:
-    flag = "--offload-dir" if config.levers.offload_dir else "--offload"
-    for line in transfer_lines(est, config.levers.pcie_gbps, config.levers.disk_gbps, flag):
+    flag = "--offload-dir" if config.execution.offload_dir else "--offload"
+    for line in transfer_lines(est, config.execution.pcie_gbps, config.execution.disk_gbps, flag):
         print(line)
 
 
@@ -291,7 +291,7 @@ def _planner_kwargs(config, levers, dtype, modules, devices: int) -> dict:
     offload rungs of ``--offload``/``--offload-dir``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     return dict(
-        offload=offload_of(config.levers),
+        offload=offload_of(config.execution),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         lora={"rank": config.training.lora_rank, "targets": modules},  # the planner's key

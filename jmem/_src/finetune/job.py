@@ -67,15 +67,14 @@ def run(config: FinetuneConfig) -> dict | None:
     Source: the QLoRA recipe of Dettmers et al. 2023 (arXiv:2305.14314).
     """
     config = validate(config)
-    return _run(
-        config,
-        allocator_note(config.run.host_allocator, config.levers.remat, config.run.dry_run),
-    )
+    note = allocator_note(config.run.host_allocator, config.execution.remat, config.run.dry_run)
+    initialize_distributed(config)
+    return _run(config, note)
 
 
 def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
-    """``run`` on a validated config, the host allocator already applied (its note line)."""
-    initialize_distributed(config)
+    """``run`` on a checked config, the host allocator applied (its note line) and
+    ``jax.distributed`` initialized."""
     cfg = model_config(config)
     config, notes = resolve_defaults(config, cfg, on_gpu=jax.default_backend() == "gpu")
     on_accelerator = jax.default_backend() != "cpu"
@@ -209,11 +208,14 @@ def _agree(resume_step, aside: bool, done: bool):
 
 
 def run_command(config: FinetuneConfig) -> dict | None:
-    """The command line's run of a parsed ``config``: a bad input exits with status 2 and
-    one line ``error: ...`` naming the flag or file (``--debug``: the traceback instead).
+    """The command line's run of the ``config`` its flags were parsed into (checked there,
+    so not again): a bad input exits with status 2 and one line ``error: ...`` naming the
+    flag or file (``--debug``: the traceback instead).
 
     ``--host-allocator retain`` calls ``jmem.host.retain_host_allocations`` here, before
-    JAX starts; huge pages come from the entry point (``relaunch_with_huge_pages``)."""
+    JAX starts; huge pages come from the entry point (``restart_with_huge_pages``)."""
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"expected a jmem.finetune.FinetuneConfig, got {type(config).__name__}")
     try:
         return _run_quietly_off_process_0(config)
     except CliError as e:
@@ -231,9 +233,8 @@ def run_command(config: FinetuneConfig) -> dict | None:
 
 def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
-    config = validate(config)
     run = config.run
-    note = apply_allocator(run.host_allocator, config.levers.remat, run.dry_run)  # before JAX
+    note = apply_allocator(run.host_allocator, config.execution.remat, run.dry_run)  # before JAX
     initialize_distributed(config)
     if jax.process_index() == 0:
         return _run(config, note)

@@ -3,8 +3,9 @@ starts, and the one note line each run prints about what is in effect.
 
 ``run()`` (the library) changes nothing in its caller's process: it only reports. The
 command lines (``jmem finetune``, ``python -m jmem finetune``, ``examples/qlora_7b.py``)
-call ``relaunch_with_huge_pages`` from their entry point, which restarts the interpreter
-once with glibc's ``glibc.malloc.hugetlb=1`` tunable (``jmem.host.restart_with_huge_pages``,
+call ``restart_with_huge_pages`` with the parsed config from their entry point
+(``finetune.main(restart_with_huge_pages=True)``), which restarts the interpreter once
+with glibc's ``glibc.malloc.hugetlb=1`` tunable (``jmem.host.restart_with_huge_pages``,
 the one ``os.execve``), and the job's command line (``finetune.main``) applies
 ``--host-allocator retain`` (``jmem.host.retain_host_allocations``, the one ``mallopt``).
 Launchers own the process, as levanter leaves ``XLA_FLAGS`` to its launcher and
@@ -17,12 +18,13 @@ import contextlib
 import importlib.metadata
 import io
 import os
+import warnings
 from typing import Sequence
 
 from jmem._src import host_allocator
 from jmem._src.cli import CliError
-from jmem._src.finetune.config import parse_args
-from jmem._src.finetune.config import validate
+from jmem._src.finetune.config import FinetuneConfig
+from jmem._src.finetune.config_file import parse_args
 
 #: The start of the note ``auto`` leaves when a JAX accelerator plugin is installed.
 PLUGIN_NOTE = "host allocator: unchanged ("
@@ -30,7 +32,7 @@ _HOW = (
     f"run the job from the command line (jmem finetune), or start Python with "
     f"GLIBC_TUNABLES={host_allocator.HUGE_PAGES_TUNABLE}"
 )
-_refused: str | None = None  # why relaunch_with_huge_pages did not restart this process
+_refused: str | None = None  # why restart_with_huge_pages did not restart this process
 
 
 def accelerator_plugin() -> str | None:
@@ -54,7 +56,7 @@ def _opts_out() -> bool:
         raise CliError(str(e)) from None
 
 
-def _no_relaunch(choice: str, dry_run: bool) -> str | None:
+def _no_restart(choice: str, dry_run: bool) -> str | None:
     """Why the job's command line keeps its process as it is (None: restart it)."""
     if dry_run:
         return "a dry run runs no step"
@@ -67,34 +69,52 @@ def _no_relaunch(choice: str, dry_run: bool) -> str | None:
     return "in effect" if host_allocator.huge_pages_active() else None
 
 
-def relaunch_with_huge_pages(argv: Sequence[str], prog: str = "jmem finetune") -> str | None:
+def restart_with_huge_pages(config: FinetuneConfig) -> str | None:
     """Restarts this process once (``os.execve``, same command line) with
-    ``glibc.malloc.hugetlb=1`` added to ``GLIBC_TUNABLES``, when the job's flags ``argv``
-    ask for huge pages (``--host-allocator auto`` without a GPU/TPU plugin, or
-    ``huge-pages``; not ``--dry-run``, ``--help`` or a bad input, which the job reports)
-    and they are not in effect yet. Only a program's entry point may call it (``jmem``,
-    ``python -m jmem finetune``, ``examples/qlora_7b.py``), before JAX starts.
+    ``glibc.malloc.hugetlb=1`` added to ``GLIBC_TUNABLES``, when the parsed job ``config``
+    asks for huge pages (``--host-allocator auto`` without a GPU/TPU plugin, or
+    ``huge-pages``; not ``--dry-run``) and they are not in effect yet. Only a program's
+    entry point may call it (``jmem``, ``python -m jmem finetune``,
+    ``examples/qlora_7b.py``, through ``finetune.main(restart_with_huge_pages=True)``),
+    before JAX starts.
 
     Returns:
       Why it did not restart (or None when huge pages are in effect); when it restarts the
       process, it does not return. A refusal owed to this process's state (threads,
-      a ``multiprocessing`` child, ...) goes into the run's note line.
+      a ``multiprocessing`` child, ...) goes into the run's note line; a bad
+      ``JMEM_HOST_ALLOCATOR`` is left for the job to report.
 
-    Source: glibc's ``glibc.malloc.hugetlb`` tunable (see ``jmem.host``).
+    Source: glibc's ``glibc.malloc.hugetlb`` tunable (``jmem.host.restart_with_huge_pages``).
     """
     global _refused
-    quiet = io.StringIO()  # help and bad input: the job prints them, once
     try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            config = validate(parse_args(list(argv), prog=prog))
-        reason = _no_relaunch(config.run.host_allocator, config.run.dry_run)
-    except (CliError, SystemExit) as e:
-        return f"--help, or a bad input ({e})"
+        reason = _no_restart(config.run.host_allocator, config.run.dry_run)
+    except CliError as e:
+        return f"a bad input ({e})"
     if reason:
         return None if reason == "in effect" else reason
     status = host_allocator.restart_with_huge_pages(respect_env=False, announce=False)
     _refused = None if status.applied else status.reason
     return _refused
+
+
+def relaunch_with_huge_pages(argv: Sequence[str], prog: str = "jmem finetune") -> str | None:
+    """Deprecated: ``finetune.main(argv, restart_with_huge_pages=True)`` parses the flags
+    once and restarts where they ask for huge pages (``restart_with_huge_pages``). This
+    parses ``argv`` quietly (``--help`` and bad input are left to the job) and calls it."""
+    warnings.warn(
+        "relaunch_with_huge_pages is deprecated; call "
+        "jmem.finetune.main(argv, restart_with_huge_pages=True)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            config = parse_args(list(argv), prog=prog)
+    except SystemExit as e:
+        return f"--help, or a bad input ({e})"
+    return restart_with_huge_pages(config)
 
 
 def _active_note(choice: str) -> str:
@@ -129,7 +149,7 @@ def allocator_note(choice: str, remat: str, dry_run: bool) -> str | None:
     no step); changes nothing. ``choice`` is ``--host-allocator``.
 
     Raises:
-      CliError: ``JMEM_HOST_ALLOCATOR`` holds none of ``jmem.host.ENV_VALUES``.
+      CliError: ``JMEM_HOST_ALLOCATOR`` is neither auto nor system.
     """
     opted_out = _opts_out()
     if dry_run:
@@ -155,7 +175,7 @@ def allocator_note(choice: str, remat: str, dry_run: bool) -> str | None:
 def apply_allocator(choice: str, remat: str, dry_run: bool) -> str | None:
     """The job's command line: ``--host-allocator retain`` applied before JAX starts
     (``jmem.host.retain_host_allocations``), then ``allocator_note``. Huge pages need the
-    entry point's ``relaunch_with_huge_pages``: nothing to apply here."""
+    entry point's ``restart_with_huge_pages``: nothing to apply here."""
     if choice == "retain" and not dry_run and not host_allocator.retained():
         if host_allocator._backends_initialized():
             return (

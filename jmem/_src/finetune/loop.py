@@ -144,7 +144,7 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
         modules=lora_modules.modules(config.training.lora_targets),
         dropout=config.training.lora_dropout,
     )
-    disk = config.levers.offload_dir
+    disk = config.execution.offload_dir
     torn = disk is not None and left_mid_update(disk)  # before init rewrites the files
     with offload_dir_input() if disk else contextlib.nullcontext():
         state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
@@ -271,7 +271,7 @@ class _Guard:
     (under bf16, one does)."""
 
     def __init__(self, config, ckpt, aside: str | None = None):
-        self.dynamic = config.levers.precision == "fp16"
+        self.dynamic = config.execution.precision == "fp16"
         self.patience = config.training.nonfinite_patience
         self.ckpt, self.skipped, self.aside = ckpt, 0, aside
 

@@ -33,7 +33,7 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
     """
     devices = jax.devices()
     n = len(devices)
-    if config.levers.offload_dir is not None:
+    if config.execution.offload_dir is not None:
         return None, _one_device(config, n, "--offload-dir")
     if config.devices.mesh is None:
         if n == 1:

@@ -38,10 +38,11 @@ def model_config(config) -> llama.LlamaConfig:
 
 
 def job_levers(config) -> jmem.Levers:
-    """The run's execution settings as one ``jmem.Levers``: the levers group's
+    """The run's execution settings as one ``jmem.Levers``: the execution group's
     ``--remat``, ``--attention``, ``--loss-chunk``, ``--token-chunk`` and ``--offload
-    params`` (resolved per batch and target by ``build``)."""
-    levers = config.levers
+    params`` (resolved per batch and target by ``build``). The one conversion from the job
+    config to ``Levers``: the job, its dry run and ``jmem estimate`` use it."""
+    levers = config.execution
     return jmem.Levers(
         remat=levers.remat,
         attention=levers.attention,
@@ -109,9 +110,9 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
         set_["simpo_gamma"] = DEFAULT_SIMPO_GAMMA
     if config.data.eval_every is None:
         set_["eval_every"] = default_eval_every(sizes["steps"])
-    if sizes["batch_size"] % config.levers.grad_accum:
+    if sizes["batch_size"] % config.execution.grad_accum:
         raise CliError(
-            f"--grad-accum {config.levers.grad_accum} does not divide the default --batch-size "
+            f"--grad-accum {config.execution.grad_accum} does not divide the default --batch-size "
             f"{sizes['batch_size']}; pass a --batch-size that it divides"
         )
     notes = []
@@ -140,7 +141,7 @@ def offload_note(config) -> str | None:
     """The note for host offload (``--offload``, ``--remat offload*``) measured by XLA:CPU,
     where host and device are one memory: the compiled figures count offloaded buffers
     (and their copies) as device bytes, so offload cannot show a saving there."""
-    levers = config.levers
+    levers = config.execution
     if not (levers.offload != "none" or levers.remat.startswith("offload")):
         return None
     if config.devices.target is not None or jax.default_backend() != "cpu":
