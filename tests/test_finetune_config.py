@@ -60,7 +60,7 @@ def test_a_nested_file_loads_without_a_note_and_levers_with_one(tmp_path, chat, 
 #: A flat file with ``data: FILE`` and one bad value -> the words its error names.
 BAD_FLAT = {
     "misspelt key": ("lora_rnk: 4\n", ["'lora_rnk'", "did you mean 'training.lora_rank'"]),
-    "bad regex": ("lora_targets: 'q_proj('\n", ["lora_targets", "not a valid regex"]),
+    "bad regex": ("lora_targets: 'q_proj('\n", ["lora_targets", "nor a valid regex"]),
     "infinite lr": ("lr: .inf\n", ["lr", "positive number"]),
     "zero seq_len": ("seq_len: 0\n", ["seq_len", "positive integer"]),
     "bad choice": ("remat: everything\n", ["remat", "'everything' is not one of"]),
