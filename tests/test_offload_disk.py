@@ -252,6 +252,8 @@ def test_kill_during_a_disk_update_then_resume_is_bitwise(tmp_path, capsys):
     assert all(torn[f] == final[f] for f in written)
     assert all(torn[f] != final[f] for f in final if f not in written)
     assert json.loads((state_dir / disk.STEP_FILE).read_text())["clean"] is True
+    assert summary["offload"]["optimizer_state"] == "disk"
+    assert f"offload: optimizer state and masters on disk under {state_dir}" in printed
 
 
 def test_bad_offload_dir_is_refused_in_one_line_before_training(
@@ -290,6 +292,50 @@ def test_offload_dir_too_small_is_refused_in_one_line_before_training(
     helpers.one_line_error(capsys, e, f"--offload-dir '{tmp_path}'", "bytes but only 100 are free")
     assert "compiled the train step" not in capsys.readouterr().out
     assert not (tmp_path / "small" / "run.json").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--offload", "params", "--remat", "none"], ["--offload params", "--remat"]),
+        (["--offload", "params", "--offload-dir", "D"], ["exclude each other", "--offload-dir"]),
+    ],
+)
+def test_offload_combinations_that_cannot_work_are_refused_in_one_line(
+    tmp_path, capsys, flags, words
+):
+    """Each refused before anything is written (no run directory), status 2."""
+    flags = [str(tmp_path / "d") if f == "D" else f for f in flags]
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        finetune.main(SMALL + ["--out", str(out), *flags])
+    helpers.one_line_error(capsys, e, *words)
+    assert not out.exists()
+
+
+def test_every_offload_in_effect_is_named_and_recorded():
+    """The run's start line and ``summary.json``'s ``offload`` name each rung in effect."""
+    from jmem._src.finetune.setup import offload_in_effect
+    from jmem._src.finetune.setup import offload_record
+
+    plain = finetune.FinetuneConfig.from_flat()
+    assert offload_in_effect(plain) is None
+    assert set(offload_record(plain).values()) == {"device", None}
+    c = finetune.FinetuneConfig.from_flat(offload="params", remat="offload_inputs")
+    r = offload_record(c)
+    assert (r["optimizer_state"], r["params"], r["layer_inputs"]) == ("device", "host", "host")
+    line = offload_in_effect(c)
+    assert "frozen params in host memory" in line and "layer inputs in host memory" in line
+    d = finetune.FinetuneConfig.from_flat(offload_dir="/x")
+    assert offload_record(d)["optimizer_state"] == "disk" and "/x" in offload_in_effect(d)
+    with pytest.raises(ValueError, match="cannot be combined with params streamed"):
+        jmem.train_step(
+            lambda p, b: 0.0,
+            optax.sgd(0.1),
+            levers=jmem.Levers(offload_params=True),
+            offload_optimizer="disk",
+            offload_dir="/tmp",
+        )
 
 
 def test_dry_run_prints_a_transfer_line_per_rung_in_use():

@@ -526,10 +526,29 @@ def check_combinations(values: Mapping[str, Any], name) -> None:
         if get(a) and get(b):
             raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
     _check_objective(get, name)
+    _check_offload(get, name)
     if get("batch_size") is not None and get("batch_size") % get("grad_accum"):
         raise cli.CliError(
             f"{name('batch_size')} {get('batch_size')} must be divisible by "
             f"{name('grad_accum')} {get('grad_accum')}"
+        )
+
+
+def _check_offload(get, name) -> None:
+    """``--offload params`` needs a remat policy and excludes ``--offload-dir``."""
+    if "params" not in get("offload").split(","):
+        return
+    if get("remat") == "none":
+        raise cli.CliError(
+            f"{name('offload')} params needs a remat policy ({name('remat')} full, the "
+            "default): with --remat none every layer's device copy of its weights is kept "
+            "for the backward pass"
+        )
+    if get("offload_dir") is not None:
+        raise cli.CliError(
+            f"{name('offload')} params and {name('offload_dir')} exclude each other (the "
+            "optimizer state on disk and params streamed from host memory do not lower "
+            f"together in JAX 0.10); use {name('offload')} optimizer,params instead"
         )
 
 

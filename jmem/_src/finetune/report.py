@@ -17,6 +17,7 @@ from jmem._src import host_allocator
 from jmem._src.finetune.rundir import flags
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import versions
+from jmem._src.finetune.setup import offload_record
 from jmem._src.units import format_count
 from jmem.models import llama
 
@@ -136,6 +137,7 @@ def finish(
         "peak_bytes": device_memory() or compiled_peak,
         "peak_source": "device memory_stats" if device_memory() else "compiled (jmem.measure)",
         "trainable_params": n_adapter,
+        "offload": offload_record(config),
         "losses": losses,
         "learning_rates": lrs,
         "device": jax.devices()[0].device_kind,

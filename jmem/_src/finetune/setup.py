@@ -18,6 +18,7 @@ from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
+from jmem._src.finetune.config import offload_of
 from jmem._src.finetune.config import offloads
 from jmem.models import export
 from jmem.models import hf
@@ -118,9 +119,7 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     notes = []
     if unset and not on_gpu and not run.dry_run:
         notes.append("CPU-sized defaults: " + ", ".join(f"{cli_flag(k)} {sizes[k]}" for k in unset))
-    offload = offload_note(config)
-    if offload:
-        notes.append(offload)
+    notes += [n for n in (offload_in_effect(config), offload_note(config)) if n]
     if sizes["seq_len"] > cfg.max_seq_len:
         notes.append(
             f"note: --seq-len {sizes['seq_len']} exceeds the model's max_seq_len "
@@ -135,6 +134,36 @@ def default_eval_every(steps: int) -> int:
     of 10 steps or fewer is evaluated before its first update and after its last only
     (``--steps 4``: at steps 0 and 4, not every step)."""
     return max(steps // 10, min(steps, 10), 1)
+
+
+def offload_record(config) -> dict:
+    """Where each offloadable ledger lives in this run (``summary.json``'s ``offload``):
+    ``optimizer_state`` (with the fp32 masters) ``device``/``host``/``disk``, ``params``
+    ``device``/``host``, ``layer_inputs`` ``device``/``host`` (``--remat offload*``)."""
+    off = offload_of(config.execution)
+    state = {"none": "device", "optimizer": "host", "disk": "disk"}.get(off.state, "host")
+    remat = config.execution.remat
+    return {
+        "optimizer_state": state,
+        "params": "host" if off.params else "device",
+        "layer_inputs": "host" if remat.startswith("offload") else "device",
+        "offload_dir": config.execution.offload_dir,
+    }
+
+
+def offload_in_effect(config) -> str | None:
+    """The line naming every offload in effect (None without one)."""
+    r = offload_record(config)
+    parts = []
+    if r["optimizer_state"] == "disk":
+        parts.append(f"optimizer state and masters on disk under {r['offload_dir']}")
+    elif r["optimizer_state"] == "host":
+        parts.append("optimizer state and masters in host memory")
+    if r["params"] == "host":
+        parts.append("frozen params in host memory, streamed a layer at a time")
+    if r["layer_inputs"] == "host":
+        parts.append(f"layer inputs in host memory (--remat {config.execution.remat})")
+    return "offload: " + "; ".join(parts) if parts else None
 
 
 def offload_note(config) -> str | None:

@@ -369,14 +369,21 @@ def _parse_options(unknown: dict, **kw: Any) -> _Options:
             f"got {mode!r}."
         )
     offload_, leaf_by_leaf = _OFFLOAD_MODES[mode]
-    kw["offload_dir"] = _offload_dir(mode, kw["offload_dir"], kw["mesh"])
+    kw["offload_dir"] = _offload_dir(mode, kw["offload_dir"], kw["mesh"], kw["offload_params"])
     if kw["loss_scale"] is None:
         kw["loss_scale"] = NoOpLossScale()
     kw.update(precision=precision, jit_kwargs=dict(kw["jit_kwargs"] or {}))
     return _Options(offload=offload_, leaf_by_leaf=leaf_by_leaf, **kw)
 
 
-def _offload_dir(mode: Any, directory: Any, mesh: Any) -> str | None:
+#: Why the disk rung and streamed params do not combine (``train_step`` and the job say it).
+DISK_WITH_STREAMED_PARAMS = (
+    "the optimizer state on disk cannot be combined with params streamed from host memory: "
+    "JAX 0.10 cannot lower a step whose ordered I/O callbacks meet host-memory arguments"
+)
+
+
+def _offload_dir(mode: Any, directory: Any, mesh: Any, streamed: bool = False) -> str | None:
     """The checked directory of ``offload_optimizer="disk"`` (None for other modes)."""
     if mode != "disk":
         if directory is not None:
@@ -391,6 +398,11 @@ def _offload_dir(mode: Any, directory: Any, mesh: Any) -> str | None:
         raise ValueError(
             "offload_optimizer='disk' runs on one device (ordered I/O callbacks); drop mesh= "
             "or use offload_optimizer=True."
+        )
+    if streamed:
+        raise ValueError(
+            f"offload_optimizer='disk' with Levers(offload_params=True): "
+            f"{DISK_WITH_STREAMED_PARAMS}; use offload_optimizer=True (host memory)."
         )
     return check_directory(directory, arg="offload_dir")
 
