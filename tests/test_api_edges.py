@@ -1,4 +1,4 @@
-"""Arguments checked at the call (issue #38 item 9): each malformed value raises a
+"""Arguments checked at the call: each malformed value raises a
 ValueError naming the argument instead of a silent wrong result or JAX's own error deep
 inside; negative targets (PyTorch's ignore_index=-100) are ignored, never trained on."""
 

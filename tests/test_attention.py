@@ -303,7 +303,7 @@ def _autodiff_dense(q, k, v, mask, scale):
 def test_dense_saves_the_probabilities_once_in_the_compute_dtype(dtype):
     """The dense path's custom VJP keeps one ``[.., S, T]`` residual, in ``v``'s dtype:
     autodiff kept the float32 softmax output too (in bf16 the largest array of a no-remat
-    step, issue #30). Its gradients equal autodiff's (float32 1e-5; bf16 within the bf16
+    step). Its gradients equal autodiff's (float32 1e-5; bf16 within the bf16
     tolerance: the softmax backward reads the bf16-rounded probabilities)."""
     q, k, v = _qkv(dtype=dtype)
     idx = jnp.arange(S)

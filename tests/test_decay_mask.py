@@ -214,7 +214,7 @@ def _sum_loss(p, batch):
     ids=["adamw", "adamw_8bit", "chain", "inject_hyperparams", "MultiSteps(cond)"],
 )
 def test_train_step_warns_once_when_decay_reaches_norms_or_biases(make, monkeypatch):
-    """Issue 29 item 5: weight decay > 0 without a mask on norm scales / biases warns once
+    """Weight decay > 0 without a mask on norm scales / biases warns once
     per process, naming them and mask=jmem.decay_mask; with the mask it is silent."""
     from jmem._src.train import decay_warning
 

@@ -203,7 +203,7 @@ def decay_without_mask(code: str) -> list[str]:
 
 @pytest.mark.parametrize("path", FILES, ids=[str(f.relative_to(ROOT)) for f in FILES])
 def test_weight_decay_examples_show_the_mask(path):
-    """Issue 29 item 5: an example that decays (optax.adamw, jmem.adamw_8bit/4bit) passes
+    """An example that decays (optax.adamw, jmem.adamw_8bit/4bit) passes
     mask=jmem.decay_mask, so a copied example does not decay norm scales and biases."""
     bad = [f"{b.name}: {c}" for b in blocks(path)[0] for c in decay_without_mask(b.code)]
     assert not bad, f"add mask=jmem.decay_mask (or weight_decay=0.0) to {bad}"

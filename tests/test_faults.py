@@ -1,4 +1,4 @@
-"""Fault injection (issue #37): damaged checkpoints, non-finite runs, a locked run directory,
+"""Fault injection: damaged checkpoints, non-finite runs, a locked run directory,
 resumes of something else, kills at each phase, unwritable and full disks. Each fault ends
 in one ``error:`` line (non-zero exit, no traceback) or a correct recovery, and no earlier
 result is damaged or replaced."""

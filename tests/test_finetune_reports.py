@@ -1,4 +1,4 @@
-"""What the fine-tuning job shows its user (issue #38 items 5 and 7): samples prompted in the
+"""What the fine-tuning job shows its user: samples prompted in the
 chat template on chat data, sizes in human units, the plot's title and step axis, the
 ``--eval-every`` default, the offload note on CPU, quiet processes other than process 0,
 and the NF4 base quantized from the compute dtype."""

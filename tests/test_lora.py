@@ -476,7 +476,7 @@ _DIFFERENTIATIONS = {
 @pytest.mark.parametrize("how", list(_DIFFERENTIATIONS))
 def test_training_dropout_adapters_without_a_key_raises_naming_the_argument(how):
     """Adapters with dropout > 0 differentiated without lora_dropout_key would train as
-    dropout 0 (issue 29 item 3): a ValueError naming lora_dropout_key, however the grad is
+    dropout 0: a ValueError naming lora_dropout_key, however the grad is
     nested with jit, checkpoint, remat or a scan."""
     x, w, _, ad = _dropout_case()
     f = lora.apply(lambda p, x: jax.lax.scan(lambda c, _: (c, x @ p["w"]), 0.0, None, length=2)[1])

@@ -232,7 +232,7 @@ def test_zero3_offload_step_compiles_for_8_devices_with_host_params_and_state():
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 def test_zero3_step_without_offload_holds_no_second_copy_of_the_sharded_state():
-    """Issue #39: XLA:GPU compile for 8 h100_sxm devices (no GPU) of a ZeRO-3 full
+    """XLA:GPU compile for 8 h100_sxm devices (no GPU) of a ZeRO-3 full
     fine-tuning step without offload (2 layers of Llama-2-7B's width, fp32 AdamW + masters,
     bf16 params): the device temporaries stay below the device's shard of the state (its
     arguments). With the non-finite skip as a ``lax.cond`` the SPMD program copied every

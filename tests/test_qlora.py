@@ -138,7 +138,7 @@ def _residual_shapes(f, *args):
 @pytest.mark.slow
 def test_frozen_nf4_matmul_saves_no_input():
     """The frozen NF4 base's backward pass (``g·Wᵀ``) reads no activation: without LoRA the
-    only residual is the packed weight, never the ``[N, in]`` input (issue #30: each saved
+    only residual is the packed weight, never the ``[N, in]`` input (each saved
     input was a stacked copy per projection per layer without remat)."""
     w = {"kernel": jax.random.normal(jax.random.key(0), (64, 48))}
     q = qlora.quantize_params(w, modules=r".*")
@@ -175,7 +175,7 @@ def test_adapters_on_one_input_save_it_once():
 def test_cpu_dequantization_tie_reads_one_element_of_the_activation():
     """On XLA:CPU each dequantization is tied to its activation through a popcount of the
     activation's first element, not a reduction over all of it (which cost 9% of a QLoRA
-    step, issue #30)."""
+    step)."""
     w = {"kernel": jax.random.normal(jax.random.key(0), (64, 48))}
     q = qlora.quantize_params(w, modules=r".*")
     x = jax.random.normal(jax.random.key(1), (16, 64))

@@ -103,7 +103,7 @@ def test_temp_bytes_ordered_by_policy(whole_temp):
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
     assert temp["none"] > temp["dots"] >= temp["selective"] > temp["full"]
     # 0.32 measured (42.8 vs 13.8 MiB): 0.30 before the dense attention's custom VJP made
-    # "none" save the softmax probabilities once instead of twice (issue #30).
+    # "none" save the softmax probabilities once instead of twice.
     assert temp["full"] <= 0.35 * temp["none"]
 
 

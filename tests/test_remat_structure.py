@@ -1,4 +1,4 @@
-"""The structure of the programs ``jmem.remat`` builds (issue #25), for each model style users
+"""The structure of the programs ``jmem.remat`` builds, for each model style users
 bring: exactly one checkpoint per scan body (never a checkpoint inside a checkpoint), the
 user's ``jax.jit`` calls kept, and name scopes not doubled. These assert on the jaxpr, so the
 ``remat2`` drift (a checkpointed body counted as unchecked and checkpointed again) fails here.
@@ -160,7 +160,7 @@ def test_plain_jax_loops_checkpoint_each_layer_once(loss):
 
 @pytest.mark.slow
 def test_jitted_scan_traced_before_is_kept_a_jit_with_one_checkpoint():
-    """The drift of issue #25: a jit cached before remat ran held a checkpointed body under
+    """The drift this guards against: a jit cached before remat ran held a checkpointed body under
     the ``remat2`` name, was counted unchecked, inlined and checkpointed twice."""
     p, x = _stacked()
     _jitted_scan_loss(p, x)  # caches the trace

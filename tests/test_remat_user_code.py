@@ -1,4 +1,4 @@
-"""jmem.remat on the JAX code users bring (issue #17): whole train steps that differentiate
+"""jmem.remat on the JAX code users bring: whole train steps that differentiate
 inside (Flax NNX with nnx.scan, Flax linen with nn.scan, plain JAX with lax.scan), NNX state
 mutated in place, unrolled layers, checkpoint names and name stacks."""
 

@@ -238,7 +238,7 @@ def test_offload_leaf_by_leaf_in_builder_trains_like_whole_tree():
 @pytest.mark.slow
 def test_skip_nonfinite_on_a_zero3_mesh_is_a_select_that_trains_bitwise():
     """On a mesh the non-finite skip is a select, not a ``lax.cond`` (whose SPMD program
-    copies the whole sharded state, issue #39): the lowered step has no conditional (the
+    copies the whole sharded state): the lowered step has no conditional (the
     one-device step has one); two finite steps (bf16 params, fp32 masters, Adam, zero3 over
     4 devices) give bitwise the losses and params of ``skip_nonfinite=False``; a step with a
     NaN input keeps params, optimizer state and step count bitwise."""
@@ -628,7 +628,7 @@ def test_dropout_key_is_new_per_step_and_microbatch_and_checkpointed(microbatche
 
 @pytest.mark.slow
 def test_lora_dropout_in_train_step_trains_with_the_key_or_raises_without():
-    """Issue 29 item 3: LoRA adapters with dropout > 0 in train_step. A loss_fn that drops
+    """LoRA adapters with dropout > 0 in train_step. A loss_fn that drops
     the key raises naming lora_dropout_key (it trained as dropout 0 before); forwarding
     dropout_key applies dropout (the step differs from dropout 0)."""
     cfg = llama.get_config("tiny", num_layers=1, hidden_size=32, intermediate_size=64)
