@@ -423,3 +423,32 @@ def test_tied_checkpoint_storing_a_head_is_checked(tmp_path):
     save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, path)
     with pytest.raises(ValueError, match="lm_head.weight differs"):
         hf.load_params(str(tmp_path), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("family", ["llama3_scaling", "mistral_sliding", "qwen2"])
+def test_greedy_rollout_of_left_padded_prompts_matches_transformers(tmp_path, family):
+    """Left padding (an attention_mask, positions from each row's first real token) and the
+    stop at EOS, as transformers' ``generate``; rows after their EOS hold the pad id."""
+    model = _save_family(tmp_path, family)
+    params, cfg = hf.load_params(str(tmp_path), dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, 97, size=(3, 9))
+    mask = (np.arange(9)[None] >= np.asarray([[0], [4], [2]])).astype(np.int64)
+    prompt = prompt * mask  # pad id 0 on the left
+    kw = dict(num_generations=1, max_new_tokens=12, temperature=0.0)
+    free = llama.rollout(params, prompt, mask, cfg, **kw)
+    eos = int(free.completion_ids[1, 3])  # row 1 stops at its fourth token
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=12,
+            do_sample=False,
+        ).numpy()[:, 9:]
+    got = llama.rollout(params, prompt, mask, cfg, eos_token_id=eos, pad_token_id=0, **kw)
+    ids = np.asarray(got.completion_ids)
+    np.testing.assert_array_equal(ids[:, : ref.shape[1]], ref)
+    assert np.all(ids[:, ref.shape[1] :] == 0)
+    assert int(got.completion_mask[1].sum()) == np.flatnonzero(ids[1] == eos)[0] + 1 <= 4

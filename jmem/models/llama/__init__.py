@@ -7,7 +7,8 @@ in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``. Name
 options (per-layer attention types and RoPE bases, norm form and placement, QK-norm,
 attention scale and soft-caps, embedding scale, fused projections) make it Mistral, Qwen2/3,
 Gemma 2/3, Phi-3 and OLMo 2 too, whose checkpoints load into it (``jmem.models.hf``; the
-mapping is ``jmem.models.families``). ``generate`` decodes with a KV cache.
+mapping is ``jmem.models.families``). ``generate`` decodes with a KV cache;
+``rollout`` samples G completions per prompt (GRPO's rollouts).
 
 Why pure functions instead of Flax modules: every jmem transform (remat over scans,
 NF4 leaves, LoRA adapters, FP8 scaling state, sharding rules) acts on a params pytree
@@ -41,7 +42,9 @@ from jmem.models.llama.decoder import hidden_states
 from jmem.models.llama.decoder import init
 from jmem.models.llama.decoder import num_params
 from jmem.models.llama.decoder import param_shapes
+from jmem.models.llama.generation import Rollout
 from jmem.models.llama.generation import generate
+from jmem.models.llama.generation import rollout
 from jmem.models.llama.layers import apply_rope
 from jmem.models.llama.layers import final_norm
 from jmem.models.llama.layers import head_kernel
@@ -66,6 +69,7 @@ __all__ = [
     "LlamaConfig",
     "Params",
     "RopeScaling",
+    "Rollout",
     "abstract_params",
     "apply_rope",
     "attention",
@@ -86,4 +90,5 @@ __all__ = [
     "rms_norm",
     "rope_frequencies",
     "rope_tables",
+    "rollout",
 ]
