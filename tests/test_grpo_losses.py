@@ -150,6 +150,7 @@ def _check_against_trl(loss_type, beta, epsilon_high):
     assert np.all(np.asarray(grad)[mask == 0] == 0)
 
 
+@pytest.mark.slow  # importing torch and TRL takes ~10 s
 def test_grpo_equals_trl_compute_loss_dapo():
     """The default (DAPO's token mean, clip-higher, with the KL term): the fast cell."""
     _check_against_trl("dapo", 0.04, 0.28)
@@ -165,6 +166,7 @@ def test_grpo_equals_trl_compute_loss(loss_type, beta, epsilon_high):
     _check_against_trl(loss_type, beta, epsilon_high)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_equal_trl(scale):
     rewards = _rollout()[-1]
