@@ -94,7 +94,8 @@ def _mlp_loss(params, batch):
 def test_offloaded_optimizer_state_is_in_pinned_host_on_the_target(mode):
     """``offload_optimizer`` places Adam's two moments in ``pinned_host`` on h100_sxm: the
     host arguments are the moments' float32 bytes (2 x 16 MiB for 4M params), and the
-    device arguments drop by as much."""
+    device arguments drop by as much. Leaf by leaf the device peak drops too; the whole-tree
+    update stages the state on the device (its peak: state, grads and params at once)."""
     params = {
         "w1": jax.ShapeDtypeStruct((1024, 2048), jnp.float32),
         "w2": jax.ShapeDtypeStruct((2048, 1024), jnp.float32),
@@ -112,8 +113,12 @@ def test_offloaded_optimizer_state_is_in_pinned_host_on_the_target(mode):
     assert base.host_argument_bytes == 0
     np.testing.assert_allclose(off.host_argument_bytes, moments, rtol=0.01)
     assert off.argument_bytes <= base.argument_bytes - moments + 1024
-    assert off.peak_bytes < base.peak_bytes
     assert off.host_peak_bytes >= moments
+    if mode == "leaf_by_leaf":  # one leaf's moments on the device at a time
+        assert off.peak_bytes < base.peak_bytes
+    else:  # docs/offload.md: the whole state staged for the update, with grads and params
+        weights = moments // 2
+        assert off.peak_bytes <= 1.02 * (base.argument_bytes + 2 * weights)
 
 
 def _qlora_dry_run(tmp_path, argv, fsdp=None):
