@@ -20,6 +20,8 @@ from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
+from jmem._src.finetune.build import full_finetuning
+from jmem._src.finetune.build import full_params
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.build import rows_per_example
@@ -45,36 +47,28 @@ def dry_run(config, cfg, mesh=None, target=None):
     if target is not None and mesh is not None:
         mesh = jtargets.mesh(target, tuple(mesh.axis_sizes), tuple(mesh.axis_names))
     step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target, disk=False)
-    frozen = quantized_base(config, cfg, dtype, abstract=True)
-    adapters = jax.eval_shape(
-        lambda k: jlora.init(
-            k,
-            frozen,
-            rank=config.training.lora_rank,
-            alpha=config.training.lora_alpha,
-            targets=config.training.lora_targets,
-            dropout=config.training.lora_dropout,
-        ),
-        jax.random.key(0),
-    )
-    state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
+    full = full_finetuning(config)
+    trainable, frozen = _abstract_trainable(config, cfg, dtype)
+    state = step.abstract_state(trainable, frozen=frozen, dropout_key=dropout_key(config))
     batch = abstract_batch(config)
     t0 = time.time()
     report = step.measure(state, batch, target=target, flops=True)
-    q_bytes, q_count, frozen_bytes = base_bytes(frozen)
-    targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in adapters)]
+    if full:  # the params the forward pass reads: the compute dtype's bytes
+        q_bytes, q_count = 0, llama.num_params(cfg)
+        frozen_bytes = q_count * jnp.dtype(dtype).itemsize
+        targets = None
+    else:
+        q_bytes, q_count, frozen_bytes = base_bytes(frozen)
+        targets = [n for n in llama.LINEAR_NAMES if any(n in k for k in trainable)]
     devices = 1 if mesh is None else int(mesh.size)
     est = _estimate(config, step.levers, cfg, dtype, targets, devices)
-    n_adapter = jlora.num_trainable(adapters)
-    print(
-        f"\n{model_name(config)}: {format_count(llama.num_params(cfg))} params, "
-        f"LoRA r={config.training.lora_rank} on {targets}: {format_count(n_adapter)} trainable; "
-        f"compiled in {time.time() - t0:.0f}s (abstract shapes, nothing allocated)"
-    )
-    print(
-        f"NF4 base: {format_bytes(q_bytes)} for {format_count(q_count)} weights = "
-        f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}"
-    )
+    n_adapter = llama.num_params(cfg) if full else jlora.num_trainable(trainable)
+    _print_heading(config, cfg, targets, n_adapter, time.time() - t0)
+    if not full:
+        print(
+            f"NF4 base: {format_bytes(q_bytes)} for {format_count(q_count)} weights = "
+            f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}"
+        )
     print(f"levers (resolved for {step.levers.target}):\n{step.levers.describe()}\n")
     batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // devices
     state_bytes = report.argument_bytes - batch_bytes
@@ -88,7 +82,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         ("peak", report.peak_bytes, est.total),
     ]
     _print_rows(rows, mesh, devices)
-    compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=False)
+    compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=full)
     print(compute_line(compute))
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
@@ -99,8 +93,9 @@ def dry_run(config, cfg, mesh=None, target=None):
     _print_transfers(config, est)
     if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
         streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
-        _print_params_lever(frozen_bytes, est, streamed)
-    out = _record(config, cfg, report, compute, est, step, q_bytes / q_count, n_adapter, mesh)
+        _print_params_lever(frozen_bytes, est, streamed, full)
+    nf4 = None if full else q_bytes / q_count
+    out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
     out.update(memory=memory, fits=fit, cards=smaller)
     if target is not None:
         t = jtargets.get(target)
@@ -109,6 +104,39 @@ def dry_run(config, cfg, mesh=None, target=None):
     with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+def _abstract_trainable(config, cfg, dtype):
+    """``(trainable, frozen)`` as ``jax.ShapeDtypeStruct``s: LoRA adapters on the NF4 base,
+    or (``--lora-rank 0``) the float32 params (fp32 masters; 16-bit params in the state)."""
+    if full_finetuning(config):
+        return full_params(config, cfg, abstract=True), None
+    frozen = quantized_base(config, cfg, dtype, abstract=True)
+    adapters = jax.eval_shape(
+        lambda k: jlora.init(
+            k,
+            frozen,
+            rank=config.training.lora_rank,
+            alpha=config.training.lora_alpha,
+            targets=config.training.lora_targets,
+            dropout=config.training.lora_dropout,
+        ),
+        jax.random.key(0),
+    )
+    return adapters, frozen
+
+
+def _print_heading(config, cfg, targets, n_trainable: int, seconds: float) -> None:
+    """The model, what trains (LoRA's rank and targets, or full fine-tuning) and the compile."""
+    if targets is None:
+        what = "full fine-tuning (bf16 params, fp32 masters; no NF4 base, no adapters)"
+    else:
+        what = f"LoRA r={config.training.lora_rank} on {targets}"
+    print(
+        f"\n{model_name(config)}: {format_count(llama.num_params(cfg))} params, {what}: "
+        f"{format_count(n_trainable)} trainable; compiled in {seconds:.0f}s (abstract shapes, "
+        "nothing allocated)"
+    )
 
 
 def compute_record(flops: float, cfg, batch, devices: int, target, *, full: bool) -> dict:
@@ -239,13 +267,15 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
 
 
 # --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
-def _print_params_lever(frozen_bytes: int, est, streamed) -> None:
+def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) -> None:
     """The ``--offload params`` rung, when the step does not fit and it is not in use: the
-    frozen base's bytes leave the device (the embedding, final norm, head and two layers'
-    slices stay) and the layer stack crosses PCIe three times a step (forward, remat
-    recomputation, backward); ``est``/``streamed``: the planner without and with it."""
+    frozen base's (``full``: the trained params') bytes leave the device (the embedding,
+    final norm, head and two layers' slices stay) and the layer stack crosses PCIe three
+    times a step (forward, remat recomputation, backward); ``est``/``streamed``: the
+    planner without and with it."""
+    what = "the params" if full else "the frozen base"
     print(
-        f"lever: --offload params keeps the frozen base ({format_bytes(frozen_bytes)}) in host "
+        f"lever: --offload params keeps {what} ({format_bytes(frozen_bytes)}) in host "
         "memory and streams one layer at a time to the device: planner device total "
         f"{format_bytes(est.total)} -> {format_bytes(streamed.total)}, moving "
         f"{streamed.transfers['params'] / 1e9:.3g} GB host-to-device per step (the layer "
@@ -286,6 +316,14 @@ def _estimate(config, levers, cfg, dtype, targets, devices: int, params: bool = 
     return planner.estimate(cfg, **kwargs)
 
 
+def _method_kwargs(config, targets) -> dict:
+    """The planner's ``lora`` and ``quantization`` for the job's method: LoRA on the NF4
+    base, or (``--lora-rank 0``) full fine-tuning (bf16 params, fp32 masters)."""
+    if full_finetuning(config):
+        return dict(lora=None, quantization=None, master_weights=True)
+    return dict(lora={"rank": config.training.lora_rank, "targets": targets}, quantization="nf4")
+
+
 def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
     """``planner.estimate``'s options for the job's step on one device: the batch split and
     the state sharded (ZeRO-3) over ``devices``; preference pairs count as two sequences
@@ -296,8 +334,7 @@ def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
         offload=_offload_value(config.levers),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
-        lora={"rank": config.training.lora_rank, "targets": targets},
-        quantization="nf4",
+        **_method_kwargs(config, targets),
         levers=levers,
         batch_size=max(1, rows_per_example(config) * config.data.batch_size // devices),
         seq_len=config.data.seq_len,
