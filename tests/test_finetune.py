@@ -110,10 +110,10 @@ def test_config_file_missing_or_of_another_kind(tmp_path, capsys):
 
 def test_python_api_checks_values_as_the_flags_do(tmp_path):
     """Construction checks every value with the flag's own checker, naming the field."""
-    with pytest.raises(CliError, match="lora_rank: must be a positive integer"):
-        finetune.FinetuneConfig.from_flat(lora_rank=0, out=str(tmp_path))
-    with pytest.raises(ValueError, match="lora_rank: must be a positive integer"):
-        finetune.TrainingConfig(lora_rank=0)
+    with pytest.raises(CliError, match="lora_rank: must be an integer >= 0"):
+        finetune.FinetuneConfig.from_flat(lora_rank=-1, out=str(tmp_path))
+    with pytest.raises(ValueError, match="lora_rank: must be an integer >= 0"):
+        finetune.TrainingConfig(lora_rank=-1)
     with pytest.raises(ValueError, match="remat: 'everything' is not one of"):
         finetune.FinetuneConfig(levers=finetune.LeversConfig(remat="everything"))
     with pytest.raises(ValueError, match="batch_size 3 must be divisible by grad_accum 2"):

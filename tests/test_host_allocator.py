@@ -394,7 +394,7 @@ def _launcher_machine(monkeypatch, plugin=None, **kw):
         ([], "jax-cuda12-plugin", "", False),
         ([], None, "system", False),
         ([], None, "garbage", False),  # the job reports it
-        (["--lora-rank", "0"], None, "", False),  # a bad input: the job reports it
+        (["--lora-rank=-1"], None, "", False),  # a bad input: the job reports it
         (["--help"], None, "", False),
     ],
 )

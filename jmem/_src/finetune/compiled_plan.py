@@ -1,9 +1,10 @@
 """``jmem estimate --target``: the answers from the compiler instead of the planner.
 
-The job's QLoRA step (``jmem finetune --dry-run --target NAME``: abstract shapes, nothing
-allocated, XLA:GPU's deviceless compile for a GPU target) is compiled at the requested
-length, or at the lengths a bisection needs for ``--max-seq``; its device peak and host
-bytes are XLA's own buffer assignment (``jmem.measure(..., target=)``), not a model of it.
+The job's step (QLoRA, or full fine-tuning with ``--lora-rank 0``; ``jmem finetune
+--dry-run --target NAME``: abstract shapes, nothing allocated, XLA:GPU's deviceless compile
+for a GPU target) is compiled at the requested length, or at the lengths a bisection needs
+for ``--max-seq``; its device peak and host bytes are XLA's own buffer assignment
+(``jmem.measure(..., target=)``), not a model of it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _lora_regex(targets) -> str | None:
 def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -> dict:
     """``jmem finetune`` flags for ``estimate``'s options (``model``: a preset's name, or
     None for a parameter count), or a one-line ``CliError`` for what the job does not run
-    (full fine-tuning, no NF4, a parameter count)."""
+    (LoRA on a float base, a parameter count). ``lora_rank`` 0 with no ``quant`` is the
+    job's full fine-tuning (``--lora-rank 0``: bf16 params, fp32 masters)."""
     from jmem._src.finetune.config import MODEL_NAMES  # noqa: PLC0415
 
     if model not in MODEL_NAMES:
@@ -47,12 +49,13 @@ def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -
             "--target compiles the job's step: --model must be a preset name (jmem finetune "
             "--config), not a parameter count or shape"
         )
-    if not lora_rank or quant is None:
+    full = not lora_rank and quant is None
+    if not full and (not lora_rank or quant is None):
         raise CliError(
-            "--target compiles the QLoRA job's step (NF4 base, LoRA adapters): pass "
-            "--lora-rank >= 1 and no --quant none"
+            "--target compiles the job's step: QLoRA (NF4 base, LoRA adapters: --lora-rank "
+            ">= 1 and no --quant none) or full fine-tuning (--lora-rank 0)"
         )
-    regex = _lora_regex(lora_targets)
+    regex = None if full else _lora_regex(lora_targets)
     extra = {} if regex is None else {"lora_targets": regex}
     state, params = offload_modes(offload or False)  # the job has no masters or disk here
     job = ",".join(["optimizer"] * (state not in (False, None, "none")) + ["params"] * params)
