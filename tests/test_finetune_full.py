@@ -37,6 +37,11 @@ FULL += ["--optimizer", "adamw", "--host-allocator", "system"]
             ["--offload", "params", "--offload-dir", "/tmp/x"],
             ("--offload params", "--offload-dir", "--lora-rank 0"),
         ),
+        (["--offload", "params"], ("--offload params", "pass --offload optimizer,params")),
+        (
+            ["--offload", "optimizer,params", "--offload-dir", "/tmp/x"],
+            ("--offload params", "without --offload-dir"),
+        ),
     ],
 )
 def test_contradictions_of_full_finetuning_are_refused_in_one_line(extra, words, capsys):

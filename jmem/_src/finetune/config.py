@@ -18,6 +18,7 @@ from typing import Mapping
 
 from jmem._src import cli
 from jmem._src.cli import option
+from jmem._src.finetune.full_finetuning import check_full_finetuning
 from jmem._src.names import ATTENTION_NAMES
 from jmem._src.names import COMPILE_TARGET_NAMES as TARGET_NAMES
 from jmem._src.names import MODEL_NAMES
@@ -468,7 +469,7 @@ def check_combinations(values: Mapping[str, Any], name) -> None:
         if get(a) and get(b):
             raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
     _check_objective(get, name)
-    _check_full_finetuning(get, name)
+    check_full_finetuning(get, name, lambda k: _FIELDS[k].default)
     if get("batch_size") is not None and get("batch_size") % get("grad_accum"):
         raise cli.CliError(
             f"{name('batch_size')} {get('batch_size')} must be divisible by "
@@ -483,34 +484,6 @@ OBJECTIVE_OPTIONS = {
     "label_smoothing": ("dpo", "simpo"),
     "simpo_gamma": ("simpo",),
 }
-
-
-#: Options that shape LoRA adapters, refused with ``lora_rank`` 0 (no adapters).
-LORA_OPTIONS = ("lora_alpha", "lora_dropout", "lora_targets")
-
-
-def _check_full_finetuning(get, name) -> None:
-    """``lora_rank`` 0 (full fine-tuning: no adapters, no NF4 base) with an adapter option
-    given, or DPO (whose reference is the base with the adapters off), is a contradiction."""
-    if get("lora_rank") != 0:
-        return
-    full = f"{name('lora_rank')} 0 (full fine-tuning, no adapters)"
-    for option_name in LORA_OPTIONS:
-        if get(option_name) != _FIELDS[option_name].default:
-            raise cli.CliError(
-                f"{name(option_name)} shapes LoRA adapters; {full} has none: drop it"
-            )
-    if "params" in get("offload").split(",") and get("offload_dir") is not None:
-        raise cli.CliError(
-            f"{name('offload')} params with {name('offload_dir')} under {full}: the params in "
-            f"host memory and the optimizer state on disk do not run together; pass one of them"
-        )
-    if get("objective") == "dpo":
-        raise cli.CliError(
-            f"{name('objective')} dpo takes its reference from the frozen base with the adapters "
-            f"off; {full} holds no frozen copy: pass {name('objective')} orpo or simpo "
-            "(reference-free), or a --lora-rank >= 1"
-        )
 
 
 def _check_objective(get, name) -> None:
