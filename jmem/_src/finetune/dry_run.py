@@ -91,7 +91,8 @@ def dry_run(config, cfg, mesh=None, target=None):
         kwargs["remat"] = step.levers.remat  # advise's remat levers start from it
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
-    if not fit and not offloads(config.levers, "params") and config.levers.remat != "none":
+    lever = not offloads(config.levers, "params") and config.levers.remat != "none"
+    if not fit and lever and not (full and config.levers.offload_dir):
         streamed = _estimate(config, step.levers, cfg, dtype, targets, devices, params=True)
         _print_params_lever(frozen_bytes, est, streamed, full)
     nf4 = None if full else q_bytes / q_count
@@ -273,9 +274,9 @@ def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) ->
     final norm, head and two layers' slices stay) and the layer stack crosses PCIe three
     times a step (forward, remat recomputation, backward); ``est``/``streamed``: the
     planner without and with it."""
-    what = "the params" if full else "the frozen base"
+    flag, what = ("optimizer,params", "the params") if full else ("params", "the frozen base")
     print(
-        f"lever: --offload params keeps {what} ({format_bytes(frozen_bytes)}) in host "
+        f"lever: --offload {flag} keeps {what} ({format_bytes(frozen_bytes)}) in host "
         "memory and streams one layer at a time to the device: planner device total "
         f"{format_bytes(est.total)} -> {format_bytes(streamed.total)}, moving "
         f"{streamed.transfers['params'] / 1e9:.3g} GB host-to-device per step (the layer "
@@ -283,11 +284,11 @@ def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) ->
     )
 
 
-def _offload_value(levers):
-    """The planner's ``offload=`` for the job's ``--offload``/``--offload-dir``."""
-    state = (
-        "disk" if levers.offload_dir else "optimizer" if offloads(levers, "optimizer") else False
-    )
+def _offload_value(levers, full: bool = False):
+    """The planner's ``offload=`` for the job's ``--offload``/``--offload-dir`` (``full``:
+    full fine-tuning, whose fp32 masters live in the optimizer state and move with it)."""
+    host = "optimizer+masters" if full else "optimizer"
+    state = "disk" if levers.offload_dir else host if offloads(levers, "optimizer") else False
     return offload_value(state, offloads(levers, "params"))
 
 
@@ -311,8 +312,9 @@ def _estimate(config, levers, cfg, dtype, targets, devices: int, params: bool = 
     """The planner's ledger for one device (``_planner_kwargs``; ``params``: with the
     params rung added)."""
     kwargs = _planner_kwargs(config, levers, dtype, targets, devices)
-    if params:
-        kwargs["offload"] = offload_value(kwargs["offload"] or False, True)
+    if params:  # full fine-tuning streams its params with the state in host memory
+        state = kwargs["offload"] or ("optimizer+masters" if full_finetuning(config) else False)
+        kwargs["offload"] = offload_value(state, True)
     return planner.estimate(cfg, **kwargs)
 
 
@@ -331,7 +333,7 @@ def _planner_kwargs(config, levers, dtype, targets, devices: int) -> dict:
     offload rungs of ``--offload``/``--offload-dir``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     return dict(
-        offload=_offload_value(config.levers),
+        offload=_offload_value(config.levers, full_finetuning(config)),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         **_method_kwargs(config, targets),
