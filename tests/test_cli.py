@@ -73,7 +73,7 @@ BAD_EXAMPLE_INPUTS = {
     "missing data file": (["--data", "{t}/missing.txt"], ["--data", "missing.txt", "no such"]),
     "broken jsonl line": (["--data", "{t}/broken.jsonl"], ["--data", "broken.jsonl:2"]),
     "jsonl without text": (["--data", "{t}/notext.jsonl"], ["--data", "notext.jsonl:1"]),
-    "lora rank 0": (["--lora-rank", "0"], ["--lora-rank", "positive integer"]),
+    "negative lora rank": (["--lora-rank=-1"], ["--lora-rank", "integer >= 0"]),
     "lora targets match nothing": (["--lora-targets", ".*nomatch.*"], ["--lora-targets"]),
     "lora targets bad regex": (["--lora-targets", "(q_proj"], ["--lora-targets", "regex"]),
     "checkpoint without tokenizer": (

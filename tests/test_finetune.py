@@ -79,8 +79,8 @@ BAD_FILES = {
     "key in another group": ("execution: {lora_rank: 4}\n", ["'execution.lora_rank'", "training"]),
     "group not a mapping": ("execution: full\n", ["'execution' is a group", "mapping"]),
     "command-line only": ("run: {resume: true}\n", ["'run.resume'", "command-line only"]),
-    "bad value": ("training: {lora_rank: 0}\n", ["f.yaml", "lora_rank", "positive integer"]),
-    "bad flat value": ("lora_rank: 0\n", ["f.yaml", "lora_rank", "positive integer"]),
+    "bad value": ("training: {lora_rank: -1}\n", ["f.yaml", "lora_rank", "integer >= 0"]),
+    "bad flat value": ("lora_rank: -1\n", ["f.yaml", "lora_rank", "integer >= 0"]),
     "bad float": ("data: {eval_split: 1.5}\n", ["eval_split", "[0, 1)"]),
     "bad choice": ("optimizer: adamw8bit\n", ["optimizer", "did you mean 'adamw_8bit'"]),
     "bool flag": ("execution: {offload: 3}\n", ["offload", "true or false"]),
@@ -112,10 +112,10 @@ def test_config_file_missing_or_of_another_kind(tmp_path, capsys):
 
 def test_python_api_checks_values_as_the_flags_do(tmp_path):
     """Construction checks every value with the flag's own checker, naming the field."""
-    with pytest.raises(CliError, match="lora_rank: must be a positive integer"):
-        finetune.FinetuneConfig.from_flat(lora_rank=0, out=str(tmp_path))
-    with pytest.raises(ValueError, match="lora_rank: must be a positive integer"):
-        finetune.TrainingConfig(lora_rank=0)
+    with pytest.raises(CliError, match="lora_rank: must be an integer >= 0"):
+        finetune.FinetuneConfig.from_flat(lora_rank=-1, out=str(tmp_path))
+    with pytest.raises(ValueError, match="lora_rank: must be an integer >= 0"):
+        finetune.TrainingConfig(lora_rank=-1)
     with pytest.raises(ValueError, match="remat: 'everything' is not one of"):
         finetune.FinetuneConfig(execution=finetune.ExecutionConfig(remat="everything"))
     with pytest.raises(ValueError, match="batch_size 3 must be divisible by grad_accum 2"):

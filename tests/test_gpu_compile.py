@@ -180,6 +180,26 @@ def test_qlora_step_llama_1b_at_4k_and_the_planner(tmp_path):
 
 
 @pytest.mark.slow
+def test_full_finetuning_llama3_2_1b_fits_24_gib_with_the_skip_on(tmp_path):
+    """The seeds' 24 GB table from the job: ``--lora-rank 0 --optimizer adamw`` (bf16 params,
+    fp32 masters and moments: 14 bytes a parameter) on llama3_2_1b at 2,048 tokens, the
+    non-finite skip on (a per-leaf select on the GPU target): the state is the planner's
+    ledger, and the peak (20.02 GiB) plus the 2 GB reserve fits a 24 GiB card."""
+    from jmem.models import llama
+
+    argv = ["--config", "llama3_2_1b", "--lora-rank", "0", "--optimizer", "adamw"]
+    out = _qlora_dry_run(tmp_path, argv + ["--seq-len", "2048", "--batch-size", "1"])
+    c, est = out["compiled"], out["estimate"]
+    n = llama.num_params(llama.get_config("llama3_2_1b"))
+    assert out["trainable_params"] == n and out["compute"]["minimum"] == "6NT"
+    state = est["params"] + est["optimizer_state"] + est["master_weights"]
+    assert state == 14 * n
+    np.testing.assert_allclose(c["argument_bytes"], state, rtol=0.01)
+    assert out["cards"]["fits"][24], out["cards"]
+    assert c["peak_bytes"] + jmem.planner.DEFAULT_RESERVE <= 24 * 2**30
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
 def test_qlora_fsdp_8_devices_with_cudnn(tmp_path, offload):
     """8-device FSDP with cuDNN attention compiles for h100_sxm (it raised "Query, key and

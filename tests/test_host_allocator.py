@@ -405,7 +405,7 @@ def _restart(argv):
         ([], "jax-cuda12-plugin", "", False),
         ([], None, "system", False),
         ([], None, "garbage", False),  # the job reports it
-        (["--lora-rank", "0"], None, "", False),  # a bad input: the job reports it
+        (["--lora-rank=-1"], None, "", False),  # a bad input: the job reports it
         (["--help"], None, "", False),
     ],
 )

@@ -139,11 +139,11 @@ def test_the_job_refuses_target_without_dry_run(capsys):
 
 
 def test_estimate_target_refuses_what_the_job_does_not_compile(capsys):
-    """``jmem estimate --target`` compiles the job's QLoRA step: a parameter count or full
-    fine-tuning gets one line, status 2."""
+    """``jmem estimate --target`` compiles the job's step (QLoRA, or full fine-tuning with
+    ``--lora-rank 0``): a parameter count or LoRA on a float base gets one line, status 2."""
     from jmem.__main__ import main
 
-    for argv in (["--model", "7B"], ["--model", "tiny", "--lora-rank", "0"]):
+    for argv in (["--model", "7B"], ["--model", "tiny", "--quant", "none"]):
         with pytest.raises(SystemExit) as e:
             main(["estimate", *argv, "--target", "cpu"])
         err = capsys.readouterr().err

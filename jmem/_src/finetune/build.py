@@ -1,4 +1,5 @@
-"""The QLoRA train step: NF4 base, LoRA adapters, remat, bf16/fp16 compute, a warmup-cosine
+"""The job's train step: QLoRA (NF4 base, LoRA adapters) or, with ``--lora-rank 0``, full
+fine-tuning (16-bit params, fp32 masters); remat, bf16/fp16 compute, a warmup-cosine
 schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ from jmem.models import preference
 
 OPTIMIZERS = {"adamw_8bit": adamw_8bit, "adamw_4bit": adamw_4bit, "adamw": optax.adamw}
 check_implements("the job's OPTIMIZERS", OPTIMIZER_NAMES, OPTIMIZERS)
+
+
+def full_finetuning(config) -> bool:
+    """``--lora-rank 0``: every weight trains (16-bit params, fp32 masters); no NF4 base,
+    no adapters."""
+    return config.training.lora_rank == 0
+
+
+def _full_loss(cfg, lv):
+    """``loss_fn(params, batch, *, frozen=None, dropout_key=None)``: the full fine-tuning
+    loss (no frozen base, no adapters; the keywords are the QLoRA loss's, unused)."""
+
+    def loss_fn(params, batch, *, frozen=None, dropout_key=None):
+        del frozen, dropout_key
+        return llama.loss_fn(params, batch, cfg, levers=lv)
+
+    return loss_fn
 
 
 def _loss(cfg, lv):
@@ -142,7 +160,11 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)
     preference_run = config.training.objective != "sft"
-    loss_fn = _preference_loss(config, cfg, lv) if preference_run else _loss(cfg, lv)
+    full = full_finetuning(config)
+    if preference_run:
+        loss_fn = _preference_loss(config, cfg, lv)
+    else:
+        loss_fn = _full_loss(cfg, lv) if full else _loss(cfg, lv)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.training.lr,
@@ -160,7 +182,8 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
         step = jmem.train_step(
             loss_fn,
             opt,
-            precision=f"p=f32,c={jnp.dtype(dtype).name},o=f32",
+            precision=_precision(dtype, full),
+            master_weights=full,
             loss_scale=scale,
             levers=lv,
             microbatches=config.execution.grad_accum,
@@ -170,6 +193,13 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
             has_aux=preference_run,
         )
     return step, loss_fn, dtype, schedule
+
+
+def _precision(dtype, full: bool) -> str:
+    """The step's precision policy: fp32 adapters (QLoRA), or for full fine-tuning params
+    stored in the compute dtype with fp32 masters in the optimizer state."""
+    name = jnp.dtype(dtype).name
+    return f"p={name if full else 'f32'},c={name},o=f32"
 
 
 @contextlib.contextmanager
@@ -221,6 +251,21 @@ def quantized_base(config, cfg, dtype, abstract: bool):
             params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=dtype, quantize="nf4")
         return params
     make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))
+    if abstract:
+        return jax.eval_shape(make, jax.random.key(config.run.seed))
+    return jax.jit(make)(jax.random.key(config.run.seed))
+
+
+def full_params(config, cfg, abstract: bool):
+    """Full fine-tuning's trainable params in float32 (``train_step`` takes the fp32 masters
+    from them, then stores the params in the compute dtype): from a checkpoint, or random."""
+    if config.model.checkpoint:
+        if abstract:
+            return llama.abstract_params(cfg, jnp.float32)
+        with user_input(f"--checkpoint {config.model.checkpoint}"):
+            params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=jnp.float32)
+        return params
+    make = lambda k: llama.init(k, cfg, jnp.float32)
     if abstract:
         return jax.eval_shape(make, jax.random.key(config.run.seed))
     return jax.jit(make)(jax.random.key(config.run.seed))

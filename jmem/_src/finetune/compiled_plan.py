@@ -1,9 +1,10 @@
 """``jmem estimate --target``: the answers from the compiler instead of the planner.
 
-The job's QLoRA step (``jmem finetune --dry-run --target NAME``: abstract shapes, nothing
-allocated, XLA:GPU's deviceless compile for a GPU target) is compiled at the requested
-length, or at the lengths a bisection needs for ``--max-seq``; its device peak and host
-bytes are XLA's own buffer assignment (``jmem.measure(..., target=)``), not a model of it.
+The job's step (QLoRA, or full fine-tuning with ``--lora-rank 0``; ``jmem finetune
+--dry-run --target NAME``: abstract shapes, nothing allocated, XLA:GPU's deviceless compile
+for a GPU target) is compiled at the requested length, or at the lengths a bisection needs
+for ``--max-seq``; its device peak and host bytes are XLA's own buffer assignment
+(``jmem.measure(..., target=)``), not a model of it.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ class CompiledStep:
 
 def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -> dict:
     """``jmem finetune`` flags for ``estimate``'s options (``model``: a preset's name, or
-    None for a parameter count; ``lora_targets``: the one ``--lora-targets`` value both
-    commands take, ``lora_modules.parse``, None for the job's default), or a one-line
-    ``CliError`` for what the job does not run (full fine-tuning, no NF4, a parameter
-    count)."""
+    None for a parameter count), or a one-line ``CliError`` for what the job does not run
+    (LoRA on a float base, a parameter count). ``lora_rank`` 0 with no ``quant`` is the
+    job's full fine-tuning (``--lora-rank 0``: bf16 params, fp32 masters)."""
     from jmem._src.finetune.config import MODEL_NAMES  # noqa: PLC0415
 
     if model not in MODEL_NAMES:
@@ -42,12 +42,13 @@ def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -
             "--target compiles the job's step: --model must be a preset name (jmem finetune "
             "--config), not a parameter count or shape"
         )
-    if not lora_rank or quant is None:
+    full = not lora_rank and quant is None
+    if not full and (not lora_rank or quant is None):
         raise CliError(
-            "--target compiles the QLoRA job's step (NF4 base, LoRA adapters): pass "
-            "--lora-rank >= 1 and no --quant none"
+            "--target compiles the job's step: QLoRA (NF4 base, LoRA adapters: --lora-rank "
+            ">= 1 and no --quant none) or full fine-tuning (--lora-rank 0)"
         )
-    extra = {} if lora_targets is None else {"lora_targets": lora_targets}
+    extra = {} if full or lora_targets is None else {"lora_targets": lora_targets}
     off = Offload.parse(offload)  # the job has no masters or disk here: optimizer
     job = Offload("optimizer" if off.optimizer else "none", off.params)
     return dict(config=model, lora_rank=lora_rank, offload=str(job), **extra, **flags)

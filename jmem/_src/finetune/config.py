@@ -18,6 +18,7 @@ from typing import Mapping
 from jmem._src import cli
 from jmem._src import lora_modules
 from jmem._src.cli import option
+from jmem._src.finetune.full_finetuning import check_full_finetuning
 from jmem._src.names import ATTENTION_NAMES
 from jmem._src.names import COMPILE_TARGET_NAMES as TARGET_NAMES
 from jmem._src.names import MODEL_NAMES
@@ -247,7 +248,12 @@ class TrainingConfig(_Group):
         "decoupled weight decay on the adapter matrices (jmem.decay_mask)",
         check=cli.nonnegative_float,
     )
-    lora_rank: int = option(8, "LoRA rank r", check=cli.positive_int)
+    lora_rank: int = option(
+        8,
+        "LoRA rank r; 0: full fine-tuning (every weight trained in bf16 with fp32 masters, "
+        "no NF4 base, no adapters)",
+        check=cli.nonnegative_int,
+    )
     lora_alpha: float | None = option(None, "LoRA alpha; unset: 2 * rank", check=cli.positive_float)
     lora_dropout: float = option(
         0.0,
@@ -527,6 +533,7 @@ def check_combinations(values: Mapping[str, Any], name) -> None:
             raise cli.CliError(f"{name(a)} and {name(b)} exclude each other; pass one of them")
     _check_objective(get, name)
     _check_offload(get, name)
+    check_full_finetuning(get, name, lambda k: FIELDS[k].default)
     if get("batch_size") is not None and get("batch_size") % get("grad_accum"):
         raise cli.CliError(
             f"{name('batch_size')} {get('batch_size')} must be divisible by "

@@ -21,12 +21,15 @@ from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import dropout_key
+from jmem._src.finetune.build import full_finetuning
+from jmem._src.finetune.build import full_params
 from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.config import offload_of
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
+from jmem._src.planner.offload import Offload
 from jmem._src.units import format_count
 from jmem.models import llama
 
@@ -45,27 +48,29 @@ def dry_run(config, cfg, mesh=None, target=None):
     if target is not None and mesh is not None:
         mesh = jtargets.mesh(target, tuple(mesh.axis_sizes), tuple(mesh.axis_names))
     step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target, disk=False)
-    frozen = quantized_base(config, cfg, dtype, abstract=True)
-    adapters = _abstract_adapters(config, frozen)
-    state = step.abstract_state(adapters, frozen=frozen, dropout_key=dropout_key(config))
+    full = full_finetuning(config)
+    trainable, frozen = _abstract_trainable(config, cfg, dtype)
+    state = step.abstract_state(trainable, frozen=frozen, dropout_key=dropout_key(config))
     batch = abstract_batch(config)
     t0 = time.time()
     report = step.measure(state, batch, target=target, flops=True)
-    q_bytes, q_count, frozen_bytes = base_bytes(frozen)
-    adapted = lora_modules.module_names(list(adapters))
-    modules = lora_modules.linear_names(adapted)  # what the planner counts
+    if full:  # the params the forward pass reads: the compute dtype's bytes
+        q_bytes, q_count = 0, llama.num_params(cfg)
+        frozen_bytes = q_count * jnp.dtype(dtype).itemsize
+        adapted = modules = None
+    else:
+        q_bytes, q_count, frozen_bytes = base_bytes(frozen)
+        adapted = lora_modules.module_names(list(trainable))
+        modules = lora_modules.linear_names(adapted)  # what the planner counts
     devices = 1 if mesh is None else int(mesh.size)
     est = _estimate(config, step.levers, cfg, dtype, modules, devices)
-    n_adapter = jlora.num_trainable(adapters)
-    print(
-        f"\n{model_name(config)}: {format_count(llama.num_params(cfg))} params, "
-        f"LoRA r={config.training.lora_rank} on {adapted}: {format_count(n_adapter)} trainable; "
-        f"compiled in {time.time() - t0:.0f}s (abstract shapes, nothing allocated)"
-    )
-    print(
-        f"NF4 base: {format_bytes(q_bytes)} for {format_count(q_count)} weights = "
-        f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}"
-    )
+    n_adapter = llama.num_params(cfg) if full else jlora.num_trainable(trainable)
+    _print_heading(config, cfg, adapted, n_adapter, time.time() - t0)
+    if not full:
+        print(
+            f"NF4 base: {format_bytes(q_bytes)} for {format_count(q_count)} weights = "
+            f"{q_bytes / q_count:.3f} bytes/param; all frozen leaves {format_bytes(frozen_bytes)}"
+        )
     print(f"levers (resolved for {step.levers.target}):\n{step.levers.describe()}\n")
     batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) // devices
     state_bytes = report.argument_bytes - batch_bytes
@@ -79,7 +84,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         ("peak", report.peak_bytes, est.total),
     ]
     _print_rows(rows, mesh, devices)
-    compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=False)
+    compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=full)
     print(compute_line(compute))
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
@@ -87,10 +92,13 @@ def dry_run(config, cfg, mesh=None, target=None):
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
-    if not fit and not offload_of(config.execution).params and config.execution.remat != "none":
+    ex = config.execution
+    lever = not offload_of(ex).params and ex.remat != "none"
+    if not fit and lever and not (full and ex.offload_dir):
         streamed = _estimate(config, step.levers, cfg, dtype, modules, devices, params=True)
-        _print_params_lever(frozen_bytes, est, streamed)
-    out = _record(config, cfg, report, compute, est, step, q_bytes / q_count, n_adapter, mesh)
+        _print_params_lever(frozen_bytes, est, streamed, full)
+    nf4 = None if full else q_bytes / q_count
+    out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
     out.update(memory=memory, fits=fit, cards=smaller)
     if target is not None:
         t = jtargets.get(target)
@@ -229,13 +237,15 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
 
 
 # --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
-def _print_params_lever(frozen_bytes: int, est, streamed) -> None:
+def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) -> None:
     """The ``--offload params`` rung, when the step does not fit and it is not in use: the
-    frozen base's bytes leave the device (the embedding, final norm, head and two layers'
-    slices stay) and the layer stack crosses PCIe three times a step (forward, remat
-    recomputation, backward); ``est``/``streamed``: the planner without and with it."""
+    frozen base's (``full``: the trained params') bytes leave the device (the embedding,
+    final norm, head and two layers' slices stay) and the layer stack crosses PCIe three
+    times a step (forward, remat recomputation, backward); ``est``/``streamed``: the
+    planner without and with it."""
+    flag, what = ("optimizer,params", "the params") if full else ("params", "the frozen base")
     print(
-        f"lever: --offload params keeps the frozen base ({format_bytes(frozen_bytes)}) in host "
+        f"lever: --offload {flag} keeps {what} ({format_bytes(frozen_bytes)}) in host "
         "memory and streams one layer at a time to the device: planner device total "
         f"{format_bytes(est.total)} -> {format_bytes(streamed.total)}, moving "
         f"{streamed.transfers['params'] / 1e9:.3g} GB host-to-device per step (the layer "
@@ -259,6 +269,28 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dic
     return record
 
 
+def _abstract_trainable(config, cfg, dtype):
+    """``(trainable, frozen)`` as ``jax.ShapeDtypeStruct``s: LoRA adapters on the NF4 base,
+    or (``--lora-rank 0``) the float32 params (fp32 masters; 16-bit params in the state)."""
+    if full_finetuning(config):
+        return full_params(config, cfg, abstract=True), None
+    frozen = quantized_base(config, cfg, dtype, abstract=True)
+    return _abstract_adapters(config, frozen), frozen
+
+
+def _print_heading(config, cfg, adapted, n_trainable: int, seconds: float) -> None:
+    """The model, what trains (LoRA's rank and modules, or full fine-tuning), the compile."""
+    if adapted is None:
+        what = "full fine-tuning (bf16 params, fp32 masters; no NF4 base, no adapters)"
+    else:
+        what = f"LoRA r={config.training.lora_rank} on {adapted}"
+    print(
+        f"\n{model_name(config)}: {format_count(llama.num_params(cfg))} params, {what}: "
+        f"{format_count(n_trainable)} trainable; compiled in {seconds:.0f}s (abstract shapes, "
+        "nothing allocated)"
+    )
+
+
 def _abstract_adapters(config, frozen) -> dict:
     """The job's adapters (``--lora-*``) as shapes, for the abstract ``frozen`` base."""
     t = config.training
@@ -279,9 +311,29 @@ def _estimate(config, levers, cfg, dtype, modules, devices: int, params: bool = 
     """The planner's ledger for one device (``_planner_kwargs``; ``params``: with the
     params rung added)."""
     kwargs = _planner_kwargs(config, levers, dtype, modules, devices)
-    if params:
-        kwargs["offload"] = dataclasses.replace(kwargs["offload"], params=True)
+    if params:  # full fine-tuning streams its params with the state in host memory
+        off = kwargs["offload"]
+        if full_finetuning(config) and off.state == "none":
+            off = dataclasses.replace(off, state="optimizer+masters")
+        kwargs["offload"] = dataclasses.replace(off, params=True)
     return planner.estimate(cfg, **kwargs)
+
+
+def _offload(config) -> Offload:
+    """The planner's offload for the job's flags (``offload_of``); full fine-tuning's fp32
+    masters live in the optimizer state and move with it."""
+    off = offload_of(config.execution)
+    if full_finetuning(config) and off.state == "optimizer":
+        off = dataclasses.replace(off, state="optimizer+masters")
+    return off
+
+
+def _method_kwargs(config, modules) -> dict:
+    """The planner's ``lora`` and ``quantization`` for the job's method: LoRA on the NF4
+    base, or (``--lora-rank 0``) full fine-tuning (bf16 params, fp32 masters)."""
+    if full_finetuning(config):
+        return dict(lora=None, quantization=None, master_weights=True)
+    return dict(lora={"rank": config.training.lora_rank, "targets": modules}, quantization="nf4")
 
 
 def _planner_kwargs(config, levers, dtype, modules, devices: int) -> dict:
@@ -291,11 +343,10 @@ def _planner_kwargs(config, levers, dtype, modules, devices: int) -> dict:
     offload rungs of ``--offload``/``--offload-dir``."""
     shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
     return dict(
-        offload=offload_of(config.execution),
+        offload=_offload(config),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
-        lora={"rank": config.training.lora_rank, "targets": modules},  # the planner's key
-        quantization="nf4",
+        **_method_kwargs(config, modules),
         levers=levers,
         batch_size=max(1, rows_per_example(config) * config.data.batch_size // devices),
         seq_len=config.data.seq_len,

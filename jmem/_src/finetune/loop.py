@@ -32,6 +32,8 @@ from jmem._src.finetune.build import build
 from jmem._src.finetune.build import checkpointable
 from jmem._src.finetune.build import dropout_key
 from jmem._src.finetune.build import from_checkpoint
+from jmem._src.finetune.build import full_finetuning
+from jmem._src.finetune.build import full_params
 from jmem._src.finetune.build import offload_dir_input
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.build import rows_per_example
@@ -135,19 +137,13 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
     Raises:
       CliError: when every checkpoint is damaged, or the state does not match it.
     """
-    frozen = quantized_base(config, cfg, dtype, abstract=False)
-    adapters = jlora.init(
-        jax.random.key(config.run.seed + 1),
-        frozen,
-        rank=config.training.lora_rank,
-        alpha=config.training.lora_alpha,
-        modules=lora_modules.modules(config.training.lora_targets),
-        dropout=config.training.lora_dropout,
-    )
+    trainable, frozen = trainable_and_frozen(config, cfg, dtype)
     disk = config.execution.offload_dir
     torn = disk is not None and left_mid_update(disk)  # before init rewrites the files
     with offload_dir_input() if disk else contextlib.nullcontext():
-        state = step.init(adapters, frozen=frozen, dropout_key=dropout_key(config))
+        state = step.init(trainable, frozen=frozen, dropout_key=dropout_key(config))
+    n_trainable = num_trainable(trainable)
+    del trainable
     pos, losses, evals = jdata.Position(), [], []
     history = {"start": 0, "learning_rates": [], "skipped_steps": []}
     history.update(metrics=[], eval_metrics=[])
@@ -177,7 +173,29 @@ def init_state(config, cfg, step, dtype, ckpt, resume_step):
             f"false); its files were rebuilt from {source}, not read.",
             flush=True,
         )
-    return state, pos, losses, evals, jlora.num_trainable(adapters), history
+    return state, pos, losses, evals, n_trainable, history
+
+
+def trainable_and_frozen(config, cfg, dtype):
+    """``(trainable, frozen)``: LoRA adapters on the NF4 base, or (``--lora-rank 0``, full
+    fine-tuning) the float32 params and no frozen tree."""
+    if full_finetuning(config):
+        return full_params(config, cfg, abstract=False), None
+    frozen = quantized_base(config, cfg, dtype, abstract=False)
+    adapters = jlora.init(
+        jax.random.key(config.run.seed + 1),
+        frozen,
+        rank=config.training.lora_rank,
+        alpha=config.training.lora_alpha,
+        modules=lora_modules.modules(config.training.lora_targets),
+        dropout=config.training.lora_dropout,
+    )
+    return adapters, frozen
+
+
+def num_trainable(trainable) -> int:
+    """Trainable elements: every float leaf (LoRA adapters: ``jmem.lora.num_trainable``)."""
+    return sum(int(math.prod(x.shape)) for x in jax.tree.leaves(trainable))
 
 
 def disk_record(state, steps: int) -> dict:
@@ -207,7 +225,7 @@ class Progress:
             from tqdm.auto import tqdm  # noqa: PLC0415
 
             self.bar = tqdm(
-                total=config.training.steps, initial=start, desc="qlora", dynamic_ncols=True
+                total=config.training.steps, initial=start, desc="finetune", dynamic_ncols=True
             )
         self.start = start
 

@@ -1,5 +1,6 @@
 """What a run writes besides its checkpoints: greedy samples, the adapters in PEFT format
-and (``--export-merged``) the merged model as a Hugging Face checkpoint."""
+and (``--export-merged``) the merged model as a Hugging Face checkpoint (full fine-tuning:
+the trained params, and no adapters)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ class Sampler:
         adapters = state.params
         if self.step.precision is not None:
             adapters = self.step.precision.cast_to_compute(adapters)
+        full = state.frozen is None  # full fine-tuning: the params are the model
         out = llama.generate(
-            state.frozen,
+            adapters if full else state.frozen,
             self.prompt,
             self.cfg,
             max_new_tokens=self.config.output.sample_tokens,
-            adapters=adapters,
-            apply=qlora.apply,
+            adapters=None if full else adapters,
+            apply=None if full else qlora.apply,
         )
         self.tokens[when] = np.asarray(out[0])
         text = self.tok.decode(self.tokens[when][self.prompt.shape[1] :])
@@ -83,32 +85,45 @@ def save_adapters(config, cfg, state, paths) -> None:
     (``jmem._src.finetune.publish.RunPaths``: ``--out/.staging/adapter`` and
     ``<--export-merged>.jmem-staging``), which the job renames into place once the run has
     succeeded (``publish``): a kill while they are written leaves the earlier ones whole."""
-    params, frozen = _host_values(state.params), state.frozen
+    full = state.frozen is None  # full fine-tuning: the params are the model, no adapters
     merged = config.output.export_merged
-    if merged:
-        frozen = _host_values(frozen)
+    params = _host_values(state.params) if merged or not full else None
+    frozen = _host_values(state.frozen) if merged and not full else None
     if not is_writer():
         return
-    base = os.path.abspath(config.model.checkpoint) if config.model.checkpoint else None
     os.makedirs(paths.staging, exist_ok=True)
-    try:
-        hf.save_adapters(
-            os.path.join(paths.staging, "adapter"), params, cfg, base_model_name_or_path=base
+    if full:
+        print(
+            "note: full fine-tuning (--lora-rank 0) trains no adapters: no PEFT adapter is "
+            "written; --export-merged DIR writes the trained model",
+            flush=True,
         )
-        print(f"adapters (PEFT format): {os.path.join(config.run.out, 'adapter')}", flush=True)
-    except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
-        print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
+    else:
+        _save_peft(config, cfg, params, paths)
     if merged:
         with user_input(f"--export-merged {merged}"):
             hf.save_params(
                 paths.merged_staging,
-                frozen,
+                params if full else frozen,
                 cfg,
-                adapters=params,
+                adapters=None if full else params,
                 source=config.model.checkpoint,
                 tokenizer=_tokenizer_dir(config.model.tokenizer),
             )
         print(f"merged checkpoint (Hugging Face format): {merged}", flush=True)
+
+
+def _save_peft(config, cfg, adapters, paths) -> None:
+    """The adapters in PEFT format into ``--out/.staging/adapter`` (a note when PEFT cannot
+    hold them)."""
+    base = os.path.abspath(config.model.checkpoint) if config.model.checkpoint else None
+    try:
+        hf.save_adapters(
+            os.path.join(paths.staging, "adapter"), adapters, cfg, base_model_name_or_path=base
+        )
+        print(f"adapters (PEFT format): {os.path.join(config.run.out, 'adapter')}", flush=True)
+    except ValueError as e:  # e.g. targets PEFT's Llama has no module for (embeddings)
+        print(f"note: adapters not written in PEFT format: {one_line(e)}", flush=True)
 
 
 def _tokenizer_dir(tokenizer: str | None) -> str | None:

@@ -47,15 +47,19 @@ STEP_AXIS = "step s: the adapters after s updates (train loss: on step s's batch
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
-def train_flops_per_token(cfg, seq_len: int, n_adapter: int) -> float:
+def train_flops_per_token(cfg, seq_len: int, n_adapter: int, full: bool = False) -> float:
     """Model FLOPs per trained token, excluding remat recomputation (the MFU convention of
     Chowdhery et al. 2022), for a frozen base: forward 2N plus input-gradient 2N over the
     base matmuls, 6 per adapter parameter, and attention 12 * L * H * S (scores and context,
-    forward and backward; causal masking not discounted)."""
+    forward and backward; causal masking not discounted). Full fine-tuning (``full``: the
+    base trains, no adapters): 6N over the matmuls plus the attention term."""
     n_matmul = llama.num_params(cfg) - (
         0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
     )
-    return 4.0 * n_matmul + 6.0 * n_adapter + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    attention = 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    if full:
+        return 6.0 * n_matmul + attention
+    return 4.0 * n_matmul + 6.0 * n_adapter + attention
 
 
 def peak_flops() -> float | None:
@@ -124,6 +128,7 @@ def finish(
         "args": flags(config),
         "versions": versions(),
         "objective": objective_label(config),
+        "method": method_label(config),
         "steps": config.training.steps,
         "step_axis": "losses[s] and eval_losses' [s, loss]: " + STEP_AXIS,
         "first_loss": losses[0] if losses else None,
@@ -150,7 +155,12 @@ def finish(
     }
     peak = peak_flops()
     if summary["tokens_per_s"] and peak:
-        fpt = train_flops_per_token(cfg, config.data.seq_len, summary["trainable_params"])
+        fpt = train_flops_per_token(
+            cfg,
+            config.data.seq_len,
+            summary["trainable_params"],
+            full=not config.training.lora_rank,
+        )
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
     metrics = summary.get("metrics") or None
     if metrics:
@@ -179,7 +189,7 @@ def finish(
         ev += f" (accuracy {m['rewards/accuracies']:.2f}, margin {m['rewards/margins']:.4f})"
     mean = f" (mean of the last {k}: {recent:.4f})" if k > 1 else ""
     print(
-        f"\nfirst loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "
+        f"\n{method_label(config)}: first loss {losses[0]:.4f} -> last loss {losses[-1]:.4f} over {len(losses)} "
         f"steps{mean}{ev}; {tokens_per_s or 0:,.0f} tokens/s; peak "
         f"{format_bytes(summary['peak_bytes'])} ({summary['peak_source']}); curve: {plot}"
         + (f"; MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
@@ -217,8 +227,14 @@ def model_label(config, cfg) -> str:
 
 def run_title(config, cfg) -> str:
     """The plot's title: the objective, the method and the model (``model_label``):
-    ``"SFT with QLoRA (r=8): qwen3, 596M params"``."""
-    return f"{objective_label(config)} with QLoRA (r={config.training.lora_rank}): {model_label(config, cfg)}"
+    ``"SFT with QLoRA (r=8): qwen3, 596M params"``, ``"SFT with full fine-tuning: ..."``."""
+    return f"{objective_label(config)} with {method_label(config)}: {model_label(config, cfg)}"
+
+
+def method_label(config) -> str:
+    """What trains: ``"QLoRA (r=8)"``, or ``"full fine-tuning"`` for ``--lora-rank 0``."""
+    rank = config.training.lora_rank
+    return f"QLoRA (r={rank})" if rank else "full fine-tuning"
 
 
 def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None):

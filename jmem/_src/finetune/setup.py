@@ -103,7 +103,7 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
         set_[k] = sizes[k] = min(d[k], cfg.max_seq_len) if k == "seq_len" else d[k]
     if t.lr is None:
         set_["lr"] = 3e-3 if name == "tiny" else 2e-4
-    if t.lora_alpha is None:
+    if t.lora_alpha is None and t.lora_rank:  # --lora-rank 0: no adapters, no alpha
         set_["lora_alpha"] = 2.0 * t.lora_rank
     if t.objective != "sft" and t.beta is None:
         set_["beta"] = DEFAULT_BETA[t.objective]
@@ -188,6 +188,8 @@ def check_lora_targets(config, cfg) -> None:
     names a module the model lacks: one line with the model's module names and the
     accepted forms (``lora_modules.FORMS``)."""
     t = config.training
+    if not t.lora_rank:  # full fine-tuning: no adapters
+        return
     try:
         jax.eval_shape(
             lambda: jlora.init(
