@@ -88,7 +88,7 @@ def test_the_flat_keywords_of_finetune_config_work_with_a_deprecation_warning(ch
     assert c == finetune.FinetuneConfig.from_flat(**flat)
     assert (c.data.data, c.training.steps, c.execution.token_chunk) == (chat, 2, 16)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="lora_rank: must"):
-        finetune.FinetuneConfig(config="tiny", lora_rank=0)
+        finetune.FinetuneConfig(config="tiny", lora_rank=-1)
     with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="no option 'stps'"):
         finetune.FinetuneConfig(stps=2)
     # Groups and flat keywords together: the keywords change the groups' fields.

@@ -35,12 +35,12 @@ FULL += ["--optimizer", "adamw", "--host-allocator", "system"]
         (["--objective", "dpo"], ("--objective dpo", "--lora-rank 0", "orpo or simpo")),
         (
             ["--offload", "params", "--offload-dir", "/tmp/x"],
-            ("--offload params", "--offload-dir", "--lora-rank 0"),
+            ("--offload params", "--offload-dir", "exclude each other"),
         ),
         (["--offload", "params"], ("--offload params", "pass --offload optimizer,params")),
         (
             ["--offload", "optimizer,params", "--offload-dir", "/tmp/x"],
-            ("--offload params", "without --offload-dir"),
+            ("--offload params", "--offload-dir", "exclude each other"),
         ),
     ],
 )
