@@ -450,7 +450,7 @@ def test_the_old_launcher_name_parses_quietly_and_warns(monkeypatch, fake_execve
     makes the same decision as ``restart_with_huge_pages``."""
     _launcher_machine(monkeypatch)
     with pytest.warns(DeprecationWarning, match="restart_with_huge_pages=True"):
-        assert "bad input" in finetune.relaunch_with_huge_pages(["--lora-rank", "0"])
+        assert "bad input" in finetune.relaunch_with_huge_pages(["--lora-rank", "-1"])
     with pytest.warns(DeprecationWarning), pytest.raises(_Exec):
         launcher.relaunch_with_huge_pages([])
     assert capsys.readouterr().err == "" and len(fake_execve) == 1
