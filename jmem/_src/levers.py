@@ -269,8 +269,8 @@ def _chunks(levers, seq, batch_rows, platform=None) -> list[tuple[str, int, str]
 #: Where a policy saves little or nothing below another on the program it runs.
 _CHUNKED_WHY = (
     "; inside each token chunk ({chunk} tokens) every policy recomputes the token-local "
-    "work, none included, so {remat} saves less than none only by what crosses the chunks "
-    "(it keeps q/k/v and the attention output, as none does)"
+    "work, none included: {remat} keeps what crosses the chunks (q/k/v, the attention "
+    "output), as none does, and saves less than none only by none's other residuals"
 )
 _CPU_OFFLOAD_WHY = (
     "; XLA:CPU has no separate host memory: the offloaded residuals stay in device memory, "
@@ -310,6 +310,9 @@ def resolve(
       - ``scan_unroll=None``: True (inlined layers) with ``remat="none"``, else 1.
       - ``remat="offload"`` on a GPU target: token chunks 0 (XLA:GPU's layout assignment
         fails on the offloaded stack inside the chunk loops; named in the reason).
+      - ``remat``'s reason names where the policy saves little below another:
+        ``dots``/``selective`` with token chunks, ``offload``/``offload_inputs`` on a CPU
+        target (``_remat_why``).
       - ``fp8=True`` keeps token chunks: under ``jmem.fp8.apply`` each projection's
         scaling state is fanned out over the chunks and the per-chunk amaxes are
         max-reduced into one history update, exactly the unchunked step's (named in the
