@@ -175,3 +175,18 @@ def test_planner_resolves_the_same_levers():
     assert gpu.activations < cpu.activations < dense.activations / 4
     lv = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 32768))
     assert planner.estimate(cfg, levers=lv, **kw).config["remat"] == "offload_inputs"
+
+
+def test_remat_reason_says_where_a_policy_saves_little():
+    """The remat reason names the programs where a policy saves little below another:
+    ``dots``/``selective`` with token chunks (``none`` recomputes inside the chunks too),
+    ``offload``/``offload_inputs`` on XLA:CPU (no separate host memory)."""
+    cfg = llama.get_config("tiny")
+    chunked = jmem.resolve_levers(jmem.Levers(remat="dots", token_chunk=1024), cfg, (1, 4096))
+    assert "none included" in chunked.reason("remat")
+    whole = jmem.resolve_levers(jmem.Levers(remat="dots", token_chunk=0), cfg, (1, 4096))
+    assert whole.reason("remat") == "as given"
+    cpu = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 4096), "cpu")
+    assert "no device memory below full" in cpu.reason("remat")
+    gpu = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 4096), "h100_sxm")
+    assert gpu.reason("remat") == "as given"

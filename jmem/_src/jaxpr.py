@@ -320,3 +320,35 @@ def rebind_scan(params, init, xs, step: Callable) -> list:
         **kw,
     )
     return [*carry, *ys]
+
+
+# ------------------------------------------- custom VJPs rebuilt around an interpreted body
+
+#: The attribute of a ``custom_vjp``'s backward function that holds its rebuild rule
+#: (``rebuildable``).
+_REBUILD_ATTR = "_jmem_rebuild"
+
+
+def rebuildable(bwd: Callable, rebuild: Callable) -> Callable:
+    """Marks the custom VJP whose backward function is ``bwd`` as one an interpreter rebuilds
+    rather than inlines: ``rebuild(body, invals) -> outs`` makes the same custom VJP around
+    ``body(*invals) -> outs``, the interpreter's evaluation of the primal body, on the
+    equation's flat inputs (which may be an interpreter's own values, such as implicit
+    weights). For a custom VJP whose backward pass is the derivative of its body, computed
+    from what its ``fwd`` keeps (a recomputation): inlining it would hand what it saves to
+    an outer remat policy. Returns ``bwd``."""
+    setattr(bwd, _REBUILD_ATTR, rebuild)
+    return bwd
+
+
+def rebuild_rule(eqn) -> Callable | None:
+    """The rebuild rule of a ``custom_vjp`` equation marked ``rebuildable``, else None."""
+    if kind(eqn) != CUSTOM_VJP or eqn.params.get("num_consts", 0):
+        return None
+    return getattr(_compat.custom_vjp_bwd(eqn.params.get("bwd")), _REBUILD_ATTR, None)
+
+
+def rebind_custom_vjp(eqn, invals, evaluate):
+    """A ``rebuildable`` custom VJP rebuilt by its rule around its evaluated body."""
+    jaxpr, consts = body_of(eqn)
+    return list(rebuild_rule(eqn)(lambda *args: evaluate(jaxpr, consts, list(args)), invals))

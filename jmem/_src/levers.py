@@ -266,6 +266,32 @@ def _chunks(levers, seq, batch_rows, platform=None) -> list[tuple[str, int, str]
     return out
 
 
+#: Where a policy saves little or nothing below another on the program it runs.
+_CHUNKED_WHY = (
+    "; inside each token chunk ({chunk} tokens) every policy recomputes the token-local "
+    "work, none included: {remat} keeps what crosses the chunks (q/k/v, the attention "
+    "output), as none does, and saves less than none only by none's other residuals"
+)
+_CPU_OFFLOAD_WHY = (
+    "; XLA:CPU has no separate host memory: the offloaded residuals stay in device memory, "
+    "so on CPU it saves no device memory below {sibling}"
+)
+
+
+def _remat_why(remat, token_chunk, seq, platform) -> str:
+    """The remat lever's reason, saying where the policy saves little below another on
+    this program: ``dots``/``selective`` with token chunks (their internals are recomputed
+    under ``none`` too), ``offload``/``offload_inputs`` on XLA:CPU (no host memory)."""
+    if not remat:
+        return "applied outside the model, if at all"
+    why = "as given"
+    if remat in ("dots", "selective") and token_chunk and seq is not None and seq > token_chunk:
+        why += _CHUNKED_WHY.format(chunk=token_chunk, remat=remat)
+    if remat in ("offload", "offload_inputs") and platform == "cpu":
+        why += _CPU_OFFLOAD_WHY.format(sibling="selective" if remat == "offload" else "full")
+    return why
+
+
 def resolve(
     levers: Levers | ResolvedLevers | None,
     model: Any,
@@ -284,6 +310,9 @@ def resolve(
       - ``scan_unroll=None``: True (inlined layers) with ``remat="none"``, else 1.
       - ``remat="offload"`` on a GPU target: token chunks 0 (XLA:GPU's layout assignment
         fails on the offloaded stack inside the chunk loops; named in the reason).
+      - ``remat``'s reason names where the policy saves little below another:
+        ``dots``/``selective`` with token chunks, ``offload``/``offload_inputs`` on a CPU
+        target (``_remat_why``).
       - ``fp8=True`` keeps token chunks: under ``jmem.fp8.apply`` each projection's
         scaling state is fanned out over the chunks and the per-chunk amaxes are
         max-reduced into one history update, exactly the unchunked step's (named in the
@@ -344,7 +373,7 @@ def resolve(
         target=name,
         seq_len=seq,
         reasons=(
-            ("remat", "as given" if levers.remat else "applied outside the model, if at all"),
+            ("remat", _remat_why(levers.remat, chunks["token_chunk"][0], seq, platform)),
             ("attention", attn_why),
             ("loss_chunk", chunks["loss_chunk"][1]),
             ("token_chunk", chunks["token_chunk"][1]),

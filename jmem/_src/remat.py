@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from typing import Callable
 from typing import Sequence
 
@@ -25,6 +26,7 @@ from jmem._src import jaxpr as _jaxpr
 from jmem._src import remat_bits as _bits
 from jmem._src import scan_intercept as _si
 from jmem._src import tree as _tree
+from jmem._src.implicit import matmul_rules as _matmul
 from jmem._src.names import REMAT_NAMES
 from jmem._src.names import check_implements
 
@@ -58,22 +60,37 @@ _offload_inputs = _cp.save_and_offload_only_these_names(
     offload_src="device",
     offload_dst="pinned_host",
 )
+_offload_named = _cp.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[LAYER_INPUT, _matmul.LORA_MATMUL],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
 _offload_dots = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 _RECOMPUTE = _offload_inputs(jax.lax.add_p)  # what a policy answers for "not saved"
 
 
 def _offload_policy(prim, *avals, **params):
-    """``offload``: the named layer input to host, else matmuls against weights to host."""
-    decision = _offload_inputs(prim, *avals, **params)
+    """``offload``: the named layer input and LoRA-adapted matmul outputs to host, else
+    matmuls against weights to host."""
+    decision = _offload_named(prim, *avals, **params)
     return _offload_dots(prim, *avals, **params) if decision is _RECOMPUTE else decision
 
 
 #: The blockwise attention's output and log-sum-exp (``[S]``-sized, no ``[S, T]`` array):
 #: its loops are opaque to policies, so ``dots`` and ``selective`` save these by name
 #: instead of recomputing the whole forward loop in the backward pass.
-_save_attention = _cp.save_only_these_names(_attention.ATTENTION_OUT, _attention.ATTENTION_LSE)
-_dots = _cp.save_from_both_policies(_cp.dots_saveable, _save_attention)
-_selective = _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _save_attention)
+#: A LoRA-adapted matmul (``jmem.lora``/``jmem.qlora``) is two matmuls and a sum; these
+#: policies save the sum by name (``LORA_MATMUL``), not both full-width terms.
+_ATTENTION = (_attention.ATTENTION_OUT, _attention.ATTENTION_LSE)
+_save_named = _cp.save_only_these_names(
+    *_ATTENTION, _matmul.LORA_MATMUL, _matmul.LORA_BATCHED_MATMUL
+)
+_save_named_unbatched = _cp.save_only_these_names(*_ATTENTION, _matmul.LORA_MATMUL)
+_dots = _cp.save_from_both_policies(_cp.dots_saveable, _save_named)
+_selective = _cp.save_from_both_policies(
+    _cp.dots_with_no_batch_dims_saveable, _save_named_unbatched
+)
 
 REMAT_POLICIES = RematPolicies(
     none=None,
@@ -84,6 +101,15 @@ REMAT_POLICIES = RematPolicies(
     offload_inputs=_offload_inputs,
 )
 check_implements("REMAT_POLICIES", REMAT_NAMES, REMAT_POLICIES)
+
+#: The policies that save residuals on the device and offload none (``dots``,
+#: ``selective``, names policies made by ``resolve_policy``): a scan body under one of
+#: them keeps its 16-bit residuals as bits (``remat_bits.policy_bits_checkpoint``).
+_DEVICE_SAVING = weakref.WeakSet([_dots, _selective])
+
+
+def _saves_on_device(policy) -> bool:
+    return policy in _DEVICE_SAVING
 
 
 def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | None:
@@ -104,7 +130,9 @@ def resolve_policy(policy: str | Sequence[str] | Callable | None) -> Callable | 
             )
         return REMAT_POLICIES[policy]
     if isinstance(policy, (list, tuple)) and all(isinstance(n, str) for n in policy):
-        return _cp.save_only_these_names(*policy)
+        names = _cp.save_only_these_names(*policy)
+        _DEVICE_SAVING.add(names)
+        return names
     if callable(policy):
         return policy
     raise TypeError(
@@ -160,6 +188,8 @@ def checkpointed_scan(params, invals, policy, prevent_cse, every):
         dtypes = [jnp.result_type(c) for c in init]
         if policy is _cp.nothing_saveable and _bits.has_16bit_floats(dtypes):
             step = _bits.bits_checkpoint(step, dtypes)  # no float32 stack on XLA:CPU
+        elif _saves_on_device(policy) and _bits.has_16bit_floats(dtypes):
+            step = _bits.policy_bits_checkpoint(step, policy, prevent_cse)  # the same
         else:
             step = jax.checkpoint(step, policy=policy, prevent_cse=prevent_cse)
     length = p["length"]

@@ -12,18 +12,22 @@ reads each chunk of the whole arrays as ``uint16`` bits (``_take``) and writes e
 outputs as bits in place (``_put``). A closed-over input's cotangent would be a whole-sized
 array added per chunk by the loop's transpose; instead the loop carries a "sink" per input
 (zeros whose cotangent is the input's, ``_grad_sink``) and each chunk writes its input
-cotangent into the sink's in place. The custom VJPs see activations only, never weights:
-the NF4/LoRA interpreter inlines a custom VJP that receives a weight.
+cotangent into the sink's in place. The slicing custom VJPs see activations only, never
+weights (the NF4/LoRA interpreter inlines a custom VJP that receives a weight); the
+chunk's recomputation, which receives the layer's weights, is rebuilt by the interpreter
+around the interpreted chunk (``jmem._src.jaxpr.rebuildable``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem._src.jaxpr import rebuildable
 from jmem._src.mesh_batch import batch_groups
 from jmem._src.mesh_batch import constrain_groups
 from jmem._src.remat_bits import from_bits
@@ -106,28 +110,56 @@ def _recomputed(chunk_fn: Callable, flat: list, sinks: list, i: jax.Array):
     avoid. A custom VJP's residuals are the ones its ``fwd`` declares, whatever the policy.
 
     The values ``chunk_fn`` closes over (a layer's weights) become explicit inputs
-    (``jax.closure_convert``) so that they get their gradients. The primal is
-    ``jax.checkpoint(chunk_fn)``: the NF4/LoRA interpreter inlines a custom VJP that
-    receives a weight, and then keeps that checkpoint (the outer policy reaches inside).
-    """
+    (``jax.closure_convert``) so that they get their gradients."""
     run_fn, consts = jax.closure_convert(chunk_fn, flat, sinks, i)
+    primal = lambda consts, flat, sinks, i: run_fn(flat, sinks, i, *consts)
+    return _recompute_call(primal, list(consts), list(flat), list(sinks), i)
+
+
+def _recompute_call(primal: Callable, consts: list, flat: list, sinks: list, i):
+    """``primal(consts, flat, sinks, i) -> (ys, sinks)`` under the recomputing custom VJP
+    of ``_recomputed``: it saves ``consts``, ``flat`` and ``i``; the sinks' output
+    cotangents stand in for their values in the backward pass. The primal is
+    ``jax.checkpoint(primal)``, for a transform that inlines the custom VJP. The custom VJP
+    is ``rebuildable``: the NF4/LoRA interpreter, whose weights are among ``consts``,
+    rebuilds it around the interpreted body (``_rebuild``) instead of inlining it, so an
+    outer remat policy never reaches a chunk's internals."""
 
     @jax.custom_vjp
     def run(consts, flat, sinks, i):
-        return jax.checkpoint(run_fn)(flat, sinks, i, *consts)
+        return jax.checkpoint(primal)(consts, flat, sinks, i)
 
     def fwd(consts, flat, sinks, i):
-        return run_fn(flat, sinks, i, *consts), (consts, flat, i)
+        return primal(consts, flat, sinks, i), (consts, flat, i)
 
     def bwd(res, g):
         consts, flat, i = lax.optimization_barrier(res)  # as jax.checkpoint's prevent_cse
         # The sinks' values are never read: their cotangents stand in for them.
-        _, vjp = jax.vjp(lambda c, s: run_fn(flat, s, i, *c), consts, list(g[1]))
+        _, vjp = jax.vjp(lambda c, s: primal(c, flat, s, i), consts, list(g[1]))
         d_consts, d_sinks = vjp(g)
         return d_consts, None, d_sinks, None
 
+    counts = tuple(len(jax.tree.leaves(x)) for x in (consts, flat, sinks))
+    rebuildable(bwd, functools.partial(_rebuild, counts))
     run.defvjp(fwd, bwd)
     return run(consts, flat, sinks, i)
+
+
+def _rebuild(counts: tuple, body: Callable, invals: list) -> list:
+    """The flat outputs of ``_recompute_call`` around ``body``, an interpreter's evaluation
+    of the primal on the flat inputs ``invals`` (``consts``, ``flat``, ``sinks``, ``i``:
+    ``counts`` leaves each of the first three)."""
+    nc, nf, ns = counts
+    consts, flat = invals[:nc], invals[nc : nc + nf]
+    sinks, i = invals[nc + nf : nc + nf + ns], invals[nc + nf + ns]
+
+    def primal(consts, flat, sinks, i):
+        outs = body(*consts, *flat, *sinks, i)
+        ny = len(outs) - ns
+        return tuple(outs[:ny]), list(outs[ny:])
+
+    ys, sinks = _recompute_call(primal, list(consts), list(flat), list(sinks), i)
+    return [*ys, *sinks]
 
 
 def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -20,6 +20,7 @@ from jmem._src import fp8_dot as _fp8
 from jmem._src import fp8_meta as _fp8_meta
 from jmem._src import jaxpr as _jaxpr
 from jmem._src.implicit import registry as _registry
+from jmem._src.implicit.matmul_rules import adapted
 from jmem._src.implicit.matmul_rules import lora_term
 from jmem._src.implicit.matmul_rules import lowrank_ok
 from jmem._src.implicit.weight import Weight
@@ -103,7 +104,7 @@ def fp8_weight_dot(interp, x, w: Weight, meta, dimension_numbers, out_dtype):
         return y
     site = interp.next_dropout_site() if w.dropout_active else 0
     u = lora_term(x, w, wi=1, dimension_numbers=dimension_numbers, site=site)
-    return y + u.astype(y.dtype)
+    return adapted(y, u, batched=bool(dimension_numbers[1][1]))
 
 
 def _swap(dimension_numbers):

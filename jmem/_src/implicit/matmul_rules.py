@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
 from jmem._src import jax_compat
@@ -20,7 +21,22 @@ from jmem._src.implicit.weight import error
 from jmem._src.implicit.weight import is_nf4
 from jmem._src.implicit.weight import is_weight
 
-__all__ = ["dot_general", "lowrank_ok", "lora_dropout", "lora_term"]
+__all__ = [
+    "LORA_MATMUL",
+    "LORA_BATCHED_MATMUL",
+    "adapted",
+    "dot_general",
+    "lowrank_ok",
+    "lora_dropout",
+    "lora_term",
+]
+
+#: The ``checkpoint_name`` of a LoRA-adapted matmul's output ``x·W + s·(x·a)·b`` (one
+#: model matmul, computed as two): the remat policies that save matmul outputs save this
+#: one value, so neither full-width term is saved on its own. ``LORA_BATCHED_MATMUL``: the
+#: same for a matmul with batch dimensions (``dots`` saves it, ``selective`` does not).
+LORA_MATMUL = "lora_matmul"
+LORA_BATCHED_MATMUL = "lora_batched_matmul"
 
 
 def _weight_dot(x, wdense, *, wi: int, perm: tuple, params: dict):
@@ -194,7 +210,15 @@ def dot_general(interp, eqn, invals):
         site=interp.next_dropout_site() if w.dropout_active else 0,
         memo=interp.memo,
     )
-    return y + u.astype(y.dtype)
+    return adapted(y, u, batched=bool(wb))
+
+
+def adapted(y: jax.Array, u: jax.Array, *, batched: bool) -> jax.Array:
+    """``y + u`` (the base matmul and its LoRA term, in ``y``'s dtype) named
+    ``LORA_MATMUL`` (``LORA_BATCHED_MATMUL`` with batch dimensions): the one value a remat
+    policy saves for the adapted matmul. Unnamed, ``dots_saveable`` saved both terms at
+    full width (the sum is element-wise, so it was recomputed from them)."""
+    return checkpoint_name(y + u.astype(y.dtype), LORA_BATCHED_MATMUL if batched else LORA_MATMUL)
 
 
 def lowrank_ok(w: Weight, wc, wb) -> bool:

@@ -152,10 +152,15 @@ def inline_call(interp, eqn, invals):
 
 def inline_custom(interp, eqn, invals):
     """A custom-derivative call receiving a weight: its primal body is interpreted
-    (JAX differentiates it; that call's own derivative rule is dropped). Rules for
-    particular custom calls (``jmem.fp8.fp8_dot_general``) are registered before it."""
+    (JAX differentiates it; that call's own derivative rule is dropped), or, for a custom
+    VJP marked ``jmem._src.jaxpr.rebuildable`` (the token chunks' recomputation), the same
+    custom VJP is rebuilt around the interpreted body, so what it saves stays its own
+    (inlined, an outer remat policy would save its internals). Rules for particular
+    custom calls (``jmem.fp8.fp8_dot_general``) are registered before it."""
     if _jaxpr.body_of(eqn) is None:
         raise error(next(v for v in invals if is_weight(v)), eqn.primitive.name)
+    if _jaxpr.rebuild_rule(eqn) is not None:
+        return _jaxpr.rebind_custom_vjp(eqn, invals, interp.eval)
     return _jaxpr.inline_call(eqn, invals, interp.eval)
 
 
