@@ -25,10 +25,11 @@ import pytest
 import jmem
 from jmem import lora as jlora
 from jmem import qlora
+from jmem._src import lora_modules
 from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import build
 from jmem._src.finetune.build import quantized_base
-from jmem._src.finetune.config import parse_args
+from jmem._src.finetune.config_file import parse_args
 from jmem._src.finetune.setup import model_config
 from jmem._src.finetune.setup import resolve_defaults
 from jmem.models import llama
@@ -61,7 +62,11 @@ def _state(config, cfg, step, base: str):
     t = config.training
     adapters = jax.eval_shape(
         lambda k: jlora.init(
-            k, frozen, rank=t.lora_rank, alpha=t.lora_alpha, targets=t.lora_targets
+            k,
+            frozen,
+            rank=t.lora_rank,
+            alpha=t.lora_alpha,
+            modules=lora_modules.modules(t.lora_targets),
         ),
         jax.random.key(0),
     )
