@@ -23,7 +23,7 @@ cfg = llama.get_config("llama3_1_8b")
 frozen = jax.jit(lambda k: jmem.qlora.quantize_params(llama.init(k, cfg, jnp.bfloat16)))(
     jax.random.key(0))
 adapters = jmem.lora.init(jax.random.key(1), frozen, rank=32, alpha=64.0,
-                          targets=r"layers/.*_proj/kernel")
+                          modules=r"layers/.*_proj/kernel")
 
 def step_for(remat):
     loss = lambda a, b, *, frozen: jmem.qlora.apply(lambda p, b: llama.loss_fn(p, b, cfg))(
