@@ -258,7 +258,7 @@ def test_config_file_run_with_a_flag_override(tmp_path):
     assert summary["processes"] == 1
 
 
-# -------------------------------------------------- issue 29: nothing to learn, small files
+# -------------------------------------------------- nothing to learn, small files
 
 
 def _chat(path, n=40):
@@ -573,7 +573,7 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
 @pytest.mark.slow
 def test_no_remat_inlines_the_layers():
     """--remat none: the job's loss runs the model with ``scan_unroll=True`` (a layer loop
-    would stack every saved activation, issue #30), with the loss of the layer loop."""
+    would stack every saved activation), with the loss of the layer loop."""
     from jmem.models import llama
 
     cfg = llama.get_config("tiny")

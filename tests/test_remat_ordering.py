@@ -1,4 +1,4 @@
-"""Remat policies keep their memory order at real lengths (issue #35 item 3): for dense and
+"""Remat policies keep their memory order at real lengths: for dense and
 blockwise attention, with and without token-local chunks, at 256 and 4,096 tokens, in
 float32 and bfloat16, the compiled gradient's temporaries go ``none >= dots >= selective >=
 full`` and the planner ranks the policies the same way. The main suite runs one cell per
@@ -109,7 +109,7 @@ def test_order_at_4096_tokens(attention, chunked, dtype):
 
 
 def _issue_acceptance(temp):
-    """Issue #35: at 1 x 4,096 bf16 tokens, blockwise, ``mlp_chunk=1024``, ``dots`` and
+    """At 1 x 4,096 bf16 tokens, blockwise, ``mlp_chunk=1024``, ``dots`` and
     ``selective`` need no more than ``none`` (measured 88.4 and 78.2 vs 107.9 MiB; they
     were 2,283.6 and 157.0 before the attention loop and the chunks were opaque). No
     tolerance here. The cell ``test_order_at_4096_tokens[blockwise-True-bf16]`` (its
