@@ -203,7 +203,8 @@ def test_dpo_run_starts_at_ln2_and_learns_the_toy_preferences(dpo_run):
     assert summary["objective"] == "DPO" and summary["args"]["beta"] == 0.1
     assert abs(summary["losses"][0] - math.log(2)) < 1e-4  # B = 0: the policy is its reference
     first = summary["metrics"][0]
-    assert first["rewards/margins"] == 0 and first["rewards/accuracies"] == 0
+    # B = 0: the policy's log-probs are the reference's up to the rounding of two programs
+    assert abs(first["rewards/margins"]) < 1e-5 and first["rewards/accuracies"] == 0
     late = [m["rewards/accuracies"] for m in summary["metrics"][-5:]]
     assert np.mean(late) > 0.5 and summary["last_metrics"]["rewards/margins"] > 0.5
     assert summary["losses"][-1] < 0.5 * math.log(2)

@@ -137,6 +137,7 @@ def choose(selected: str | Sequence[str], paths: Sequence[str]) -> list[str]:
             raise ValueError(
                 f"the regex {selected!r} matches no weight path in full"
                 + (" (it matches only part of one)" if part else "")
+                + " (LoRA adapts weights of rank >= 2: biases and norm scales excluded)"
                 + f"; paths are such as {', '.join(paths[:2])}; the module names are "
                 f"{', '.join(names)}"
             )
