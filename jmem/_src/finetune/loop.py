@@ -258,10 +258,17 @@ class Progress:
 def preference_line(aux: dict) -> str:
     """A preference step's metrics in a log line: reward margin, accuracy, and the chosen
     and rejected rewards (``jmem.losses``' ``rewards/*``, batch means)."""
+    r = {k: _four_places(v) for k, v in aux.items() if k.startswith("rewards/")}
     return (
-        f"  margin {aux['rewards/margins']:.4f}  acc {aux['rewards/accuracies']:.2f}"
-        f"  chosen {aux['rewards/chosen']:.4f}  rejected {aux['rewards/rejected']:.4f}"
+        f"  margin {r['rewards/margins']}  acc {aux['rewards/accuracies']:.2f}"
+        f"  chosen {r['rewards/chosen']}  rejected {r['rewards/rejected']}"
     )
+
+
+def _four_places(value) -> str:
+    """``value`` to 4 places, without the sign of a value that rounds to zero."""
+    text = f"{float(value):.4f}"
+    return "0.0000" if text == "-0.0000" else text
 
 
 def _compile(step, state, batch):
