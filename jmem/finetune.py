@@ -6,9 +6,7 @@ config nests frozen groups (``ModelConfig``, ``DataConfig``, ``ExecutionConfig``
 ``docs/finetune.md``; the pieces (step builder, loop, run-directory rules) live in
 ``jmem._src.finetune``."""
 
-import importlib as _importlib
-import warnings as _warnings
-
+from jmem._src.deprecated_names import module_getattr
 from jmem._src.finetune.command import main
 from jmem._src.finetune.config import DataConfig
 from jmem._src.finetune.config import DevicesConfig
@@ -34,24 +32,19 @@ __all__ = (
 )
 
 #: Names deprecated here -> (module, name, what to use instead).
-_DEPRECATED = {
-    "LeversConfig": ("jmem._src.finetune.config", "ExecutionConfig", "ExecutionConfig"),
-    "parse_args": ("jmem._src.finetune.config_file", "parse_args", "main(argv)"),
-    "relaunch_with_huge_pages": (
-        "jmem._src.finetune.launcher",
-        "relaunch_with_huge_pages",
-        "main(argv, restart_with_huge_pages=True)",
-    ),
-}
-
-
-def __getattr__(name: str):
-    if name not in _DEPRECATED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr, instead = _DEPRECATED[name]
-    _warnings.warn(
-        f"jmem.finetune.{name} is deprecated; use jmem.finetune.{instead}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_importlib.import_module(module), attr)
+__getattr__ = module_getattr(
+    "jmem.finetune",
+    {
+        "LeversConfig": (
+            "jmem._src.finetune.config",
+            "ExecutionConfig",
+            "jmem.finetune.ExecutionConfig",
+        ),
+        "parse_args": ("jmem._src.finetune.config_file", "parse_args", "jmem.finetune.main(argv)"),
+        "relaunch_with_huge_pages": (
+            "jmem._src.finetune.launcher",
+            "relaunch_with_huge_pages",
+            "jmem.finetune.main(argv, restart_with_huge_pages=True)",
+        ),
+    },
+)

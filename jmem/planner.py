@@ -1,8 +1,6 @@
 """Memory planner: ledgers of a training configuration, verdicts and suggestions."""
 
-import importlib
-import warnings
-
+from jmem._src.deprecated_names import module_getattr
 from jmem._src.planner.activations import REMAT_MODES
 from jmem._src.planner.activations import activation_bytes
 from jmem._src.planner.advice import DEFAULT_RESERVE
@@ -48,24 +46,15 @@ __all__ = (
 )
 
 #: Deprecated names, kept for one release: name -> (module, its new name, what to use).
-_DEPRECATED = {
-    "GB": ("jmem._src.units", "GB", "10**9 (bytes in a decimal gigabyte)"),
-    "Lever": ("jmem._src.planner.advice", "Suggestion", "jmem.planner.Suggestion"),
-    "max_seq_len": (
-        "jmem._src.planner.capacity",
-        "largest_seq_len_by_remat",
-        "jmem.planner.largest_seq_len_by_remat (same arguments)",
-    ),
-}
-
-
-def __getattr__(name: str):
-    if name not in _DEPRECATED:
-        raise AttributeError(f"module 'jmem.planner' has no attribute {name!r}")
-    module, new, use = _DEPRECATED[name]
-    warnings.warn(
-        f"jmem.planner.{name} is deprecated and will be removed in the next release: use {use}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(module), new)
+__getattr__ = module_getattr(
+    "jmem.planner",
+    {
+        "GB": ("jmem._src.units", "GB", "10**9 (bytes in a decimal gigabyte)"),
+        "Lever": ("jmem._src.planner.advice", "Suggestion", "jmem.planner.Suggestion"),
+        "max_seq_len": (
+            "jmem._src.planner.capacity",
+            "largest_seq_len_by_remat",
+            "jmem.planner.largest_seq_len_by_remat (same arguments)",
+        ),
+    },
+)
