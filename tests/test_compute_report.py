@@ -54,3 +54,22 @@ def test_the_dry_run_reports_compiled_dot_flops_and_their_ratio(tmp_path):
     assert 1.0 <= none["ratio"] < 2.0, none
     np.testing.assert_allclose(none["minimum_flops"], full["minimum_flops"])
     assert full["dot_flops"] > 1.1 * none["dot_flops"], records
+
+
+def test_a_loop_of_unknown_length_is_reported_as_not_counted():
+    """``flops=True`` on a program whose loop length is unknown: ``dot_flops`` None, and the
+    dry run's compute line says why instead of a figure."""
+    from jmem._src.finetune.dry_run import compute_line
+    from jmem._src.finetune.dry_run import compute_record
+    from jmem._src.measure import report_from_compiled
+    from jmem.models import llama
+
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[0, 0] < 100.0, lambda c: c @ c, x)
+
+    report = report_from_compiled(jax.jit(f).lower(jnp.ones((8, 8))).compile(), flops=True)
+    assert report.dot_flops is None
+    batch = {"inputs": jax.ShapeDtypeStruct((1, 16), jnp.int32)}
+    c = compute_record(None, llama.get_config("tiny"), batch, 1, "h100_sxm", full=False)
+    assert c["ratio"] is None and c["seconds_bound"] is None
+    assert "not counted" in compute_line(c) and "unknown trip count" in compute_line(c)

@@ -53,7 +53,8 @@ class MemoryReport:
       target: the target compiled for (``jmem.targets`` name, e.g. ``"h100_sxm"``, or the
         running backend's, e.g. ``"cpu"``).
       dot_flops: the program's matmul FLOPs per execution (per device), ``while`` loops
-        counted by trip count (``jmem._src.hlo_flops``); None where not counted
+        counted by trip count (``jmem._src.hlo_flops``); None where not counted (not asked
+        for, or a loop of unknown trip count)
         (``report_from_compiled(..., flops=True)`` and ``TrainStep.measure(flops=True)``
         count them).
       state_bytes (property): bytes that persist between steps when the state is donated,
@@ -171,8 +172,17 @@ def report_from_compiled(compiled: Any, target: Any = None, *, flops: bool = Fal
         host_peak_bytes=host_peak,
         source="compiler",
         target=name,
-        dot_flops=dot_flops(compiled.as_text()) if flops else None,
+        dot_flops=_counted_flops(compiled) if flops else None,
     )
+
+
+def _counted_flops(compiled: Any) -> float | None:
+    """``dot_flops`` of ``compiled``'s HLO; None where a loop's trip count is unknown (its
+    work cannot be counted: the caller says so)."""
+    try:
+        return dot_flops(compiled.as_text())
+    except ValueError:
+        return None
 
 
 def _sharding_for(s: Any, t: Any, meshes: set) -> Any:

@@ -109,11 +109,12 @@ def dry_run(config, cfg, mesh=None, target=None):
     return out
 
 
-def compute_record(flops: float, cfg, batch, devices: int, target, *, full: bool) -> dict:
+def compute_record(flops: float | None, cfg, batch, devices: int, target, *, full: bool) -> dict:
     """The compiled step's dot FLOPs (per device) against the model's minimum: a forward
     and the input gradients, ``4 N T`` (``6 N T`` when the base trains, ``full``), with
     ``N`` the parameters in matmuls (all but an untied input embedding) and ``T`` the
-    device's tokens; with the target's bf16 peak, the step-time bound it implies."""
+    device's tokens; with the target's bf16 peak, the step-time bound it implies. ``flops``
+    None (a loop of unknown trip count): ``dot_flops``, ``ratio`` and the bound are None."""
     n = llama.num_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
     tokens = batch["inputs"].size / devices
     minimum = (6 if full else 4) * n * tokens
@@ -122,14 +123,19 @@ def compute_record(flops: float, cfg, batch, devices: int, target, *, full: bool
         "dot_flops": flops,
         "minimum_flops": minimum,
         "minimum": "6NT" if full else "4NT",
-        "ratio": flops / minimum,
+        "ratio": None if flops is None else flops / minimum,
         "bf16_flops_per_s": peak,
-        "seconds_bound": None if peak is None else flops / peak,
+        "seconds_bound": None if peak is None or flops is None else flops / peak,
     }
 
 
 def compute_line(c: dict) -> str:
     """``compute_record`` as the dry run prints it."""
+    if c["dot_flops"] is None:
+        return (
+            "compute: not counted: the compiled step has a loop of unknown trip count, so its "
+            "matmul work cannot be read from the HLO"
+        )
     line = (
         f"compute: {c['dot_flops'] / 1e12:.4g} TFLOP of matmuls per step per device (compiled; "
         f"loops by trip count) = {c['ratio']:.2f}x the minimum {c['minimum']} = "
