@@ -193,8 +193,8 @@ def test_offload_flag_values(value, expected):
     files' bool) read as ``optimizer``/``none``."""
     levers = fc.ExecutionConfig(offload=value)
     assert levers.offload == expected
-    assert fc.offloads(levers, "params") == ("params" in expected)
-    assert fc.offloads(levers, "optimizer") == ("optimizer" in expected)
+    assert fc.offload_of(levers).params == ("params" in expected)
+    assert fc.offload_of(levers).optimizer == ("optimizer" in expected)
 
 
 def test_offload_flag_on_the_command_line(tmp_path):

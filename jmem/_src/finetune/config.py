@@ -77,11 +77,6 @@ def offload_spec(text: str) -> str:
     return ",".join(p for p in OFFLOAD_PARTS if p in parts)
 
 
-def offloads(levers, part: str) -> bool:
-    """Whether the levers group's ``--offload`` includes ``part`` (``optimizer``/``params``)."""
-    return part in levers.offload.split(",")
-
-
 def offload_of(levers) -> Offload:
     """The levers group's offload rungs as the planner's and the job's one value: ``--offload``
     (``optimizer``, ``params``), with ``--offload-dir`` the disk rung for the state."""

@@ -19,7 +19,6 @@ from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import offload_of
-from jmem._src.finetune.config import offloads
 from jmem.models import export
 from jmem.models import hf
 from jmem.models import llama
@@ -49,7 +48,7 @@ def job_levers(config) -> jmem.Levers:
         attention=levers.attention,
         loss_chunk=levers.loss_chunk,
         token_chunk=levers.token_chunk,
-        offload_params=offloads(levers, "params"),
+        offload_params=offload_of(levers).params,
     )
 
 
