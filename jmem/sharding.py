@@ -1,5 +1,6 @@
 """FSDP / ZeRO placement of a train state over a ``jax.sharding.Mesh``."""
 
+from jmem._src.sharding import CONTEXT_AXIS
 from jmem._src.sharding import DATA_AXIS
 from jmem._src.sharding import FSDP_AXIS
 from jmem._src.sharding import STRATEGIES
@@ -15,6 +16,7 @@ from jmem._src.sharding import shard_state
 from jmem._src.sharding import state_shardings
 
 __all__ = (
+    "CONTEXT_AXIS",
     "DATA_AXIS",
     "FSDP_AXIS",
     "STRATEGIES",

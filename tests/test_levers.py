@@ -40,7 +40,7 @@ def test_every_choice_has_a_reason():
     lv = jmem.resolve_levers(jmem.Levers(remat="full"), cfg, (2, 4096), "cpu")
     assert [k for k, _ in lv.reasons] == [
         "remat", "attention", "loss_chunk", "token_chunk", "scan_unroll", "fp8",
-        "offload_params",
+        "offload_params", "context_strategy",
     ]  # fmt: skip
     assert lv.attention == "blockwise" and "4096 keys > 1024" in lv.reason("attention")
     assert lv.scan_unroll == 1

@@ -119,9 +119,9 @@ class ConstrainGradientsTest(chex.TestCase):
 
 def test_make_mesh_axes_and_errors():
     mesh = sharding.make_mesh(data=2, fsdp=4)
-    assert mesh.axis_names == ("data", "fsdp")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
-    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert mesh.axis_names == ("data", "fsdp", "context")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 3
     assert sharding.make_mesh(data=2).shape["fsdp"] == 4
     with pytest.raises(ValueError, match="data \\* fsdp"):
         sharding.make_mesh(data=2, fsdp=3)

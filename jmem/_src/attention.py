@@ -15,8 +15,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src.context_attention import context_attention
 from jmem._src.mesh_batch import batch_groups
 from jmem._src.mesh_batch import constrain_groups
+from jmem._src.mesh_batch import context_split
+from jmem._src.mesh_batch import token_groups
 from jmem._src.names import ATTENTION_NAMES
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
@@ -307,7 +310,9 @@ def _fwd_q_block(q, k, v, idx, needed, static, i, carry):
     m, l, acc = _opaque_loop(needed.shape[1], step, init + (jnp.zeros(shape + (d,)),))
     ok = l > 0  # a query with no key to attend (padding) gets a zero output
     ob = jnp.moveaxis(acc / jnp.where(ok, l, 1.0)[..., None], 3, 1)
-    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), 0.0)
+    # A row with no key here gets lse = _NEG: weight 0 when context-parallel attention
+    # combines the blocks of several key shards (``_flash_lse``).
+    lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), _NEG)
     return _put(carry[0], i, bq, ob), _put(carry[1], i, bq, _rows(lse))
 
 
@@ -375,6 +380,13 @@ def _flash_fwd(q, k, v, idx, needed, static):
 def _flash_bwd(static, res, do):
     q, k, v, idx, needed, out, lse = lax.optimization_barrier(res)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return _flash_grads(static, q, k, v, idx, needed, lse, do, delta)
+
+
+def _flash_grads(static, q, k, v, idx, needed, lse, do, delta):
+    """``(dq, dk, dv, None indices, None)`` of the blockwise path from the saved ``lse``,
+    the output cotangent ``do`` and ``delta`` (``rowsum(do * out)``, less the cotangent of
+    ``lse`` when it is an output: ``_flash_lse``)."""
     q_, k_, v_, do_ = (_sliceable(a) for a in (q, k, v, do))
     body = functools.partial(_bwd_kv_block, (q_, k_, v_, idx, needed, lse, do_, delta), static)
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v))
@@ -384,6 +396,29 @@ def _flash_bwd(static, res, do):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_lse(q, k, v, idx, needed, static):
+    """``_flash`` returning ``(out, lse)``, both differentiable: the blocks of one query
+    shard against several key shards (ring attention) are combined by their lse. With
+    ``dlse`` the score gradient is ``p * (dp - (delta - dlse))``."""
+    return _flash_fwd_impl(q, k, v, idx, needed, static)
+
+
+def _flash_lse_fwd(q, k, v, idx, needed, static):
+    out, lse = _flash_fwd_impl(q, k, v, idx, needed, static)
+    return (out, lse), (q, k, v, idx, needed, out, lse)
+
+
+def _flash_lse_bwd(static, res, cotangents):
+    do, dlse = cotangents
+    q, k, v, idx, needed, out, lse = lax.optimization_barrier(res)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
+    return _flash_grads(static, q, k, v, idx, needed, lse, do, delta)
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
 
 
 def _pad_to(x, multiple, axis, mode="edge"):
@@ -417,6 +452,24 @@ def _needed_blocks(qi, ki, qs, ks, window, bq, bk):
 
 def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
     """The blockwise path on ``[B, S, nH, D]`` / ``[B, T, nKV, D]`` inputs."""
+    args = _blockwise_args(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)
+    b, s, nh, d = q.shape
+    return _flash(*args)[:, :s].reshape(b, s, nh, d)
+
+
+def blockwise_lse(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
+    """The blockwise path returning ``(out [B, S, nH, D], float32 lse [B, S, nH])``, both
+    differentiable; a query with no key to attend gets zeros and lse ``-1e30``. The
+    arguments are ``_blockwise``'s (indices ``[B, S]`` / ``[B, T]`` int32, ``window`` an
+    int32 scalar)."""
+    args = _blockwise_args(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)
+    b, s, nh, d = q.shape
+    out, lse = _flash_lse(*args)
+    return out[:, :s].reshape(b, s, nh, d), lse[:, :s].reshape(b, s, nh)
+
+
+def _blockwise_args(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
+    """``_flash``'s arguments: padded grouped q, k, v, the indices, the needed tiles."""
     b, s, nh, d = q.shape
     t, nkv = k.shape[1], k.shape[2]
     bq, bk = min(block_q, s), min(block_kv, t)
@@ -427,18 +480,32 @@ def _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
     ki, ks = _pad_to(ki, bk, 1), _pad_to(ks, bk, 1)
     needed = _needed_blocks(qi, ki, qs, ks, window, bq, bk)
     idx = (qi, ki, qs, ks, kv_valid, window)
-    out = _flash(qg, kp, vp, idx, needed, (float(scale), cap, bq, bk))
-    return out[:, :s].reshape(b, s, nh, d)
+    return qg, kp, vp, idx, needed, (float(scale), cap, bq, bk)
 
 
 def cudnn_reason(
-    q, k, segment_ids, sliding_window, cap, kv_index, *, platform: str | None = None
+    q,
+    k,
+    segment_ids,
+    sliding_window,
+    cap,
+    kv_index,
+    *,
+    platform: str | None = None,
+    context: int | None = None,
 ) -> str | None:
     """Why cuDNN's fused attention cannot run these inputs (arrays or ShapeDtypeStructs)
     on ``platform`` (None: the platform being compiled for, ``compile_platform``), or None
     when it can. The one ``"auto"`` rule: ``jmem.resolve_levers`` calls it with the
-    model's facts and the target's platform."""
+    model's facts and the target's platform. ``context``: devices one sequence is split
+    over (None: the mesh in context's ``"context"`` axis, ``mesh_batch.context_split``)."""
     platform = compile_platform() if platform is None else platform
+    context = context_split() if context is None else context
+    if context > 1:
+        return (
+            f"a context axis ({context} devices) splits the sequence, and cuDNN's causal mask "
+            "assumes consecutive token indices (the zigzag order is not)"
+        )
     if platform != "gpu":
         return f"it needs a GPU (compiling for {platform!r})"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -472,6 +539,21 @@ def _cudnn(q, k, v, sliding_window, scale):
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
     )
+
+
+def _local_paths(impl, scale, cap, block_q, block_kv):
+    """``(local, local_lse)`` of ``context_attention``: the ``impl`` path on one device's
+    arrays, and the blockwise path with its log-sum-exp (ring attention)."""
+
+    def local(q, k, v, qi, ki, qs, ks, window):
+        if impl == "dense":
+            return _dense(q, k, v, _allowed(qi, ki, qs, ks, window), scale, cap)
+        return _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)
+
+    def local_lse(q, k, v, qi, ki, qs, ks, window):
+        return blockwise_lse(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)
+
+    return local, local_lse
 
 
 def _check_options(logit_softcap, block_q, block_kv):
@@ -535,6 +617,7 @@ def attention(
     block_q: int = BLOCK_Q,
     block_kv: int = BLOCK_KV,
     platform: str | None = None,
+    context_strategy: str = "all_gather",
 ) -> jax.Array:
     """Causal grouped-query softmax attention (softmax in float32), masked by token indices.
 
@@ -570,6 +653,10 @@ def attention(
       logit_softcap: None or the cap ``c > 0``.
       implementation: one of ``IMPLEMENTATIONS``.
       block_q, block_kv: tile sizes of the blockwise path (tokens).
+      context_strategy: on a mesh in context whose ``"context"`` axis splits the sequence
+        (context parallelism, docs/sharding.md): ``"all_gather"``, ``"ring"`` or
+        ``"ulysses"`` (``jmem._src.context_attention``); the dense or blockwise path then
+        runs on each device's shard. Unused without such an axis.
       platform: ``"gpu"``, ``"cpu"`` or ``"tpu"``: what ``"auto"`` and ``"cudnn"`` resolve
         for. None: the platform being compiled for (``jmem.targets.compile_platform``: the
         default device or mesh of the trace, so ``jmem.measure(..., target="h100_sxm")``
@@ -583,7 +670,9 @@ def attention(
       ValueError: for mismatched shapes, non-integer or misshaped indices, an unknown
         implementation or platform, ``"cudnn"`` where it cannot run (the message says
         why), a ``logit_softcap`` that is not None or > 0 (0 would make every score 0:
-        uniform attention), or ``block_q``/``block_kv`` that are not ints >= 1.
+        uniform attention), ``block_q``/``block_kv`` that are not ints >= 1, or, on a
+        context axis, ``kv_index`` / ``kv_segment_ids`` (self-attention only), an unknown
+        ``context_strategy`` or ``"ulysses"`` with head counts the axis does not divide.
 
     Reverse-mode only: the blockwise path and the dense one without soft-cap are custom
     VJPs, so ``jax.jvp`` / ``jax.jacfwd`` through them raise JAX's custom-VJP error.
@@ -612,6 +701,16 @@ def attention(
         ks = jnp.zeros((b, t), jnp.int32)
     if impl == "cudnn":
         return _cudnn(q, k, v, sliding_window, scale)
+    if token_groups(b, s)[2] > 1:
+        if kv_index is not None or kv_segment_ids is not None or t != s:
+            raise ValueError(
+                "attention over a context axis runs self-attention only; drop kv_index / "
+                "kv_segment_ids, or call it outside the context-parallel mesh."
+            )
+        local, local_lse = _local_paths(impl, scale, cap, block_q, block_kv)
+        return context_attention(
+            q, k, v, qi, qs, window, strategy=context_strategy, local=local, local_lse=local_lse
+        )
     if impl == "dense":
         return _dense(q, k, v, _allowed(qi, ki, qs, ks, window), scale, cap)
     return _blockwise(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)

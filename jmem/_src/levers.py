@@ -22,7 +22,11 @@ import jax.numpy as jnp
 
 from jmem._src import attention as attention_lib
 from jmem._src import targets as targets_lib
+from jmem._src.context_attention import check_strategy
+from jmem._src.mesh_batch import context_split
+from jmem._src.names import CONTEXT_STRATEGY_NAMES
 from jmem._src.names import REMAT_NAMES
+from jmem._src.sharding import check_context_length
 
 __all__ = ["Levers", "ResolvedLevers", "resolve"]
 
@@ -88,6 +92,11 @@ class Levers:
         ``jmem.train_step`` then keeps its ``frozen`` params in host memory between
         steps (``jmem._src.offload.params``, docs/offload.md). Needs a remat policy other
         than ``"none"`` (which would keep every layer's device copy for the backward pass).
+      context_strategy: how attention runs when a ``"context"`` mesh axis splits each
+        sequence (docs/sharding.md, "Context parallelism"): ``"all_gather"`` (default:
+        K/V gathered, one collective per layer), ``"ring"`` (K/V shards rotated, never
+        more than two per device) or ``"ulysses"`` (all-to-all heads for sequence; both
+        head counts must be multiples of the axis). Unused without a context axis.
 
     Raises:
       ValueError: an unknown remat or attention name, a negative or non-int chunk, a bad
@@ -102,6 +111,7 @@ class Levers:
     scan_unroll: int | bool | None = None
     fp8: bool = False
     offload_params: bool = False
+    context_strategy: str = "all_gather"
 
     def __post_init__(self):
         if self.remat is not None and self.remat not in REMAT_NAMES:
@@ -118,6 +128,11 @@ class Levers:
             raise ValueError(f"fp8 must be a bool; got {self.fp8!r}.")
         if not isinstance(self.offload_params, bool):
             raise ValueError(f"offload_params must be a bool; got {self.offload_params!r}.")
+        if self.context_strategy not in CONTEXT_STRATEGY_NAMES:
+            raise ValueError(
+                f"context_strategy={self.context_strategy!r} is unknown; choose from "
+                f"{CONTEXT_STRATEGY_NAMES}."
+            )
         if self.offload_params and self.remat == "none":
             raise ValueError(
                 "offload_params=True needs a remat policy (e.g. remat='full'): with "
@@ -141,7 +156,8 @@ class ResolvedLevers:
         target (``jmem.targets``).
       seq_len: tokens per row the choices were made for (None: not known).
       reasons: ``((lever, reason), ...)``, one per lever, in field order.
-      offload_params: as in ``Levers``.
+      offload_params, context_strategy: as in ``Levers``.
+      context: devices one sequence is split over (the ``"context"`` mesh axis; 1: none).
     """
 
     remat: str | None
@@ -154,6 +170,8 @@ class ResolvedLevers:
     seq_len: int | None
     reasons: tuple[tuple[str, str], ...] = ()
     offload_params: bool = False
+    context_strategy: str = "all_gather"
+    context: int = 1
 
     def reason(self, lever: str) -> str:
         """Why ``lever`` has its value."""
@@ -197,7 +215,7 @@ def _batch_facts(batch, seq_len) -> tuple[int | None, bool]:
     return int(shape[-1]), False
 
 
-def _attention(levers, model, seq, packed, platform, dtype) -> tuple[str, str]:
+def _attention(levers, model, seq, packed, platform, dtype, context=1) -> tuple[str, str]:
     """The attention implementation and why, by ``jmem.ops.attention``'s own rule."""
     if levers.attention not in ("auto", "cudnn"):
         return levers.attention, "as given"
@@ -211,7 +229,14 @@ def _attention(levers, model, seq, packed, platform, dtype) -> tuple[str, str]:
     window = _layer_window(model)
     seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if packed else None
     reason = attention_lib.cudnn_reason(
-        q, k, seg, window, getattr(model, "attn_logit_softcap", None), None, platform=platform
+        q,
+        k,
+        seg,
+        window,
+        getattr(model, "attn_logit_softcap", None),
+        None,
+        platform=platform,
+        context=context,
     )
     choice = attention_lib.pick_implementation(levers.attention, reason, seq)
     if choice == "cudnn":
@@ -299,6 +324,7 @@ def resolve(
     target: Any = None,
     *,
     dtype: Any = jnp.bfloat16,
+    context: int | None = None,
 ) -> ResolvedLevers:
     """Applies every rule that combines the levers with a model, a batch and a target.
 
@@ -327,6 +353,8 @@ def resolve(
       target: what is compiled for: None (the running backend), ``"cpu"``/``"gpu"``/
         ``"tpu"``, or a ``jmem.targets`` name or ``Target``.
       dtype: the activation (compute) dtype; cuDNN needs a 16-bit one.
+      context: devices each sequence is split over (None: the ``"context"`` axis of the
+        mesh in context, 1 without one).
 
     Returns:
       A ``ResolvedLevers`` with one reason per lever (``describe()`` prints them).
@@ -343,7 +371,9 @@ def resolve(
         rows = int(batch["inputs"].shape[0])
     elif isinstance(batch, tuple):
         rows = int(batch[0]) if len(batch) > 1 else None
-    attn, attn_why = _attention(levers, model, seq, packed, platform, jnp.dtype(dtype))
+    context = context_split() if context is None else int(context)
+    attn, attn_why = _attention(levers, model, seq, packed, platform, jnp.dtype(dtype), context)
+    context_why = _context_why(levers, model, seq, context)
     if levers.scan_unroll is None:
         unroll = True if levers.remat == "none" else 1
         unroll_why = (
@@ -380,6 +410,20 @@ def resolve(
             ("scan_unroll", unroll_why),
             ("fp8", fp8_why),
             ("offload_params", _OFFLOAD_PARAMS_WHY[levers.offload_params]),
+            ("context_strategy", context_why),
         ),
         offload_params=levers.offload_params,
+        context_strategy=levers.context_strategy,
+        context=context,
     )
+
+
+def _context_why(levers, model, seq, context: int) -> str:
+    """The context strategy's reason; ValueError for a sequence or head count the context
+    axis cannot split (``check_context_length``, ``context_attention.check_strategy``)."""
+    if context <= 1:
+        return "unused: no context axis splits the sequence"
+    check_strategy(levers.context_strategy, model.num_heads, model.num_kv_heads, context)
+    if seq is not None:
+        check_context_length(seq, context)
+    return f"as given: each sequence split over {context} devices, zigzag order"

@@ -9,9 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jmem._src.mesh_batch import batch_groups
 from jmem._src.mesh_batch import constrain_groups
+from jmem._src.mesh_batch import split_tokens
+from jmem._src.mesh_batch import token_groups
+from jmem._src.sharding import CONTEXT_AXIS
 
 __all__ = ("ignore_negative_targets", "linear_cross_entropy", "token_nll")
 
@@ -136,7 +139,8 @@ def linear_cross_entropy(
     n = b * s
     weight, targets = ignore_negative_targets(targets, mask)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
-    if chunk == 0 or chunk >= n // batch_groups(b)[1]:  # each device's tokens: one chunk
+    _, g, c = token_groups(b, s)
+    if chunk == 0 or chunk >= n // (g * c):  # each device's tokens: one chunk
         logits = _logits(x.reshape(n, h), head.astype(x.dtype)).reshape(b, s, -1)
         return jnp.sum(token_nll(logits, targets, logit_softcap) * weight) / denom
     body = jax.checkpoint(lambda c, xs_: _chunk_sum(head, logit_softcap, c, xs_))
@@ -150,7 +154,9 @@ def _group_chunks(chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
     1 without), each group's ``B / G * S`` tokens zero-padded to ``K`` chunks. The scan
     slices the unsplit axis ``K``: each device computes its own tokens' chunks."""
     b, s = arrays[0].shape[:2]
-    axes, g = batch_groups(b)
+    axes, g, c = token_groups(b, s)
+    if c > 1:  # a context axis splits the sequence too: [G, C, n] per device's tokens
+        return tuple(_context_chunks(chunk, a, axes, g, c) for a in arrays)
     n = b // g * s
     pad = -n % chunk
     out = []
@@ -160,3 +166,15 @@ def _group_chunks(chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
         a = a.reshape(g, -1, chunk, *a.shape[2:]).swapaxes(0, 1)
         out.append(constrain_groups(a, axes, axis=1))
     return tuple(out)
+
+
+def _context_chunks(chunk: int, a: jax.Array, axes, g: int, c: int) -> jax.Array:
+    """``a [B, S, ...]`` as ``[K, G * C, chunk, ...]`` scan inputs when a context axis splits
+    the sequence over ``C`` devices (``mesh_batch.split_tokens``): axis 1 is split over the
+    batch axes and ``"context"``, one device's tokens each."""
+    a = split_tokens(a, axes, g, c)
+    pad = -a.shape[2] % chunk
+    a = jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
+    a = a.reshape(g, c, -1, chunk, *a.shape[3:])
+    a = jnp.moveaxis(a, 2, 0).reshape(a.shape[2], g * c, chunk, *a.shape[4:])
+    return jax.lax.with_sharding_constraint(a, P(None, (*axes, CONTEXT_AXIS)))

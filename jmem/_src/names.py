@@ -13,6 +13,7 @@ from jmem._src.model_table import PRESETS
 __all__ = [
     "ATTENTION_NAMES",
     "COMPILE_TARGET_NAMES",
+    "CONTEXT_STRATEGY_NAMES",
     "MODEL_NAMES",
     "OPTIMIZER_NAMES",
     "REMAT_NAMES",
@@ -25,6 +26,11 @@ REMAT_NAMES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
 
 #: Attention implementations (``jmem.ops.attention``, ``Levers.attention``, ``--attention``).
 ATTENTION_NAMES = ("auto", "dense", "blockwise", "cudnn")
+
+#: How attention runs across the shards of a sequence split over a ``context`` mesh axis
+#: (``Levers.context_strategy``, ``--context-strategy``; docs/sharding.md): gather K/V,
+#: rotate K/V blocks in a ring, or all-to-all heads for sequence (Ulysses).
+CONTEXT_STRATEGY_NAMES = ("all_gather", "ring", "ulysses")
 
 #: The optimizers the fine-tuning job builds (``--optimizer``); the planner knows more.
 OPTIMIZER_NAMES = ("adamw", "adamw_4bit", "adamw_8bit")

@@ -17,7 +17,8 @@ from jmem._src.linear_cross_entropy import _check
 from jmem._src.linear_cross_entropy import _group_chunks
 from jmem._src.linear_cross_entropy import _logits
 from jmem._src.linear_cross_entropy import token_nll
-from jmem._src.mesh_batch import batch_groups
+from jmem._src.mesh_batch import merge_tokens
+from jmem._src.mesh_batch import token_groups
 
 __all__ = ("SequenceLogprobs", "sequence_logprobs")
 
@@ -68,8 +69,9 @@ def _grouped_logprobs(head, logit_softcap, hidden, targets, chunk):
         return carry, logp.reshape(t.shape)
 
     _, logp = lax.scan(jax.checkpoint(body), (), (xs, ts))  # [K, G, chunk]
-    logp = logp.swapaxes(0, 1).reshape(g, k * chunk)[:, : b // g * s]
-    return logp.reshape(b, s)
+    _, rows, c = token_groups(b, s)  # g = rows * c (context axis: c > 1)
+    logp = logp.swapaxes(0, 1).reshape(rows, c, k * chunk)[:, :, : b // rows * (s // c)]
+    return merge_tokens(logp, b, s)
 
 
 @jax.named_scope("sequence_logprobs")
@@ -123,7 +125,8 @@ def sequence_logprobs(
     n = b * s
     weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
     targets = jnp.where(weight != 0, targets, 0).astype(jnp.int32)
-    g = batch_groups(b)[1]
+    _, rows, c = token_groups(b, s)
+    g = rows * c
     if chunk == 0 or chunk >= n // g:  # each device's tokens: one chunk
         logp = _token_logprobs(head, logit_softcap, hidden.reshape(n, h), targets.reshape(n))
     elif g > 1:  # a mesh splits the rows: each device chunks its own tokens

@@ -25,6 +25,7 @@ from jmem._src import quantization as _qz
 __all__ = [
     "DATA_AXIS",
     "FSDP_AXIS",
+    "CONTEXT_AXIS",
     "STRATEGIES",
     "make_mesh",
     "array_spec",
@@ -40,6 +41,8 @@ __all__ = [
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+#: The context-parallel axis: one sequence split over its devices (docs/sharding.md).
+CONTEXT_AXIS = "context"
 STRATEGIES = ("zero1", "zero2", "zero3", "fsdp")
 #: Dense arrays with fewer elements are replicated (a 4096-element fp32 tensor is 16 KiB).
 DEFAULT_MIN_SIZE = 4096
@@ -50,41 +53,51 @@ DEFAULT_MIN_SIZE = 4096
 # ----------------------------------------------------------------------------------------
 
 
-def make_mesh(data: int = 1, fsdp: int | None = None, devices=None) -> Mesh:
-    """A 2-D mesh ``("data", "fsdp")`` with Auto axis types (see the module docstring).
+def make_mesh(data: int = 1, fsdp: int | None = None, devices=None, *, context: int = 1) -> Mesh:
+    """A 3-D mesh ``("data", "fsdp", "context")`` with Auto axis types (module docstring).
 
     Args:
       data: size of the data-parallel axis (replicas of params and state).
-      fsdp: size of the sharding axis; default ``len(devices) // data``.
+      fsdp: size of the sharding axis; default ``len(devices) // (data * context)``.
       devices: devices to use, in order (default ``jax.devices()``, all processes' devices).
-        The fsdp axis varies fastest, so consecutive devices (one host's) form an fsdp group.
+        The context axis varies fastest, then fsdp: consecutive devices (one host's) form
+        a context group, then an fsdp group.
+      context: size of the context-parallel axis: each sequence is split over it
+        (docs/sharding.md, "Context parallelism"); params are replicated over it.
 
     Returns:
-      ``jax.sharding.Mesh`` of shape ``(data, fsdp)``.
+      ``jax.sharding.Mesh`` of shape ``(data, fsdp, context)``.
 
     Raises:
-      ValueError: non-positive sizes, or ``data * fsdp != len(devices)``.
+      ValueError: non-positive sizes, or ``data * fsdp * context != len(devices)``.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if not isinstance(data, (int, np.integer)) or data < 1:
-        raise ValueError(f"data must be a positive int, got {data!r}.")
+    for name, size in (("data", data), ("context", context)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}.")
     if fsdp is None:
-        if len(devices) % data:
+        if len(devices) % (data * context):
             raise ValueError(
-                f"data={data} does not divide the {len(devices)} devices; pass "
-                f"fsdp= explicitly or choose a divisor."
+                f"data * context = {data * context} does not divide the {len(devices)} "
+                f"devices; pass fsdp= explicitly or choose a divisor."
             )
-        fsdp = len(devices) // data
+        fsdp = len(devices) // (data * context)
     if not isinstance(fsdp, (int, np.integer)) or fsdp < 1:
         raise ValueError(f"fsdp must be a positive int, got {fsdp!r}.")
-    if data * fsdp != len(devices):
+    n = data * fsdp * context
+    if n != len(devices):
         raise ValueError(
-            f"data * fsdp = {data} * {fsdp} = {data * fsdp} but {len(devices)} "
-            f"devices were given; pass devices=jax.devices()[:{data * fsdp}] or "
+            f"data * fsdp * context = {data} * {fsdp} * {context} = {n} but {len(devices)} "
+            f"devices were given; pass devices=jax.devices()[:{n}] or "
             f"sizes whose product is {len(devices)}."
         )
-    arr = np.asarray(devices, dtype=object).reshape(int(data), int(fsdp))
-    return Mesh(arr, (DATA_AXIS, FSDP_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+    arr = np.asarray(devices, dtype=object).reshape(int(data), int(fsdp), int(context))
+    return Mesh(arr, (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS), axis_types=(AxisType.Auto,) * 3)
+
+
+def context_size(mesh: Any) -> int:
+    """Size of ``mesh``'s ``"context"`` axis (1 when it has none)."""
+    return int(dict(mesh.shape).get(CONTEXT_AXIS, 1))
 
 
 def check_mesh(mesh: Any) -> Mesh:
@@ -392,17 +405,34 @@ def state_shardings(
     )
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a batch array: leading (batch) axis split over ``("data", "fsdp")``.
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Sharding of a batch array: leading (batch) axis split over ``("data", "fsdp")``, and,
+    on a mesh with a ``"context"`` axis larger than 1 and ``ndim >= 2``, the second
+    (sequence) axis over ``"context"``.
 
-    The batch size must be a multiple of ``mesh.size`` (``data * fsdp``).
+    The batch size must be a multiple of ``data * fsdp``; the sequence length one of
+    ``2 * context`` (``check_context_length``).
     """
     check_mesh(mesh)
+    if ndim >= 2 and context_size(mesh) > 1:
+        return NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS), CONTEXT_AXIS))
     return NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS)))
+
+
+def check_context_length(length: int, context: int, what: str = "sequence length") -> None:
+    """ValueError unless ``length`` is a multiple of ``2 * context`` (the zigzag order
+    splits a sequence into ``2 * context`` chunks); nothing for ``context == 1``."""
+    if context > 1 and length % (2 * context):
+        raise ValueError(
+            f"{what} {length} is not a multiple of 2 * context = {2 * context} (the "
+            f"zigzag split of a sequence over the context axis); pad or pick a length "
+            f"that is a multiple of {2 * context}."
+        )
 
 
 def batch_shardings_of(batch: Any, mesh: Mesh) -> Any:
     n = mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
+    cp = context_size(mesh)
 
     def one(path, x):
         shape = shape_of(x)
@@ -413,7 +443,9 @@ def batch_shardings_of(batch: Any, mesh: Mesh) -> Any:
                 f"batch leaf {jax.tree_util.keystr(path)} has leading (batch) size {shape[0]}, "
                 f"not a multiple of data * fsdp = {n}: pad or resize the global batch."
             )
-        return batch_sharding(mesh)
+        if len(shape) >= 2 and cp > 1:
+            check_context_length(shape[1], cp, f"batch leaf {jax.tree_util.keystr(path)}'s length")
+        return batch_sharding(mesh, len(shape))
 
     return jax.tree_util.tree_map_with_path(one, batch)
 
@@ -483,9 +515,11 @@ def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
     """
     check_mesh(mesh)
     if process_local:
-        s = batch_sharding(mesh)
         return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(s, np.asarray(x)), batch
+            lambda x: jax.make_array_from_process_local_data(
+                batch_sharding(mesh, np.ndim(x)), np.asarray(x)
+            ),
+            batch,
         )
     return jax.tree.map(_put, batch, batch_shardings_of(batch, mesh))
 

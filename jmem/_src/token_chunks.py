@@ -26,12 +26,16 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jmem._src.jaxpr import rebuildable
-from jmem._src.mesh_batch import batch_groups
 from jmem._src.mesh_batch import constrain_groups
+from jmem._src.mesh_batch import merge_tokens
+from jmem._src.mesh_batch import split_tokens
+from jmem._src.mesh_batch import token_groups
 from jmem._src.remat_bits import from_bits
 from jmem._src.remat_bits import to_bits
+from jmem._src.sharding import CONTEXT_AXIS
 
 
 def _slice(x, i, size, axis):
@@ -198,36 +202,75 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     b, s = arrays[0].shape[:2]
     if any(a.shape[:2] != (b, s) for a in arrays):
         raise ValueError(f"arrays must share their [B, S] axes; got {[a.shape for a in arrays]}.")
-    axes, g = batch_groups(b)
-    n = b // g * s  # tokens per row group (per device of the batch split)
-    if n <= chunk:
+    layout = _Layout(b, s)
+    if layout.n <= chunk:
         return tuple(fn(*arrays))
+    n, ax = layout.n, layout.ax
     pad = -n % chunk
-    # The token axis: 1 of [G, n, ...] on a batch split; without one the arrays stay
-    # [n, ...] (axis 0), the layout XLA:GPU assigns the least memory (a leading axis of 1
-    # cost 10% of the tiny QLoRA step's peak at 4,096 tokens).
-    ax = 1 if g > 1 else 0
-    lead = (g,) if g > 1 else ()
-    flat = [constrain_groups(a.reshape(*lead, n, *a.shape[2:]), axes) for a in arrays]
+    flat = [layout.split(a) for a in arrays]
     widths = [(0, 0)] * ax + [(0, pad)]
     flat = [jnp.pad(a, widths + [(0, 0)] * (a.ndim - ax - 1)) if pad else a for a in flat]
 
     def chunk_fn(flat, sinks, i):
         taken = [_take(a, sink, i, chunk, ax) for a, sink in zip(flat, sinks)]
-        return tuple(fn(*(c if ax else c[None] for c, _ in taken))), [sk for _, sk in taken]
+        ys = fn(*(layout.to_fn(c, chunk) for c, _ in taken))
+        return tuple(layout.from_fn(y, chunk) for y in ys), [sk for _, sk in taken]
 
     shapes = jax.eval_shape(chunk_fn, flat, flat, 0)[0]
     init = tuple(
-        constrain_groups(jnp.zeros((*lead, n + pad, *o.shape[2:]), o.dtype), axes) for o in shapes
+        layout.constrain(jnp.zeros((*o.shape[:ax], n + pad, *o.shape[ax + 1 :]), o.dtype))
+        for o in shapes
     )
     values = [lax.stop_gradient(a) for a in flat]  # cotangents go through the sinks
 
     def body(i, carry):
         out, sinks = carry
         ys, sinks = _recomputed(chunk_fn, values, sinks, i)
-        return tuple(_put(o, y if ax else y[0], i, ax) for o, y in zip(out, ys)), sinks
+        return tuple(_put(o, y, i, ax) for o, y in zip(out, ys)), sinks
 
     sinks = [_grad_sink(a) for a in flat]
     outs, _ = lax.fori_loop(0, (n + pad) // chunk, body, (init, sinks))
     trim = [slice(None)] * ax + [slice(0, n)]
-    return tuple((o[tuple(trim)] if pad else o).reshape(b, s, *o.shape[ax + 1 :]) for o in outs)
+    return tuple(layout.merge(o[tuple(trim)] if pad else o) for o in outs)
+
+
+class _Layout:
+    """How ``over_tokens`` lays out ``[B, S, ...]`` arrays so that each device loops over its
+    own ``n`` tokens (``jmem._src.mesh_batch``): ``[n, ...]`` without a split (token axis 0,
+    the layout XLA:GPU assigns the least memory: a leading axis of 1 cost 10% of the tiny
+    QLoRA step's peak at 4,096 tokens), ``[G, n, ...]`` on a batch split (axis 1), and
+    ``[G, C, n, ...]`` when the sequence is split over a context axis too (axis 2; ``fn``
+    then sees each chunk as ``[G, C * chunk, ...]``, whose sequence axis the context axis
+    splits)."""
+
+    def __init__(self, b: int, s: int):
+        self.b, self.s = b, s
+        self.axes, self.g, self.c = token_groups(b, s)
+        self.n = b // self.g * (s // self.c)
+        self.ax = 2 if self.c > 1 else (1 if self.g > 1 else 0)
+
+    def split(self, a):
+        if self.ax == 2:
+            return split_tokens(a, self.axes, self.g, self.c)
+        lead = (self.g,) if self.ax else ()
+        return constrain_groups(a.reshape(*lead, self.n, *a.shape[2:]), self.axes)
+
+    def constrain(self, a):
+        if self.ax == 2:
+            return jax.lax.with_sharding_constraint(a, P(self.axes or None, CONTEXT_AXIS))
+        return constrain_groups(a, self.axes)
+
+    def to_fn(self, c, chunk):
+        if self.ax == 2:
+            return c.reshape(self.g, self.c * chunk, *c.shape[3:])
+        return c if self.ax else c[None]
+
+    def from_fn(self, y, chunk):
+        if self.ax == 2:
+            return y.reshape(self.g, self.c, chunk, *y.shape[2:])
+        return y if self.ax else y[0]
+
+    def merge(self, o):
+        if self.ax == 2:
+            return merge_tokens(o, self.b, self.s)
+        return o.reshape(self.b, self.s, *o.shape[self.ax + 1 :])

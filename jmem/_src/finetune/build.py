@@ -26,6 +26,7 @@ from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import offload_of
+from jmem._src.finetune.mesh import mesh_sizes
 from jmem._src.finetune.setup import job_levers
 from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.names import check_implements
@@ -111,7 +112,8 @@ def job_resolved_levers(config, cfg, dtype, target=None):
     if data.batch_size is not None and data.seq_len is not None:
         rows = rows_per_example(config) * max(1, data.batch_size // config.execution.grad_accum)
         batch = (rows, data.seq_len)
-    return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype)
+    context = mesh_sizes(config)[2]
+    return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype, context=context)
 
 
 def rows_per_example(config) -> int:

@@ -21,6 +21,7 @@ from jmem._src.cli import option
 from jmem._src.finetune.full_finetuning import check_full_finetuning
 from jmem._src.names import ATTENTION_NAMES
 from jmem._src.names import COMPILE_TARGET_NAMES as TARGET_NAMES
+from jmem._src.names import CONTEXT_STRATEGY_NAMES
 from jmem._src.names import MODEL_NAMES
 from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.names import REMAT_NAMES
@@ -44,18 +45,18 @@ finite_float = cli.number(float, lambda v: v == v and abs(v) != float("inf"), "a
 
 
 def mesh_spec(text: str) -> str:
-    """argparse type: ``data=N,fsdp=M`` (either may be left out; sizes >= 1)."""
+    """argparse type: ``data=N,fsdp=M,context=C`` (any may be left out; sizes >= 1)."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     sizes = {}
     for part in parts:
-        m = re.fullmatch(r"(data|fsdp)=([0-9]+)", part)
+        m = re.fullmatch(r"(data|fsdp|context)=([0-9]+)", part)
         if not m or int(m[2]) < 1 or m[1] in sizes:
             raise argparse.ArgumentTypeError(
-                f"expected data=N,fsdp=M (positive sizes, each axis once), got {text!r}"
+                f"expected data=N,fsdp=M,context=C (positive sizes, each axis once), got {text!r}"
             )
         sizes[m[1]] = int(m[2])
     if not sizes:
-        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M,context=C, got {text!r}")
     return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 
@@ -166,6 +167,14 @@ class ExecutionConfig(_Group):
         "MLP (tiled; no float32 [S, hidden] temporaries); 0: whole (formerly --mlp-chunk)",
         check=cli.nonnegative_int,
         aliases=("mlp_chunk",),
+    )
+    context_strategy: str = option(
+        "all_gather",
+        "with --mesh context=C: attention across the shards of a sequence: all_gather "
+        "(K/V gathered, one collective per layer), ring (K/V shards passed around, two per "
+        "device at most) or ulysses (all-to-all heads for sequence; head counts must be "
+        "multiples of C); docs/sharding.md",
+        choices=CONTEXT_STRATEGY_NAMES,
     )
     precision: str = option(
         "bf16", "compute dtype; fp16 turns on dynamic loss scaling", choices=("bf16", "fp16")
@@ -345,8 +354,9 @@ class DevicesConfig(_Group):
 
     mesh: str | None = option(
         None,
-        "devices as data=N,fsdp=M (jmem.sharding: the NF4 base, optimizer state and batch "
-        "split over fsdp, adapters replicated; data: replicas); unset: FSDP over every device",
+        "devices as data=N,fsdp=M,context=C (jmem.sharding: the NF4 base, optimizer state and "
+        "batch split over fsdp, adapters replicated; data: replicas; context: each sequence "
+        "split over C devices); unset: FSDP over every device",
         check=mesh_spec,
     )
     coordinator: str | None = option(

@@ -27,6 +27,7 @@ from jmem._src.finetune.build import model_name
 from jmem._src.finetune.build import quantized_base
 from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.config import offload_of
+from jmem._src.finetune.mesh import mesh_axes
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.rundir import flags
 from jmem._src.planner.offload import Offload
@@ -222,7 +223,7 @@ def verdict(peak: int, memory: int | None, target=None) -> tuple[int, bool]:
 def _print_rows(rows, mesh, devices: int) -> None:
     """The compiled-against-planner table, per device of the mesh when there is one."""
     if mesh is not None:
-        axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+        axes = ",".join(f"{k}={v}" for k, v in mesh_axes(mesh).items())
         print(f"per device of the mesh {axes} ({devices} devices; FSDP, ZeRO-3 ledger):")
     print(f"{'':34}{'compiled (jmem.measure)':>26}{'planner (estimate)':>26}")
     for name, a, b in rows:

@@ -22,6 +22,7 @@ from jmem._src.finetune.launcher import PLUGIN_NOTE
 from jmem._src.finetune.launcher import allocator_note
 from jmem._src.finetune.launcher import apply_allocator
 from jmem._src.finetune.loop import train
+from jmem._src.finetune.mesh import check_context
 from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
@@ -81,6 +82,7 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     if host_note and not (on_accelerator and host_note.startswith(PLUGIN_NOTE)):
         notes.append(host_note)
     check_lora_targets(config, cfg)
+    check_context(config, cfg)
     target = _check_target(config)
     mesh, mesh_notes = (target_mesh(config), []) if target else job_mesh(config)
     if config.run.dry_run:

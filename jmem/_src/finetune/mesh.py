@@ -1,5 +1,6 @@
-"""The devices a run uses: ``--mesh data=N,fsdp=M`` over ``jax.devices()`` (every process's
-devices after ``jax.distributed.initialize``), default FSDP over all of them; the frozen
+"""The devices a run uses: ``--mesh data=N,fsdp=M,context=C`` over ``jax.devices()`` (every
+process's devices after ``jax.distributed.initialize``), default FSDP over all of them
+(``context``: each sequence split over ``C`` devices, docs/sharding.md); the frozen
 base (NF4 included), adapters, optimizer state and batch are placed by ``jmem.sharding``'s
 rules (``jmem.train_step(mesh=...)``); with ``--offload params`` the base keeps its FSDP
 sharding in host memory, each device streaming its shard."""
@@ -14,19 +15,70 @@ from jax.experimental import multihost_utils
 
 from jmem import sharding
 from jmem._src.cli import CliError
+from jmem._src.context_attention import check_strategy
 
 
-def _sizes(spec: str, n_devices: int) -> tuple[int, int]:
+def _sizes(spec: str, n_devices: int) -> tuple[int, int, int]:
+    """``(data, fsdp, context)`` of a ``--mesh`` spec: fsdp unset is the devices left over
+    by data and context when data is given, else 1."""
     sizes = dict((k, int(v)) for k, v in (p.split("=") for p in spec.split(",")))
-    data = sizes.get("data", 1)
-    fsdp = sizes.get("fsdp", n_devices // data if "data" in sizes else 1)
-    return data, max(fsdp, 1)
+    data, context = sizes.get("data", 1), sizes.get("context", 1)
+    fsdp = sizes.get("fsdp", n_devices // (data * context) if "data" in sizes else 1)
+    return data, max(fsdp, 1), context
+
+
+def mesh_sizes(config) -> tuple[int, int, int]:
+    """``(data, fsdp, context)`` of the run's ``--mesh`` (``(1, 1, 1)`` unset; fsdp counted
+    over the visible devices when only data is given)."""
+    spec = config.devices.mesh
+    if spec is None:
+        return 1, 1, 1
+    # A --target mesh counts the target's devices: fsdp unset is 1 there (target_mesh).
+    return _sizes(spec, len(jax.devices()) if config.devices.target is None else 0)
+
+
+def check_context(config, cfg) -> None:
+    """The run's ``--mesh context=C`` against the other flags and the model (nothing for
+    ``C = 1``).
+
+    Raises:
+      CliError: a ``--seq-len`` that is not a multiple of ``2 * C`` (the zigzag order), an
+        ``--attention cudnn`` (its causal mask needs consecutive token indices), a
+        preference ``--objective`` (its ``[B, 2, S]`` pairs are not split over the
+        sequence), or ``--context-strategy ulysses`` with head counts ``C`` does not divide.
+    """
+    context = mesh_sizes(config)[2]
+    if context == 1:
+        return
+    spec, seq = config.devices.mesh, config.data.seq_len
+    if seq is not None and seq % (2 * context):
+        raise CliError(
+            f"--mesh {spec}: --seq-len {seq} is not a multiple of 2 * context = {2 * context} "
+            f"(the zigzag split of each sequence); pass a --seq-len that is a multiple of "
+            f"{2 * context}"
+        )
+    if config.execution.attention == "cudnn":
+        raise CliError(
+            f"--mesh {spec}: --attention cudnn cannot split a sequence over a context axis (its "
+            "causal mask needs consecutive token indices); use --attention blockwise or auto"
+        )
+    if config.training.objective != "sft":
+        raise CliError(
+            f"--mesh {spec}: context parallelism splits [B, S] batches, not the [B, 2, S] "
+            f"pairs of --objective {config.training.objective}; drop context= or use "
+            "--objective sft"
+        )
+    try:
+        check_strategy(config.execution.context_strategy, cfg.num_heads, cfg.num_kv_heads, context)
+    except ValueError as e:
+        raise CliError(f"--context-strategy {config.execution.context_strategy}: {e}") from e
 
 
 def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
-    """``(mesh or None, notes)`` for the run: ``--mesh`` as given (the first ``data * fsdp``
-    devices), else FSDP over every device, or over the most devices that divide
-    ``--batch-size`` (with a note). One device and no ``--mesh``: no mesh (a plain jit).
+    """``(mesh or None, notes)`` for the run: ``--mesh`` as given (the first
+    ``data * fsdp * context`` devices), else FSDP over every device, or over the most
+    devices that divide ``--batch-size`` (with a note). One device and no ``--mesh``: no
+    mesh (a plain jit).
 
     Raises:
       CliError: for a ``--mesh`` larger than the devices, or a batch it does not divide.
@@ -46,18 +98,23 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
                 f"(FSDP); pass a --batch-size that is a multiple of {n} to use them all"
             )
         return sharding.make_mesh(1, d, devices=devices[:d]), notes
-    data, fsdp = _sizes(config.devices.mesh, n)
-    if data * fsdp > n:
+    data, fsdp, context = _sizes(config.devices.mesh, n)
+    if data * fsdp * context > n:
         raise CliError(
-            f"--mesh {config.devices.mesh}: needs {data * fsdp} devices, {n} are visible; pass sizes "
-            f"whose product is at most {n}"
+            f"--mesh {config.devices.mesh}: needs {data * fsdp * context} devices, {n} are "
+            f"visible; pass sizes whose product is at most {n}"
         )
-    if config.data.batch_size % (data * fsdp):
+    _check_batch(config, data * fsdp)
+    used = devices[: data * fsdp * context]
+    return sharding.make_mesh(data, fsdp, devices=used, context=context), []
+
+
+def _check_batch(config, rows: int) -> None:
+    if config.data.batch_size % rows:
         raise CliError(
-            f"--mesh {config.devices.mesh}: --batch-size {config.data.batch_size} is not a multiple of "
-            f"data * fsdp = {data * fsdp}; pass a --batch-size that is"
+            f"--mesh {config.devices.mesh}: --batch-size {config.data.batch_size} is not a "
+            f"multiple of data * fsdp = {rows}; pass a --batch-size that is"
         )
-    return sharding.make_mesh(data, fsdp, devices=devices[: data * fsdp]), []
 
 
 #: The rungs that run on one device: (why, what to do instead on a mesh, the idle note).
@@ -87,8 +144,8 @@ def _one_device(config, n: int, flag: str) -> list[str]:
 
 
 def target_mesh(config):
-    """``--target`` with ``--mesh data=N,fsdp=M``: the mesh on ``N * M`` of the target's
-    compile-only devices (``jmem.targets.mesh``), or None without ``--mesh``.
+    """``--target`` with ``--mesh data=N,fsdp=M,context=C``: the mesh on ``N * M * C`` of the
+    target's compile-only devices (``jmem.targets.mesh``), or None without ``--mesh``.
 
     Raises:
       CliError: for a ``--mesh`` without both sizes, or a batch it does not divide.
@@ -100,12 +157,10 @@ def target_mesh(config):
         return None
     sizes = dict(part.split("=") for part in spec.split(","))
     data, fsdp = int(sizes.get("data", 1)), int(sizes.get("fsdp", 1))
-    if config.data.batch_size % (data * fsdp):
-        raise CliError(
-            f"--mesh {spec}: --batch-size {config.data.batch_size} is not a multiple of "
-            f"data * fsdp = {data * fsdp}; pass a --batch-size that is"
-        )
-    return targets.mesh(config.devices.target, (data, fsdp), ("data", "fsdp"))
+    context = int(sizes.get("context", 1))
+    _check_batch(config, data * fsdp)
+    axes = ("data", "fsdp", "context")
+    return targets.mesh(config.devices.target, (data, fsdp, context), axes)
 
 
 def mesh_record(mesh) -> dict:
@@ -114,8 +169,14 @@ def mesh_record(mesh) -> dict:
         "device": jax.devices()[0].device_kind,
         "devices": 1 if mesh is None else int(mesh.size),
         "processes": jax.process_count(),
-        "mesh": None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+        "mesh": None if mesh is None else mesh_axes(mesh),
     }
+
+
+def mesh_axes(mesh) -> dict:
+    """``{axis: size}`` of the mesh, without a ``context`` axis of size 1 (no context
+    parallelism: the record and the printout of a data x fsdp mesh stay as they were)."""
+    return {k: int(v) for k, v in mesh.shape.items() if k != "context" or int(v) > 1}
 
 
 def auto_distributed() -> bool:

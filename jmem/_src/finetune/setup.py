@@ -49,6 +49,7 @@ def job_levers(config) -> jmem.Levers:
         loss_chunk=levers.loss_chunk,
         token_chunk=levers.token_chunk,
         offload_params=offload_of(levers).params,
+        context_strategy=levers.context_strategy,
     )
 
 

@@ -130,6 +130,7 @@ def _attend(q, k, v, config: LlamaConfig, attn: dict, lv) -> jax.Array:
         scale=config.attn_scale,
         logit_softcap=config.attn_logit_softcap,
         implementation=lv.attention,
+        context_strategy=lv.context_strategy,
     )
 
 

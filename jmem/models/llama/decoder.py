@@ -17,7 +17,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jmem._src import fp8_apply
 from jmem._src import fp8_meta
 from jmem._src import levers as levers_lib
+from jmem._src.context_order import from_zigzag
+from jmem._src.context_order import to_zigzag
+from jmem._src.mesh_batch import context_split
 from jmem._src.offload import params as offload_params
+from jmem._src.sharding import check_context_length
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
 from jmem.models.llama.block import warn_fp8_argument
@@ -242,8 +246,12 @@ def hidden_states(
     lv = _resolved(levers, c, tokens.shape, x.dtype, segment_ids)
     _check_fp8_levers(lv)
     seq = tokens.shape[1]
+    q_index = jnp.arange(seq)
+    if lv.context > 1:  # context parallelism: the zigzag order, global indices carried along
+        tokens, positions, segment_ids, q_index = _zigzag_inputs(tokens, positions, segment_ids)
+        x = _embed(params, tokens, c)
     rope = _layer_rope(c, seq if positions is None else positions)
-    attn = {"q_index": jnp.arange(seq), "segment_ids": segment_ids}
+    attn = {"q_index": q_index, "segment_ids": segment_ids}
     is_local = _is_local(c)
 
     def body(x, xs):
@@ -258,7 +266,23 @@ def hidden_states(
     if layer_transform is not None:
         body = layer_transform(body)
     xs = params["layers"] if is_local is None else (params["layers"], is_local)
-    return jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)[0], lv
+    x = jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)[0]
+    return (from_zigzag(x) if lv.context > 1 else x), lv
+
+
+def _zigzag_inputs(tokens, positions, segment_ids):
+    """Tokens, RoPE positions (default ``0..S-1``), segment ids and token indices ``[B, S]``
+    in the zigzag order of the context axis (``jmem._src.context_order``): the positions
+    and indices stay global, so RoPE and the masks are those of the natural order.
+
+    Raises:
+      ValueError: a length that is not a multiple of ``2 * context``."""
+    b, s = tokens.shape
+    check_context_length(s, context_split())
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    positions = index if positions is None else positions
+    segment_ids = None if segment_ids is None else to_zigzag(segment_ids)
+    return to_zigzag(tokens), to_zigzag(positions), segment_ids, to_zigzag(index)
 
 
 def forward(
