@@ -209,18 +209,20 @@ def test_job_on_context_mesh_gives_one_devices_losses(context_run, tmp_path):
 @pytest.mark.slow
 def test_context_checkpoint_resumes_on_another_mesh_shape(context_run, tmp_path):
     """Params are replicated over ``context``: checkpoint 2 of the context=4 run resumes on
-    an fsdp=2 mesh and continues with the context run's losses (bf16, another order)."""
+    one device and on a context=2 mesh, and continues with the context run's losses (bf16,
+    another order)."""
     import shutil
 
     from jmem import finetune
 
-    out = tmp_path / "run"
-    shutil.copytree(context_run[0], out)
-    shutil.rmtree(out / "checkpoints" / "4")
-    resumed = finetune.main(_RUN + ["--mesh", "fsdp=2", "--out", str(out), "--resume"])
-    np.testing.assert_array_equal(resumed["losses"][:2], context_run[1]["losses"][:2])
-    np.testing.assert_allclose(resumed["losses"], context_run[1]["losses"], rtol=1e-4)
-    assert resumed["mesh"] == {"data": 1, "fsdp": 2}
+    for spec, axes in (("fsdp=1", {"data": 1, "fsdp": 1}), ("context=2", {"context": 2})):
+        out = tmp_path / spec
+        shutil.copytree(context_run[0], out)
+        shutil.rmtree(out / "checkpoints" / "4")
+        resumed = finetune.main(_RUN + ["--mesh", spec, "--out", str(out), "--resume"])
+        np.testing.assert_array_equal(resumed["losses"][:2], context_run[1]["losses"][:2])
+        np.testing.assert_allclose(resumed["losses"], context_run[1]["losses"], rtol=1e-4)
+        assert resumed["mesh"] == {"data": 1, "fsdp": 1, **axes}
 
 
 REFUSALS = {
