@@ -179,13 +179,20 @@ def _llama_runs(cfg, lv, meshes, batches):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_llama_train_step_on_context_mesh_matches_one_device(strategy):
+@pytest.mark.parametrize(
+    "strategy, balance", [(s, True) for s in STRATEGIES] + [("all_gather", False)]
+)
+def test_llama_train_step_on_context_mesh_matches_one_device(strategy, balance):
     """Two steps of a 2-layer Llama (GQA, packed rows, positions restarting, token and loss
-    chunks) on a context=2 x fsdp=2 mesh: the losses and params of one device."""
+    chunks) on a context=2 x fsdp=2 mesh: the losses and params of one device (zigzag
+    order, and contiguous shards with ``context_load_balance=False``)."""
     cfg = helpers.small_config()
     lv = jmem.Levers(
-        token_chunk=16, loss_chunk=16, attention="blockwise", context_strategy=strategy
+        token_chunk=16,
+        loss_chunk=16,
+        attention="blockwise",
+        context_strategy=strategy,
+        context_load_balance=balance,
     )
     batches = []
     for i in range(2):

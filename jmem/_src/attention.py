@@ -468,6 +468,28 @@ def blockwise_lse(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv
     return out[:, :s].reshape(b, s, nh, d), lse[:, :s].reshape(b, s, nh)
 
 
+def blockwise_grads(q, k, v, qi, ki, qs, ks, window, out, lse, do, scale, cap, block_q, block_kv):
+    """``(dq float32, dk float32, dv float32)`` of the blockwise path's output for the
+    cotangent ``do``, from the output ``out`` and the log-sum-exp ``lse [B, S, nH]`` of
+    *all* the keys the queries attend (ring attention: of every K/V shard, this call
+    seeing one). Shapes and arguments as :func:`blockwise_lse`."""
+    args = _blockwise_args(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)
+    qg, kp, vp, idx, needed, static = args
+    b, s, nh, d = q.shape
+    t = k.shape[1]
+    nkv, g, bq = qg.shape[2], qg.shape[3], static[2]
+    out_g, do_g = (_pad_to(x.reshape(b, s, nkv, g, d), bq, 1, "zero") for x in (out, do))
+    # padded query rows get lse 1e30, so their probabilities are 0 (their do is 0 too)
+    pad = [(0, 0), (0, qg.shape[1] - s), (0, 0), (0, 0)]
+    lse_g = jnp.pad(lse.reshape(b, s, nkv, g), pad, constant_values=-_NEG)
+    delta = jnp.sum(do_g.astype(jnp.float32) * out_g.astype(jnp.float32), axis=-1)
+    q_, k_, v_, do_ = (_sliceable(a) for a in (qg, kp, vp, do_g.astype(qg.dtype)))
+    body = functools.partial(_bwd_kv_block, (q_, k_, v_, idx, needed, lse_g, do_, delta), static)
+    f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+    dq, dk, dv = lax.fori_loop(0, needed.shape[1], body, (f32(qg), f32(kp), f32(vp)))
+    return dq[:, :s].reshape(b, s, nh, d), dk[:, :t], dv[:, :t]
+
+
 def _blockwise_args(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv):
     """``_flash``'s arguments: padded grouped q, k, v, the indices, the needed tiles."""
     b, s, nh, d = q.shape
@@ -542,8 +564,9 @@ def _cudnn(q, k, v, sliding_window, scale):
 
 
 def _local_paths(impl, scale, cap, block_q, block_kv):
-    """``(local, local_lse)`` of ``context_attention``: the ``impl`` path on one device's
-    arrays, and the blockwise path with its log-sum-exp (ring attention)."""
+    """``(local, local_lse, local_grads)`` of ``context_attention``: the ``impl`` path on
+    one device's arrays, and the blockwise path with its log-sum-exp and its gradients
+    (ring attention)."""
 
     def local(q, k, v, qi, ki, qs, ks, window):
         if impl == "dense":
@@ -553,7 +576,11 @@ def _local_paths(impl, scale, cap, block_q, block_kv):
     def local_lse(q, k, v, qi, ki, qs, ks, window):
         return blockwise_lse(q, k, v, qi, ki, qs, ks, window, scale, cap, block_q, block_kv)
 
-    return local, local_lse
+    def local_grads(q, k, v, qi, ki, qs, ks, window, out, lse, do):
+        args = (window, out, lse, do, scale, cap, block_q, block_kv)
+        return blockwise_grads(q, k, v, qi, ki, qs, ks, *args)
+
+    return local, local_lse, local_grads
 
 
 def _check_options(logit_softcap, block_q, block_kv):
@@ -707,9 +734,18 @@ def attention(
                 "attention over a context axis runs self-attention only; drop kv_index / "
                 "kv_segment_ids, or call it outside the context-parallel mesh."
             )
-        local, local_lse = _local_paths(impl, scale, cap, block_q, block_kv)
+        local, local_lse, local_grads = _local_paths(impl, scale, cap, block_q, block_kv)
         return context_attention(
-            q, k, v, qi, qs, window, strategy=context_strategy, local=local, local_lse=local_lse
+            q,
+            k,
+            v,
+            qi,
+            qs,
+            window,
+            strategy=context_strategy,
+            local=local,
+            local_lse=local_lse,
+            local_grads=local_grads,
         )
     if impl == "dense":
         return _dense(q, k, v, _allowed(qi, ki, qs, ks, window), scale, cap)

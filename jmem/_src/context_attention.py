@@ -25,6 +25,7 @@ local kernels' own custom VJPs.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -67,24 +68,62 @@ def _all_gather(local, q, k, v, qi, qs, window):
     return local(q, _gather(k), _gather(v), qi, _gather(qi), qs, _gather(qs), window)
 
 
-def _ring(local_lse, n, q, k, v, qi, qs, window):
-    """``n`` steps: attend to the K/V shard at hand, merge by log-sum-exp, pass it on."""
+def _rotate(xs, n):
+    """Each device's arrays to the next device of the ring."""
     perm = [(i, (i + 1) % n) for i in range(n)]
+    return tuple(lax.ppermute(x, CONTEXT_AXIS, perm) for x in xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring(q, k, v, qi, qs, window, static):
+    """Ring attention; ``static = (local_lse, local_grads, n)``. A custom VJP: the residuals
+    are the local q, k, v, the output and its log-sum-exp (autodiff of the forward loop
+    kept every step's partial output and K/V shard), and the backward pass sends the K/V
+    shards around the ring again with their dK/dV accumulators."""
+    return _ring_forward(q, k, v, qi, qs, window, static)[0]
+
+
+def _ring_forward(q, k, v, qi, qs, window, static):
+    """``n`` steps: attend to the K/V shard at hand, merge by log-sum-exp, pass it on."""
+    local_lse, _, n = static
     shard = (k, v, qi, qs)
     out = jnp.zeros(q.shape, jnp.float32)
     lse = jnp.full(q.shape[:3], _NEG, jnp.float32)
     for step in range(n):
         if step:
-            shard = tuple(lax.ppermute(x, CONTEXT_AXIS, perm) for x in shard)
+            shard = _rotate(shard, n)
         kb, vb, ki, ks = shard
         o, l = local_lse(q, kb, vb, qi, ki, qs, ks, window)
         new = jnp.logaddexp(lse, l)
-        out = (
-            out * jnp.exp(lse - new)[..., None]
-            + o.astype(jnp.float32) * jnp.exp(l - new)[..., None]
-        )
-        lse = new
-    return out.astype(v.dtype)
+        o = o.astype(jnp.float32) * jnp.exp(l - new)[..., None]
+        out, lse = out * jnp.exp(lse - new)[..., None] + o, new
+    return out.astype(v.dtype), lse
+
+
+def _ring_fwd(q, k, v, qi, qs, window, static):
+    out, lse = _ring_forward(q, k, v, qi, qs, window, static)
+    return out, (q, k, v, qi, qs, window, out, lse)
+
+
+def _ring_bwd(static, res, do):
+    """dq accumulates on its device; dK/dV travel with their shard and come home after a
+    last step."""
+    _, local_grads, n = static
+    q, k, v, qi, qs, window, out, lse = res
+    shard = (k, v, qi, qs)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for step in range(n):
+        if step:
+            shard, (dk, dv) = _rotate(shard, n), _rotate((dk, dv), n)
+        kb, vb, ki, ks = shard
+        g = local_grads(q, kb, vb, qi, ki, qs, ks, window, out, lse, do)
+        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+    dk, dv = _rotate((dk, dv), n)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _ulysses(local, q, k, v, qi, qs, window):
@@ -96,7 +135,17 @@ def _ulysses(local, q, k, v, qi, qs, window):
 
 
 def context_attention(
-    q, k, v, qi, qs, window, *, strategy: str, local: Callable, local_lse: Callable
+    q,
+    k,
+    v,
+    qi,
+    qs,
+    window,
+    *,
+    strategy: str,
+    local: Callable,
+    local_lse: Callable,
+    local_grads: Callable,
 ) -> jax.Array:
     """Attention of ``q [B, S, nH, D]`` to ``k, v [B, S, nKV, D]`` whose sequence axis the
     mesh in context's ``"context"`` axis splits, by ``strategy``.
@@ -111,6 +160,9 @@ def context_attention(
       local: ``local(q, k, v, qi, ki, qs, ks, window) -> out``, single-device attention
         (dense or blockwise) on one device's arrays.
       local_lse: the blockwise kernel returning ``(out, float32 lse [b, s, nH])`` (ring).
+      local_grads: ``local_grads(q, k, v, qi, ki, qs, ks, window, out, lse, do) -> (dq,
+        dk, dv)`` of the blockwise kernel for one K/V shard, from the output and lse over
+        all of them (the ring's backward pass).
 
     Returns:
       ``[B, S, nH, D]`` in ``v``'s dtype, split as ``q``.
@@ -124,7 +176,7 @@ def context_attention(
     if strategy == "all_gather":
         body = lambda *a: _all_gather(local, *a)
     elif strategy == "ring":
-        body = lambda *a: _ring(local_lse, n, *a)
+        body = lambda *a: _ring(*a, (local_lse, local_grads, n))
     else:
         body = lambda *a: _ulysses(local, *a)
     spec = P(axes or None, CONTEXT_AXIS)

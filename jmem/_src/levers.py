@@ -97,6 +97,10 @@ class Levers:
         K/V gathered, one collective per layer), ``"ring"`` (K/V shards rotated, never
         more than two per device) or ``"ulysses"`` (all-to-all heads for sequence; both
         head counts must be multiples of the axis). Unused without a context axis.
+      context_load_balance: with a context axis, put each sequence in the zigzag order
+        (device ``i`` holds chunks ``i`` and ``2C - 1 - i`` of ``2C``: equal causal work
+        per device; ``jmem._src.context_order``); False keeps contiguous shards (the last
+        device then does ``C`` times the first one's attention work).
 
     Raises:
       ValueError: an unknown remat or attention name, a negative or non-int chunk, a bad
@@ -112,6 +116,7 @@ class Levers:
     fp8: bool = False
     offload_params: bool = False
     context_strategy: str = "all_gather"
+    context_load_balance: bool = True
 
     def __post_init__(self):
         if self.remat is not None and self.remat not in REMAT_NAMES:
@@ -128,6 +133,10 @@ class Levers:
             raise ValueError(f"fp8 must be a bool; got {self.fp8!r}.")
         if not isinstance(self.offload_params, bool):
             raise ValueError(f"offload_params must be a bool; got {self.offload_params!r}.")
+        if not isinstance(self.context_load_balance, bool):
+            raise ValueError(
+                f"context_load_balance must be a bool; got {self.context_load_balance!r}."
+            )
         if self.context_strategy not in CONTEXT_STRATEGY_NAMES:
             raise ValueError(
                 f"context_strategy={self.context_strategy!r} is unknown; choose from "
@@ -156,7 +165,7 @@ class ResolvedLevers:
         target (``jmem.targets``).
       seq_len: tokens per row the choices were made for (None: not known).
       reasons: ``((lever, reason), ...)``, one per lever, in field order.
-      offload_params, context_strategy: as in ``Levers``.
+      offload_params, context_strategy, context_load_balance: as in ``Levers``.
       context: devices one sequence is split over (the ``"context"`` mesh axis; 1: none).
     """
 
@@ -172,6 +181,7 @@ class ResolvedLevers:
     offload_params: bool = False
     context_strategy: str = "all_gather"
     context: int = 1
+    context_load_balance: bool = True
 
     def reason(self, lever: str) -> str:
         """Why ``lever`` has its value."""
@@ -415,6 +425,7 @@ def resolve(
         offload_params=levers.offload_params,
         context_strategy=levers.context_strategy,
         context=context,
+        context_load_balance=levers.context_load_balance,
     )
 
 
@@ -426,4 +437,5 @@ def _context_why(levers, model, seq, context: int) -> str:
     check_strategy(levers.context_strategy, model.num_heads, model.num_kv_heads, context)
     if seq is not None:
         check_context_length(seq, context)
-    return f"as given: each sequence split over {context} devices, zigzag order"
+    order = "zigzag order" if levers.context_load_balance else "contiguous shards"
+    return f"as given: each sequence split over {context} devices, {order}"

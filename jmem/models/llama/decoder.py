@@ -247,7 +247,8 @@ def hidden_states(
     _check_fp8_levers(lv)
     seq = tokens.shape[1]
     q_index = jnp.arange(seq)
-    if lv.context > 1:  # context parallelism: the zigzag order, global indices carried along
+    zigzag = lv.context > 1 and lv.context_load_balance
+    if zigzag:  # context parallelism: the zigzag order, global indices carried along
         tokens, positions, segment_ids, q_index = _zigzag_inputs(tokens, positions, segment_ids)
         x = _embed(params, tokens, c)
     rope = _layer_rope(c, seq if positions is None else positions)
@@ -267,7 +268,7 @@ def hidden_states(
         body = layer_transform(body)
     xs = params["layers"] if is_local is None else (params["layers"], is_local)
     x = jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)[0]
-    return (from_zigzag(x) if lv.context > 1 else x), lv
+    return (from_zigzag(x) if zigzag else x), lv
 
 
 def _zigzag_inputs(tokens, positions, segment_ids):
