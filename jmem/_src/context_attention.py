@@ -84,20 +84,27 @@ def _ring(q, k, v, qi, qs, window, static):
 
 
 def _ring_forward(q, k, v, qi, qs, window, static):
-    """``n`` steps: attend to the K/V shard at hand, merge by log-sum-exp, pass it on."""
+    """``n`` steps: attend to the K/V shard at hand, merge by log-sum-exp, pass it on. The
+    steps after the first are a loop, so that only one shard is in flight at a time (XLA
+    scheduled the unrolled steps' transfers together: all ``n`` shards at once)."""
     local_lse, _, n = static
-    shard = (k, v, qi, qs)
-    out = jnp.zeros(q.shape, jnp.float32)
-    lse = jnp.full(q.shape[:3], _NEG, jnp.float32)
-    for step in range(n):
-        if step:
-            shard = _rotate(shard, n)
+
+    def merge(shard, out, lse):
         kb, vb, ki, ks = shard
         o, l = local_lse(q, kb, vb, qi, ki, qs, ks, window)
         new = jnp.logaddexp(lse, l)
         o = o.astype(jnp.float32) * jnp.exp(l - new)[..., None]
-        out, lse = out * jnp.exp(lse - new)[..., None] + o, new
-    return out.astype(v.dtype), lse
+        return out * jnp.exp(lse - new)[..., None] + o, new
+
+    def step(_, carry):
+        shard = _rotate(carry[0], n)
+        return shard, *merge(shard, *carry[1:])
+
+    out = jnp.zeros(q.shape, jnp.float32)
+    lse = jnp.full(q.shape[:3], _NEG, jnp.float32)
+    shard = (k, v, qi, qs)
+    carry = lax.fori_loop(1, n, step, (shard, *merge(shard, out, lse)))
+    return carry[1].astype(v.dtype), carry[2]
 
 
 def _ring_fwd(q, k, v, qi, qs, window, static):
@@ -106,19 +113,24 @@ def _ring_fwd(q, k, v, qi, qs, window, static):
 
 
 def _ring_bwd(static, res, do):
-    """dq accumulates on its device; dK/dV travel with their shard and come home after a
-    last step."""
+    """dq accumulates on its device; dK/dV travel with their shard (a loop, as the forward
+    steps) and come home after a last step."""
     _, local_grads, n = static
     q, k, v, qi, qs, window, out, lse = res
-    shard = (k, v, qi, qs)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for step in range(n):
-        if step:
-            shard, (dk, dv) = _rotate(shard, n), _rotate((dk, dv), n)
+
+    def add(shard, grads):
         kb, vb, ki, ks = shard
         g = local_grads(q, kb, vb, qi, ki, qs, ks, window, out, lse, do)
-        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+        return tuple(a + b for a, b in zip(grads, g))
+
+    def step(_, carry):
+        shard, (dq, dk, dv) = carry
+        shard, (dk, dv) = _rotate(shard, n), _rotate((dk, dv), n)
+        return shard, add(shard, (dq, dk, dv))
+
+    f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+    shard = (k, v, qi, qs)
+    _, (dq, dk, dv) = lax.fori_loop(1, n, step, (shard, add(shard, (f32(q), f32(k), f32(v)))))
     dk, dv = _rotate((dk, dv), n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
