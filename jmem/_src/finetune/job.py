@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src import native_logs
 from jmem._src.checkpointing import verify_step
 from jmem._src.cli import CliError
 from jmem._src.finetune.config import FinetuneConfig
@@ -235,7 +236,10 @@ def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
     run = config.run
     note = apply_allocator(run.host_allocator, config.execution.remat, run.dry_run)  # before JAX
-    initialize_distributed(config)
+    native_logs.show(run.debug)
+    with native_logs.hidden():  # the backend's start-up lines (cudart_stub, ...)
+        initialize_distributed(config)
+        jax.devices()
     if jax.process_index() == 0:
         return _run(config, note)
     with quiet_stdout():  # gloo's connection lines too (C++ std::cout)
