@@ -321,3 +321,18 @@ def test_rewards_as_trl_calculates_them():
     total, per = rs(prompts, completions, {"answer": [x["answer"] for x in inputs]}, ids)
     np.testing.assert_array_equal(np.stack([per[n] for n in rs.names], 1), per_trl.numpy())
     np.testing.assert_allclose(total, total_trl.numpy(), rtol=1e-7, atol=0)
+
+
+def test_async_functions_are_awaited_and_columns_checked_up_front():
+    async def judge(prompts, completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    rs = rewards.parse_rewards([judge, "answer_match=solution"])
+    total, _ = rs(["p"], ["12"], {"solution": ("12",)})  # a tuple column arrives as a list
+    np.testing.assert_array_equal(total, [3.0])
+    rs.check_columns(["solution", "level"])
+    with pytest.raises(
+        RewardError, match="'answer_match' needs the column 'solution', which p.jsonl"
+    ) as e:
+        rs.check_columns(["answer"], where="p.jsonl")
+    _one_line(e, "answer")

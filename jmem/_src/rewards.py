@@ -10,6 +10,7 @@ weighted rewards; the built-ins are ``answer_match`` (GSM8K final numbers), ``fo
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import hashlib
@@ -551,6 +552,10 @@ def _kwargs(name: str, sig: _Signature, columns: dict, completion_ids) -> dict:
     return kwargs
 
 
+async def _awaited(awaitable):
+    return await awaitable
+
+
 def _check_lengths(prompts, completions, columns, completion_ids) -> int:
     n = len(completions)
     if len(prompts) != n:
@@ -586,6 +591,26 @@ class RewardSet:
     functions: tuple[Callable, ...] = dataclasses.field(repr=False)
     _signatures: tuple[_Signature, ...] = dataclasses.field(repr=False, compare=False)
 
+    def check_columns(self, columns: Sequence[str], where: str = "the data") -> None:
+        """Refuses data without a column a function needs (before any rollout).
+
+        Args:
+          columns: the dataset's column names (besides ``prompt``).
+          where: how the message names the data (the job passes ``--data FILE``).
+
+        Raises:
+          RewardError: naming the first function whose column is missing, and the columns.
+        """
+        have = set(columns)
+        for name, sig in zip(self.names, self._signatures):
+            for c in sig.required:
+                if c not in have:
+                    raise RewardError(
+                        f"reward {name!r} needs the column {c!r}, which {where} lacks; the "
+                        f"columns are {', '.join(sorted(have)) or 'none'}; add it to every row "
+                        "or pick another reward"
+                    )
+
     def __call__(
         self,
         prompts: Sequence,
@@ -600,7 +625,9 @@ class RewardSet:
         ``completion_ids`` (when given), one without gets only the parameters it names. None
         in a result means "not scored" (TRL's meaning): that function's reward there is NaN
         in ``per_function`` and takes no part in the total, as TRL's ``nansum``; a row that
-        no function scores is refused (TRL warns and gives it advantage 0).
+        no function scores is refused (TRL warns and gives it advantage 0). An ``async``
+        function is awaited (``asyncio.run``), one after another (TRL runs them
+        concurrently).
 
         Args:
           prompts: B prompts (text), completion ``i``'s prompt at ``i``.
@@ -619,7 +646,7 @@ class RewardSet:
             length, NaN or inf (the rows), a column it needs missing, or ``completion_ids``
             it needs not given; mismatched lengths of the inputs; rows no function scored.
         """
-        columns = dict(columns or {})
+        columns = {k: list(v) for k, v in (columns or {}).items()}
         if completion_ids is not None:
             completion_ids = [[int(t) for t in ids] for ids in completion_ids]
         n = _check_lengths(prompts, completions, columns, completion_ids)
@@ -629,6 +656,8 @@ class RewardSet:
             kwargs = _kwargs(name, sig, columns, completion_ids)
             try:
                 out = func(prompts=prompts, completions=completions, **kwargs)
+                if inspect.isawaitable(out):  # an async function (an LLM judge): awaited here
+                    out = asyncio.run(_awaited(out))
             except Exception as e:
                 raise RewardError(
                     f"reward {name!r} raised {type(e).__name__}: {one_line(e)}"
