@@ -2,6 +2,8 @@
 function returns, and TRL's ``_calculate_rewards`` as the oracle of how they are called."""
 
 import pathlib
+import subprocess
+import sys
 import types
 from decimal import Decimal
 
@@ -336,3 +338,16 @@ def test_async_functions_are_awaited_and_columns_checked_up_front():
     ) as e:
         rs.check_columns(["answer"], where="p.jsonl")
     _one_line(e, "answer")
+
+
+def test_builtins_are_the_public_functions_and_need_no_jax():
+    assert rewards.BUILTINS == {
+        "answer_match": rewards.answer_match,
+        "format_match": rewards.format_match,
+        "length_penalty": rewards.length_penalty,
+    }
+    code = (
+        "import sys, jmem.rewards, jmem._src.finetune.prompt_data; "
+        "assert 'jax' not in sys.modules, 'jax'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -265,8 +265,14 @@ def _length_builtin(arg: str | None, spec: str, max_completion_length):
     return reward, ()
 
 
-#: Built-in name -> builder ``(arg or None, spec, max_completion_length) -> (func, columns)``.
+#: The built-in rewards: spec name -> the public function it calls.
 BUILTINS: dict[str, Callable] = {
+    "answer_match": answer_match,
+    "format_match": format_match,
+    "length_penalty": length_penalty,
+}
+#: Built-in name -> ``(arg or None, spec, max_completion_length) -> (func, columns)``.
+_BUILDERS: dict[str, Callable] = {
     "answer_match": _answer_builtin,
     "format_match": _format_builtin,
     "length_penalty": _length_builtin,
@@ -408,7 +414,7 @@ def _entry(spec, max_completion_length) -> tuple[str, Callable, _Signature]:
     builtin = _builtin(spec)
     if builtin is not None:
         name, arg = builtin
-        func, columns = BUILTINS[name](arg, spec, max_completion_length)
+        func, columns = _BUILDERS[name](arg, spec, max_completion_length)
         return name, func, _signature(name, func, columns)
     if ":" not in spec:
         word = spec.partition("=")[0]
