@@ -25,6 +25,7 @@ from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
+from jmem._src.finetune.config import LOSS_TYPES
 from jmem._src.finetune.config import offload_of
 from jmem._src.finetune.setup import job_levers
 from jmem._src.names import OPTIMIZER_NAMES
@@ -76,7 +77,8 @@ def preference_hyperparams(config) -> dict:
     t = config.training
     hyper = {"beta": DEFAULT_BETA[t.objective] if t.beta is None else t.beta}
     if t.objective == "dpo":
-        hyper.update(loss_type=t.loss_type, label_smoothing=t.label_smoothing)
+        loss_type = LOSS_TYPES["dpo"][0] if t.loss_type is None else t.loss_type
+        hyper.update(loss_type=loss_type, label_smoothing=t.label_smoothing)
     elif t.objective == "simpo":
         gamma = DEFAULT_SIMPO_GAMMA if t.simpo_gamma is None else t.simpo_gamma
         hyper.update(gamma=gamma, label_smoothing=t.label_smoothing)

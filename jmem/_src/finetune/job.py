@@ -87,6 +87,8 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
         for line in notes + mesh_notes:
             print(line, flush=True)
         return dry_run(config, cfg, mesh, target=target)
+    if config.training.objective == "grpo":
+        raise CliError("--objective grpo: training is not available in this version yet")
     tok = make_tokenizer(config, cfg)
     ds, held = load_datasets(config, tok)
     check_outputs(config, cfg, tok)
