@@ -37,12 +37,14 @@ from jmem._src.finetune.loop import continue_from
 from jmem._src.finetune.loop import init_state
 from jmem._src.finetune.loop import step_batch
 from jmem._src.finetune.outputs import save_adapters
+from jmem._src.finetune.prompt_data import prompt_columns
 from jmem._src.finetune.publish import RunPaths
 from jmem._src.finetune.report import finish
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import run_record
 from jmem._src.finetune.rundir import write_json
 from jmem._src.grpo import group_advantages
+from jmem._src.rewards import RewardError
 
 #: Completions printed at each sample point, and the characters kept of each text.
 SAMPLES, SAMPLE_CHARS = 2, 80
@@ -86,35 +88,36 @@ def completion_texts(tok, ro) -> list[str]:
     return [tok.decode(row[m > 0].tolist()) for row, m in zip(ids, mask)]
 
 
-def score(reward_set, records, idx, texts, g: int, step: int):
+def score(reward_set, records, idx, ro, texts, g: int, step: int):
     """``(total [B], per-function {name: [B]})``: the rewards of step ``step``'s
-    completions; each prompt's text and columns repeated ``g`` times, TRL's order.
+    completions (``rewards.RewardSet``: their text and token ids, each prompt's text and
+    columns repeated ``g`` times, TRL's order).
 
     Raises:
-      TrainingStopped: naming the step and the reward's own one-line error (a function
-        that raised, a wrong length, NaN, a missing column)."""
-    prompts = [records[i].text for i in idx for _ in range(g)]
-    names = sorted({k for i in idx for k in records[i].columns})
-    columns = {k: [records[i].columns.get(k) for i in idx for _ in range(g)] for k in names}
+      TrainingStopped: naming the step and the reward's one-line error (a function that
+        raised, a wrong length, NaN, a missing column)."""
+    batch = [records[i] for i in idx]
+    prompts = [r.text for r in batch for _ in range(g)]
+    ids, mask = np.asarray(ro.completion_ids), np.asarray(ro.completion_mask)
+    completion_ids = [row[m > 0].tolist() for row, m in zip(ids, mask)]
     try:
-        total, per = reward_set(prompts, texts, columns)
-    except Exception as e:  # noqa: BLE001 (a user's function: any error stops the run)
-        from jmem._src.rewards import RewardError  # noqa: PLC0415
-
-        why = one_line(e) if isinstance(e, RewardError) else f"{type(e).__name__}: {one_line(e)}"
-        raise TrainingStopped(f"step {step + 1}: {why}") from e
+        total, per = reward_set(prompts, texts, prompt_columns(batch, g), completion_ids)
+    except RewardError as e:
+        raise TrainingStopped(f"step {step + 1}: {one_line(e)}") from e
     return np.asarray(total, np.float32), {k: np.asarray(v, np.float32) for k, v in per.items()}
 
 
 def reward_metrics(total, per, g: int, scale: str):
     """``(advantages [B], metrics)``: group-relative advantages and the reward metrics
     named as TRL logs them (``reward``, ``reward_std`` the mean of the groups' standard
-    deviations, ``rewards/NAME/mean``, ``rewards/NAME/std``, ``advantage_std``)."""
+    deviations, ``rewards/NAME/mean``, ``rewards/NAME/std`` over the rows the function
+    scored, None where it scored none, ``advantage_std``)."""
     adv = np.asarray(group_advantages(total, g, scale))
     groups = total.reshape(-1, g)
     m = {"reward": float(total.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean())}
     for name, v in per.items():
-        m[f"rewards/{name}/mean"], m[f"rewards/{name}/std"] = float(v.mean()), float(v.std())
+        m[f"rewards/{name}/mean"] = float(np.nanmean(v)) if np.any(v == v) else None
+        m[f"rewards/{name}/std"] = float(np.nanstd(v)) if np.any(v == v) else None
     m["advantage_std"] = float(adv.std())
     return adv, m
 
@@ -136,7 +139,9 @@ def completion_metrics(ro, max_len: int, eos: int | None) -> dict:
 def log_line(s: int, loss: float, m: dict, names, beta: float) -> str:
     """A step's log line: loss, reward mean and std (and per function), advantage std, KL
     (``--beta`` > 0), clip fractions, completion lengths, generation and training tok/s."""
-    per = "".join(f" {n} {m[f'rewards/{n}/mean']:.3f}" for n in names) if len(names) > 1 else ""
+    value = lambda n: m[f"rewards/{n}/mean"]
+    text = lambda n: "-" if value(n) is None else f"{value(n):.3f}"
+    per = "".join(f" {n} {text(n)}" for n in names) if len(names) > 1 else ""
     kl = f"  kl {m['kl']:.4f}" if beta > 0 else ""
     return (
         f"step {s + 1:5d}  loss {loss:.4f}  reward {m['reward']:.3f} ± {m['reward_std']:.3f}"
@@ -196,7 +201,7 @@ class GrpoRun:
         ro = jax.tree.map(np.asarray, ro)  # blocks until sampled
         gen_s = time.perf_counter() - t0
         texts = completion_texts(self.tok, ro)
-        total, per = score(self.reward_set, self.records, idx, texts, g.num_generations, s)
+        total, per = score(self.reward_set, self.records, idx, ro, texts, g.num_generations, s)
         adv, m = reward_metrics(total, per, g.num_generations, g.scale_rewards)
         m.update(completion_metrics(ro, g.max_completion_len, eos_id(self.tok)))
         m["generation_tokens_per_s"] = float(np.sum(ro.completion_mask)) / max(gen_s, 1e-9)
@@ -270,10 +275,9 @@ def reward_summary(metrics, names) -> dict:
     """summary.json's reward fields: ``rewards`` (each step's mean reward) and
     ``reward_functions`` (each function's mean over the steps)."""
     out = {"rewards": [m["reward"] for m in metrics]}
-    out["reward_functions"] = {
-        n: float(np.mean([m[f"rewards/{n}/mean"] for m in metrics])) if metrics else None
-        for n in names
-    }
+    means = {n: [m[f"rewards/{n}/mean"] for m in metrics] for n in names}
+    means = {n: [v for v in vs if v is not None] for n, vs in means.items()}
+    out["reward_functions"] = {n: float(np.mean(v)) if v else None for n, v in means.items()}
     return out
 
 

@@ -12,8 +12,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src import rewards
 from jmem._src.checkpointing import verify_step
 from jmem._src.cli import CliError
+from jmem._src.cli import one_line
 from jmem._src.finetune.config import FinetuneConfig
 from jmem._src.finetune.config import validate
 from jmem._src.finetune.datasets import load_datasets
@@ -27,6 +29,7 @@ from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
 from jmem._src.finetune.mesh import target_mesh
+from jmem._src.finetune.prompt_data import read_prompts
 from jmem._src.finetune.publish import RunPaths
 from jmem._src.finetune.publish import discard
 from jmem._src.finetune.publish import publish
@@ -139,9 +142,6 @@ def grpo_inputs(config, cfg, tok):
     Raises:
       CliError: no ``--data``, a bad prompt file, or a reward that cannot be loaded; one
         line each."""
-    from jmem._src import rewards  # noqa: PLC0415
-    from jmem._src.finetune.prompt_data import read_prompts  # noqa: PLC0415
-
     g = config.grpo
     if config.data.data is None:
         raise CliError(
@@ -152,22 +152,17 @@ def grpo_inputs(config, cfg, tok):
         reward_set = rewards.parse_rewards(
             list(g.reward), g.reward_weights, max_completion_length=g.max_completion_len
         )
+        records, notes = read_prompts(
+            config.data.data,
+            tok,
+            max_prompt_len=g.max_prompt_len,
+            max_prompt_len_name="--max-prompt-len",
+        )
+        reward_set.check_columns(list(records[0].columns), f"--data {config.data.data}")
     except rewards.RewardError as e:
-        raise CliError(f"--reward: {e}") from None
-    records, notes = read_prompts(
-        config.data.data,
-        tok,
-        max_prompt_len=g.max_prompt_len,
-        max_prompt_len_name="--max-prompt-len",
-    )
+        raise CliError(f"--reward: {one_line(e)}") from None
     for line in notes:
         print(line, flush=True)
-    missing = [c for c in reward_set.required_columns if c not in records[0].columns]
-    if missing:
-        raise CliError(
-            f"--data {config.data.data}: no column {', '.join(map(repr, missing))}, which the "
-            f"reward functions {', '.join(reward_set.names)} need; add it to every row"
-        )
     return records, reward_set
 
 
