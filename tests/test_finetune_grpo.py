@@ -329,3 +329,24 @@ def test_grpo_killed_while_saving_resumes_bitwise(grpo_run, tmp_path):
     assert "Resumed at step 2" in log
     assert again["losses"] == summary["losses"] and again["rewards"] == summary["rewards"]
     assert _computed(again["metrics"]) == _computed(summary["metrics"])
+
+
+BAD_INPUTS = {
+    "no data": ([], ["--objective grpo needs --data", "prompt"]),
+    "a reward's column": (
+        ["--data", PROMPTS, "--reward", "answer_match"],
+        ["--reward", "answer_match", "'answer'"],
+    ),
+    "no such reward file": (["--data", PROMPTS, "--reward", "nope.py:f"], ["--reward", "nope.py"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_grpo_inputs_are_one_line_before_compiling(tmp_path, capsys, case):
+    extra, words = BAD_INPUTS[case]
+    argv = ["--config", "tiny", "--objective", "grpo", "--out", str(tmp_path / "run")]
+    argv += ["--reward", TOY_REWARD] if "--reward" not in extra else []
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv + extra)
+    helpers.one_line_error(capsys, e, *words)
+    assert not (tmp_path / "run").exists()  # refused before --out is touched
