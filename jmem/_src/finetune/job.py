@@ -140,9 +140,14 @@ def grpo_inputs(config, cfg, tok):
     ``--max-prompt-len``) and the ``--reward`` functions (``rewards.parse_rewards``).
 
     Raises:
-      CliError: no ``--data``, a bad prompt file, or a reward that cannot be loaded; one
-        line each."""
+      CliError: no ``--data``, a bad prompt file, a reward that cannot be loaded, a column
+        a reward needs missing, or several processes; one line each."""
     g = config.grpo
+    if jax.process_count() > 1:
+        raise CliError(
+            "--objective grpo runs in one process (its devices may form a --mesh); launch "
+            "it without --num-processes"
+        )
     if config.data.data is None:
         raise CliError(
             "--objective grpo needs --data FILE.jsonl of prompts (a 'prompt' column: text or "
