@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "EXPERT_LINEAR_NAMES",
     "FAMILY_OPTIONS",
     "FUSED_LINEAR_NAMES",
     "LINEAR_NAMES",
     "PRESETS",
+    "ROUTER_NAMES",
     "periodic_layer_types",
     "preset_fields",
 ]
@@ -26,6 +28,13 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 #: The kernels of a ``fused_projections`` layer (Phi-3): q/k/v and gate/up in one each.
 FUSED_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+#: A mixture-of-experts layer's expert kernels, stacked over experts ``[E, in, out]`` (and
+#: over layers in params: ``[L, E, in, out]``), multiplied by ``jax.lax.ragged_dot``.
+EXPERT_LINEAR_NAMES = ("expert_gate", "expert_up", "expert_down")
+
+#: A mixture-of-experts layer's router ``[d_model, E]``: never quantized nor adapted.
+ROUTER_NAMES = ("router",)
 
 _GEMMA = {"norm_offset": 1.0, "norm_placement": "sandwich", "scale_embeddings": True}
 
