@@ -49,6 +49,8 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "gemma3_text": {**_GEMMA, "qk_norm": "head"},
     "phi3": {"fused_projections": True},
     "olmo2": {"qk_norm": "proj", "norm_placement": "post"},
+    "mixtral": {},
+    "qwen3_moe": {"qk_norm": "head"},
 }
 
 
