@@ -253,3 +253,180 @@ def test_qlora_default_quantizes_experts_not_router():
     assert quantized == ATTN | EXPERTS
     assert flat["layers/expert_down/kernel"].batch_ndim == 2  # per layer, per expert
     assert flat["layers/router/kernel"].dtype == jnp.float32
+
+
+# --------------------------------------------------------------------------------------
+# The fused gate_up conversion (numpy) and PEFT round trips on tiny transformers models.
+
+
+def _factors(seed, lead, n_in, r, n_out):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((*lead, n_in, r)).astype(np.float32)
+    b = rng.standard_normal((*lead, r, n_out)).astype(np.float32)
+    return lora.LoraWeight(a=a, b=b, scale=2.0)
+
+
+@pytest.mark.parametrize("which", ["both", "shared_a", "gate", "up"])
+def test_fused_gate_up_is_exact_and_splits_back(which):
+    """PEFT's fused update ``scale * B_e A_e`` [2F, H] equals jmem's
+    ``[(s a_g b_g)ᵀ; (s a_u b_u)ᵀ]``; reading it back gives jmem's factors again."""
+    from jmem.models import peft_experts as px  # noqa: PLC0415
+
+    lead, h, f = (2, E), 8, 5
+    gate, up = _factors(0, lead, h, 3, f), _factors(1, lead, h, 3, f)
+    if which == "shared_a":
+        up = lora.LoraWeight(a=gate.a, b=up.b, scale=2.0)
+    gate, up = (None if which == "up" else gate), (None if which == "gate" else up)
+    A, B, scale = px.fused_gate_up(gate, up, f)
+    fused = scale * np.einsum("...or,...ri->...oi", B, A)
+    zero = np.zeros((*lead, f, h), np.float32)
+    want = np.concatenate(
+        [zero if w is None else np.swapaxes(np.asarray(w.delta()), -1, -2) for w in (gate, up)],
+        axis=-2,
+    )
+    np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
+    assert A.shape[-2] == {"both": 6, "shared_a": 3, "gate": 3, "up": 3}[which]
+    for w_e in range(E):  # PEFT's flattened layout and back, per layer
+        a_w, b_w = px.to_peft(A[0], B[0])
+        assert a_w.shape == (E * A.shape[-2], h) and b_w.shape == (2 * f, A.shape[-2] * E)
+        back = px.from_peft(a_w, b_w, E)
+        np.testing.assert_array_equal(back[0][w_e], A[0, w_e])
+        np.testing.assert_array_equal(back[1][w_e], B[0, w_e])
+    for w, pair in zip((gate, up), px.split_gate_up(A, B)):
+        if w is None:
+            assert pair is None
+        else:
+            np.testing.assert_array_equal(pair[0], w.a)
+            np.testing.assert_array_equal(pair[1], w.b)
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    pytest.importorskip("torch", reason="the oracle is transformers' MoE on torch")
+    pytest.importorskip("peft", reason="PEFT loads the adapters")
+    from test_moe import save_family  # noqa: PLC0415
+
+    root = tmp_path_factory.mktemp("moe_lora")
+    return {f: str(root / f) for f in MOE_FAMILIES if save_family(root / f, f) is not None}
+
+
+def _hf_model(path):
+    import transformers  # noqa: PLC0415
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _jmem_adapters(params, modules, seed=1):
+    ad = lora.init(jax.random.key(seed), params, rank=2, alpha=4.0, modules=modules,
+                   init_lora_weights=False)  # fmt: skip
+    # b at a third of nn.Linear's init: a visible, not overwhelming, update
+    return {p: lora.LoraWeight(w.a, w.b * 0.3, scale=w.scale, alpha=w.alpha,
+                               init_lora_weights=False) for p, w in ad.items()}  # fmt: skip
+
+
+def _logits(model, tokens):
+    import torch  # noqa: PLC0415
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_save_adapters_on_experts_loads_in_peft(moe_checkpoints, family, tmp_path):
+    """jmem's expert adapters -> PEFT ``target_parameters`` on transformers 5's fused
+    experts: ``PeftModel.from_pretrained`` gives jmem's logits (<= 1e-4, float32), and
+    ``load_adapters`` gives back jmem's factors exactly."""
+    import json  # noqa: PLC0415
+
+    import peft  # noqa: PLC0415
+    from test_moe import TOKENS  # noqa: PLC0415
+
+    from jmem.models import hf  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    path = moe_checkpoints[family]
+    params, cfg = hf.load_params(path, dtype=jnp.float32)
+    ad = _jmem_adapters(params, ("q_proj", "v_proj", "experts"))
+    hf.save_adapters(str(tmp_path), ad, cfg)
+    c = json.load(open(tmp_path / "adapter_config.json"))
+    assert c["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert c["rank_pattern"] == {r".*\.gate_up_proj": 4}
+    assert c["alpha_pattern"] == {r".*\.gate_up_proj": 8}
+    tokens = jnp.asarray(TOKENS, jnp.int32)
+    got = np.asarray(lora.apply(llama.forward)(params, ad, tokens, cfg))
+    base = np.asarray(llama.forward(params, tokens, cfg))
+    want = _logits(peft.PeftModel.from_pretrained(_hf_model(path), str(tmp_path)).eval(), TOKENS)
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+    assert np.abs(got - base).max() > 1e-2  # the adapters change the logits
+    back = hf.load_adapters(str(tmp_path), params, cfg)
+    assert list(back) == list(ad)
+    for p, w in ad.items():
+        np.testing.assert_array_equal(back[p].a, w.a)
+        np.testing.assert_array_equal(back[p].b, w.b)
+        assert back[p].scale == w.scale
+
+
+@pytest.mark.slow
+def test_peft_fused_expert_adapter_loads_in_jmem(moe_checkpoints, tmp_path):
+    """A PEFT adapter on ``mlp.experts.gate_up_proj``/``down_proj`` (rank 4 fused, as PEFT's
+    all-linear makes) -> ``load_adapters`` -> jmem's logits equal PEFT's; written back, PEFT
+    computes the same; PEFT's all-linear (which also adapts the router) is refused."""
+    import peft  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from test_moe import TOKENS  # noqa: PLC0415
+
+    from jmem.models import hf  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    path = moe_checkpoints["qwen3_moe"]
+    params, cfg = hf.load_params(path, dtype=jnp.float32)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=2, lora_alpha=8, target_modules=["q_proj", "k_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        rank_pattern={r".*\.gate_up_proj": 4}, alpha_pattern={r".*\.gate_up_proj": 16},
+        init_lora_weights=False,
+    )  # fmt: skip
+    pm = peft.get_peft_model(_hf_model(path), config).eval()
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.3)
+    want = _logits(pm, TOKENS)
+    pm.save_pretrained(str(tmp_path / "peft"))
+    ad = hf.load_adapters(str(tmp_path / "peft"), params, cfg)
+    assert ad["layers/expert_gate/kernel"].a.shape == (cfg.num_layers, cfg.num_experts, 32, 4)
+    got = np.asarray(lora.apply(llama.forward)(params, ad, jnp.asarray(TOKENS, jnp.int32), cfg))
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
+    hf.save_adapters(str(tmp_path / "again"), ad, cfg)
+    again = peft.PeftModel.from_pretrained(_hf_model(path), str(tmp_path / "again")).eval()
+    np.testing.assert_allclose(_logits(again, TOKENS), want, atol=1e-5)
+    linear = peft.get_peft_model(_hf_model(path), peft.LoraConfig(r=2, target_modules="all-linear"))
+    linear.save_pretrained(str(tmp_path / "all_linear"))
+    with pytest.raises(ValueError, match="never adapts the router"):
+        hf.load_adapters(str(tmp_path / "all_linear"), params, cfg)
+
+
+@pytest.mark.slow
+def test_merged_export_of_expert_adapters_loads_in_transformers(moe_checkpoints, tmp_path):
+    """``save_params(adapters=)`` on NF4 experts merges each expert's adapter; transformers'
+    logits equal jmem's QLoRA logits (<= 1e-4)."""
+    from test_moe import TOKENS  # noqa: PLC0415
+
+    from jmem.models import hf  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    path = moe_checkpoints["qwen3_moe"]
+    params, cfg = hf.load_params(path, dtype=jnp.float32)
+    q = qlora.quantize_params(params)
+    assert isinstance(q["layers"]["expert_gate"]["kernel"], nf4.NF4Array)
+    assert not isinstance(q["layers"]["router"]["kernel"], nf4.NF4Array)
+    ad = _jmem_adapters(q, lora_modules.modules("all"))
+    hf.save_params(str(tmp_path), q, cfg, adapters=ad, dtype=jnp.float32)
+    got = np.asarray(lora.apply(llama.forward)(q, ad, jnp.asarray(TOKENS, jnp.int32), cfg))
+    want = _logits(_hf_model(str(tmp_path)), TOKENS)
+    assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
