@@ -66,7 +66,7 @@ def slots(params: list[str]) -> dict[str, str]:
     is the inner wrapper (``base_layer.``) and ``down_proj`` the outer; one alone is outer."""
     if len(params) == 2:
         return {"gate_up_proj": "base_layer.", "down_proj": ""}
-    return {params[0]: ""}
+    return {p: "" for p in params}
 
 
 def key(i: int, infix: str, which: str) -> str:
