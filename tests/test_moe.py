@@ -3,6 +3,7 @@ checkpoints both ways and greedy generation against transformers' own classes on
 random float32 checkpoints (the oracle); the compiled FLOPs of the routed experts are
 those of k experts per token; the config and checkpoint refusals."""
 
+import functools
 import json
 import os
 import shutil
@@ -83,18 +84,22 @@ def test_routed_experts_equal_a_dense_loop_over_experts():
     wd = jnp.asarray(rng.normal(size=(e, f, h)), jnp.float32)
     for norm in (True, False):
         out, probs = moe.routed_experts(x, router, wg, wu, wd, top_k=k, norm_topk_prob=norm)
-        p = np.asarray(jax.nn.softmax(x @ router, axis=-1))
+        xn, g, u, d = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
+        logits = xn @ np.asarray(router, np.float64)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
         np.testing.assert_allclose(np.asarray(probs), p, rtol=1e-5)
         want = np.zeros((t, h))
         for i in range(t):
             top = np.argsort(-p[i])[:k]
             w = p[i, top] / (p[i, top].sum() if norm else 1.0)
             for j, ex in zip(top, w):
-                hid = np.asarray(jax.nn.silu(x[i] @ wg[j]) * (x[i] @ wu[j]))
-                want[i] += ex * hid @ np.asarray(wd[j])
+                gate = xn[i] @ g[j]
+                want[i] += ex * (gate / (1 + np.exp(-gate)) * (xn[i] @ u[j])) @ d[j]
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_full_finetuning_gradients_reach_router_and_every_expert():
     cfg = _small()
     params = llama.init(jax.random.PRNGKey(0), cfg)
@@ -107,6 +112,7 @@ def test_full_finetuning_gradients_reach_router_and_every_expert():
     assert np.all(per_expert > 0), per_expert  # 32 tokens, k=2 of 4: every expert gets some
 
 
+@pytest.mark.slow
 def test_loss_terms_add_the_weighted_aux_loss_and_token_chunks_agree():
     cfg = _small(router_aux_loss_coef=0.5)
     params = llama.init(jax.random.PRNGKey(0), cfg)
@@ -119,6 +125,27 @@ def test_loss_terms_add_the_weighted_aux_loss_and_token_chunks_agree():
     assert 1.0 < float(terms["router_aux_loss"]) < 4.0  # k=2: about k when balanced
     chunked = llama.loss_fn(params, batch, cfg, levers=jmem.Levers(token_chunk=8))
     np.testing.assert_allclose(chunked, terms["loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_remat_and_greedy_rollout_run_the_routed_block():
+    """The routed layer under a remat policy (the scan body returns router statistics)
+    gives the plain gradients; a greedy ``rollout`` (KV cache, left-padded rows) decodes
+    what ``generate`` decodes."""
+    cfg = _small()
+    params = llama.init(jax.random.PRNGKey(0), cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 3, 64)
+    batch = {"inputs": tokens, "targets": tokens}
+    plain = jax.grad(llama.loss_fn)(params, batch, cfg)
+    remat = jax.grad(jmem.remat(llama.loss_fn, "selective"))(params, batch, cfg)
+    chex_close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+    jax.tree.map(chex_close, remat, plain)
+    want = llama.generate(params, tokens[:, :4], cfg, max_new_tokens=3)[:, 4:]
+    out = llama.rollout(
+        params, tokens[:, :4], jnp.ones((2, 4), jnp.int32), cfg, num_generations=1,
+        max_new_tokens=3, temperature=0.0,
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.completion_ids, want)
 
 
 def test_config_refusals():
@@ -273,6 +300,50 @@ def test_config_json_refusals(checkpoints, tmp_path):
         json.dump({**raw, field: value}, open(d / "config.json", "w"))
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             hf.load_config(str(d))
+
+
+# --- the published configs -----------------------------------------------------------
+
+#: config.json of mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B (token ids left out).
+PUBLISHED = {
+    "mixtral_8x7b": dict(
+        architectures=["MixtralForCausalLM"], attention_dropout=0.0, hidden_act="silu",
+        hidden_size=4096, initializer_range=0.02, intermediate_size=14336,
+        max_position_embeddings=32768, model_type="mixtral", num_attention_heads=32,
+        num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8,
+        num_local_experts=8, output_router_logits=False, rms_norm_eps=1e-05,
+        rope_theta=1e6, router_aux_loss_coef=0.02, sliding_window=None,
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, vocab_size=32000,
+    ),
+    "qwen3_30b_a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        decoder_sparse_step=1, head_dim=128, hidden_act="silu", hidden_size=2048,
+        initializer_range=0.02, intermediate_size=6144, max_position_embeddings=40960,
+        max_window_layers=48, mlp_only_layers=[], model_type="qwen3_moe",
+        moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32,
+        num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+        output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1e6,
+        router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False,
+        torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_configs_load_as_the_presets(preset):
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = hf.config_from_dict(PUBLISHED[preset])
+    assert cfg == llama.get_config(preset), (cfg, llama.get_config(preset))
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active per token (its model card); Qwen3-30B-A3B:
+    # 30.5B, 3.3B active (its model card)
+    total, active = {"mixtral_8x7b": (46.7e9, 12.9e9), "qwen3_30b_a3b": (30.5e9, 3.3e9)}[preset]
+    n = llama.num_params(cfg)
+    idle = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size
+    idle *= llama.expert_size(cfg) * cfg.num_layers
+    assert abs(n - total) < 0.05e9 and abs(n - idle - active) < 0.02 * active, (n, n - idle)
 
 
 # --- FLOPs ----------------------------------------------------------------------------

@@ -271,6 +271,53 @@ PRESETS: dict[str, dict[str, Any]] = {
     "phi3_mini": _shape(
         32064, 3072, 8192, 32, 32, 32, max_seq_len=4096, sliding_window=2047, family="phi3"
     ),
+    # A CPU-sized Mixtral-style mixture of experts: 8 experts of 128, 2 per token.
+    "tiny_moe": _shape(
+        256,
+        64,
+        128,
+        2,
+        4,
+        2,
+        max_seq_len=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+        family="mixtral",
+    ),
+    # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 8 experts of 14336, 2 per token.
+    "mixtral_8x7b": _shape(
+        32000,
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        num_experts=8,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.02,
+        family="mixtral",
+    ),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 128 experts of 768, 8 per token,
+    # renormalised; QK-norm per head of 128.
+    "qwen3_30b_a3b": _shape(
+        151936,
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_seq_len=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        family="qwen3_moe",
+    ),
     # OLMo 2 7B (1124): norms after each sublayer only, QK-norm over the projections.
     "olmo2_7b": _shape(
         100352,

@@ -22,7 +22,8 @@ __all__ = ["load_balancing_loss", "route", "routed_experts", "router_stats"]
 def route(
     x: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The router: logits ``x @ router``, softmax over experts in float32, top ``top_k``.
+    """The router: logits ``x @ router`` in the activation dtype (as transformers' router
+    ``F.linear``), softmax over experts in float32, top ``top_k``.
 
     Args:
       x: ``[T, H]`` tokens (any float dtype).
@@ -98,7 +99,7 @@ def routed_experts(
     down = checkpoint_name(down, "expert_down")
     unsorted = jnp.zeros_like(down).at[order].set(down)  # back to token-major pairs
     pairs = unsorted.reshape(t, top_k, h).astype(jnp.float32)
-    out = jnp.einsum("tkh,tk->th", pairs, weights)
+    out = jnp.sum(pairs * weights[..., None], axis=1)  # no matmul: elementwise, float32
     return out.astype(dt), probs
 
 
