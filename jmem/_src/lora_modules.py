@@ -67,6 +67,11 @@ _ROUTER_SPELLINGS = ROUTER_NAMES + ("gate",)
 _FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    # a mixture of experts' projections, which the planner counts as the MLP's (one LoRA
+    # pair per expert: ``ModelShape.lora_elements``)
+    "expert_gate": ("gate_proj",),
+    "expert_up": ("up_proj",),
+    "expert_down": ("down_proj",),
 }
 #: The accepted forms, for error messages.
 FORMS = (
@@ -175,8 +180,9 @@ def choose(selected: str | Sequence[str], paths: Sequence[str]) -> list[str]:
             raise ValueError(
                 f"the regex {selected!r} matches no weight path in full"
                 + (" (it matches only part of one)" if part else "")
-                + " (LoRA adapts weights of rank >= 2: biases, norm scales and MoE routers "
-                "excluded)" + f"; paths are such as {', '.join(paths[:2])}; the module names are "
+                + " (LoRA adapts weights of rank >= 2: biases and norm scales excluded, as "
+                "are MoE routers)"
+                + f"; paths are such as {', '.join(paths[:2])}; the module names are "
                 f"{', '.join(names)}"
             )
         return chosen
@@ -195,17 +201,19 @@ def choose(selected: str | Sequence[str], paths: Sequence[str]) -> list[str]:
 
 def planner_names(selection: str) -> tuple[str, ...]:
     """The ``LINEAR_NAMES`` that ``selection`` (``parse``) picks in the reference model
-    (paths ``layers/<name>/kernel``): the planner's ``lora=(rank, names)``.
+    (paths ``layers/<name>/kernel``, the expert projections' too, counted as the MLP's:
+    ``linear_names``): the planner's ``lora=(rank, names)``.
 
     Raises:
       ValueError: as ``choose``.
     """
-    paths = [f"layers/{n}/kernel" for n in LINEAR_NAMES]
-    return tuple(module_names(choose(modules(selection), paths)))
+    paths = [f"layers/{n}/kernel" for n in LINEAR_NAMES + EXPERT_LINEAR_NAMES]
+    return linear_names(module_names(choose(modules(selection), paths)))
 
 
 def linear_names(names: Sequence[str]) -> tuple[str, ...]:
     """The ``LINEAR_NAMES`` among module ``names``, a fused projection counted as its parts
-    (``qkv_proj``: q, k and v), in ``LINEAR_NAMES`` order: what the planner counts."""
+    (``qkv_proj``: q, k and v) and an expert projection as the MLP's (``expert_gate``:
+    ``gate_proj``), in ``LINEAR_NAMES`` order: what the planner counts."""
     parts = {p for n in names for p in _FUSED_PARTS.get(n, (n,))}
     return tuple(n for n in LINEAR_NAMES if n in parts)

@@ -242,32 +242,15 @@ def from_checkpoint(state, restored):
     return restored
 
 
-#: Path keys of a mixture-of-experts layer that the job's random NF4 base keeps in float:
-#: the routed experts run ``ragged_dot``, which the NF4/LoRA interpreter does not apply to
-#: an NF4 weight yet, and the router stays float by design.
-_FLOAT_EXPERTS = ("/router/", "/expert_gate/", "/expert_up/", "/expert_down/")
-
-
-def _nf4_modules(path: str, leaf) -> bool:
-    """``qlora.default_modules`` minus a mixture-of-experts layer's router and experts."""
-    return qlora.default_modules(path, leaf) and not any(k in f"/{path}/" for k in _FLOAT_EXPERTS)
-
-
-def _quantize(params, cfg):
-    """``qlora.quantize_params`` with its default rule; experts and router kept float for a
-    mixture-of-experts ``cfg`` (``_FLOAT_EXPERTS``)."""
-    return qlora.quantize_params(params, _nf4_modules if cfg.num_experts else None)
-
-
 def quantized_base(config, cfg, dtype, abstract: bool):
     """NF4 base params: from a checkpoint, or random (quantized on the device, in one jit)."""
     if config.model.checkpoint:
         if abstract:
-            return jax.eval_shape(lambda: _quantize(llama.abstract_params(cfg, dtype), cfg))
+            return jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, dtype)))
         with user_input(f"--checkpoint {config.model.checkpoint}"):
             params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=dtype, quantize="nf4")
         return params
-    make = lambda k: _quantize(llama.init(k, cfg, dtype), cfg)
+    make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))
     if abstract:
         return jax.eval_shape(make, jax.random.key(config.run.seed))
     return jax.jit(make)(jax.random.key(config.run.seed))

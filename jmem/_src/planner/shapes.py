@@ -96,6 +96,17 @@ class ModelShape:
         """Elements of the routers ``[L, H, E]`` (0 for a dense MLP)."""
         return self.num_layers * self.hidden_size * self.num_experts
 
+    def lora_elements(self, targets, rank: int) -> int:
+        """Elements of LoRA factors ``a [in, r]``, ``b [r, out]`` on the linear weights
+        ``targets`` of every layer; on a mixture of experts the MLP's names stand for the
+        experts, one pair per expert (``E r (H + F_e)`` per projection)."""
+        lin, mlp = self.linear_shapes(), ("gate_proj", "up_proj", "down_proj")
+        expert_pair = self.num_experts * (self.hidden_size + self.expert_size)
+        per_layer = sum(
+            expert_pair if (self.num_experts and t in mlp) else sum(lin[t]) for t in targets
+        )
+        return self.num_layers * rank * per_layer
+
     @property
     def linear_params(self) -> int:
         """Elements of all layers' linear weights (what NF4 quantizes)."""
