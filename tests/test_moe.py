@@ -15,6 +15,7 @@ import pytest
 from helpers import hlo_dot_flops
 
 import jmem
+from jmem import nf4
 from jmem._src import moe
 from jmem.models import hf
 from jmem.models import llama
@@ -408,3 +409,20 @@ def test_compiled_moe_flops_for_h100_sxm():
     device = jmem.targets.devices("h100_sxm")[0]
     flops, active, rewritten = _block_flops(jnp.bfloat16, device, h=512, f=1024, t=2048)
     assert abs(flops - rewritten) <= 0.1 * rewritten, (flops, active, rewritten)
+
+
+@pytest.mark.slow
+def test_nf4_on_load_quantizes_the_experts_and_keeps_the_router_float(checkpoints):
+    path, _ = checkpoints["mixtral"]
+    dense, cfg = hf.load_params(path, dtype=jnp.float32)
+    q, _ = hf.load_params(path, dtype=jnp.float32, quantize="nf4")
+    np.testing.assert_array_equal(
+        q["layers"]["router"]["kernel"], dense["layers"]["router"]["kernel"]
+    )
+    for name in ("expert_gate", "expert_up", "expert_down"):
+        leaf = q["layers"][name]["kernel"]
+        assert (
+            isinstance(leaf, nf4.NF4Array) and leaf.shape == dense["layers"][name]["kernel"].shape
+        )
+        want = nf4.quantize(dense["layers"][name]["kernel"])  # per expert matrix
+        np.testing.assert_array_equal(leaf.packed, want.packed)
