@@ -286,12 +286,15 @@ def test_fused_gate_up_is_exact_and_splits_back(which):
     )
     np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
     assert A.shape[-2] == {"both": 6, "shared_a": 3, "gate": 3, "up": 3}[which]
-    for w_e in range(E):  # PEFT's flattened layout and back, per layer
-        a_w, b_w = px.to_peft(A[0], B[0])
-        assert a_w.shape == (E * A.shape[-2], h) and b_w.shape == (2 * f, A.shape[-2] * E)
-        back = px.from_peft(a_w, b_w, E)
-        np.testing.assert_array_equal(back[0][w_e], A[0, w_e])
-        np.testing.assert_array_equal(back[1][w_e], B[0, w_e])
+    a_w, b_w = px.to_peft(A[0], B[0])  # PEFT's flattened layout of layer 0, and back
+    assert a_w.shape == (E * A.shape[-2], h) and b_w.shape == (2 * f, A.shape[-2] * E)
+    R = A.shape[-2]
+    for e in range(E):  # expert e: rows e*R.. of lora_A, columns j*E + e of lora_B
+        np.testing.assert_array_equal(a_w[e * R : (e + 1) * R], A[0, e])
+        np.testing.assert_array_equal(b_w[:, e::E], B[0, e])
+    back = px.from_peft(a_w, b_w, E)
+    np.testing.assert_array_equal(back[0], A[0])
+    np.testing.assert_array_equal(back[1], B[0])
     for w, pair in zip((gate, up), px.split_gate_up(A, B)):
         if w is None:
             assert pair is None
@@ -432,6 +435,7 @@ def test_merged_export_of_expert_adapters_loads_in_transformers(moe_checkpoints,
     assert np.abs(got - want).max() <= 1e-4, np.abs(got - want).max()
 
 
+@pytest.mark.slow
 def test_planner_counts_one_adapter_pair_per_expert():
     """The planner's LoRA elements on an MoE preset equal ``lora.num_trainable`` of
     ``lora.init`` on its params (``--lora-targets all``: attention and every expert)."""
