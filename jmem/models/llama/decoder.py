@@ -333,7 +333,8 @@ def forward(
       segment_ids: optional int32 ``[B, S]``: packed examples (a row holding several
         sequences), one id per example; attention never crosses ids (see
         ``attention_mask``). Default: one sequence per row.
-      layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``,
+      layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``
+        (``(x, router statistics)`` for a mixture-of-experts config),
         e.g. ``lambda f: jmem.remat(f, "selective")``. ``jmem.remat`` around the whole loss
         reaches the scan body without it.
       fp8: deprecated (one release; warns): FP8 scaling states from
