@@ -63,7 +63,7 @@ def test_objective_options_in_a_config_file_and_python(tmp_path):
     )
     t = parse_args(["--config-file", str(tmp_path / "f.yaml")]).training
     assert (t.objective, t.beta, t.simpo_gamma, t.label_smoothing) == ("simpo", 2.5, 0.8, 0.1)
-    with pytest.raises(CliError, match="loss_type applies to objective dpo, not simpo"):
+    with pytest.raises(CliError, match=r"loss_type applies to objective dpo\|grpo, not simpo"):
         finetune.FinetuneConfig.from_flat(objective="simpo", loss_type="ipo")
     from jmem._src.finetune.build import preference_hyperparams
     from jmem._src.finetune.setup import resolve_defaults

@@ -173,6 +173,7 @@ def option(
     cli_only: bool = False,
     aliases: Sequence[str] = (),
     const: str | None = None,
+    many: str | None = None,
 ) -> Any:
     """A dataclass field that is also a flag (``--field-name``): ``help`` for ``--help``,
     ``check`` the argparse type that converts and checks a value (from a flag, a config file
@@ -180,7 +181,9 @@ def option(
     ``exclusive`` the name of a mutually exclusive set of flags, ``cli_only`` a flag that a
     config file may not set, ``aliases`` deprecated names (``--old-name``: a note, then the
     value), ``const`` the value of the bare flag (its value may be left out; a config
-    file's or Python's true/false mean ``const``/the default)."""
+    file's or Python's true/false mean ``const``/the default), ``many`` a tuple of values
+    (each checked by ``check``): ``"append"`` a repeatable flag, ``"comma"`` one flag
+    with a comma list; a config file or Python gives a list (or one value)."""
     meta = dict(
         help=help,
         check=check,
@@ -191,6 +194,7 @@ def option(
         cli_only=cli_only,
         aliases=tuple(aliases),
         const=const,
+        many=many,
     )
     return dataclasses.field(default=default, metadata={"option": meta})
 
@@ -223,6 +227,8 @@ def check_field(field: dataclasses.Field, value: Any, name: str | None = None) -
         if field.default is not None:
             raise CliError(f"{name}: must be set (default {field.default!r})")
         return None
+    if meta.get("many"):
+        return _checked_many(meta, value, name)
     if isinstance(value, (bool, list, tuple, dict)):
         raise CliError(f"{name}: expected a single value, got {value!r}")
     out = str(value)
@@ -235,6 +241,40 @@ def check_field(field: dataclasses.Field, value: Any, name: str | None = None) -
         hint = did_you_mean(out, meta["choices"])
         raise CliError(f"{name}: {out!r} is not one of {', '.join(meta['choices'])}{hint}")
     return out
+
+
+def _checked_many(meta, value, name: str) -> tuple:
+    """A ``many`` option's tuple: a list or tuple of values, or one value (a comma list for
+    ``many="comma"``), each checked by the field's ``check`` and ``choices``."""
+    if isinstance(value, str) and meta["many"] == "comma":
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, (bool, list, tuple, dict)) or item is None:
+            raise CliError(f"{name}: expected a list of single values, got {value!r}")
+        text = str(item)
+        if meta["check"] is not None:
+            try:
+                text = meta["check"](text)
+            except argparse.ArgumentTypeError as e:
+                raise CliError(f"{name}: {e}") from None
+        if meta["choices"] is not None and text not in meta["choices"]:
+            raise CliError(f"{name}: {text!r} is not one of {', '.join(meta['choices'])}")
+        out.append(text)
+    return tuple(out)
+
+
+def _comma_list(check: Callable[[str], Any] | None) -> Callable[[str], tuple]:
+    """argparse type of a ``many="comma"`` flag: a non-empty comma list, each checked."""
+
+    def parse(text: str) -> tuple:
+        items = [v.strip() for v in str(text).split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
+        return tuple(check(v) if check else v for v in items)
+
+    return parse
 
 
 def check_fields(obj) -> None:
@@ -277,6 +317,10 @@ def add_options(parser: argparse.ArgumentParser, cls, title: str):
         kw = dict(dest=f.name, help=text, default=None)
         if meta["switch"]:
             kw["action"] = "store_true"
+        elif meta.get("many") == "append":
+            kw.update(action="append", type=meta["check"], metavar=meta["metavar"])
+        elif meta.get("many") == "comma":
+            kw.update(type=_comma_list(meta["check"]), metavar=meta["metavar"])
         else:
             kw.update(type=meta["check"], choices=meta["choices"], metavar=meta["metavar"])
             if meta.get("const") is not None:

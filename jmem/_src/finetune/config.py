@@ -33,15 +33,30 @@ ALL_PROJECTIONS = lora_modules.ALL
 HOST_ALLOCATORS = ("auto", "huge-pages", "retain", "system")
 #: ``jmem.Levers``' defaults for the long-sequence levers (attention, loss_chunk, token_chunk).
 LONG_CONTEXT_DEFAULTS = ("auto", 2048, 2048)
-#: ``--objective``: supervised fine-tuning, or a preference loss (``jmem.losses``).
-OBJECTIVE_NAMES = ("sft", "dpo", "orpo", "simpo")
-#: ``--beta`` unset, by objective: TRL's ``DPOConfig``/``ORPOConfig`` 0.1, SimPO's paper 2.0.
-DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
+#: ``--objective``: supervised fine-tuning, a preference loss, or GRPO on rewards of
+#: sampled completions (``jmem.losses``).
+OBJECTIVE_NAMES = ("sft", "dpo", "orpo", "simpo", "grpo")
+#: The preference objectives (pairs of chosen and rejected answers).
+PREFERENCE_OBJECTIVES = ("dpo", "orpo", "simpo")
+#: ``--beta`` unset, by objective: TRL's ``DPOConfig``/``ORPOConfig`` 0.1, SimPO's paper 2.0,
+#: TRL's ``GRPOConfig`` 0.0 (no KL term, no reference).
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "grpo": 0.0}
+#: ``--loss-type`` by objective, its default first (TRL's ``DPOConfig``, ``GRPOConfig``).
+LOSS_TYPES = {"dpo": ("sigmoid", "ipo"), "grpo": ("dapo", "grpo", "bnpo", "dr_grpo")}
+#: ``--scale-rewards`` (TRL's ``scale_rewards``; ``jmem.losses.group_advantages``).
+SCALE_REWARDS = ("group", "batch", "none")
 #: ``--simpo-gamma`` unset: the SimPO paper's target margin (gamma / beta = 0.5 at beta 2).
 DEFAULT_SIMPO_GAMMA = 1.0
 #: argparse type of ``--label-smoothing``: the probability that a label is flipped.
 smoothing = cli.number(float, lambda v: 0 <= v < 0.5, "a probability in [0, 0.5)")
 finite_float = cli.number(float, lambda v: v == v and abs(v) != float("inf"), "a finite number")
+#: argparse types of ``--num-generations`` (a group needs two) and ``--top-p``.
+group_size = cli.int_at_least(2, "an integer >= 2 (a group of completions)")
+nucleus = cli.number(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
+#: argparse type of ``--beta``: 0 turns GRPO's KL term off; the preference losses need > 0.
+beta_value = cli.number(
+    float, lambda v: v >= 0 and v != float("inf"), "a number >= 0 (positive for dpo, orpo, simpo)"
+)
 
 
 def mesh_spec(text: str) -> str:
@@ -217,17 +232,23 @@ class TrainingConfig(_Group):
         "sft",
         "sft: next-token loss on the data (text or examples); dpo, orpo, simpo: a preference "
         "loss on prompt/chosen/rejected pairs (jmem.losses; DPO's reference is the base with "
-        "the adapters off)",
+        "the adapters off); grpo: GRPO on the rewards (--reward) of completions sampled from "
+        "the prompts of --data",
         choices=OBJECTIVE_NAMES,
     )
     beta: float | None = option(
         None,
-        "preference objectives: DPO's KL inverse temperature (IPO's tau), ORPO's lambda, "
-        "SimPO's reward scale; unset: 0.1 (dpo, orpo), 2.0 (simpo)",
-        check=cli.positive_float,
+        "DPO's KL inverse temperature (IPO's tau), ORPO's lambda, SimPO's reward scale, "
+        "GRPO's KL weight (> 0: a KL term to the base with the adapters off); unset: 0.1 "
+        "(dpo, orpo), 2.0 (simpo), 0.0 (grpo)",
+        check=beta_value,
     )
-    loss_type: str = option(
-        "sigmoid", "dpo: sigmoid (DPO) or ipo (IPO, length-normalised)", choices=("sigmoid", "ipo")
+    loss_type: str | None = option(
+        None,
+        "dpo: sigmoid (DPO) or ipo (IPO, length-normalised); grpo: dapo (a token mean over "
+        "the batch), grpo (each completion's token mean), bnpo, dr_grpo (a constant "
+        "normaliser); unset: sigmoid (dpo), dapo (grpo)",
+        choices=tuple(dict.fromkeys(n for names in LOSS_TYPES.values() for n in names)),
     )
     label_smoothing: float = option(
         0.0,
@@ -282,6 +303,73 @@ class TrainingConfig(_Group):
 
 
 @dataclasses.dataclass(frozen=True)
+class GrpoConfig(_Group):
+    """--objective grpo: the rewards, the rollout (G sampled completions per prompt) and
+    the clipped surrogate loss (TRL's GRPOConfig names and defaults)."""
+
+    reward: tuple[str, ...] = option(
+        (),
+        "a reward function, FILE.py:FUNC, module:FUNC or a built-in name; repeat the flag "
+        "for several (their weighted sum is the reward)",
+        many="append",
+        metavar="SPEC",
+    )
+    reward_weights: tuple[float, ...] | None = option(
+        None,
+        "one weight per --reward, in their order (W1,W2,...); unset: 1 each",
+        check=finite_float,
+        many="comma",
+        metavar="W1,W2",
+    )
+    num_generations: int = option(
+        8,
+        "completions sampled per prompt G (a group); --batch-size counts completions and "
+        "must be a multiple of G",
+        check=group_size,
+    )
+    max_prompt_len: int = option(
+        512,
+        "prompt tokens (longer prompts keep their last tokens, with a note)",
+        check=cli.positive_int,
+    )
+    max_completion_len: int = option(
+        256, "tokens sampled per completion at most", check=cli.positive_int
+    )
+    generation_batch: int | None = option(
+        None,
+        "completions per rollout micro-batch (the KV cache holds this many rows); a "
+        "divisor of --batch-size; unset: the whole batch",
+        check=cli.positive_int,
+    )
+    temperature: float = option(1.0, "sampling temperature", check=cli.positive_float)
+    top_p: float = option(1.0, "nucleus sampling: the probability mass kept", check=nucleus)
+    top_k: int = option(
+        0, "sampling keeps the k most likely tokens (0: all)", check=cli.nonnegative_int
+    )
+    epsilon: float = option(
+        0.2, "the clip range of the probability ratio (>= 1 - epsilon)", check=cli.nonnegative_float
+    )
+    epsilon_high: float | None = option(
+        None,
+        "the upper clip range (ratio <= 1 + epsilon_high; DAPO's clip-higher, e.g. 0.28); "
+        "unset: --epsilon",
+        check=cli.nonnegative_float,
+    )
+    scale_rewards: str = option(
+        "group",
+        "advantages: each reward minus its group's mean, divided by the group's (group) or "
+        "the batch's (batch) standard deviation, or not divided (none, Dr. GRPO)",
+        choices=SCALE_REWARDS,
+    )
+    num_iterations: int = option(
+        1,
+        "optimizer updates per rollout (mu); above 1 the old log-probs are recomputed once "
+        "before the first update",
+        check=cli.positive_int,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig(_Group):
     """The run: its directory, checkpoints, seed, and how this invocation behaves."""
 
@@ -315,7 +403,10 @@ class RunConfig(_Group):
     )
     no_progress: bool = option(False, "plain log lines instead of a progress bar", switch=True)
     debug: bool = option(
-        False, "a traceback instead of a one-line error", switch=True, cli_only=True
+        False,
+        "a traceback instead of a one-line error; XLA's own log lines shown",
+        switch=True,
+        cli_only=True,
     )
     host_allocator: str = option(
         "auto",
@@ -385,6 +476,7 @@ GROUPS = {
     "run": RunConfig,
     "output": OutputConfig,
     "devices": DevicesConfig,
+    "grpo": GrpoConfig,  # last: the groups by position keep their places
 }
 #: Former group names (a config file's key) -> their groups.
 GROUP_ALIASES = {"levers": "execution"}
@@ -403,7 +495,7 @@ FIELDS = {f.name: f for cls in GROUPS.values() for f in cli.options(cls)}
 @dataclasses.dataclass(frozen=True, init=False)
 class FinetuneConfig:
     """Every option of the QLoRA fine-tuning job, in groups: ``model``, ``data``,
-    ``execution``, ``training``, ``run``, ``output``, ``devices``. A field is named as its
+    ``execution``, ``training``, ``run``, ``output``, ``devices``, ``grpo``. A field is named as its
     flag (``training.lora_rank`` is ``--lora-rank``); ``None`` means "sized for the model and
     the device" (``run`` resolves it into a new value). Frozen: change it with ``replace``.
 
@@ -427,6 +519,7 @@ class FinetuneConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
+    grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
 
     def __init__(self, *groups: Any, **kwargs: Any):
         if len(groups) > len(GROUPS):
@@ -566,10 +659,11 @@ def _check_offload(get, name) -> None:
 
 #: The loss options and the objectives that read them.
 OBJECTIVE_OPTIONS = {
-    "beta": ("dpo", "orpo", "simpo"),
-    "loss_type": ("dpo",),
+    "beta": (*PREFERENCE_OBJECTIVES, "grpo"),
+    "loss_type": ("dpo", "grpo"),
     "label_smoothing": ("dpo", "simpo"),
     "simpo_gamma": ("simpo",),
+    **{f.name: ("grpo",) for f in cli.options(GrpoConfig)},
 }
 
 
@@ -583,10 +677,62 @@ def _check_objective(get, name) -> None:
             f"{name(option_name)} applies to {name('objective')} {'|'.join(objectives)}, "
             f"not {objective}; drop it or pass {name('objective')} {objectives[0]}"
         )
-    if get("loss_type") == "ipo" and get("label_smoothing"):
+    loss_type = get("loss_type")
+    if loss_type is not None and loss_type not in LOSS_TYPES[objective]:
+        raise cli.CliError(
+            f"{name('loss_type')} {loss_type} is not a loss of {name('objective')} "
+            f"{objective}; pass one of {', '.join(LOSS_TYPES[objective])}"
+        )
+    if get("beta") == 0 and objective in PREFERENCE_OBJECTIVES:
+        raise cli.CliError(f"{name('beta')} must be positive for {name('objective')} {objective}")
+    if loss_type == "ipo" and get("label_smoothing"):
         raise cli.CliError(
             f"{name('label_smoothing')} applies to {name('loss_type')} sigmoid only; drop it "
             "for ipo"
+        )
+    if objective == "grpo":
+        _check_grpo(get, name)
+
+
+def _check_grpo(get, name) -> None:
+    """GRPO's batch: completions in whole groups, rollout micro-batches that divide it, one
+    weight per reward, a reward to train on (but for a dry run), and ``--seq-len`` unset
+    or ``--max-prompt-len + --max-completion-len`` (what the job resolves it to)."""
+    g, batch = get("num_generations"), get("batch_size")
+    if batch is not None and batch % g:
+        raise cli.CliError(
+            f"{name('batch_size')} {batch} counts completions and must be a multiple of "
+            f"{name('num_generations')} {g} (whole groups); pass e.g. {name('batch_size')} "
+            f"{max(g, batch - batch % g)}"
+        )
+    gen = get("generation_batch")
+    if gen is not None and batch is not None and batch % gen:
+        raise cli.CliError(
+            f"{name('generation_batch')} {gen} must divide {name('batch_size')} {batch}"
+        )
+    if (get("beta") or 0) > 0 and get("lora_rank") == 0:
+        raise cli.CliError(
+            f"{name('beta')} > 0 with {name('lora_rank')} 0: GRPO's reference is the base with "
+            f"the adapters off, and full fine-tuning has none; drop {name('beta')} or train "
+            "LoRA adapters"
+        )
+    rewards, weights = get("reward"), get("reward_weights")
+    if weights is not None and len(weights) != len(rewards):
+        raise cli.CliError(
+            f"{name('reward_weights')} gives {len(weights)} weights for {len(rewards)} "
+            f"{name('reward')} functions; give one weight per {name('reward')}"
+        )
+    if not rewards and not get("dry_run"):
+        raise cli.CliError(
+            f"{name('objective')} grpo needs a reward: pass {name('reward')} FILE.py:FUNC "
+            "(or module:FUNC, or a built-in name), repeated for several"
+        )
+    seq_len = get("max_prompt_len") + get("max_completion_len")
+    if get("seq_len") not in (None, seq_len):
+        raise cli.CliError(
+            f"{name('seq_len')} does not apply to {name('objective')} grpo: a sequence is "
+            f"{name('max_prompt_len')} + {name('max_completion_len')} tokens ({seq_len}); "
+            "drop it"
         )
 
 

@@ -12,12 +12,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src import native_logs
+from jmem._src import rewards
 from jmem._src.checkpointing import verify_step
 from jmem._src.cli import CliError
+from jmem._src.cli import one_line
 from jmem._src.finetune.config import FinetuneConfig
 from jmem._src.finetune.config import validate
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.dry_run import dry_run
+from jmem._src.finetune.grpo_loop import train_grpo
 from jmem._src.finetune.launcher import PLUGIN_NOTE
 from jmem._src.finetune.launcher import allocator_note
 from jmem._src.finetune.launcher import apply_allocator
@@ -27,6 +31,7 @@ from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
 from jmem._src.finetune.mesh import target_mesh
+from jmem._src.finetune.prompt_data import read_prompts
 from jmem._src.finetune.publish import RunPaths
 from jmem._src.finetune.publish import discard
 from jmem._src.finetune.publish import publish
@@ -90,7 +95,10 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
             print(line, flush=True)
         return dry_run(config, cfg, mesh, target=target)
     tok = make_tokenizer(config, cfg)
-    ds, held = load_datasets(config, tok)
+    if config.training.objective == "grpo":
+        ds, held = grpo_inputs(config, cfg, tok), None
+    else:
+        ds, held = load_datasets(config, tok)
     check_outputs(config, cfg, tok)
     with _locked(config) as lock_notes:
         aside = config.run.overwrite and holds_run(config.run.out)  # before anything changes
@@ -115,7 +123,11 @@ def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
     or is stopped leaves the earlier results as they were (its staging area removed)."""
     paths = RunPaths.of(config, aside)
     try:
-        summary = train(config, cfg, tok, ds, held, resume_step, mesh, paths)
+        if config.training.objective == "grpo":
+            records, rewards = ds
+            summary = train_grpo(config, cfg, tok, records, rewards, resume_step, mesh, paths)
+        else:
+            summary = train(config, cfg, tok, ds, held, resume_step, mesh, paths)
         if is_writer():
             publish(paths, config.training.steps)
     except BaseException:
@@ -123,6 +135,43 @@ def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
             discard(paths)
         raise
     return summary
+
+
+def grpo_inputs(config, cfg, tok):
+    """``(prompts, rewards)`` of a GRPO run, both checked before anything is compiled: the
+    prompts of ``--data`` (``prompt_data.read_prompts``; its notes printed: prompts cut to
+    ``--max-prompt-len``) and the ``--reward`` functions (``rewards.parse_rewards``).
+
+    Raises:
+      CliError: no ``--data``, a bad prompt file, a reward that cannot be loaded, a column
+        a reward needs missing, or several processes; one line each."""
+    g = config.grpo
+    if jax.process_count() > 1:
+        raise CliError(
+            "--objective grpo runs in one process (its devices may form a --mesh); launch "
+            "it without --num-processes"
+        )
+    if config.data.data is None:
+        raise CliError(
+            "--objective grpo needs --data FILE.jsonl of prompts (a 'prompt' column: text or "
+            "chat messages; other columns go to the reward functions)"
+        )
+    try:
+        reward_set = rewards.parse_rewards(
+            list(g.reward), g.reward_weights, max_completion_length=g.max_completion_len
+        )
+        records, notes = read_prompts(
+            config.data.data,
+            tok,
+            max_prompt_len=g.max_prompt_len,
+            max_prompt_len_name="--max-prompt-len",
+        )
+        reward_set.check_columns(list(records[0].columns), f"--data {config.data.data}")
+    except rewards.RewardError as e:
+        raise CliError(f"--reward: {one_line(e)}") from None
+    for line in notes:
+        print(line, flush=True)
+    return records, reward_set
 
 
 def _done(config, resume_step: int) -> bool:
@@ -237,7 +286,10 @@ def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
     run = config.run
     note = apply_allocator(run.host_allocator, config.execution.remat, run.dry_run)  # before JAX
-    initialize_distributed(config)
+    native_logs.show(run.debug)
+    with native_logs.hidden():  # the backend's start-up lines (cudart_stub, ...)
+        initialize_distributed(config)
+        jax.devices()
     if jax.process_index() == 0:
         return _run(config, note)
     with quiet_stdout():  # gloo's connection lines too (C++ std::cout)

@@ -45,6 +45,18 @@ RESUME_FLAGS = (
     "loss_type",
     "label_smoothing",
     "simpo_gamma",
+    "reward",
+    "reward_weights",
+    "num_generations",
+    "max_prompt_len",
+    "max_completion_len",
+    "temperature",
+    "top_p",
+    "top_k",
+    "epsilon",
+    "epsilon_high",
+    "scale_rewards",
+    "num_iterations",
 )
 
 
@@ -191,13 +203,17 @@ def _check_merged(merged: str | None, overwrite: bool) -> bool:
 
 
 def _canonical(before: dict) -> dict:
-    """run.json's flags with ``lora_targets`` in its canonical form (``lora_modules.parse``:
-    the default's regex spelling is ``all``), as ``flags`` gives it now."""
+    """run.json's flags as ``flags`` gives them now: ``lora_targets`` in its canonical form
+    (``lora_modules.parse``: the default's regex spelling is ``all``), ``loss_type`` unset
+    outside dpo and grpo, lists (``reward``) as tuples."""
     value = before.get("lora_targets")
     if isinstance(value, str):
         with contextlib.suppress(argparse.ArgumentTypeError):
             before = {**before, "lora_targets": lora_modules.parse(value)}
-    return before
+    if before.get("loss_type") == "sigmoid" and before.get("objective") != "dpo":
+        before = {**before, "loss_type": None}  # recorded for every objective before grpo
+    lists = {k: tuple(v) for k, v in before.items() if isinstance(v, list)}
+    return {**before, **lists}  # JSON's lists are the config's tuples
 
 
 def _check_same_run(config, record: str) -> None:

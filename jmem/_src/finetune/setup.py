@@ -18,6 +18,7 @@ from jmem._src.cli import one_line
 from jmem._src.cli import user_input
 from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
+from jmem._src.finetune.config import LOSS_TYPES
 from jmem._src.finetune.config import offload_of
 from jmem.models import export
 from jmem.models import hf
@@ -77,7 +78,8 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     tokenizer (the checkpoint's, else ``byte``), sizes CPU-sized for `tiny` and for training
     on a CPU, 7B-sized on a GPU and for dry-run plans (the sequence length capped at the
     model's ``max_seq_len``), ``lr``, ``lora_alpha``, ``eval_every`` and a preference
-    objective's ``beta`` (and SimPO's ``simpo_gamma``); notes to print
+    or GRPO objective's ``beta`` and ``loss_type`` (and SimPO's ``simpo_gamma``); notes to
+    print
     once every input is checked.
 
     Raises:
@@ -101,12 +103,22 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     unset = [k for k, v in sizes.items() if v is None]
     for k in unset:
         set_[k] = sizes[k] = min(d[k], cfg.max_seq_len) if k == "seq_len" else d[k]
+    if t.objective == "grpo":  # whole groups; a sequence is the prompt and its completion
+        g = config.grpo
+        if "batch_size" in unset:
+            set_["batch_size"] = sizes["batch_size"] = g.num_generations * max(
+                1, d["batch_size"] // g.num_generations
+            )
+        set_["seq_len"] = sizes["seq_len"] = g.max_prompt_len + g.max_completion_len
+        unset = [k for k in unset if k != "seq_len"]  # not a CPU-sized default
     if t.lr is None:
         set_["lr"] = 3e-3 if name == "tiny" else 2e-4
     if t.lora_alpha is None and t.lora_rank:  # --lora-rank 0: no adapters, no alpha
         set_["lora_alpha"] = 2.0 * t.lora_rank
     if t.objective != "sft" and t.beta is None:
         set_["beta"] = DEFAULT_BETA[t.objective]
+    if t.objective in LOSS_TYPES and t.loss_type is None:
+        set_["loss_type"] = LOSS_TYPES[t.objective][0]
     if t.objective == "simpo" and t.simpo_gamma is None:
         set_["simpo_gamma"] = DEFAULT_SIMPO_GAMMA
     if config.data.eval_every is None:
