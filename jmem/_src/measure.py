@@ -17,6 +17,7 @@ import numpy as np
 
 from jmem._src import native_logs
 from jmem._src import targets as _targets
+from jmem._src.hlo_collectives import collective_bytes
 from jmem._src.hlo_flops import dot_flops
 
 
@@ -58,6 +59,10 @@ class MemoryReport:
         for, or a loop of unknown trip count)
         (``report_from_compiled(..., flops=True)`` and ``TrainStep.measure(flops=True)``
         count them).
+      collective_bytes: ``{kind: bytes}`` the program's collectives deliver per execution
+        (per device; ``all-gather``, ``all-to-all``, ``collective-permute``,
+        ``reduce-scatter``, ``all-reduce``, ``collective-broadcast``), loops by trip count
+        (``jmem._src.hlo_collectives``); None where not counted (counted with ``flops``).
       state_bytes (property): bytes that persist between steps when the state is donated,
         i.e. ``argument_bytes``.
     """
@@ -76,6 +81,7 @@ class MemoryReport:
     source: str = "compiler"
     target: str = ""
     dot_flops: float | None = None
+    collective_bytes: dict | None = None
 
     @classmethod
     def from_compiled(cls, compiled: Any, target: Any = None) -> MemoryReport:
@@ -131,7 +137,8 @@ def _target_name_platform(target: Any) -> tuple[str, str]:
 def report_from_compiled(compiled: Any, target: Any = None, *, flops: bool = False) -> MemoryReport:
     """``MemoryReport`` from a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
     for ``target`` (a ``jmem.targets`` name or ``Target``; None: the running backend);
-    ``flops=True`` also counts its dot FLOPs from the HLO text (``MemoryReport.dot_flops``).
+    ``flops=True`` also counts its dot FLOPs and collective bytes from the HLO text
+    (``MemoryReport.dot_flops``, ``MemoryReport.collective_bytes``).
 
     Raises:
       RuntimeError: if the backend gives no memory analysis.
@@ -173,17 +180,20 @@ def report_from_compiled(compiled: Any, target: Any = None, *, flops: bool = Fal
         host_peak_bytes=host_peak,
         source="compiler",
         target=name,
-        dot_flops=_counted_flops(compiled) if flops else None,
+        **(_counted(compiled.as_text()) if flops else {}),
     )
 
 
-def _counted_flops(compiled: Any) -> float | None:
-    """``dot_flops`` of ``compiled``'s HLO; None where a loop's trip count is unknown (its
-    work cannot be counted: the caller says so)."""
-    try:
-        return dot_flops(compiled.as_text())
-    except ValueError:
-        return None
+def _counted(text: str) -> dict:
+    """``dot_flops`` and ``collective_bytes`` of compiled HLO ``text``; each None where a
+    loop's trip count is unknown (its work cannot be counted: the caller says so)."""
+    out = {}
+    for key, count in (("dot_flops", dot_flops), ("collective_bytes", collective_bytes)):
+        try:
+            out[key] = count(text)
+        except ValueError:
+            out[key] = None
+    return out
 
 
 def _sharding_for(s: Any, t: Any, meshes: set) -> Any:

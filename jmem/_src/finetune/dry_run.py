@@ -87,6 +87,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     _print_rows(rows, mesh, devices)
     compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=full)
     print(compute_line(compute))
+    print(collectives_line(report.collective_bytes))
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
     if config.run.memory is None:  # the target's own memory: the smaller cards too
@@ -148,6 +149,21 @@ def compute_line(c: dict) -> str:
             f"{c['seconds_bound']:.3g} s per step"
         )
     return line
+
+
+def collectives_line(counted: dict | None) -> str:
+    """The compiled step's collectives per step per device (``MemoryReport.collective_bytes``,
+    ``{kind: bytes}``), as the dry run prints them: the kinds that run, largest first."""
+    if counted is None:
+        return "collectives: not counted: a loop with collectives has an unknown trip count"
+    moved = sorted(((v, k) for k, v in counted.items() if v), reverse=True)
+    if not moved:
+        return "collectives: none (compiled; one device's program)"
+    parts = ", ".join(f"{k} {format_bytes(v)}" for v, k in moved)
+    return (
+        f"collectives: {format_bytes(sum(v for v, _ in moved))} per step per device (compiled, "
+        f"bytes each delivers, loops by trip count): {parts}"
+    )
 
 
 def _record(config, cfg, report, compute, est, step, nf4_bytes, n_adapter, mesh) -> dict:
