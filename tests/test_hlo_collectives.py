@@ -1,6 +1,8 @@
 """Collective bytes counted from the compiled HLO (``jmem._src.hlo_collectives``): per
 kind, per device, loops by trip count, on small shard_map compiles over 4 CPU devices."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +85,26 @@ def test_refuses_a_loop_with_collectives_of_unknown_length():
     f = jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     with pytest.raises(ValueError, match="known trip count"):
         collective_bytes(_compiled_text(f, jnp.ones((64, 32), jnp.float32)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,kind", [("all_gather", "all-gather"), ("ulysses", "all-to-all")])
+def test_the_dry_run_on_a_context_mesh_records_its_strategys_collective(tmp_path, strategy, kind):
+    """``--dry-run --mesh context=4``: the compiled step's collectives are recorded and
+    printed, the strategy's own kind among them, within 10% of the planner's attention
+    collectives (``jmem._src.planner.context``)."""
+    from jmem import finetune
+    from jmem._src.planner import context as cp
+    from jmem.models import llama
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 CPU devices)")
+    argv = ["--config", "tiny", "--dry-run", "--seq-len", "256", "--batch-size", "1"]
+    argv += ["--mesh", "context=4", "--context-strategy", strategy, "--out", str(tmp_path)]
+    finetune.main(argv)
+    got = json.loads((tmp_path / "dry_run.json").read_text())["compiled"]["collective_bytes"]
+    # XLA:CPU moves bf16 collectives as f32 (4 bytes a value)
+    cfg = llama.get_config("tiny")
+    planned = cp.collective_bytes(cfg, 256, 4, strategy, passes=2, itemsize=4)
+    assert got[kind] > 0, got
+    np.testing.assert_allclose(got[kind], planned[kind], rtol=0.1)

@@ -29,7 +29,9 @@ from jmem._src.finetune.build import rows_per_example
 from jmem._src.finetune.config import offload_of
 from jmem._src.finetune.mesh import mesh_axes
 from jmem._src.finetune.mesh import mesh_record
+from jmem._src.finetune.mesh import mesh_sizes
 from jmem._src.finetune.rundir import flags
+from jmem._src.planner import context as cp_plan
 from jmem._src.planner.offload import Offload
 from jmem._src.units import format_count
 from jmem.models import llama
@@ -87,7 +89,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     _print_rows(rows, mesh, devices)
     compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=full)
     print(compute_line(compute))
-    print(collectives_line(report.collective_bytes))
+    print(collectives_line(report.collective_bytes, _planned_collectives(config, cfg, step)))
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
     if config.run.memory is None:  # the target's own memory: the smaller cards too
@@ -151,19 +153,33 @@ def compute_line(c: dict) -> str:
     return line
 
 
-def collectives_line(counted: dict | None) -> str:
+def _planned_collectives(config, cfg, step) -> dict:
+    """The planner's attention collectives per step per device on a context mesh
+    (``jmem._src.planner.context``; empty without one)."""
+    context = mesh_sizes(config)[2]
+    passes = 1 if config.execution.remat == "none" else 2
+    strategy = step.levers.context_strategy
+    return cp_plan.collective_bytes(cfg, config.data.seq_len, context, strategy, passes=passes)
+
+
+def collectives_line(counted: dict | None, planned: dict | None = None) -> str:
     """The compiled step's collectives per step per device (``MemoryReport.collective_bytes``,
-    ``{kind: bytes}``), as the dry run prints them: the kinds that run, largest first."""
+    ``{kind: bytes}``), as the dry run prints them: the kinds that run, largest first; with
+    the planner's attention collectives (``planned``) where there are any."""
     if counted is None:
         return "collectives: not counted: a loop with collectives has an unknown trip count"
     moved = sorted(((v, k) for k, v in counted.items() if v), reverse=True)
     if not moved:
         return "collectives: none (compiled; one device's program)"
     parts = ", ".join(f"{k} {format_bytes(v)}" for v, k in moved)
-    return (
+    line = (
         f"collectives: {format_bytes(sum(v for v, _ in moved))} per step per device (compiled, "
         f"bytes each delivers, loops by trip count): {parts}"
     )
+    if planned:
+        plan = ", ".join(f"{k} {format_bytes(v)}" for k, v in planned.items())
+        line += f"; planner (attention): {plan}"
+    return line
 
 
 def _record(config, cfg, report, compute, est, step, nf4_bytes, n_adapter, mesh) -> dict:
@@ -339,7 +355,14 @@ def _estimate(config, levers, cfg, dtype, modules, devices: int, params: bool = 
         if full_finetuning(config) and off.state == "none":
             off = dataclasses.replace(off, state="optimizer+masters")
         kwargs["offload"] = dataclasses.replace(off, params=True)
-    return planner.estimate(cfg, **kwargs)
+    est = planner.estimate(cfg, **kwargs)
+    context = mesh_sizes(config)[2]
+    if context == 1:
+        return est
+    extra = cp_plan.attention_bytes(
+        cfg, config.data.seq_len, context, levers.context_strategy, kwargs["batch_size"]
+    )
+    return dataclasses.replace(est, activations=est.activations + extra)
 
 
 def _offload(config) -> Offload:
@@ -364,14 +387,16 @@ def _planner_kwargs(config, levers, dtype, modules, devices: int) -> dict:
     the state sharded (ZeRO-3) over ``devices``; preference pairs count as two sequences
     each (the planner's activations are those of an SFT step over as many rows); the
     offload rungs of ``--offload``/``--offload-dir``."""
-    shards = {"num_shards": devices, "zero_stage": 3} if devices > 1 else {}
+    context = mesh_sizes(config)[2]
+    sharded = devices // context  # the params are replicated over the context axis
+    shards = {"num_shards": sharded, "zero_stage": 3} if sharded > 1 else {}
     return dict(
         offload=_offload(config),
         param_dtype=jnp.dtype(dtype).name,
         optimizer=config.training.optimizer,
         **_method_kwargs(config, modules),
         levers=levers,
-        batch_size=max(1, rows_per_example(config) * config.data.batch_size // devices),
-        seq_len=config.data.seq_len,
+        batch_size=max(1, rows_per_example(config) * config.data.batch_size // sharded),
+        seq_len=config.data.seq_len // context,
         **shards,
     )
