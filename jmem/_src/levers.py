@@ -97,7 +97,10 @@ class Levers:
         sequence (docs/sharding.md, "Context parallelism"): ``"all_gather"`` (default:
         K/V gathered, one collective per layer), ``"ring"`` (K/V shards rotated, never
         more than two per device) or ``"ulysses"`` (all-to-all heads for sequence; both
-        head counts must be multiples of the axis). Unused without a context axis.
+        head counts must be multiples of the axis), or ``"auto"``: ``"ulysses"`` where both
+        head counts are multiples of the axis and the sequence has at least
+        ``AUTO_ULYSSES_MIN_SEQ`` tokens, else ``"all_gather"`` (the resolved levers say
+        which and why). Unused without a context axis.
       context_load_balance: with a context axis, put each sequence in the zigzag order
         (device ``i`` holds chunks ``i`` and ``2C - 1 - i`` of ``2C``: equal causal work
         per device; ``jmem._src.context_order``); False keeps contiguous shards (the last
@@ -138,10 +141,10 @@ class Levers:
             raise ValueError(
                 f"context_load_balance must be a bool; got {self.context_load_balance!r}."
             )
-        if self.context_strategy not in CONTEXT_STRATEGY_NAMES:
+        if self.context_strategy not in CONTEXT_STRATEGY_CHOICES:
             raise ValueError(
                 f"context_strategy={self.context_strategy!r} is unknown; choose from "
-                f"{CONTEXT_STRATEGY_NAMES}."
+                f"{CONTEXT_STRATEGY_NAMES} or 'auto'."
             )
         if self.offload_params and self.remat == "none":
             raise ValueError(
@@ -401,7 +404,7 @@ def resolve(
         rows = int(batch[0]) if len(batch) > 1 else None
     context = context_split() if context is None else int(context)
     attn, attn_why = _attention(levers, model, seq, packed, platform, jnp.dtype(dtype), context)
-    context_why = _context_why(levers, model, seq, context)
+    strategy, context_why = _context_strategy(levers, model, seq, context)
     if levers.scan_unroll is None:
         unroll = True if levers.remat == "none" else 1
         unroll_why = (
@@ -444,10 +447,47 @@ def resolve(
             ("context_strategy", context_why),
         ),
         offload_params=levers.offload_params,
-        context_strategy=levers.context_strategy,
+        context_strategy=strategy,
         context=context,
         context_load_balance=levers.context_load_balance,
     )
+
+
+#: ``context_strategy="auto"``: Ulysses from this many tokens per sequence (where the head
+#: counts allow): there its all-to-alls move fewer bytes than the gathered K/V and no
+#: device holds the whole sequence's K/V (docs/sharding.md, "Context parallelism").
+AUTO_ULYSSES_MIN_SEQ = 65536
+
+#: ``Levers.context_strategy``'s values: a strategy or ``"auto"``.
+CONTEXT_STRATEGY_CHOICES = ("auto", *CONTEXT_STRATEGY_NAMES)
+
+
+def _context_strategy(levers, model, seq, context: int) -> tuple[str, str]:
+    """``(strategy, reason)``: ``"auto"`` resolved (``Levers.context_strategy``), or the
+    strategy as given (``_context_why``)."""
+    if levers.context_strategy != "auto":
+        return levers.context_strategy, _context_why(levers, model, seq, context)
+    if context <= 1:
+        return "all_gather", "unused: no context axis splits the sequence"
+    nh, nkv = model.num_heads, model.num_kv_heads
+    divides = nh % context == 0 and nkv % context == 0
+    if divides and seq is not None and seq >= AUTO_ULYSSES_MIN_SEQ:
+        strategy = "ulysses"
+        why = (
+            f"auto: ulysses: both head counts ({nh}, {nkv}) are multiples of {context} and "
+            f"{seq} tokens >= {AUTO_ULYSSES_MIN_SEQ}: fewer bytes per step than the gathered "
+            "K/V, no device holds the whole sequence's K/V"
+        )
+    else:
+        strategy = "all_gather"
+        reason = (
+            f"head counts ({nh}, {nkv}) not both multiples of {context}"
+            if not divides
+            else f"{seq} tokens < {AUTO_ULYSSES_MIN_SEQ}"
+        )
+        why = f"auto: all_gather ({reason}): one collective per layer"
+    resolved = dataclasses.replace(levers, context_strategy=strategy)
+    return strategy, why + "; " + _context_why(resolved, model, seq, context).split(": ", 1)[1]
 
 
 def _context_why(levers, model, seq, context: int) -> str:

@@ -184,12 +184,13 @@ class ExecutionConfig(_Group):
         aliases=("mlp_chunk",),
     )
     context_strategy: str = option(
-        "all_gather",
+        "auto",
         "with --mesh context=C: attention across the shards of a sequence: all_gather "
         "(K/V gathered, one collective per layer), ring (K/V shards passed around, two per "
-        "device at most) or ulysses (all-to-all heads for sequence; head counts must be "
-        "multiples of C); docs/sharding.md",
-        choices=CONTEXT_STRATEGY_NAMES,
+        "device at most), ulysses (all-to-all heads for sequence; head counts must be "
+        "multiples of C) or auto (ulysses where the head counts allow and the sequence has "
+        "at least 65536 tokens, else all_gather); docs/sharding.md",
+        choices=("auto", *CONTEXT_STRATEGY_NAMES),
     )
     precision: str = option(
         "bf16", "compute dtype; fp16 turns on dynamic loss scaling", choices=("bf16", "fp16")

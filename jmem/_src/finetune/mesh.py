@@ -68,6 +68,8 @@ def check_context(config, cfg) -> None:
             f"pairs of --objective {config.training.objective}; drop context= or use "
             "--objective sft"
         )
+    if config.execution.context_strategy == "auto":
+        return
     try:
         check_strategy(config.execution.context_strategy, cfg.num_heads, cfg.num_kv_heads, context)
     except ValueError as e:
