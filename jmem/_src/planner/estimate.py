@@ -305,9 +305,11 @@ def _transfers(
     return {k: v for k, v in host.items() if k not in moved}, moved, transfers
 
 
-def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target):
+def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target, nf4):
     """The activation ledger: ``(bytes, detail, host bytes, notes)``; ``target``: the
-    resolved levers' compile target (its platform's compiler terms, ``compiler_terms``)."""
+    resolved levers' compile target (its platform's compiler terms, ``compiler_terms``);
+    ``nf4``: bytes per NF4 weight of a QLoRA base (None: none), for the layer stack's
+    weight slices that ``remat="none"`` holds."""
     if budget is not None:
         return int(budget), {"activation:budget": int(budget)}, 0, []
     platform = _levers._platform(target)[1]  # noqa: SLF001 (resolve's own rule)
@@ -319,6 +321,7 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
         activation_dtype=act_dtype,
         remat=remat,
         compiler=terms.compiler,
+        layer_param_bytes=int(shape.linear_params * nf4) if nf4 else 0,
     )
     phased = parts.pop("phased")
     work = [parts["recompute"], parts["logits"]]
@@ -525,7 +528,7 @@ def estimate(
     )
     remat = _streamed_remat(streamed, lv.remat, offload)
     act, act_detail, host_act, act_notes = _activations(
-        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target
+        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target, nf4
     )
     if host_act:
         host["activations"] = host_act
