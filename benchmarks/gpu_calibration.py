@@ -36,7 +36,7 @@ MODEL, RANK = "llama3_1_8b", 32
 SEQS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 REMATS = ("full", "offload_inputs")
 POLICIES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
-POLICY_SEQS = (2048, 4096, 16384, 49152)
+POLICY_SEQS = (4096, 16384, 49152)
 
 
 def key(flags: dict) -> str:
@@ -176,7 +176,7 @@ def _row(model: str, seq: int, remat: str, rank: int, attention: str | None = No
 
 def _policy_rows() -> list[dict]:
     """Every remat policy: 8B at ``POLICY_SEQS`` (the ``full``/``offload_inputs`` points
-    of ``SEQS`` are in the main grid), 8B with blockwise attention at 4k, and the other
+    of ``SEQS`` are in the main grid), 8B with blockwise attention at 16k, and the other
     families (``FAMILY_POLICIES``)."""
     rows = [
         _row(MODEL, seq, remat, RANK)
@@ -184,7 +184,7 @@ def _policy_rows() -> list[dict]:
         for seq in POLICY_SEQS
         if not (remat in REMATS and seq in SEQS)
     ]
-    rows += [_row(MODEL, 4096, remat, RANK, "blockwise") for remat in BLOCKWISE]
+    rows += [_row(MODEL, 16384, remat, RANK, "blockwise") for remat in BLOCKWISE]
     for m in FAMILY_POLICIES:
         rows += [_row(m, s, r, RANK) for s in (4096, 16384) for r in POLICIES[:4]]
         rows += [_row(m, 4096, r, RANK) for r in POLICIES[4:]]

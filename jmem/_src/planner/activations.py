@@ -58,6 +58,9 @@ class CompilerTerms:
         inlines the layer loop under ``none`` (``scan_unroll``) and XLA:GPU slices each
         layer's weights out of the stacked arrays into buffers kept until that layer's
         backward (1 on XLA:GPU; 0 on XLA:CPU: not measured there).
+      unrolled_blockwise_per_pair: under ``remat="none"`` with blockwise attention, bytes
+        per layer and query-key pair (``b s^2``) the inlined layers hold beyond their
+        saved residuals (XLA:GPU: fitted, not read off its buffers; 0 on XLA:CPU).
       offload_mlp_per_token_f: under ``remat="offload"``, which the job runs without
         token chunks (``jmem.resolve_levers``), the layer phase's bytes per token and
         intermediate unit instead of ``mlp_work_per_token_f`` per chunk token: the whole
@@ -76,6 +79,7 @@ class CompilerTerms:
     source: str
     unrolled_weight_copies: float = 0
     offload_mlp_per_token_f: float | None = None
+    unrolled_blockwise_per_pair: float = 0
 
 
 #: XLA:CPU: fitted to the compiled peaks of the main job's dry run (Llama-3.1-8B, QLoRA
@@ -105,6 +109,7 @@ GPU_TERMS = CompilerTerms(
     "XLA:GPU compiles for h100_sxm of the 8B QLoRA job, 2k-128k tokens",
     unrolled_weight_copies=1,
     offload_mlp_per_token_f=9.2,
+    unrolled_blockwise_per_pair=1.1,
 )
 COMPILER_TERMS = {"cpu": CPU_TERMS, "gpu": GPU_TERMS}
 
@@ -242,7 +247,9 @@ def activation_bytes(
     set ``t (w h) + min(t, mlp_chunk) f F + c W`` bytes (``W``: one layer's linear
     weights), ``logits`` the chunked loss's ``k * 4 loss_chunk V + l t h``, there is no
     mask, and ``phased`` is 1: the loss and the layers' backward pass run one after the
-    other, so the step holds the larger of the two. The constants are the compiler's
+    other, so the step holds the larger of the two. With the token-local parts in chunks
+    ``layers`` counts what crosses the chunks under each mode (``docs/planner.md``, "Every
+    remat policy on the GPU compiler"). The constants are the compiler's
     (:class:`CompilerTerms`): XLA:CPU's ``w=22, f=24, c=0, k=2.5, l=0`` (it keeps bf16
     temporaries in float32) or XLA:GPU's (fitted to h100_sxm compiles; docs/planner.md).
     The derivation and the table of modes are in ``docs/planner.md``.
@@ -296,4 +303,7 @@ def activation_bytes(
         parts.update(other=A * t * shape.hidden_size, phased=1)
         if remat == "none":  # the inlined layers' weight slices, held to their backward
             parts["layers"] += int(terms.unrolled_weight_copies * layer_param_bytes)
+            if shape.attention == "blockwise":
+                pairs = L * batch_size * s * s
+                parts["layers"] += int(terms.unrolled_blockwise_per_pair * pairs)
     return parts
