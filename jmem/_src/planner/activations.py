@@ -109,7 +109,7 @@ GPU_TERMS = CompilerTerms(
     "XLA:GPU compiles for h100_sxm of the 8B QLoRA job, 2k-128k tokens",
     unrolled_weight_copies=1,
     offload_mlp_per_token_f=9.2,
-    unrolled_blockwise_per_pair=1.1,
+    unrolled_blockwise_per_pair=0.85,
 )
 COMPILER_TERMS = {"cpu": CPU_TERMS, "gpu": GPU_TERMS}
 
