@@ -109,3 +109,28 @@ def test_stored_compiles_still_match_the_compiler(remat):
     live = bench.compile_point(flags)
     for k in ("peak_bytes", "argument_bytes", "host_peak_bytes"):
         np.testing.assert_allclose(live[k], stored[k], rtol=0.02, err_msg=k)
+
+
+def test_fsdp_per_device_estimate_against_the_stored_compile():
+    """Llama-3.1-8B QLoRA r=32 on 8 h100_sxm devices (``--mesh fsdp=8``, batch 8 x 4,096,
+    full remat; ``benchmarks/gpu_calibration.py --fsdp``, ``headlines.json``): the planner's
+    per-device params and optimizer state equal the compile's arguments (jmem replicates
+    the LoRA adapters and their gradients and splits the rest) and its total is within 10%
+    of the device peak."""
+    stored = json.loads((CALIBRATION.parent / "headlines.json").read_text())["fsdp_8"]
+    compiled = stored["no offload"]
+    led = planner.estimate(
+        llama.get_config("llama3_1_8b"),
+        param_dtype="bf16",
+        optimizer="adamw_8bit",
+        lora={"rank": 32, "targets": list(llama.LINEAR_NAMES)},
+        quantization="nf4",
+        remat="full",
+        seq_len=4096,
+        num_shards=8,
+        zero_stage=3,
+        target=TARGET,
+    )
+    state = led.params + led.optimizer_state + led.master_weights
+    np.testing.assert_allclose(state, compiled["argument_bytes"], rtol=0.005)
+    np.testing.assert_allclose(led.total, compiled["peak_bytes"], rtol=0.10)

@@ -239,8 +239,11 @@ def _divide_from(x: float, k: int, zero_stage: int, stage: int) -> float:
     return math.ceil(x / k) if zero_stage >= stage else x
 
 
-def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P):
-    """ZeRO stage 1/2/3 over ``k`` shards (ceil-divided), and its notes."""
+def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P, adapters=0.0):
+    """ZeRO stage 1/2/3 over ``k`` shards (ceil-divided), and its notes. ``adapters``: the
+    LoRA adapters' bytes (their params and, as many, their grads), which jmem's FSDP
+    shardings replicate (``jmem._src.sharding``: ``LoraWeight`` nodes and their gradients;
+    their optimizer state is split)."""
     if k == 1:
         if not explicit_stage:
             return st, []
@@ -257,8 +260,8 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P)
         )
     notes.append(f"ZeRO-{zero_stage} over {k} shards")
     sharded = _States(
-        _divide_from(st.params, k, zero_stage, 3),
-        _divide_from(st.grads, k, zero_stage, 2),
+        _divide_from(st.params - adapters, k, zero_stage, 3) + adapters,
+        _divide_from(st.grads - adapters, k, zero_stage, 2) + adapters,
         _divide_from(st.optimizer_state, k, zero_stage, 1),
         _divide_from(st.master_weights, k, zero_stage, 1),
         st.trainable,
@@ -513,7 +516,8 @@ def estimate(
         AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
         st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
         notes += [*base_notes, lora_note]
-    st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P)
+    adapters = st.grads if spec is not None else 0  # LoRA: the grads are the adapters'
+    st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P, adapters)
     shards = (num_shards, zero_stage)
     streamed, params_host = {}, 0
     if offload.params:
