@@ -269,6 +269,21 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P,
     return sharded, notes
 
 
+def _update_notes(shape, offload: Offload, spec, opt: OptimizerLayout, num_shards: int):
+    """What the leaf-by-leaf update of an offloaded float32 optimizer state (full
+    fine-tuning) holds after the backward pass: about seven float32 copies of the largest
+    stacked leaf's shard (its moments and master fetched, their new values and the update;
+    read off XLA:GPU's buffers for Llama-2-7B on 8 devices, docs/offload.md). Not counted."""
+    if spec is not None or opt.bits < 32 or "optimizer_state" not in offload.ledgers:
+        return []
+    held = 7 * 4 * max(shape.leaf_sizes()) / num_shards
+    return [
+        f"not counted: the leaf-by-leaf update of the offloaded state holds ~{held / GB:.3g} "
+        "GB after the backward pass (7 float32 copies of the largest leaf's shard; with "
+        "params and grads, instead of the activations)"
+    ]
+
+
 def _streamed_remat(streamed: dict, remat, offload: Offload):
     """``remat``, checked: the params rung needs remat, as ``Levers(offload_params=True)``."""
     if streamed and remat in (None, "none"):
@@ -542,6 +557,6 @@ def estimate(
     config = _config(model, config, quantization, num_shards, accounting)
     host, disk, transfers = _transfers(host, offload, streamed)
     flops = int((6 if spec is None else 4) * n * batch_size * seq_len)
-    notes += shard_notes + act_notes
+    notes += shard_notes + act_notes + _update_notes(shape, offload, spec, opt, num_shards)
     extra = dict(transfers=transfers, disk=disk, flops=flops)
     return _ledger(st, act, host, n, {**detail, **act_detail}, notes, config, **extra)
