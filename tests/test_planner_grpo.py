@@ -1,0 +1,117 @@
+"""The planner's GRPO phases: the KV-cache ledger against hand arithmetic and against the
+compiled rollout (XLA:CPU, tiny), the training phase's extras, the generation batch choice."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jmem import lora
+from jmem import qlora
+from jmem._src.finetune.rollout_compile import rollout_report
+from jmem._src.planner import grpo_phases
+from jmem._src.planner import kv_cache
+from jmem._src.planner.estimate import estimate
+from jmem._src.planner.shapes import LINEAR_NAMES
+from jmem.models import llama
+
+
+def test_kv_bytes_per_token_is_two_kv_heads_times_head_dim():
+    # Llama 3.1 8B: 8 KV heads (GQA) of 128, bf16: 2 * 8 * 128 * 2 = 4096 B per layer.
+    assert kv_cache.kv_bytes_per_token("llama3_1_8b") == 4096
+    assert kv_cache.kv_bytes_per_token("llama3_1_8b", "fp32") == 8192
+    # 32 layers, 2 rows of 1,024 + 19,456 tokens: 2 * 20480 * 32 * 4096 B = 5 GiB.
+    got = kv_cache.kv_cache_bytes("llama3_1_8b", rows=2, tokens=20480)
+    assert got == 2 * 20480 * 32 * 4096 == 5 * 2**30
+
+
+def test_sliding_window_layers_capped_only_when_asked():
+    cfg = llama.get_config("gemma3_1b")  # 26 layers, every 6th full, window 512
+    per = kv_cache.kv_bytes_per_token(cfg)
+    windows = kv_cache.layer_windows(cfg)
+    assert windows.count(None) == 4 and set(windows) == {None, 512}
+    assert kv_cache.layer_windows("gemma3_1b") == windows
+    full = kv_cache.kv_cache_bytes(cfg, rows=3, tokens=4096)
+    capped = kv_cache.kv_cache_bytes(cfg, rows=3, tokens=4096, capped=True)
+    assert full == 3 * 26 * 4096 * per
+    assert capped == 3 * per * (4 * 4096 + 22 * 512)
+    # shorter than the window: nothing to cap
+    assert kv_cache.kv_cache_bytes(cfg, rows=1, tokens=100, capped=True) == 26 * 100 * per
+    with pytest.raises(ValueError, match="rows and tokens"):
+        kv_cache.kv_cache_bytes(cfg, rows=0, tokens=1)
+
+
+def test_generation_phase_is_weights_plus_caches_plus_other():
+    kw = dict(lora=(8, LINEAR_NAMES), quantization="nf4", target="h100_sxm")
+    ph = kv_cache.generation_phase(
+        "llama3_1_8b", generation_batch=2, max_prompt_len=1024, max_completion_len=19456, **kw
+    )
+    assert ph.name == "generation" and ph.line().startswith("generation: ")
+    assert ph.total == sum(ph.parts.values())
+    assert ph.parts["kv_cache"] == 2 * 5 * 2**30  # two caches live on XLA:GPU
+    w = estimate("llama3_1_8b", lora=(8, LINEAR_NAMES), quantization="nf4").params
+    assert ph.parts["weights"] == w
+    with pytest.raises(ValueError, match="generation_batch"):
+        kv_cache.generation_phase(
+            "tiny", generation_batch=0, max_prompt_len=1, max_completion_len=1
+        )
+
+
+def test_training_phase_adds_grpo_arrays_to_the_sft_estimate():
+    kw = dict(lora=(8, LINEAR_NAMES), quantization="nf4", remat="full")
+    ph = grpo_phases.training_phase(
+        "tiny", batch_size=4, max_prompt_len=16, max_completion_len=48, beta=0.0, **kw
+    )
+    sft = estimate("tiny", batch_size=4, seq_len=64, **kw)
+    assert ph.parts["sft"] == sft.total
+    assert ph.parts["grpo_extras"] == 4 * 4 * (3 * 48 + 1)
+    with_ref = grpo_phases.training_phase(
+        "tiny", batch_size=4, max_prompt_len=16, max_completion_len=48, beta=0.04, **kw
+    )
+    assert with_ref.total - ph.total == 4 * 4 * 48  # the reference's log-probs
+    assert ph.line().startswith("training: ")
+
+
+def test_largest_generation_batch_is_the_largest_divisor_that_fits():
+    kw = dict(
+        max_prompt_len=1024,
+        max_completion_len=19456,
+        lora=(32, LINEAR_NAMES),
+        quantization="nf4",
+        target="h100_sxm",
+    )
+    gb, ph, why = grpo_phases.largest_generation_batch(24 * 2**30, "llama3_1_8b", rows=8, **kw)
+    assert gb == 2 and ph.config["rows"] == 2
+    four = kv_cache.generation_phase("llama3_1_8b", generation_batch=4, **kw)
+    assert ph.total + 2e9 <= 24 * 2**30 < four.total + 2e9
+    assert "largest divisor of the 8 completions" in why
+    gb, _, why = grpo_phases.largest_generation_batch(6 * 2**30, "llama3_1_8b", rows=8, **kw)
+    assert gb == 0 and "not even 1 row" in why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows,prompt,completion", [(2, 16, 64), (8, 32, 512)])
+def test_generation_phase_within_15_percent_of_the_compiled_rollout(rows, prompt, completion):
+    cfg = llama.get_config("tiny")
+    frozen = jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, jnp.bfloat16)))
+    adapters = jax.eval_shape(
+        lambda k: lora.init(k, frozen, rank=8, modules=list(LINEAR_NAMES)), jax.random.key(0)
+    )
+    report = rollout_report(
+        frozen,
+        adapters,
+        cfg,
+        generation_batch=rows,
+        max_prompt_len=prompt,
+        max_completion_len=completion,
+        target="cpu",
+    )
+    ph = kv_cache.generation_phase(
+        cfg,
+        generation_batch=rows,
+        max_prompt_len=prompt,
+        max_completion_len=completion,
+        lora=(8, LINEAR_NAMES),
+        quantization="nf4",
+        target="cpu",
+    )
+    assert abs(ph.total / report.peak_bytes - 1) < 0.15, (ph.parts, report)
