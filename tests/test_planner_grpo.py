@@ -115,3 +115,64 @@ def test_generation_phase_within_15_percent_of_the_compiled_rollout(rows, prompt
         target="cpu",
     )
     assert abs(ph.total / report.peak_bytes - 1) < 0.15, (ph.parts, report)
+
+
+GRPO_8B = [
+    "estimate",
+    "--model",
+    "llama3_1_8b",
+    "--lora-rank",
+    "32",
+    "--objective",
+    "grpo",
+    "--num-generations",
+    "8",
+    "--batch-size",
+    "8",
+    "--max-prompt-len",
+    "1024",
+    "--max-completion-len",
+    "19456",
+    "--remat",
+    "offload_inputs",
+    "--target",
+    "h100_sxm",
+]
+
+
+def _lines(capsys, argv):
+    from jmem.__main__ import main  # noqa: PLC0415
+
+    assert main(argv) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_estimate_grpo_prints_both_phases_and_picks_the_generation_batch(capsys):
+    lines = _lines(capsys, [*GRPO_8B, "--memory", "24GiB"])
+    gen = [ln for ln in lines if ln.startswith("generation: ")]
+    train = [ln for ln in lines if ln.startswith("training: ")]
+    assert len(gen) == len(train) == 1
+    assert "rows=2" in gen[0] and gen[0].endswith("fits 24 GiB with the 2 GB reserve")
+    assert "largest divisor of the 8 completions" in lines[lines.index(gen[0]) + 1]
+    assert "(4 rows: " in lines[lines.index(gen[0]) + 1]
+    assert "rows=8, tokens=1024+19456, remat=offload_inputs" in train[0]
+    assert train[0].endswith("fits 24 GiB with the 2 GB reserve")
+
+
+def test_estimate_grpo_generation_batch_given_and_whole_batch(capsys):
+    lines = _lines(capsys, [*GRPO_8B, "--generation-batch", "4", "--memory", "24GiB"])
+    gen = next(ln for ln in lines if ln.startswith("generation: "))
+    assert "rows=4" in gen and gen.endswith("does not fit 24 GiB with the 2 GB reserve")
+    lines = _lines(capsys, GRPO_8B)
+    assert any("rows=8" in ln for ln in lines if ln.startswith("generation: "))
+    assert any("the whole batch" in ln for ln in lines)
+
+
+def test_estimate_grpo_refuses_partial_groups(capsys):
+    from jmem.__main__ import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main([*GRPO_8B, "--batch-size", "12"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be a multiple of --num-generations 8" in err and "\n" == err[-1]

@@ -14,6 +14,7 @@ from typing import Mapping
 from jmem._src import dtypes as _dtypes
 from jmem._src import levers as _levers
 from jmem._src import model_table
+from jmem._src.measure import format_bytes
 from jmem._src.planner.estimate import estimate
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import is_count
@@ -93,11 +94,11 @@ class Phase:
     notes: tuple[str, ...] = ()
 
     def line(self) -> str:
-        """``generation: 2 rows x 20,480 tokens (...): device 16.1 GiB (...)``: one line,
+        """``generation: rows=2, tokens=1024+19456: device 16.02 GiB (weights ...)``: one line,
         beginning with the phase's name."""
         cfg = ", ".join(f"{k}={v}" for k, v in self.config.items() if v is not None)
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in self.parts.items())
-        return f"{self.name}: {cfg}: device {self.total / GiB:.2f} GiB ({parts} GiB)"
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.parts.items())
+        return f"{self.name}: {cfg}: device {format_bytes(self.total)} ({parts})"
 
 
 def layer_windows(model: Any) -> tuple[int | None, ...]:
