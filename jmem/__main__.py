@@ -172,6 +172,8 @@ def _generation(args: argparse.Namespace, kw: dict):
         lora=kw["lora"],
         quantization=kw["quantization"],
         param_dtype=args.param_dtype,
+        optimizer=kw["optimizer"],
+        offload=kw["offload"],
         max_prompt_len=args.max_prompt_len,
         max_completion_len=args.max_completion_len,
         target=args.target,

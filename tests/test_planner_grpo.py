@@ -63,11 +63,11 @@ def test_training_phase_adds_grpo_arrays_to_the_sft_estimate():
     )
     sft = estimate("tiny", batch_size=4, seq_len=64, **kw)
     assert ph.parts["sft"] == sft.total
-    assert ph.parts["grpo_extras"] == 4 * 4 * (3 * 48 + 1)
+    assert ph.parts["grpo_extras"] == 4 * 4 * (4 * 64 + 1)
     with_ref = grpo_phases.training_phase(
         "tiny", batch_size=4, max_prompt_len=16, max_completion_len=48, beta=0.04, **kw
     )
-    assert with_ref.total - ph.total == 4 * 4 * 48  # the reference's log-probs
+    assert with_ref.total - ph.total == 4 * 4 * 64  # the reference's log-probs
     assert ph.line().startswith("training: ")
 
 

@@ -19,22 +19,22 @@ from jmem._src.units import GiB
 __all__ = ["grpo_extra_bytes", "largest_generation_batch", "training_phase"]
 
 
-def grpo_extra_bytes(batch_size: int, max_completion_len: int, beta: float = 0.0) -> int:
-    """Bytes GRPO's loss adds to an SFT step of the same tokens: float32 ``[B, C]`` old
-    log-probs (the rollout's), the policy's log-probs and their gradient, the reference's
+def grpo_extra_bytes(batch_size: int, seq_len: int, beta: float = 0.0) -> int:
+    """Bytes GRPO's loss adds to an SFT step of the same tokens: float32 ``[B, S]`` (the job
+    packs them over the whole sequence) old log-probs (the rollout's), the completion mask,
+    the policy's log-probs and their gradient, the reference's
     log-probs when ``beta > 0`` (the base with the adapters off: a forward without
     gradient, run before the policy's, whose activations are never saved), and float32
     ``[B]`` advantages.
 
     Raises:
       ValueError: non-positive sizes or a negative ``beta``."""
-    if batch_size < 1 or max_completion_len < 1 or beta < 0:
+    if batch_size < 1 or seq_len < 1 or beta < 0:
         raise ValueError(
-            f"need batch_size, max_completion_len >= 1 and beta >= 0; got {batch_size}, "
-            f"{max_completion_len}, {beta}."
+            f"need batch_size, seq_len >= 1 and beta >= 0; got {batch_size}, {seq_len}, {beta}."
         )
-    per_token = 3 + (1 if beta > 0 else 0)
-    return 4 * batch_size * (per_token * max_completion_len + 1)
+    per_token = 4 + (1 if beta > 0 else 0)
+    return 4 * batch_size * (per_token * seq_len + 1)
 
 
 def training_phase(
@@ -69,7 +69,7 @@ def training_phase(
     """
     seq_len = max_prompt_len + max_completion_len
     ledger = estimate(model, batch_size=batch_size, seq_len=seq_len, **config)
-    extra = grpo_extra_bytes(batch_size, max_completion_len, beta)
+    extra = grpo_extra_bytes(batch_size, seq_len, beta)
     remat = ledger.config.get("remat") or remat_of(config)
     cfg = {"rows": batch_size, "tokens": f"{max_prompt_len}+{max_completion_len}", "remat": remat}
     notes = (

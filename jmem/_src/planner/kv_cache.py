@@ -161,12 +161,19 @@ def kv_cache_bytes(
     return rows * per * sum(tokens if w is None else min(tokens, w) for w in windows)
 
 
-def _weights(model: Any, lora: Any, quantization: Any, options: Mapping[str, Any]) -> int:
-    """The weights as stored (``estimate``'s params ledger: the NF4 base and the adapters)."""
+def _weights(model: Any, lora: Any, quantization: Any, options: Mapping[str, Any]):
+    """``(weights, state)``: the weights as stored (``estimate``'s params ledger: the NF4
+    base and the adapters) and, with an ``optimizer``, the training state that stays on the
+    device during the rollout (its optimizer state and masters, unless offloaded)."""
     kw = {k: v for k, v in options.items() if v is not None}
-    return estimate(
+    optimizer = kw.pop("optimizer", None)
+    if optimizer is not None:
+        kw["optimizer"] = optimizer
+    led = estimate(
         model, lora=lora, quantization=quantization, batch_size=1, seq_len=1, activations=0, **kw
-    ).params
+    )
+    state = led.optimizer_state + led.master_weights if optimizer is not None else 0
+    return led.params, state
 
 
 def _other(shape: ModelShape, terms: GenerationTerms, rows: int, prompt: int, T: int, A: int):
@@ -191,13 +198,16 @@ def generation_phase(
     activation_dtype: Any = None,
     double_quant: bool = True,
     quantize_embeddings: bool = False,
+    optimizer: str | None = None,
+    offload: Any = None,
     target: Any = None,
 ) -> Phase:
     """The device peak of one rollout micro-batch (``llama.rollout``'s program: the prefill,
     then the decoding loop over a KV cache of ``prompt + completion`` tokens).
 
-    ``total = weights + c x kv_cache_bytes(rows, P + C) + other``: the weights as stored
-    (``estimate``'s params: the NF4 base and the adapters), ``c`` caches live at once
+    ``total = weights + state + c x kv_cache_bytes(rows, P + C) + other``: the weights as
+    stored (``estimate``'s params: the NF4 base and the adapters), the optimizer state and
+    masters that stay on the device between training steps (with ``optimizer``), ``c`` caches live at once
     (``GenerationTerms.cache_copies``: the layer scan reads one and writes the next), and the
     compiler's other buffers (one layer's dequantized weights, attention over the cache, the
     prefill's hidden states, the float32 ``[rows, V]`` logits and their sampling
@@ -210,6 +220,8 @@ def generation_phase(
       lora, quantization, param_dtype, adapter_dtype, double_quant, quantize_embeddings: as
         ``estimate`` (the weights: ``lora=(rank, targets)``, ``quantization="nf4"``).
       activation_dtype: the cache and compute dtype (default ``param_dtype``).
+      optimizer, offload: the training state resident during the rollout (``estimate``'s
+        optimizer and offload rungs; None: the weights only).
       target: the compile target whose compiler's constants apply (None: the running
         backend).
 
@@ -238,8 +250,10 @@ def generation_phase(
         adapter_dtype=adapter_dtype,
         double_quant=double_quant,
         quantize_embeddings=quantize_embeddings,
+        optimizer=optimizer,
+        offload=offload,
     )
-    weights = _weights(model, lora, quantization, options)
+    weights, state = _weights(model, lora, quantization, options)
     cache = kv_cache_bytes(model, rows=generation_batch, tokens=T, dtype=act)
     kv = int(terms.cache_copies * cache)
     other = _other(shape, terms, generation_batch, max_prompt_len, T, A)
@@ -256,5 +270,6 @@ def generation_phase(
             "jmem's rollout allocates every layer at the full length"
         )
     config = {"rows": generation_batch, "tokens": f"{max_prompt_len}+{max_completion_len}"}
-    parts = {"weights": weights, "kv_cache": kv, "other": other}
-    return Phase("generation", weights + kv + other, parts, config, tuple(notes))
+    parts = {"weights": weights, "state": state, "kv_cache": kv, "other": other}
+    parts = {k: v for k, v in parts.items() if v or k != "state"}
+    return Phase("generation", weights + state + kv + other, parts, config, tuple(notes))
