@@ -5,8 +5,9 @@ Adam and its weight-decay mask (``decay_mask``), block-wise quantization, ``offl
 ``train_step`` which composes them.
 Namespaces: ``jmem.lora``, ``jmem.qlora``, ``jmem.nf4``, ``jmem.fp8``, ``jmem.sharding``,
 ``jmem.planner``, ``jmem.targets`` (compile targets), ``jmem.tree``, ``jmem.data``, ``jmem.losses`` (preference losses),
-``jmem.host`` (the host allocator of CPU steps); the reference model in ``jmem.models``, the
-fine-tuning job in ``jmem.finetune`` (both load on first use, as every name here).
+``jmem.rewards`` (GRPO reward functions), ``jmem.host`` (the host allocator of CPU steps); the
+reference model in ``jmem.models``, the fine-tuning job in ``jmem.finetune`` (both load on
+first use, as every name here).
 """
 
 import typing
@@ -23,6 +24,7 @@ if typing.TYPE_CHECKING:  # imported on first use (``__getattr__``): ``jmem --he
     from jmem import ops as ops
     from jmem import planner as planner
     from jmem import qlora as qlora
+    from jmem import rewards as rewards  # not in __all__ (the top level's curated size)
     from jmem import sharding as sharding
     from jmem import targets as targets
     from jmem import tree as tree

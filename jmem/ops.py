@@ -1,5 +1,5 @@
 """Long-context operations: memory-efficient attention, a chunked cross-entropy and chunked
-sequence log-probabilities."""
+sequence and per-token log-probabilities."""
 
 from jmem._src.attention import IMPLEMENTATIONS
 from jmem._src.attention import attention
@@ -8,6 +8,7 @@ from jmem._src.linear_cross_entropy import linear_cross_entropy
 from jmem._src.linear_cross_entropy import token_nll
 from jmem._src.sequence_logprobs import SequenceLogprobs
 from jmem._src.sequence_logprobs import sequence_logprobs
+from jmem._src.sequence_logprobs import token_logprobs
 
 __all__ = (
     "IMPLEMENTATIONS",
@@ -16,5 +17,6 @@ __all__ = (
     "attention_mask",
     "linear_cross_entropy",
     "sequence_logprobs",
+    "token_logprobs",
     "token_nll",
 )

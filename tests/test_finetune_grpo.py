@@ -1,8 +1,17 @@
 """``jmem finetune --objective grpo``: the flags and their one-line refusals (a group needs
-two completions, the batch whole groups, one weight per reward, a reward at all), and the
-options in a config file and Python."""
+two completions, the batch whole groups, one weight per reward, a reward at all), the
+options in a config file and Python; short runs on the toy prompts: the reports, a run
+stopped by its reward and resumed bit for bit, the adapter in PEFT; the toy task's rise."""
+
+import contextlib
+import io
+import json
+import os
 
 import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jmem import finetune
@@ -99,3 +108,125 @@ def test_grpo_options_in_a_config_file_and_python(tmp_path):
     # a dry run plans without a reward
     c = finetune.FinetuneConfig.from_flat(objective="grpo", dry_run=True)
     assert c.grpo.reward == ()
+
+
+# ------------------------------------------------------------------------------ the runs
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.dirname(HERE)
+PROMPTS = os.path.join(ROOT, "examples", "grpo_letters.jsonl")
+TOY_REWARD = os.path.join(ROOT, "examples", "grpo_rewards.py") + ":lowercase_share"
+FLAKY = os.path.join(HERE, "data", "grpo_flaky_reward.py") + ":flaky_share"
+RUN = ["--config", "tiny", "--objective", "grpo", "--data", PROMPTS, "--lora-rank", "4"]
+RUN += ["--batch-size", "4", "--num-generations", "2", "--max-prompt-len", "16"]
+RUN += ["--max-completion-len", "8", "--no-progress", "--host-allocator", "system"]
+RUN += ["--save-every", "2", "--eval-every", "2"]
+#: metrics that measure time, not what was computed
+TIMING = ("generation_tokens_per_s", "train_tokens_per_s")
+
+
+def _main(argv):
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        summary = finetune.main(argv)
+    return summary, log.getvalue()
+
+
+def _computed(metrics):
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in metrics]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    """4 steps of ``--objective grpo`` on the toy prompts with two rewards (weighted), with
+    --export-merged; returns (summary, out dir, merged dir, log, argv)."""
+    tmp = tmp_path_factory.mktemp("grpo")
+    out, merged = tmp / "run", tmp / "merged"
+    argv = RUN + ["--reward", TOY_REWARD, "--reward", FLAKY, "--reward-weights", "1,0.5"]
+    argv += ["--steps", "4", "--out", str(out)]
+    summary, log = _main(argv + ["--export-merged", str(merged)])
+    return summary, out, merged, log, argv
+
+
+@pytest.mark.slow
+def test_grpo_run_reports_rewards_per_step_and_function(grpo_run):
+    summary, out, _, log, _ = grpo_run
+    assert summary["objective"] == "GRPO" and summary["args"]["loss_type"] == "dapo"
+    assert summary["args"]["beta"] == 0.0 and summary["prompts"] == 32
+    m = summary["metrics"]
+    assert len(m) == len(summary["rewards"]) == len(summary["losses"]) == 4
+    for step in m:  # the weighted total, TRL's names
+        total = step["rewards/lowercase_share/mean"] + 0.5 * step["rewards/flaky_share/mean"]
+        assert abs(step["reward"] - total) < 1e-5
+        assert step["completions/max_length"] == 8 and step["completions/clipped_ratio"] == 1.0
+        assert 0 <= step["clip_ratio/region_mean"] <= 1 and step["advantage_std"] >= 0
+    assert summary["rewards"] == [x["reward"] for x in m]
+    assert set(summary["reward_functions"]) == {"lowercase_share", "flaky_share"}
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["reward"] for x in lines] == summary["rewards"]
+    assert (out / "loss.png").stat().st_size > 0
+    step_1 = next(x for x in log.splitlines() if x.startswith("step     1"))
+    for words in ("reward", "lowercase_share", "adv std", "clip", "len 8.0", "gen", "train"):
+        assert words in step_1
+    assert "kl" not in step_1  # beta 0: no KL term
+    assert log.count("  sample (reward") == 2 * 3  # steps 1, 2 and 4
+    assert "mean reward" in log.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_grpo_stopped_by_its_reward_resumes_bitwise(grpo_run, tmp_path, monkeypatch, capsys):
+    """A reward that raises at step 3 stops the run in one line naming it and its error,
+    the checkpoint of step 2 kept; --resume then ends as the uninterrupted run: the same
+    losses, rewards and metrics, and the same adapter files."""
+    summary, out, _, _, argv = grpo_run
+    at = argv.index("--out")
+    argv = argv[: at + 1] + [str(tmp_path / "run")] + argv[at + 2 :]
+    monkeypatch.setenv("JMEM_TEST_REWARD_FAIL_AT", f"3:{tmp_path}")
+    with pytest.raises(SystemExit) as e:
+        _main(argv)
+    line = helpers.one_line_error(capsys, e, "step 3", "flaky_share", "RuntimeError")
+    assert "the reward service is down" in line and "checkpoint is step 2" in line
+    monkeypatch.delenv("JMEM_TEST_REWARD_FAIL_AT")
+    again, log = _main(argv + ["--resume"])
+    assert "Resumed at step 2" in log
+    assert again["losses"] == summary["losses"] and again["rewards"] == summary["rewards"]
+    assert _computed(again["metrics"]) == _computed(summary["metrics"])
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (tmp_path / "run" / "adapter" / name).read_bytes() == (
+            out / "adapter" / name
+        ).read_bytes()
+
+
+@pytest.mark.slow
+def test_grpo_adapter_loads_in_peft(grpo_run, tmp_path):
+    """The adapters a GRPO run wrote give PEFT the logits jmem computes on the run's base;
+    --export-merged holds the base with them merged in."""
+    torch = pytest.importorskip("torch", reason="PEFT's runtime")
+    transformers = pytest.importorskip("transformers", reason="the base model for PEFT")
+    peft = pytest.importorskip("peft", reason="loads the adapter the run wrote")
+    from jmem import lora
+    from jmem._src.finetune.build import quantized_base
+    from jmem._src.finetune.setup import resolve_defaults
+    from jmem.models import hf
+    from jmem.models import llama
+
+    _, out, merged, _, argv = grpo_run
+    cfg = llama.get_config("tiny")
+    config, _ = resolve_defaults(parse_args(argv), cfg, on_gpu=False)
+    hf.save_params(str(tmp_path / "base"), quantized_base(config, cfg, jnp.bfloat16, False), cfg)
+    params, _ = hf.load_params(str(tmp_path / "base"), cfg, dtype=jnp.float32)
+    adapters = hf.load_adapters(str(out / "adapter"), params, cfg)
+    adapters = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
+    assert any(float(jnp.abs(w.b).max()) > 0 for w in adapters.values())  # trained
+    tokens = np.frombuffer(b"Write a word: aaa", np.uint8).astype(np.int32)[None]
+    ours = lora.apply(lambda p, t: llama.forward(p, t, cfg))(params, adapters, tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "base"), dtype=torch.float32
+    )
+    model = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+    merged_params, _ = hf.load_params(str(merged), cfg, dtype=jnp.float32)
+    merged_logits = llama.forward(merged_params, jnp.asarray(tokens), cfg)
+    np.testing.assert_allclose(np.asarray(merged_logits), theirs, atol=0.1)  # bf16 weights

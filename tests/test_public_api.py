@@ -17,6 +17,7 @@ NAMESPACES = ["jmem", "jmem.lora", "jmem.qlora", "jmem.nf4", "jmem.fp8", "jmem.s
 NAMESPACES += ["jmem.planner", "jmem.tree", "jmem.data", "jmem.ops", "jmem.losses", "jmem.host"]
 NAMESPACES += ["jmem.finetune"]
 NAMESPACES += ["jmem.targets"]
+NAMESPACES += ["jmem.rewards"]
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)

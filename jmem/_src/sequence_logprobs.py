@@ -19,7 +19,7 @@ from jmem._src.linear_cross_entropy import _logits
 from jmem._src.linear_cross_entropy import token_nll
 from jmem._src.mesh_batch import batch_groups
 
-__all__ = ("SequenceLogprobs", "sequence_logprobs")
+__all__ = ("SequenceLogprobs", "sequence_logprobs", "token_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,18 +43,23 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _token_logprobs(head, logit_softcap, x, targets):
-    """float32 ``[N]`` log-probs of ``targets [N]`` under the logits ``x [N, H] @ head``."""
+def _token_logprobs(head, logit_softcap, x, targets, temperature=1.0):
+    """float32 ``[N]`` log-probs of ``targets [N]`` under the logits ``x [N, H] @ head``
+    (soft-capped, then divided by ``temperature``)."""
     logits = _logits(x, head.astype(x.dtype))
+    if temperature != 1.0:
+        if logit_softcap is not None:
+            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+        return -token_nll(logits / temperature, targets, None)
     return -token_nll(logits, targets, logit_softcap)
 
 
-def _chunk_logprobs(head, logit_softcap, carry, xs):
+def _chunk_logprobs(head, logit_softcap, temperature, carry, xs):
     x, targets = xs
-    return carry, _token_logprobs(head, logit_softcap, x, targets)
+    return carry, _token_logprobs(head, logit_softcap, x, targets, temperature)
 
 
-def _grouped_logprobs(head, logit_softcap, hidden, targets, chunk):
+def _grouped_logprobs(head, logit_softcap, hidden, targets, chunk, temperature):
     """float32 ``[B, S]`` target log-probs, chunked per row group of the mesh's batch split
     (``linear_cross_entropy._group_chunks``: ``[K, G, chunk, ...]`` scan inputs), so that
     each device computes its own rows' chunks."""
@@ -64,12 +69,77 @@ def _grouped_logprobs(head, logit_softcap, hidden, targets, chunk):
 
     def body(carry, xs_):
         x, t = xs_
-        logp = _token_logprobs(head, logit_softcap, x.reshape(-1, x.shape[-1]), t.reshape(-1))
-        return carry, logp.reshape(t.shape)
+        x, t = x.reshape(-1, x.shape[-1]), t.reshape(-1)
+        logp = _token_logprobs(head, logit_softcap, x, t, temperature)
+        return carry, logp.reshape(xs_[1].shape)
 
     _, logp = lax.scan(jax.checkpoint(body), (), (xs, ts))  # [K, G, chunk]
     logp = logp.swapaxes(0, 1).reshape(g, k * chunk)[:, : b // g * s]
     return logp.reshape(b, s)
+
+
+def _chunked_logprobs(hidden, head, targets, chunk, logit_softcap, temperature):
+    """float32 ``[B, S]`` log-probs of ``targets`` (valid ids), over chunks of tokens."""
+    b, s, h = hidden.shape
+    n = b * s
+    g = batch_groups(b)[1]
+    if chunk == 0 or chunk >= n // g:  # each device's tokens: one chunk
+        x, t = hidden.reshape(n, h), targets.reshape(n)
+        return _token_logprobs(head, logit_softcap, x, t, temperature).reshape(b, s)
+    if g > 1:  # a mesh splits the rows: each device chunks its own tokens
+        return _grouped_logprobs(head, logit_softcap, hidden, targets, chunk, temperature)
+    pad = -n % chunk
+    xs = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
+    ts = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
+    step = lambda c, xs_: _chunk_logprobs(head, logit_softcap, temperature, c, xs_)
+    _, logp = lax.scan(jax.checkpoint(step), (), (xs, ts))
+    return logp.reshape(-1)[:n].reshape(b, s)
+
+
+@jax.named_scope("token_logprobs")
+def token_logprobs(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    chunk: int,
+    logit_softcap: float | None = None,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """Per-token target log-probs ``[B, S]``, chunked as ``sequence_logprobs`` (no ``[B, S,
+    V]`` logits): what GRPO's clipped ratio needs per completion token.
+
+    ``log_softmax(softcap(hidden @ head) / temperature)[targets]``, float32, 0 where
+    ``mask`` is 0 (those targets are never read). ``temperature`` is the sampler's, as
+    TRL's ``GRPOTrainer`` divides the logits by it before its log-probs.
+
+    Args:
+      hidden: ``[B, S, H]`` final hidden states, float32 or 16-bit.
+      head: ``[H, V]`` output kernel.
+      targets: int ``[B, S]``, the next token of each position.
+      mask: optional ``[B, S]``, nonzero on the tokens to compute; default every token.
+      chunk: tokens per chunk (0: all at once); per device on a mesh that splits rows.
+      logit_softcap: None or ``c`` (Gemma 2's ``final_logit_softcapping``).
+      temperature: a positive divisor of the (soft-capped) logits.
+
+    Returns:
+      float32 ``[B, S]`` (nats).
+
+    Raises:
+      ValueError: misshaped inputs, non-integer targets, a negative / non-int ``chunk``,
+        or a temperature that is not positive.
+
+    Source: TRL's ``GRPOTrainer._get_per_token_logps`` (``selective_log_softmax`` of the
+    logits over temperature), chunked after Cut Cross-Entropy (arXiv:2411.09009).
+    """
+    _check(hidden, head, targets, mask, chunk, "token_logprobs", "hidden")
+    if not temperature > 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0; got {temperature!r}.")
+    weight = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    targets = jnp.where(weight != 0, targets, 0).astype(jnp.int32)
+    logp = _chunked_logprobs(hidden, head, targets, chunk, logit_softcap, float(temperature))
+    return jnp.where(weight != 0, logp, 0.0)
 
 
 @jax.named_scope("sequence_logprobs")
@@ -119,22 +189,10 @@ def sequence_logprobs(
     TRL's ``get_batch_logps``/``selective_log_softmax`` compute them from dense logits.
     """
     _check(hidden, head, targets, mask, chunk, "sequence_logprobs", "hidden")
-    b, s, h = hidden.shape
-    n = b * s
+    b, s = targets.shape
     weight = jnp.ones((b, s), jnp.float32) if mask is None else mask.astype(jnp.float32)
     targets = jnp.where(weight != 0, targets, 0).astype(jnp.int32)
-    g = batch_groups(b)[1]
-    if chunk == 0 or chunk >= n // g:  # each device's tokens: one chunk
-        logp = _token_logprobs(head, logit_softcap, hidden.reshape(n, h), targets.reshape(n))
-    elif g > 1:  # a mesh splits the rows: each device chunks its own tokens
-        logp = _grouped_logprobs(head, logit_softcap, hidden, targets, chunk)
-    else:
-        pad = -n % chunk
-        xs = jnp.pad(hidden.reshape(n, h), ((0, pad), (0, 0))).reshape(-1, chunk, h)
-        ts = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
-        body = jax.checkpoint(lambda c, xs_: _chunk_logprobs(head, logit_softcap, c, xs_))
-        _, logp = lax.scan(body, (), (xs, ts))
-        logp = logp.reshape(-1)[:n]
-    total = jnp.sum(logp.reshape(b, s) * weight, axis=1)
+    logp = _chunked_logprobs(hidden, head, targets, chunk, logit_softcap, 1.0)
+    total = jnp.sum(logp * weight, axis=1)
     count = jnp.sum(weight, axis=1)
     return SequenceLogprobs(sum=total, mean=total / jnp.maximum(count, 1.0), count=count)

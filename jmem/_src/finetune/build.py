@@ -27,6 +27,8 @@ from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import LOSS_TYPES
 from jmem._src.finetune.config import offload_of
+from jmem._src.finetune.grpo_step import abstract_batch as grpo_abstract_batch
+from jmem._src.finetune.grpo_step import grpo_loss
 from jmem._src.finetune.setup import job_levers
 from jmem._src.names import OPTIMIZER_NAMES
 from jmem._src.names import check_implements
@@ -117,8 +119,9 @@ def job_resolved_levers(config, cfg, dtype, target=None):
 
 
 def rows_per_example(config) -> int:
-    """Sequences per example of a batch: 2 for preference pairs (chosen, rejected), else 1."""
-    return 1 if config.training.objective == "sft" else 2
+    """Sequences per example of a batch: 2 for preference pairs (chosen, rejected), else 1
+    (GRPO's ``--batch-size`` counts completions)."""
+    return 1 if config.training.objective in ("sft", "grpo") else 2
 
 
 def abstract_batch(config) -> dict:
@@ -126,6 +129,8 @@ def abstract_batch(config) -> dict:
     ``[B, S]`` inputs and targets, or for preference pairs ``[B, 2, S]`` inputs, targets and
     ``completion_mask``."""
     b, s = config.data.batch_size, config.data.seq_len
+    if config.training.objective == "grpo":
+        return grpo_abstract_batch(config)
     if config.training.objective == "sft":
         return {k: jax.ShapeDtypeStruct((b, s), jnp.int32) for k in ("inputs", "targets")}
     batch = {k: jax.ShapeDtypeStruct((b, 2, s), jnp.int32) for k in ("inputs", "targets")}
@@ -155,23 +160,28 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
     Returns:
       ``(step, loss_fn, dtype, schedule)``: a ``jmem.TrainStep``, ``loss_fn(adapters,
       batch, *, frozen)`` (a preference ``--objective``: ``(loss, metrics)`` of a ``[B, 2,
-      S]`` batch of pairs, the step built with ``has_aux``), the compute dtype and the optax learning-rate schedule
-      (warmup over ``steps / 20``, cosine decay to ``lr / 10``).
+      S]`` batch of pairs; grpo: of ``grpo_step.pack_rows``' batch; the step built with
+      ``has_aux``), the compute dtype and the optax learning-rate schedule (warmup over
+      ``updates / 20``, cosine decay to ``lr / 10``; ``updates`` is ``steps`` times
+      ``updates_per_step``).
     """
     dtype = jnp.float16 if config.execution.precision == "fp16" else jnp.bfloat16
     dtype = dtype if compute_dtype is None else compute_dtype
     lv = job_resolved_levers(config, cfg, dtype, target)
-    preference_run = config.training.objective != "sft"
+    preference_run = config.training.objective != "sft"  # a loss with metrics (has_aux)
     full = full_finetuning(config)
-    if preference_run:
+    if config.training.objective == "grpo":
+        loss_fn = grpo_loss(config, cfg, lv, full)
+    elif preference_run:
         loss_fn = _preference_loss(config, cfg, lv)
     else:
         loss_fn = _full_loss(cfg, lv) if full else _loss(cfg, lv)
+    updates = config.training.steps * updates_per_step(config)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.training.lr,
-        warmup_steps=max(1, config.training.steps // 20),
-        decay_steps=max(2, config.training.steps),
+        warmup_steps=max(1, updates // 20),
+        decay_steps=max(2, updates),
         end_value=config.training.lr / 10,
     )
     opt = OPTIMIZERS[config.training.optimizer](
@@ -195,6 +205,12 @@ def build(config, cfg, *, compute_dtype=None, mesh=None, target=None, disk=True)
             has_aux=preference_run,
         )
     return step, loss_fn, dtype, schedule
+
+
+def updates_per_step(config) -> int:
+    """Optimizer updates per step: GRPO's ``--num-iterations`` (mu updates per rollout),
+    else 1."""
+    return config.grpo.num_iterations if config.training.objective == "grpo" else 1
 
 
 def _precision(dtype, full: bool) -> str:

@@ -12,12 +12,15 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src import rewards
 from jmem._src.checkpointing import verify_step
 from jmem._src.cli import CliError
+from jmem._src.cli import one_line
 from jmem._src.finetune.config import FinetuneConfig
 from jmem._src.finetune.config import validate
 from jmem._src.finetune.datasets import load_datasets
 from jmem._src.finetune.dry_run import dry_run
+from jmem._src.finetune.grpo_loop import train_grpo
 from jmem._src.finetune.launcher import PLUGIN_NOTE
 from jmem._src.finetune.launcher import allocator_note
 from jmem._src.finetune.launcher import apply_allocator
@@ -26,6 +29,7 @@ from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
 from jmem._src.finetune.mesh import target_mesh
+from jmem._src.finetune.prompt_data import read_prompts
 from jmem._src.finetune.publish import RunPaths
 from jmem._src.finetune.publish import discard
 from jmem._src.finetune.publish import publish
@@ -87,10 +91,11 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
         for line in notes + mesh_notes:
             print(line, flush=True)
         return dry_run(config, cfg, mesh, target=target)
-    if config.training.objective == "grpo":
-        raise CliError("--objective grpo: training is not available in this version yet")
     tok = make_tokenizer(config, cfg)
-    ds, held = load_datasets(config, tok)
+    if config.training.objective == "grpo":
+        ds, held = grpo_inputs(config, cfg, tok), None
+    else:
+        ds, held = load_datasets(config, tok)
     check_outputs(config, cfg, tok)
     with _locked(config) as lock_notes:
         aside = config.run.overwrite and holds_run(config.run.out)  # before anything changes
@@ -115,7 +120,11 @@ def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
     or is stopped leaves the earlier results as they were (its staging area removed)."""
     paths = RunPaths.of(config, aside)
     try:
-        summary = train(config, cfg, tok, ds, held, resume_step, mesh, paths)
+        if config.training.objective == "grpo":
+            records, rewards = ds
+            summary = train_grpo(config, cfg, tok, records, rewards, resume_step, mesh, paths)
+        else:
+            summary = train(config, cfg, tok, ds, held, resume_step, mesh, paths)
         if is_writer():
             publish(paths, config.training.steps)
     except BaseException:
@@ -123,6 +132,38 @@ def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
             discard(paths)
         raise
     return summary
+
+
+def grpo_inputs(config, cfg, tok):
+    """``(prompts, rewards)`` of a GRPO run, both checked before anything is compiled: the
+    prompts of ``--data`` (``prompt_data.read_prompts``; its notes printed: prompts cut to
+    ``--max-prompt-len``) and the ``--reward`` functions (``rewards.parse_rewards``).
+
+    Raises:
+      CliError: no ``--data``, a bad prompt file, or a reward that cannot be loaded; one
+        line each."""
+    g = config.grpo
+    if config.data.data is None:
+        raise CliError(
+            "--objective grpo needs --data FILE.jsonl of prompts (a 'prompt' column: text or "
+            "chat messages; other columns go to the reward functions)"
+        )
+    try:
+        reward_set = rewards.parse_rewards(
+            list(g.reward), g.reward_weights, max_completion_length=g.max_completion_len
+        )
+        records, notes = read_prompts(
+            config.data.data,
+            tok,
+            max_prompt_len=g.max_prompt_len,
+            max_prompt_len_name="--max-prompt-len",
+        )
+        reward_set.check_columns(list(records[0].columns), f"--data {config.data.data}")
+    except rewards.RewardError as e:
+        raise CliError(f"--reward: {one_line(e)}") from None
+    for line in notes:
+        print(line, flush=True)
+    return records, reward_set
 
 
 def _done(config, resume_step: int) -> bool:

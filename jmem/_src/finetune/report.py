@@ -27,7 +27,13 @@ format_bytes = MemoryReport.format_bytes
 #: or on the responses of instruction and chat examples).
 OBJECTIVE = "SFT"
 #: ``--objective`` as the report names it.
-OBJECTIVE_LABELS = {"sft": OBJECTIVE, "dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+OBJECTIVE_LABELS = {
+    "sft": OBJECTIVE,
+    "dpo": "DPO",
+    "orpo": "ORPO",
+    "simpo": "SimPO",
+    "grpo": "GRPO",
+}
 #: The preference metrics the log, ``metrics.jsonl`` and the plot's second panel show.
 PREFERENCE_METRICS = ("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected")
 
@@ -155,12 +161,8 @@ def finish(
     }
     peak = peak_flops()
     if summary["tokens_per_s"] and peak:
-        fpt = train_flops_per_token(
-            cfg,
-            config.data.seq_len,
-            summary["trainable_params"],
-            full=not config.training.lora_rank,
-        )
+        n, full = summary["trainable_params"], not config.training.lora_rank
+        fpt = train_flops_per_token(cfg, config.data.seq_len, n, full=full)
         summary["mfu"] = summary["tokens_per_s"] * fpt / peak
     metrics = summary.get("metrics") or None
     if metrics:
@@ -184,6 +186,7 @@ def finish(
             eval_metrics,
         )
     ev = f"; eval loss {evals[-1][1]:.4f}" if evals else ""
+    ev += _reward_words(summary.get("rewards"))
     if eval_metrics:
         m = eval_metrics[-1][1]
         ev += f" (accuracy {m['rewards/accuracies']:.2f}, margin {m['rewards/margins']:.4f})"
@@ -195,6 +198,13 @@ def finish(
         + (f"; MFU {summary['mfu']:.1%}" if "mfu" in summary else "")
     )
     return summary
+
+
+def _reward_words(rewards) -> str:
+    """GRPO's closing words: the mean reward of the first and the last step."""
+    if not rewards:
+        return ""
+    return f"; mean reward {rewards[0]:.4f} (step 1) -> {rewards[-1]:.4f} (step {len(rewards)})"
 
 
 def write_metrics(path: str, summary: dict) -> None:
@@ -260,7 +270,7 @@ def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None
     if evals:
         e = np.asarray(evals, np.float64)
         lines += ax.plot(e[:, 0], e[:, 1], "o-", label="eval loss (held out)")
-    ax.set_ylabel("loss (nats/token)" if not metrics else "loss (per pair)")
+    ax.set_ylabel(_loss_label(metrics))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     lr_ax = ax.twinx()
@@ -269,7 +279,10 @@ def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
     ax.set_title(title)
-    if metrics:
+    if metrics and "reward" in metrics[0]:
+        _plot_rewards(pref_ax, metrics)
+        pref_ax.set_xlabel(STEP_AXIS, fontsize=9)
+    elif metrics:
         _plot_preference(pref_ax, metrics, eval_metrics or [])
         pref_ax.set_xlabel(STEP_AXIS, fontsize=9)
     else:
@@ -277,6 +290,30 @@ def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _loss_label(metrics) -> str:
+    """The loss axis's label: SFT's nats per token, a preference loss per pair, GRPO's."""
+    if not metrics:
+        return "loss (nats/token)"
+    return "GRPO loss" if "reward" in metrics[0] else "loss (per pair)"
+
+
+def _plot_rewards(ax, metrics):
+    """GRPO's panel: each step's mean reward (the weighted sum), with one standard deviation
+    of the groups shaded, and each reward function's mean when there are several."""
+    steps = np.arange(len(metrics))
+    mean = np.asarray([m["reward"] for m in metrics])
+    std = np.asarray([m["reward_std"] for m in metrics])
+    lines = ax.plot(steps, mean, label="mean reward")
+    ax.fill_between(steps, mean - std, mean + std, alpha=0.2, label="group std")
+    names = [k[len("rewards/") : -len("/mean")] for k in metrics[0] if k.endswith("/mean")]
+    if len(names) > 1:
+        for n in names:
+            lines += ax.plot(steps, [m[f"rewards/{n}/mean"] for m in metrics], lw=0.8, label=n)
+    ax.set_ylabel("reward (of the step's completions)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=7)
 
 
 def _plot_preference(ax, metrics, eval_metrics):
