@@ -130,16 +130,27 @@ def resolve(config, cfg, target=None, devices: int = 1):
     return config, lines
 
 
-def _resident_state_bytes(state) -> int:
+def _resident_state_bytes(state, lora: bool) -> int:
     """Device bytes of the training state beside the rollout: the optimizer state (and
-    masters) not in ``pinned_host`` memory; the adapters and the base are the rollout's
-    own arguments."""
+    masters) not in ``pinned_host`` memory, and with LoRA the adapters as the state keeps
+    them (the rollout reads a copy in the compute dtype; the base is its own argument)."""
     total = 0
-    for x in jax.tree.leaves(state.opt_state):
+    leaves = jax.tree.leaves(state.opt_state) + (jax.tree.leaves(state.params) if lora else [])
+    for x in leaves:
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
         if kind != "pinned_host":
             total += x.size * jnp.dtype(x.dtype).itemsize
     return int(total)
+
+
+def _in_compute_dtype(tree, dtype):
+    """``tree``'s float leaves as ``jax.ShapeDtypeStruct``s of ``dtype``."""
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(x.shape, dtype if floating else x.dtype)
+
+    return jax.tree.map(cast, tree)
 
 
 def phase_lines(config, cfg, state, report, target=None, devices: int = 1):
@@ -151,6 +162,8 @@ def phase_lines(config, cfg, state, report, target=None, devices: int = 1):
     frozen, adapters = state.frozen, state.params
     if frozen is None:  # full fine-tuning: the params are the model
         frozen, adapters = adapters, None
+    else:  # the job samples with the adapters in the compute dtype (GrpoRun._policy)
+        adapters = _in_compute_dtype(adapters, _dtype(config))
     sampling = (g.temperature, g.top_p, g.top_k)
     gen = rollout_report(
         frozen,
@@ -161,7 +174,7 @@ def phase_lines(config, cfg, state, report, target=None, devices: int = 1):
         target=target,
         **_sizes(config),
     )
-    gen_peak = gen.peak_bytes + _resident_state_bytes(state)
+    gen_peak = gen.peak_bytes + _resident_state_bytes(state, adapters is not None)
     planned_gen = generation_phase(config, cfg, target, devices)
     planned_train = training_phase(config, cfg, target, devices)
     rows = config.data.batch_size // config.execution.grad_accum

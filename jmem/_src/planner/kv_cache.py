@@ -162,9 +162,10 @@ def kv_cache_bytes(
 
 
 def _weights(model: Any, lora: Any, quantization: Any, options: Mapping[str, Any]):
-    """``(weights, state)``: the weights as stored (``estimate``'s params ledger: the NF4
-    base and the adapters) and, with an ``optimizer``, the training state that stays on the
-    device during the rollout (its optimizer state and masters, unless offloaded)."""
+    """``(weights, state, trainable)``: the weights as stored (``estimate``'s params ledger:
+    the NF4 base and the adapters), with an ``optimizer`` the training state that stays on
+    the device during the rollout (its optimizer state and masters, unless offloaded), and
+    the count of trained weights."""
     kw = {k: v for k, v in options.items() if v is not None}
     optimizer = kw.pop("optimizer", None)
     if optimizer is not None:
@@ -173,7 +174,7 @@ def _weights(model: Any, lora: Any, quantization: Any, options: Mapping[str, Any
         model, lora=lora, quantization=quantization, batch_size=1, seq_len=1, activations=0, **kw
     )
     state = led.optimizer_state + led.master_weights if optimizer is not None else 0
-    return led.params, state
+    return led.params, state, led.trainable_params
 
 
 def _other(shape: ModelShape, terms: GenerationTerms, rows: int, prompt: int, T: int, A: int):
@@ -205,9 +206,10 @@ def generation_phase(
     """The device peak of one rollout micro-batch (``llama.rollout``'s program: the prefill,
     then the decoding loop over a KV cache of ``prompt + completion`` tokens).
 
-    ``total = weights + state + c x kv_cache_bytes(rows, P + C) + other``: the weights as
-    stored (``estimate``'s params: the NF4 base and the adapters), the optimizer state and
-    masters that stay on the device between training steps (with ``optimizer``), ``c`` caches live at once
+    ``total = weights + state + adapter_copy + c x kv_cache_bytes(rows, P + C) + other``:
+    the weights as stored (``estimate``'s params: the NF4 base and the adapters), the
+    optimizer state and masters that stay on the device between training steps and the
+    adapters cast to the compute dtype for sampling (both with ``optimizer``), ``c`` caches live at once
     (``GenerationTerms.cache_copies``: the layer scan reads one and writes the next), and the
     compiler's other buffers (one layer's dequantized weights, attention over the cache, the
     prefill's hidden states, the float32 ``[rows, V]`` logits and their sampling
@@ -253,7 +255,9 @@ def generation_phase(
         optimizer=optimizer,
         offload=offload,
     )
-    weights, state = _weights(model, lora, quantization, options)
+    weights, state, trainable = _weights(model, lora, quantization, options)
+    # the job samples with the adapters cast to the compute dtype, beside their state
+    copy = trainable * A if optimizer is not None and lora is not None else 0
     cache = kv_cache_bytes(model, rows=generation_batch, tokens=T, dtype=act)
     kv = int(terms.cache_copies * cache)
     other = _other(shape, terms, generation_batch, max_prompt_len, T, A)
@@ -270,6 +274,7 @@ def generation_phase(
             "jmem's rollout allocates every layer at the full length"
         )
     config = {"rows": generation_batch, "tokens": f"{max_prompt_len}+{max_completion_len}"}
-    parts = {"weights": weights, "state": state, "kv_cache": kv, "other": other}
-    parts = {k: v for k, v in parts.items() if v or k != "state"}
-    return Phase("generation", weights + state + kv + other, parts, config, tuple(notes))
+    parts = {"weights": weights, "state": state, "adapter_copy": copy, "kv_cache": kv}
+    parts = {k: v for k, v in parts.items() if v or k in ("weights", "kv_cache")}
+    parts["other"] = other
+    return Phase("generation", sum(parts.values()), parts, config, tuple(notes))
