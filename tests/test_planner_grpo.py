@@ -176,3 +176,45 @@ def test_estimate_grpo_refuses_partial_groups(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "must be a multiple of --num-generations 8" in err and "\n" == err[-1]
+
+
+def _job_config(**flags):
+    from jmem import finetune  # noqa: PLC0415
+
+    base = dict(config="llama3_1_8b", lora_rank=32, objective="grpo", num_generations=8)
+    base.update(batch_size=8, max_prompt_len=1024, max_completion_len=19456, dry_run=True)
+    return finetune.FinetuneConfig.from_flat(**{**base, **flags})
+
+
+def test_the_resolver_picks_offload_and_the_generation_batch_for_24_gib():
+    from jmem._src.finetune import grpo_plan  # noqa: PLC0415
+
+    cfg = llama.get_config("llama3_1_8b")
+    config, lines = grpo_plan.resolve(_job_config(), cfg, target="h100_sxm")
+    assert config.execution.remat == "offload_inputs" and config.grpo.generation_batch == 2
+    assert config.run.memory == 24 * 2**30
+    assert lines[0].startswith("resolver: --remat offload_inputs: the planned training phase")
+    assert lines[1].startswith("resolver: generation batch 2: the largest divisor")
+    # what the flags set is kept: an explicit remat and generation batch
+    given = _job_config(remat="selective", generation_batch=4, memory=80 * 2**30)
+    config, lines = grpo_plan.resolve(given, cfg, target="h100_sxm")
+    assert config.execution.remat == "selective" and config.grpo.generation_batch == 4
+    assert config.execution.offload in ("none", "params")
+
+
+@pytest.mark.slow
+def test_grpo_dry_run_on_cpu_prints_one_line_per_phase(tmp_path, capsys):
+    from jmem import finetune  # noqa: PLC0415
+
+    argv = ["--config", "tiny", "--objective", "grpo", "--num-generations", "4"]
+    argv += ["--batch-size", "8", "--max-prompt-len", "16", "--max-completion-len", "48"]
+    # one device (the test session has 8): the planner's generation phase is one device's
+    out = finetune.main([*argv, "--mesh", "fsdp=1", "--dry-run", "--out", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    gen = [ln for ln in lines if ln.startswith("generation: ")]
+    train = [ln for ln in lines if ln.startswith("training: ")]
+    assert len(gen) == len(train) == 1
+    assert "device peak" in gen[0] and "(planner " in gen[0] and "(planner " in train[0]
+    rec = out["phases"]["generation"]
+    assert abs(rec["planner_bytes"] / rec["peak_bytes"] - 1) < 0.15
+    assert out["fits"] and out["args"]["generation_batch"] == 8

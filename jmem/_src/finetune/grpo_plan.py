@@ -200,6 +200,12 @@ def phase_lines(config, cfg, state, report, target=None, devices: int = 1):
         )
         record[name] = {"what": what, "peak_bytes": int(peak), "planner_bytes": int(planned)}
     ok = all(planner.fits(r["peak_bytes"], memory) for r in record.values())
+    if devices > 1:
+        lines.append(
+            f"note: on the {devices}-device mesh the compiled figures are per device (XLA's "
+            "partitioning of the rollout); the generation planner counts one device holding "
+            "the whole base and cache (an upper bound)"
+        )
     lines.append(
         f"verdict: both phases {'fit' if ok else 'do not both fit'} in {memory / GiB:g} GiB "
         f"with the {planner.DEFAULT_RESERVE / 1e9:g} GB reserve (--memory, default 24 GiB)"
