@@ -130,6 +130,7 @@ def _estimate(args: argparse.Namespace) -> int:
         )
     if args.objective == "grpo":
         return _estimate_grpo(args)
+    _check_sft_args(args)
     if args.max_seq:
         return _max_seq(args)
     if args.target:
@@ -145,6 +146,24 @@ def _estimate(args: argparse.Namespace) -> int:
             print(static_line(ledger))
         print()
     return 0
+
+
+#: ``estimate``'s GRPO flags and their defaults (refused with ``--objective sft``).
+GRPO_FLAGS = {
+    "num_generations": 8,
+    "max_prompt_len": 512,
+    "max_completion_len": 256,
+    "generation_batch": None,
+    "beta": 0.0,
+}
+
+
+def _check_sft_args(args: argparse.Namespace) -> None:
+    """GRPO's flags given (not at their defaults) without ``--objective grpo``."""
+    given = [k for k, v in GRPO_FLAGS.items() if getattr(args, k) != v]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags} apply to --objective grpo; pass it, or drop them")
 
 
 def _check_grpo_args(args: argparse.Namespace) -> None:
@@ -215,7 +234,7 @@ def _estimate_grpo(args: argparse.Namespace) -> int:
     from jmem._src.planner import grpo_phases  # noqa: PLC0415 (JAX: only once a command runs)
 
     _check_grpo_args(args)
-    where = "the planner" + (f", {_compiler_name(args.target)}'s buffers" if args.target else "")
+    where = f"the planner, {_compiler_name(args.target)}"
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         kw.pop("seq_len"), kw.pop("batch_size")
@@ -302,11 +321,18 @@ def _estimate_compiled(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compiler_name(target: str) -> str:
-    """``XLA:GPU for h100_sxm``: whose buffers the planner's GRPO phases model."""
+def _compiler_name(target: str | None) -> str:
+    """``XLA:GPU's buffers for h100_sxm``: whose buffers the planner's GRPO phases model
+    (None: the running backend's, with the flag that changes it)."""
+    import jax  # noqa: PLC0415
+
     from jmem import targets  # noqa: PLC0415
 
-    return f"XLA:{'GPU' if targets.get(target).platform == 'gpu' else 'CPU'} for {target}"
+    if target is None:
+        gpu = jax.default_backend() == "gpu"
+        return f"XLA:{'GPU' if gpu else 'CPU'}'s buffers (this machine; --target h100_sxm: a GPU's)"
+    gpu = targets.get(target).platform == "gpu"
+    return f"XLA:{'GPU' if gpu else 'CPU'}'s buffers for {target}"
 
 
 def _compiler(target: str) -> str:
@@ -456,17 +482,20 @@ def _add_grpo_flags(p) -> None:
     p.add_argument(
         "--num-generations",
         type=cli.positive_int,
-        default=8,
+        default=GRPO_FLAGS["num_generations"],
         help="grpo: completions per prompt G (default 8); --batch-size counts completions",
     )
     p.add_argument(
-        "--max-prompt-len", type=cli.positive_int, default=512, help="grpo: prompt tokens"
+        "--max-prompt-len",
+        type=cli.positive_int,
+        default=GRPO_FLAGS["max_prompt_len"],
+        help="grpo: prompt tokens (default 512, as jmem finetune)",
     )
     p.add_argument(
         "--max-completion-len",
         type=cli.positive_int,
-        default=256,
-        help="grpo: completion tokens",
+        default=GRPO_FLAGS["max_completion_len"],
+        help="grpo: completion tokens (default 256, as jmem finetune)",
     )
     p.add_argument(
         "--generation-batch",
@@ -478,7 +507,7 @@ def _add_grpo_flags(p) -> None:
     p.add_argument(
         "--beta",
         type=cli.nonnegative_float,
-        default=0.0,
+        default=GRPO_FLAGS["beta"],
         help="grpo: the KL weight (> 0 adds the reference's log-probs; default 0)",
     )
 

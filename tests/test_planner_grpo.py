@@ -218,3 +218,13 @@ def test_grpo_dry_run_on_cpu_prints_one_line_per_phase(tmp_path, capsys):
     rec = out["phases"]["generation"]
     assert abs(rec["planner_bytes"] / rec["peak_bytes"] - 1) < 0.15
     assert out["fits"] and out["args"]["generation_batch"] == 8
+
+
+def test_estimate_refuses_grpo_flags_without_the_objective(capsys):
+    from jmem.__main__ import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--model", "tiny", "--num-generations", "4", "--beta", "0.1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-generations, --beta apply to --objective grpo" in err
