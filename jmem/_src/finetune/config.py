@@ -697,6 +697,12 @@ def _check_grpo(get, name) -> None:
         raise cli.CliError(
             f"{name('generation_batch')} {gen} must divide {name('batch_size')} {batch}"
         )
+    if (get("beta") or 0) > 0 and get("lora_rank") == 0:
+        raise cli.CliError(
+            f"{name('beta')} > 0 with {name('lora_rank')} 0: GRPO's reference is the base with "
+            f"the adapters off, and full fine-tuning has none; drop {name('beta')} or train "
+            "LoRA adapters"
+        )
     rewards, weights = get("reward"), get("reward_weights")
     if weights is not None and len(weights) != len(rewards):
         raise cli.CliError(

@@ -31,7 +31,8 @@ def mask_key(config) -> str:
     """The batch key of the completion mask: ``"mask"`` for a token-mean loss (so that
     gradient accumulation weights microbatches by their tokens), else
     ``"completion_mask"``."""
-    return "mask" if config.training.loss_type in TOKEN_MEAN_LOSSES else "completion_mask"
+    loss_type = "dapo" if config.training.loss_type is None else config.training.loss_type
+    return "mask" if loss_type in TOKEN_MEAN_LOSSES else "completion_mask"
 
 
 def _token_logps(params, batch, *, cfg, levers, temperature, key):
