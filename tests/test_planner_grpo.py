@@ -228,3 +228,17 @@ def test_estimate_refuses_grpo_flags_without_the_objective(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--num-generations, --beta apply to --objective grpo" in err
+
+
+def test_the_resolver_adds_gradient_accumulation_when_offload_is_not_enough():
+    from jmem._src.finetune import grpo_plan  # noqa: PLC0415
+
+    cfg = llama.get_config("llama3_1_8b")
+    config, lines = grpo_plan.resolve(_job_config(memory=16 * 2**30), cfg, target="h100_sxm")
+    assert config.execution.remat == "offload_inputs" and config.execution.grad_accum == 2
+    assert [ln.split(":")[1].strip() for ln in lines[:2]] == [
+        "--remat offload_inputs",
+        "--grad-accum 2",
+    ]
+    planned = grpo_plan.training_phase(config, cfg, "h100_sxm")
+    assert planned.config["rows"] == 4 and planned.total + 2e9 <= 16 * 2**30

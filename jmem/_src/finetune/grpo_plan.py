@@ -1,8 +1,8 @@
 """``--objective grpo --dry-run``: the two phases of a GRPO step planned and compiled. Before
 the compile, the planner picks what the flags leave open so that both phases fit the
 memory (``--memory``, else 24 GiB): the generation micro-batch (``--generation-batch``), layer
-input offload (``--remat offload_inputs`` for the default ``full``) and the streamed base
-(``--offload params``); after it, one line per phase: the compiled device peak (the training
+input offload (``--remat offload_inputs`` for the default ``full``) and gradient
+accumulation (``--grad-accum``); after it, one line per phase: the compiled device peak (the training
 step, and the rollout's micro-batch program with the training state beside it) next to the
 planner's."""
 
@@ -87,18 +87,28 @@ def generation_phase(config, cfg, target, devices: int = 1):
     return kv_cache.generation_phase(cfg, generation_batch=gb, **kw)
 
 
+def _candidates(config) -> list[tuple[str, dict]]:
+    """The training levers the resolver may pull, in order, as ``(flag, change)``: layer-input
+    offload (``--remat`` at its default), then gradient accumulation over the divisors of
+    ``--batch-size`` (``--grad-accum`` at its default 1), cumulative. Not ``--offload
+    params``: the GRPO step's log-prob pass does not stream the base."""
+    ex, tried = config.execution, []
+    if ex.remat == DEFAULT_REMAT:
+        tried.append((f"--remat {LONG_REMAT}", {"remat": LONG_REMAT}))
+    b = config.data.batch_size
+    if ex.grad_accum == 1:
+        tried += [(f"--grad-accum {k}", {"grad_accum": k}) for k in range(2, b + 1) if b % k == 0]
+    return tried
+
+
 def _training_choice(config, cfg, target, devices, memory) -> tuple[dict, list[str]]:
-    """The remat and offload changes (only from their defaults) that make the planned
+    """The changes (only from their defaults: ``_candidates``) that make the planned
     training phase fit ``memory``, and the lines saying why."""
     phase = training_phase(config, cfg, target, devices)
     if planner.fits(phase.total, memory):
         return {}, []
-    ex, changes, lines = config.execution, {}, []
-    tried = [(f"--remat {LONG_REMAT}", {"remat": LONG_REMAT})] * (ex.remat == DEFAULT_REMAT)
-    if "params" not in ex.offload.split(",") and ex.offload_dir is None:
-        off = "params" if ex.offload == "none" else f"{ex.offload},params"
-        tried.append((f"--offload {off}", {"offload": off}))
-    for flag, change in tried:
+    changes, lines = {}, []
+    for flag, change in _candidates(config):
         before = phase.total
         changes.update(change)
         phase = training_phase(config.replace(**changes), cfg, target, devices)
@@ -108,12 +118,16 @@ def _training_choice(config, cfg, target, devices, memory) -> tuple[dict, list[s
             f"(-> {format_bytes(phase.total)})"
         )
         if planner.fits(phase.total, memory):
-            break
+            return changes, lines
+    lines.append(
+        f"resolver: no lever fits the planned training phase ({format_bytes(phase.total)}) in "
+        f"{format_bytes(memory)}; shorten --max-completion-len"
+    )
     return changes, lines
 
 
 def resolve(config, cfg, target=None, devices: int = 1):
-    """``(config, lines)``: ``config`` with the generation batch, remat and offload that the
+    """``(config, lines)``: ``config`` with the generation batch, remat and accumulation that the
     planner finds fit ``budget(config)`` in both phases (only options left at their
     defaults change; ``--memory`` set to that budget), and one line per choice saying
     why."""

@@ -16,6 +16,7 @@ from jmem._src import levers as _levers
 from jmem._src import model_table
 from jmem._src.measure import format_bytes
 from jmem._src.planner.estimate import estimate
+from jmem._src.planner.offload import Offload
 from jmem._src.planner.shapes import ModelShape
 from jmem._src.planner.shapes import is_count
 from jmem._src.planner.shapes import resolve_shape
@@ -165,11 +166,15 @@ def _weights(model: Any, lora: Any, quantization: Any, options: Mapping[str, Any
     """``(weights, state, trainable)``: the weights as stored (``estimate``'s params ledger:
     the NF4 base and the adapters), with an ``optimizer`` the training state that stays on
     the device during the rollout (its optimizer state and masters, unless offloaded), and
-    the count of trained weights."""
+    the count of trained weights. The base counts on the device with the params rung
+    (``offload="params"``) too: the rollout reads every layer's weights at every token, and
+    ``llama.rollout`` does not stream them."""
     kw = {k: v for k, v in options.items() if v is not None}
     optimizer = kw.pop("optimizer", None)
     if optimizer is not None:
         kw["optimizer"] = optimizer
+    if kw.get("offload") is not None:
+        kw["offload"] = dataclasses.replace(Offload.parse(kw["offload"]), params=False)
     led = estimate(
         model, lora=lora, quantization=quantization, batch_size=1, seq_len=1, activations=0, **kw
     )
