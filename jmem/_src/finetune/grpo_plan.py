@@ -157,6 +157,10 @@ def _resident_state_bytes(state, lora: bool) -> int:
     return int(total)
 
 
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
 def _in_compute_dtype(tree, dtype):
     """``tree``'s float leaves as ``jax.ShapeDtypeStruct``s of ``dtype``."""
 
@@ -195,13 +199,13 @@ def phase_lines(config, cfg, state, report, target=None, devices: int = 1):
     tokens = f"{g.max_prompt_len:,} + {g.max_completion_len:,} tokens"
     phases = {
         "generation": (
-            f"{g.generation_batch} rows x {tokens} (micro-batch of {config.data.batch_size} "
+            f"{_rows(g.generation_batch)} x {tokens} (micro-batch of {config.data.batch_size} "
             "completions; prefill and the decoding loop over the whole KV cache)",
             gen_peak,
             planned_gen.total,
         ),
         "training": (
-            f"{rows} rows x {tokens}, remat {config.execution.remat}, offload "
+            f"{_rows(rows)} x {tokens}, remat {config.execution.remat}, offload "
             f"{config.execution.offload}",
             report.peak_bytes,
             planned_train.total,
