@@ -112,3 +112,23 @@ def hlo_dot_flops(text: str) -> float:
     from jmem._src.hlo_flops import dot_flops
 
     return dot_flops(text)
+
+
+def killed(phase, argv, expect=()):
+    """Runs ``tests/_faults_worker.py PHASE ARGV`` (killed with SIGKILL at ``phase``);
+    asserts it died so and that its output holds each of ``expect``; returns its pid."""
+    worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, worker, phase, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == -9, stdout[-2000:] + stderr[-2000:]
+    assert stdout.rstrip().endswith("killed")
+    for words in expect:
+        assert words in stdout, (words, stdout[-2000:])
+    return proc.pid

@@ -509,24 +509,7 @@ def test_inf_in_the_base_weights_is_refused_naming_the_tensor(tmp_path, capsys):
     assert prepare_out(parse_args(argv + ["--steps", "2"])) is None
 
 
-def _killed(phase, argv, expect=()):
-    """Runs ``tests/_faults_worker.py PHASE ARGV`` (killed with SIGKILL at ``phase``);
-    asserts it died so and that its output holds each of ``expect``; returns its pid."""
-    worker = os.path.join(os.path.dirname(__file__), "_faults_worker.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        [sys.executable, worker, phase, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == -9, stdout[-2000:] + stderr[-2000:]
-    assert stdout.rstrip().endswith("killed")
-    for words in expect:
-        assert words in stdout, (words, stdout[-2000:])
-    return proc.pid
+_killed = helpers.killed
 
 
 @pytest.mark.slow

@@ -313,3 +313,19 @@ def test_grpo_with_a_kl_term_and_two_updates_per_rollout(tmp_path):
     assert all(np.isfinite(kl)) and min(kl) >= 0 and max(kl) > 0  # trained away from the base
     assert "kl " in next(x for x in log.splitlines() if x.startswith("step     1"))
     assert summary["learning_rates"][1] > summary["learning_rates"][0]  # warmup: 2 updates in
+
+
+@pytest.mark.slow
+def test_grpo_killed_while_saving_resumes_bitwise(grpo_run, tmp_path):
+    """kill -9 while checkpoint 4 is saved (its files written, before orbax's rename):
+    --resume continues from checkpoint 2 and ends as the uninterrupted run, the same losses,
+    rewards and metrics bit for bit (tests/_faults_worker.py, as tests/test_faults.py)."""
+    summary, _, _, _, argv = grpo_run
+    at = argv.index("--out")
+    argv = argv[: at + 1] + [str(tmp_path / "run")] + argv[at + 2 :]
+    helpers.killed("save:4", argv)
+    assert not (tmp_path / "run" / "summary.json").exists()
+    again, log = _main(argv + ["--resume"])
+    assert "Resumed at step 2" in log
+    assert again["losses"] == summary["losses"] and again["rewards"] == summary["rewards"]
+    assert _computed(again["metrics"]) == _computed(summary["metrics"])
