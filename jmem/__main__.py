@@ -252,8 +252,36 @@ def _estimate_grpo(args: argparse.Namespace) -> int:
             **kw,
         )
         print(train.line() + _verdict(train, args))
+        if args.target:
+            _grpo_compiled(args, opt, remat, gen.config["rows"])
         print()
     return 0
+
+
+def _grpo_compiled(args: argparse.Namespace, opt: str, remat: str, rows: int) -> None:
+    """``--objective grpo --target``: both phases compiled for the target at ``rows``
+    generation rows (``compiled_plan.compile_grpo``), one line each."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+    from jmem._src.finetune import compiled_plan  # noqa: PLC0415
+    from jmem._src.measure import format_bytes  # noqa: PLC0415
+
+    flags = _compiled_flags(args, opt, remat)
+    flags.update(
+        num_generations=args.num_generations,
+        max_prompt_len=args.max_prompt_len,
+        max_completion_len=args.max_completion_len,
+        **({"beta": args.beta} if args.beta else {}),
+    )
+    phases = compiled_plan.compile_grpo(flags, args.target, generation_batch=rows)
+    for name, rec in phases.items():
+        fits = ""
+        if args.memory:
+            ok = planner.fits(rec["peak_bytes"], args.memory, args.reserve)
+            fits = f"; {'fits' if ok else 'does not fit'} {args.memory / 2**30:g} GiB"
+        print(
+            f"{name}: compiled for {args.target} ({_compiler(args.target)}; source: compiler): "
+            f"device peak {format_bytes(rec['peak_bytes'])}{fits}"
+        )
 
 
 def _max_seq(args: argparse.Namespace) -> int:
@@ -522,8 +550,8 @@ def _add_target_flags(p) -> None:
         help="answer from the compiler: compile the job's QLoRA step for this target (XLA:GPU "
         "deviceless compile, pip install 'jmem[gpu-plan]' and JAX_PLATFORMS=cpu); with "
         "--max-seq, a bisection over multiples of 8,192 tokens (minutes for an 8B model); with "
-        "--objective grpo: the planner with that compiler's buffers, no compile (jmem finetune "
-        "--objective grpo --dry-run --target compiles both phases)",
+        "--objective grpo: the planner with that compiler's buffers, then both phases compiled "
+        "(jmem finetune --objective grpo --dry-run --target)",
     )
     p.add_argument(
         "--search-limit",

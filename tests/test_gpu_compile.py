@@ -458,3 +458,20 @@ def test_grpo_8b_20k_tokens_fits_24_gib_in_both_phases(tmp_path, capsys):
     for rec in out["phases"].values():
         assert rec["peak_bytes"] + 2e9 <= 24 * 2**30
     assert out["fits"]
+
+
+@pytest.mark.slow
+def test_estimate_grpo_target_prints_the_planner_and_the_compiled_phases(capsys):
+    """``jmem estimate --objective grpo --target h100_sxm``: per phase the planner's line
+    (XLA:GPU's buffers) and the compiled one with its verdict against ``--memory``."""
+    from jmem.__main__ import main
+
+    argv = ["estimate", "--model", "tiny", "--objective", "grpo", "--num-generations", "4"]
+    argv += ["--batch-size", "8", "--max-prompt-len", "64", "--max-completion-len", "448"]
+    assert main([*argv, "--memory", "24GiB", "--target", TARGET]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for phase in ("generation", "training"):
+        planned = [ln for ln in lines if ln.startswith(f"{phase}: rows=")]
+        compiled = [ln for ln in lines if ln.startswith(f"{phase}: compiled for {TARGET}")]
+        assert len(planned) == len(compiled) == 1, lines
+        assert compiled[0].endswith("fits 24 GiB")
