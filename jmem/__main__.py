@@ -18,6 +18,7 @@ from typing import Any
 from typing import Sequence
 
 from jmem._src import cli
+from jmem._src import native_logs
 from jmem._src.planner.offload import Offload
 from jmem._src.units import GB
 
@@ -485,7 +486,7 @@ def _add_estimate(sub, full: bool) -> None:
         action="store_true",
         help="print the longest --seq-len that fits --memory, without and with offload",
     )
-    p.add_argument("--debug", action="store_true", help="a traceback instead of a one-line error")
+    p.add_argument("--debug", action="store_true", help="tracebacks and XLA's own log lines")
     _add_target_flags(p)
     p.add_argument(
         "--quant",
@@ -648,6 +649,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         finetune_main(argv[1:], prog="jmem finetune", restart_with_huge_pages=command_line)
         return 0
+    native_logs.show("--debug" in argv)
+    with native_logs.hidden():  # XLA's start-up and compile log lines (--debug: shown)
+        return _run(argv)
+
+
+def _run(argv: list[str]) -> int:
+    """``jmem estimate`` and the other planner commands: parse, run, one-line errors."""
     parser = cli.Parser(prog="jmem", description="jmem command line tools")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
     for add in _COMMANDS:

@@ -329,3 +329,71 @@ def test_grpo_killed_while_saving_resumes_bitwise(grpo_run, tmp_path):
     assert "Resumed at step 2" in log
     assert again["losses"] == summary["losses"] and again["rewards"] == summary["rewards"]
     assert _computed(again["metrics"]) == _computed(summary["metrics"])
+
+
+BAD_INPUTS = {
+    "no data": ([], ["--objective grpo needs --data", "prompt"]),
+    "a reward's column": (
+        ["--data", PROMPTS, "--reward", "answer_match"],
+        ["--reward", "answer_match", "'answer'"],
+    ),
+    "no such reward file": (["--data", PROMPTS, "--reward", "nope.py:f"], ["--reward", "nope.py"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_grpo_inputs_are_one_line_before_compiling(tmp_path, capsys, case):
+    extra, words = BAD_INPUTS[case]
+    argv = ["--config", "tiny", "--objective", "grpo", "--out", str(tmp_path / "run")]
+    argv += ["--reward", TOY_REWARD] if "--reward" not in extra else []
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv + extra)
+    helpers.one_line_error(capsys, e, *words)
+    assert not (tmp_path / "run").exists()  # refused before --out is touched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_grad_accum_gives_the_whole_batch_loss(loss_type):
+    """--grad-accum 2 on microbatches of 2 and 8 completion tokens: the step's loss is the
+    whole batch's (dapo: a token mean, so microbatches weigh by their tokens; grpo: a mean
+    of sequence means, weighed equally)."""
+    from jmem._src.finetune.build import build
+    from jmem._src.finetune.loop import trainable_and_frozen
+    from jmem._src.finetune.setup import resolve_defaults
+    from jmem.models import llama
+
+    cfg = llama.get_config("tiny")
+    rng = np.random.default_rng(0)
+    batch = {
+        "inputs": rng.integers(0, 256, (4, 8)).astype(np.int32),
+        "targets": rng.integers(0, 256, (4, 8)).astype(np.int32),
+        "advantages": np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
+        "old_logps": np.full((4, 8), -5.5, np.float32),
+    }
+    mask = np.zeros((4, 8), np.float32)
+    mask[:2, 3] = 1  # microbatch 1: 2 tokens
+    mask[2:, 4:] = 1  # microbatch 2: 8 tokens
+    losses = []
+    for accum in (1, 2):
+        c = finetune.FinetuneConfig.from_flat(
+            config="tiny",
+            objective="grpo",
+            reward=["len"],
+            batch_size=4,
+            num_generations=2,
+            max_prompt_len=4,
+            max_completion_len=4,
+            grad_accum=accum,
+            loss_type=loss_type,
+            steps=2,
+            lora_rank=4,
+        )
+        c, _ = resolve_defaults(c, cfg, on_gpu=False)
+        step, _, dtype, _ = build(c, cfg)
+        trainable, frozen = trainable_and_frozen(c, cfg, dtype)
+        key = "mask" if loss_type == "dapo" else "completion_mask"
+        state = step.init(trainable, frozen=frozen)
+        _, metrics = step(state, {**batch, key: mask})
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

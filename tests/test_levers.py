@@ -185,8 +185,56 @@ def test_remat_reason_says_where_a_policy_saves_little():
     chunked = jmem.resolve_levers(jmem.Levers(remat="dots", token_chunk=1024), cfg, (1, 4096))
     assert "none included" in chunked.reason("remat")
     whole = jmem.resolve_levers(jmem.Levers(remat="dots", token_chunk=0), cfg, (1, 4096))
-    assert whole.reason("remat") == "as given"
+    assert whole.reason("remat") == "as given; recomputes no matmul in the backward pass"
     cpu = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 4096), "cpu")
     assert "no device memory below full" in cpu.reason("remat")
     gpu = jmem.resolve_levers(jmem.Levers(remat="offload_inputs"), cfg, (1, 4096), "h100_sxm")
-    assert gpu.reason("remat") == "as given"
+    assert gpu.reason("remat").startswith("as given; recomputes q/k/v")
+    assert "saves" not in gpu.reason("remat")
+
+
+def test_remat_reason_states_its_recompute_cost():
+    cfg = llama.get_config("llama3_1_8b")
+
+    def why(remat, **kw):
+        lv = jmem.Levers(remat=remat, **kw)
+        return jmem.resolve_levers(lv, cfg, (1, 4096), "h100_sxm").reason("remat")
+
+    assert "recomputes no matmul" in why("none", token_chunk=0)
+    assert "recomputes no matmul" in why("dots", token_chunk=0)
+    chunked = why("none")  # the default token chunks: the MLP is recomputed under none too
+    assert "o_proj, the MLP's gate/up" in chunked and "token chunks (2048 tokens)" in chunked
+    assert "q/k/v, o_proj, the MLP's gate/up" in why("full")
+    share = lambda text: int(text.split("about +")[1].split("%")[0])  # noqa: E731
+    assert 0 < share(chunked) < share(why("full")) < 50
+
+
+def _dot_flops(cfg, tokens, remat, attention, token_chunk):
+    """Compiled dot FLOPs of the gradient of ``loss_fn`` under ``jmem.remat(policy)``."""
+    from jmem._src.hlo_flops import dot_flops
+
+    lv = jmem.Levers(remat=remat, attention=attention, token_chunk=token_chunk)
+    loss = lambda p: llama.loss_fn(p, {"inputs": tokens, "targets": tokens}, cfg, levers=lv)  # noqa: E731
+    loss = loss if remat == "none" else jmem.remat(loss, remat)
+    params = llama.abstract_params(cfg)
+    return dot_flops(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_recompute_cost_matches_the_compiled_dot_flops(attention):
+    """The resolver's recompute share equals the compiled step's extra dot FLOPs over
+    ``none`` without token chunks, divided by the model's minimum (tiny, 512 tokens)."""
+    from jmem._src.recompute import _per_token
+    from jmem._src.recompute import recompute_cost
+
+    cfg, seq = llama.get_config("tiny"), 512
+    tokens = jnp.zeros((1, seq), jnp.int32)
+    per = _per_token(cfg, seq, attention)
+    linear = per["qkv"] + per["o"] + per["gate_up"] + per["down"]
+    minimum = (2 * linear + 3 * per["attention"]) * seq * cfg.num_layers
+    base = _dot_flops(cfg, tokens, "none", attention, 0)
+    for remat, chunk in [("none", 128), ("selective", 0), ("full", 0)]:
+        measured = (_dot_flops(cfg, tokens, remat, attention, chunk) - base) / minimum
+        share, _ = recompute_cost(remat, cfg, seq, token_chunked=bool(chunk), attention=attention)
+        assert abs(measured - share) < 0.02, (remat, chunk, measured, share)

@@ -73,17 +73,26 @@ class ForwardTest(chex.TestCase):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{}, {"norm_placement": "sandwich", "qk_norm": "head"}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"norm_placement": "sandwich", "qk_norm": "head"}, {"num_experts": 4, "qk_norm": "head"}],
+)
 def test_checkpoint_names_are_visible_to_policies(options):
     """Every name of CHECKPOINT_NAMES tags its intermediate (Gemma 3's sandwich norms and
-    QK-norms included); Llama has all but those."""
+    QK-norms included); Llama has all but those and the routed experts' (a mixture of
+    experts has those instead of the dense MLP's)."""
     cfg = llama.get_config("tiny", num_layers=1, **options)
     p = llama.init(jax.random.key(0), cfg)
     batch = {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32)}
     jaxpr = str(jax.make_jaxpr(lambda p: llama.loss_fn(p, batch, cfg))(p))
-    family_only = {"q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"}
+    absent = {"q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"} - {
+        n for n in ("q_norm", "k_norm") if cfg.qk_norm
+    }
+    absent -= {"post_attn_norm", "post_mlp_norm"} if cfg.norm_placement != "pre" else set()
+    moe_names = {"router_logits", "expert_gate", "expert_up", "expert_hidden", "expert_down"}
+    absent |= {"mlp_gate", "mlp_up", "mlp_hidden", "mlp_down"} if cfg.num_experts else moe_names
     for name in llama.CHECKPOINT_NAMES:
-        assert (f"name={name}" in jaxpr) == (bool(options) or name not in family_only), name
+        assert (f"name={name}" in jaxpr) == (name not in absent), name
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jmem._src import attention as attention_lib
 from jmem._src import targets as targets_lib
 from jmem._src.names import REMAT_NAMES
+from jmem._src.recompute import recompute_cost
 
 __all__ = ["Levers", "ResolvedLevers", "resolve"]
 
@@ -278,17 +279,34 @@ _CPU_OFFLOAD_WHY = (
 )
 
 
-def _remat_why(remat, token_chunk, seq, platform) -> str:
+def _remat_why(remat, token_chunk, seq, platform, model=None, attention="dense") -> str:
     """The remat lever's reason, saying where the policy saves little below another on
     this program: ``dots``/``selective`` with token chunks (their internals are recomputed
-    under ``none`` too), ``offload``/``offload_inputs`` on XLA:CPU (no host memory)."""
+    under ``none`` too), ``offload``/``offload_inputs`` on XLA:CPU (no host memory); and
+    its recompute cost (``recompute.recompute_cost``)."""
     if not remat:
         return "applied outside the model, if at all"
-    why = "as given"
+    why = "as given" + _recompute_why(remat, token_chunk, seq, model, attention)
     if remat in ("dots", "selective") and token_chunk and seq is not None and seq > token_chunk:
         why += _CHUNKED_WHY.format(chunk=token_chunk, remat=remat)
     if remat in ("offload", "offload_inputs") and platform == "cpu":
         why += _CPU_OFFLOAD_WHY.format(sibling="selective" if remat == "offload" else "full")
+    return why
+
+
+def _recompute_why(remat, token_chunk, seq, model, attention) -> str:
+    """``; recomputes ...: about +N% ...`` for the remat reason (empty without a shape)."""
+    chunked = bool(token_chunk) and seq is not None and seq > token_chunk
+    cost = recompute_cost(remat, model, seq, token_chunked=chunked, attention=attention)
+    if cost is None:
+        return ""
+    share, what = cost
+    if not share:
+        return "; recomputes no matmul in the backward pass"
+    why = f"; recomputes {what} in the backward pass: about +{share:.0%} of the step's "
+    why += "minimum matmul work (a model; the dry run counts the compile's)"
+    if remat in ("none", "dots") and chunked:
+        why += f", because token chunks ({token_chunk} tokens) recompute their internals"
     return why
 
 
@@ -373,7 +391,10 @@ def resolve(
         target=name,
         seq_len=seq,
         reasons=(
-            ("remat", _remat_why(levers.remat, chunks["token_chunk"][0], seq, platform)),
+            (
+                "remat",
+                _remat_why(levers.remat, chunks["token_chunk"][0], seq, platform, model, attn),
+            ),
             ("attention", attn_why),
             ("loss_chunk", chunks["loss_chunk"][1]),
             ("token_chunk", chunks["token_chunk"][1]),

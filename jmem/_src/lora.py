@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jmem._src import lora_modules as _lora_modules
+from jmem._src import model_table as _model_table
 from jmem._src import nf4 as _nf4
 from jmem._src import tree as _tree
 from jmem._src.implicit import interpreter as _implicit
@@ -27,7 +28,8 @@ from jmem._src.implicit import modules as _modules
 
 __all__ = ["LoraWeight", "init", "apply", "merge", "num_trainable", "DEFAULT_MODULES"]
 
-#: Default modules, as PEFT's default for Llama: the query and value projections.
+#: Default modules, as PEFT's default for Llama: the query and value projections; on a
+#: mixture-of-experts model also every expert's gate, up and down projections.
 DEFAULT_MODULES = _modules.LORA_DEFAULT_MODULES
 
 #: Last path keys never adapted, whatever ``modules`` says: biases (Qwen2's q/k/v biases are
@@ -75,8 +77,14 @@ def _chosen(adaptable: list, modules) -> list:
 
 
 def _adaptable(path: str, leaf) -> bool:
-    """A weight LoRA may adapt: rank >= 2 and not a bias or norm scale (last key)."""
-    return len(getattr(leaf, "shape", ())) >= 2 and path.rsplit("/", 1)[-1] not in _NEVER_ADAPTED
+    """A weight LoRA may adapt: rank >= 2, not a bias or norm scale (last key) and not in a
+    mixture of experts' router (a module named ``router``)."""
+    keys = path.split("/")
+    return (
+        len(getattr(leaf, "shape", ())) >= 2
+        and keys[-1] not in _NEVER_ADAPTED
+        and not any(k in _model_table.ROUTER_NAMES for k in keys)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,14 @@ import re
 from typing import Sequence
 
 from jmem._src.cli import did_you_mean
+from jmem._src.model_table import EXPERT_LINEAR_NAMES
 from jmem._src.model_table import FUSED_LINEAR_NAMES
 from jmem._src.model_table import LINEAR_NAMES
+from jmem._src.model_table import ROUTER_NAMES
 
 __all__ = [
     "ALL",
+    "EXPERT_SPELLINGS",
     "FORMS",
     "PROJECTION_NAMES",
     "choose",
@@ -36,12 +39,39 @@ _ALL_SPELLINGS = ("all", "all-linear", "all_linear")
 #: The default's regex spelling, which run.json files may hold: on every reference model it
 #: selects the weights that ``all`` selects.
 _ALL_AS_REGEX = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
-#: The module names of ``all``: the reference model's projections, fused ones included.
-PROJECTION_NAMES = LINEAR_NAMES + tuple(n for n in FUSED_LINEAR_NAMES if n not in LINEAR_NAMES)
+#: The module names of ``all``: the reference model's projections, fused ones included, and
+#: a mixture of experts' expert projections (never its router).
+PROJECTION_NAMES = (
+    LINEAR_NAMES
+    + tuple(n for n in FUSED_LINEAR_NAMES if n not in LINEAR_NAMES)
+    + EXPERT_LINEAR_NAMES
+)
+#: The expert projections a PEFT/Hugging Face name also picks on a mixture-of-experts model:
+#: transformers 4's per-expert ``nn.Linear`` names (Qwen-MoE's ``gate_proj``/``up_proj``/
+#: ``down_proj``, Mixtral's ``w1``/``w3``/``w2``; PEFT converts such adapters to the fused
+#: experts of transformers 5), transformers 5's fused parameters (``gate_up_proj``,
+#: ``down_proj``) and their module, ``experts``.
+EXPERT_SPELLINGS = {
+    "gate_proj": ("expert_gate",),
+    "up_proj": ("expert_up",),
+    "down_proj": ("expert_down",),
+    "gate_up_proj": ("expert_gate", "expert_up"),
+    "w1": ("expert_gate",),
+    "w3": ("expert_up",),
+    "w2": ("expert_down",),
+    "experts": EXPERT_LINEAR_NAMES,
+}
+#: Names of a router (jmem's and transformers' ``mlp.gate``): LoRA never adapts it.
+_ROUTER_SPELLINGS = ROUTER_NAMES + ("gate",)
 #: A fused projection's parts, as the planner (which knows only ``LINEAR_NAMES``) counts it.
 _FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    # a mixture of experts' projections, which the planner counts as the MLP's (one LoRA
+    # pair per expert: ``ModelShape.lora_elements``)
+    "expert_gate": ("gate_proj",),
+    "expert_up": ("up_proj",),
+    "expert_down": ("down_proj",),
 }
 #: The accepted forms, for error messages.
 FORMS = (
@@ -102,9 +132,22 @@ def _module(path: str) -> str:
 
 def _named(path: str, name: str) -> bool:
     """Whether ``name`` matches the weight ``path`` as PEFT matches a target module: the
-    module path is ``name`` or ends with ``/name``."""
+    module path is ``name`` or ends with ``/name``; or ``name`` is a PEFT/Hugging Face
+    spelling of the expert projection ``path`` holds (``EXPERT_SPELLINGS``)."""
     module = _module(path)
-    return module == name or module.endswith("/" + name)
+    return any(
+        module == n or module.endswith("/" + n) for n in (name, *EXPERT_SPELLINGS.get(name, ()))
+    )
+
+
+def _refuse_router(name: str, paths: Sequence[str], names: list[str]) -> None:
+    """Raises for a router name that matches no adaptable path (the router never is)."""
+    if name in _ROUTER_SPELLINGS:
+        raise ValueError(
+            f"{name!r} names a mixture of experts' router (or no module): LoRA never adapts "
+            "the router, which stays float (PEFT's all-linear wraps transformers' mlp.gate; "
+            f"jmem does not); the module names are {', '.join(names)}"
+        )
 
 
 def module_names(paths: Sequence[str]) -> list[str]:
@@ -137,7 +180,8 @@ def choose(selected: str | Sequence[str], paths: Sequence[str]) -> list[str]:
             raise ValueError(
                 f"the regex {selected!r} matches no weight path in full"
                 + (" (it matches only part of one)" if part else "")
-                + " (LoRA adapts weights of rank >= 2: biases and norm scales excluded)"
+                + " (LoRA adapts weights of rank >= 2: biases and norm scales excluded, as "
+                "are MoE routers)"
                 + f"; paths are such as {', '.join(paths[:2])}; the module names are "
                 f"{', '.join(names)}"
             )
@@ -145,6 +189,7 @@ def choose(selected: str | Sequence[str], paths: Sequence[str]) -> list[str]:
     selected = tuple(selected)
     for name in selected:
         if not any(_named(p, name) for p in paths):
+            _refuse_router(name, paths, names)
             raise ValueError(
                 f"no module named {name!r}{did_you_mean(name, names)}; the module names are "
                 f"{', '.join(names)}"
@@ -156,17 +201,19 @@ def choose(selected: str | Sequence[str], paths: Sequence[str]) -> list[str]:
 
 def planner_names(selection: str) -> tuple[str, ...]:
     """The ``LINEAR_NAMES`` that ``selection`` (``parse``) picks in the reference model
-    (paths ``layers/<name>/kernel``): the planner's ``lora=(rank, names)``.
+    (paths ``layers/<name>/kernel``, the expert projections' too, counted as the MLP's:
+    ``linear_names``): the planner's ``lora=(rank, names)``.
 
     Raises:
       ValueError: as ``choose``.
     """
-    paths = [f"layers/{n}/kernel" for n in LINEAR_NAMES]
-    return tuple(module_names(choose(modules(selection), paths)))
+    paths = [f"layers/{n}/kernel" for n in LINEAR_NAMES + EXPERT_LINEAR_NAMES]
+    return linear_names(module_names(choose(modules(selection), paths)))
 
 
 def linear_names(names: Sequence[str]) -> tuple[str, ...]:
     """The ``LINEAR_NAMES`` among module ``names``, a fused projection counted as its parts
-    (``qkv_proj``: q, k and v), in ``LINEAR_NAMES`` order: what the planner counts."""
+    (``qkv_proj``: q, k and v) and an expert projection as the MLP's (``expert_gate``:
+    ``gate_proj``), in ``LINEAR_NAMES`` order: what the planner counts."""
     parts = {p for n in names for p in _FUSED_PARTS.get(n, (n,))}
     return tuple(n for n in LINEAR_NAMES if n in parts)

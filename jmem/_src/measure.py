@@ -15,6 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from jmem._src import native_logs
 from jmem._src import targets as _targets
 from jmem._src.hlo_flops import dot_flops
 
@@ -268,6 +269,7 @@ def measure(fn: Callable, *args, target: Any = None, **kwargs) -> MemoryReport:
 def compile_for_target(jitted: Any, args: tuple, kwargs: dict, target: Any = None) -> Any:
     """``jitted`` lowered and compiled for ``target`` (None: the running backend), as
     ``measure`` compiles it; returns the ``jax.stages.Compiled``."""
-    if target is None or _targets.get(target).platform == jax.default_backend():
-        return jitted.lower(*args, **kwargs).compile()
-    return _compile_for(jitted, _targets.get(target), args, kwargs)
+    with native_logs.hidden():
+        if target is None or _targets.get(target).platform == jax.default_backend():
+            return jitted.lower(*args, **kwargs).compile()
+        return _compile_for(jitted, _targets.get(target), args, kwargs)

@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "EXPERT_LINEAR_NAMES",
     "FAMILY_OPTIONS",
     "FUSED_LINEAR_NAMES",
     "LINEAR_NAMES",
     "PRESETS",
+    "ROUTER_NAMES",
     "periodic_layer_types",
     "preset_fields",
 ]
@@ -26,6 +28,13 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 #: The kernels of a ``fused_projections`` layer (Phi-3): q/k/v and gate/up in one each.
 FUSED_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+#: A mixture-of-experts layer's expert kernels, stacked over experts ``[E, in, out]`` (and
+#: over layers in params: ``[L, E, in, out]``), multiplied by ``jax.lax.ragged_dot``.
+EXPERT_LINEAR_NAMES = ("expert_gate", "expert_up", "expert_down")
+
+#: A mixture-of-experts layer's router ``[d_model, E]``: never quantized nor adapted.
+ROUTER_NAMES = ("router",)
 
 _GEMMA = {"norm_offset": 1.0, "norm_placement": "sandwich", "scale_embeddings": True}
 
@@ -40,6 +49,8 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "gemma3_text": {**_GEMMA, "qk_norm": "head"},
     "phi3": {"fused_projections": True},
     "olmo2": {"qk_norm": "proj", "norm_placement": "post"},
+    "mixtral": {},
+    "qwen3_moe": {"qk_norm": "head"},
 }
 
 
@@ -259,6 +270,53 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Phi-3 mini 4K: fused qkv_proj / gate_up_proj, a 2047-token window in every layer.
     "phi3_mini": _shape(
         32064, 3072, 8192, 32, 32, 32, max_seq_len=4096, sliding_window=2047, family="phi3"
+    ),
+    # A CPU-sized Mixtral-style mixture of experts: 8 experts of 128, 2 per token.
+    "tiny_moe": _shape(
+        256,
+        64,
+        128,
+        2,
+        4,
+        2,
+        max_seq_len=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+        family="mixtral",
+    ),
+    # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 8 experts of 14336, 2 per token.
+    "mixtral_8x7b": _shape(
+        32000,
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        num_experts=8,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.02,
+        family="mixtral",
+    ),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 128 experts of 768, 8 per token,
+    # renormalised; QK-norm per head of 128.
+    "qwen3_30b_a3b": _shape(
+        151936,
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_seq_len=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        family="qwen3_moe",
     ),
     # OLMo 2 7B (1124): norms after each sublayer only, QK-norm over the projections.
     "olmo2_7b": _shape(

@@ -151,6 +151,7 @@ class _Tensor:
     transpose: bool
     shape: tuple
     dtype: Any
+    expert: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -169,18 +170,24 @@ def _plan(leaves: dict, config: LlamaConfig, dtype) -> list[_Tensor]:
             f"leaves {extra}, missing {missing}; save_params writes only that layout."
         )
 
-    def tensor(path, layer):
+    def tensor(path, layer, expert=None):
         name, transpose = names[path]
         leaf = leaves[path]
         shape = tuple(leaf.shape) if layer is None else tuple(leaf.shape[1:])
+        shape = shape if expert is None else shape[1:]
         dt = jnp.dtype(dtype if dtype is not None else leaf.dtype)
-        name = name if layer is None else name.format(i=layer)
-        return _Tensor(name, path, layer, transpose, shape[::-1] if transpose else shape, dt)
+        name = name if layer is None else name.format(i=layer, e=expert)
+        shape = shape[::-1] if transpose else shape
+        return _Tensor(name, path, layer, transpose, shape, dt, expert)
 
     stacked = [p for p in names if p.startswith("layers/")]
     plan = [tensor("embed/embedding", None)]
     for i in range(config.num_layers):
-        plan.extend(tensor(path, i) for path in stacked)
+        for path in stacked:
+            if "{e}" in names[path][0]:  # one tensor per expert of the [L, E, ...] stack
+                plan.extend(tensor(path, i, e) for e in range(config.num_experts))
+            else:
+                plan.append(tensor(path, i))
     plan.append(tensor("final_norm/scale", None))
     if not config.tie_embeddings:
         plan.append(tensor("lm_head/kernel", None))
@@ -199,10 +206,12 @@ def _materialize(t: _Tensor, leaves: dict, adapters: dict) -> np.ndarray:
     """Tensor ``t`` as a host array: dequantized (one matrix) and merged with its adapter."""
     w = leaves[t.path]
     ad = adapters.get(t.path)
-    if t.layer is not None:
-        w = _layer(w, t.layer)
+    for i in (t.layer, t.expert):  # the layer's matrix, then the expert's
+        if i is None:
+            continue
+        w = _layer(w, i)
         if ad is not None:
-            ad = _lora.LoraWeight(a=ad.a[t.layer], b=ad.b[t.layer], scale=ad.scale)
+            ad = _lora.LoraWeight(a=ad.a[i], b=ad.b[i], scale=ad.scale)
     dense = nf4.dequantize(w, w.dtype) if isinstance(w, nf4.NF4Array) else jnp.asarray(w)
     if ad is not None:  # as jmem.lora.merge: in float32, back to the weight's dtype
         dense = (dense.astype(jnp.float32) + ad.delta(jnp.float32)).astype(dense.dtype)

@@ -1,9 +1,9 @@
 """Load Hugging Face checkpoints (``config.json`` + ``*.safetensors``) of the families in
 ``jmem.models.families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3,
-OLMo 2) into ``jmem.models.llama`` params, strictly (a config field jmem does not implement
-or a tensor it would not read is an error), tensor by tensor, optionally quantizing to NF4
-as they are read (QLoRA, Dettmers et al. 2023); HF's ``[out, in]`` weights become stacked
-``[in, out]`` kernels.
+OLMo 2, Mixtral, Qwen3-MoE) into ``jmem.models.llama`` params, strictly (a config field jmem
+does not implement or a tensor it would not read is an error), tensor by tensor, optionally
+quantizing to NF4 as they are read (QLoRA, Dettmers et al. 2023); HF's ``[out, in]`` weights
+become stacked ``[in, out]`` kernels (per-expert tensors ``[L, E, in, out]``).
 """
 
 from __future__ import annotations
@@ -288,11 +288,24 @@ def _report_unread(read: _TensorReader, allow_unused: bool, config: LlamaConfig)
         )
 
 
+def _read_layer(read, config, template: str, i: int, transpose: bool, shape) -> np.ndarray:
+    """Layer ``i``'s weight: one tensor, or with ``{e}`` in ``template`` the layer's
+    experts' tensors stacked ``[E, ...]`` (each one named in the errors)."""
+    if "{e}" not in template:
+        return _read_leaf(read, config, template.format(i=i), transpose, shape)
+    return np.stack(
+        [
+            _read_leaf(read, config, template.format(i=i, e=e), transpose, shape[1:])
+            for e in range(shape[0])
+        ]
+    )
+
+
 def _load_stack(read, config, template, transpose, shape, dtype, nf4_options):
     """A layer weight stacked over layers: dense ``dtype``, or (``nf4_options`` given)
-    NF4-quantized one layer matrix at a time."""
+    NF4-quantized one layer matrix (or stack of expert matrices) at a time."""
     rows = (
-        _read_leaf(read, config, template.format(i=i), transpose, shape[1:])
+        _read_layer(read, config, template, i, transpose, shape[1:])
         for i in range(config.num_layers)
     )
     if nf4_options is not None:
@@ -336,7 +349,8 @@ def _load_leaves(read, config, dtype, nf4_options) -> dict[str, Any]:
     for path, shape in shapes.items():
         template, transpose = names[path]
         if path.startswith("layers/"):
-            quantized = nf4_options if path.endswith("/kernel") else None
+            linear = path.endswith("/kernel") and path != "layers/router/kernel"
+            quantized = nf4_options if linear else None  # the router stays in float
             out[path] = _load_stack(read, config, template, transpose, shape, dtype, quantized)
         else:
             out[path] = jnp.asarray(_read_leaf(read, config, template, transpose, shape), dtype)

@@ -8,8 +8,11 @@ A PEFT LoRA adapter directory holds ``adapter_config.json`` (``peft.LoraConfig``
 ``...lora_B.weight`` ``[out, r]``; the update is ``scaling * B @ A`` on the ``[out, in]``
 weight, ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``). jmem keeps one
 ``LoraWeight`` per stacked kernel ``[L, in, out]`` with ``a [L, in, r] = stack(A_i.T)`` and
-``b [L, r, out] = stack(B_i.T)``. Reference: PEFT's ``LoraLayer`` and ``save_pretrained``
-(huggingface/peft); Hu et al. 2021 (arXiv:2106.09685). See ``docs/lora.md``.
+``b [L, r, out] = stack(B_i.T)``. A mixture of experts' adapters (``expert_gate``/``up``/
+``down``, one pair per expert) are PEFT's ``target_parameters`` on transformers 5's fused
+``mlp.experts.gate_up_proj``/``down_proj`` (``jmem.models.peft_experts``). Reference: PEFT's
+``LoraLayer``, ``ParamWrapper`` and ``save_pretrained`` (huggingface/peft); Hu et al. 2021
+(arXiv:2106.09685). See ``docs/lora.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 from jmem._src import lora as _lora
 from jmem._src.implicit.weight import flatten_params
+from jmem.models import peft_experts as _experts
 from jmem.models.llama import FUSED_LINEAR_NAMES
 from jmem.models.llama import LINEAR_NAMES
 from jmem.models.llama import LlamaConfig
@@ -75,6 +79,7 @@ _HANDLED = {
     "rank_pattern",
     "alpha_pattern",
     "target_modules",
+    "target_parameters",
 }
 
 
@@ -105,38 +110,63 @@ def _uniform(adapters: dict, field: str, get) -> Any:
     return next(iter(values.values()))
 
 
-def _adapter_config(adapters: dict, modules: list[str], base_model_name_or_path) -> dict:
-    """``adapter_config.json`` of ``adapters`` (``peft.LoraConfig`` fields)."""
-    r = _uniform(adapters, "r (rank)", lambda w: w.rank)
-    alpha = _uniform(adapters, "lora_alpha", lambda w: w.lora_alpha)
+def _adapter_config(
+    adapters: dict, modules: list[str], experts: dict, base_model_name_or_path
+) -> dict:
+    """``adapter_config.json`` of ``adapters`` (``peft.LoraConfig`` fields); ``experts``:
+    ``{fused parameter: (rank, scale)}`` of the expert adapters (``target_parameters``, with
+    ``rank_pattern``/``alpha_pattern`` where they differ from the others' ``r``/alpha)."""
+    dense = {p: w for p, w in adapters.items() if p not in _experts.EXPERT_PATHS}
     rs = _uniform(adapters, "use_rslora", lambda w: bool(w.use_rslora))
-    for path, w in adapters.items():
+    if dense:
+        r = _uniform(dense, "r (rank)", lambda w: w.rank)
+        alpha = _uniform(dense, "lora_alpha", lambda w: w.lora_alpha)
+    else:
+        r, scale = next(iter(experts.values()))
+        alpha = _alpha_of(scale, r, rs)
+    for path, w in dense.items():
         want = alpha / math.sqrt(r) if rs else alpha / r
         if not math.isclose(w.scale, want, rel_tol=1e-6):
             raise ValueError(
                 f"Adapter {path!r} has scale {w.scale}, but alpha={alpha}, r={r}, "
                 f"use_rslora={rs} give {want}; PEFT recomputes the scale from those fields."
             )
+    rank_pattern, alpha_pattern = {}, {}
+    for param, (rank, scale) in experts.items():
+        a = _alpha_of(scale, rank, rs)
+        if rank != r or not math.isclose(a, alpha, rel_tol=1e-9):
+            rank_pattern[rf".*\.{param}"] = rank
+            alpha_pattern[rf".*\.{param}"] = int(a) if float(a).is_integer() else a
+    # PEFT's ParamWrapper refuses lora_dropout != 0 (a training-time setting; the adapter's
+    # function does not depend on it), so with expert adapters it is written as 0.
+    dropout = _uniform(adapters, "lora_dropout", lambda w: float(w.dropout))
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-        "lora_dropout": _uniform(adapters, "lora_dropout", lambda w: float(w.dropout)),
+        "lora_dropout": 0.0 if experts else dropout,
         "use_rslora": rs,
         "init_lora_weights": _uniform(adapters, "init_lora_weights", lambda w: w.init_lora_weights),
         "target_modules": modules,
+        "target_parameters": [f"mlp.experts.{p}" for p in experts] or None,
         "bias": "none",
         "use_dora": False,
         "fan_in_fan_out": False,
         "modules_to_save": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
         "layers_to_transform": None,
         "layers_pattern": None,
         "inference_mode": True,
     }
+
+
+def _alpha_of(scale: float, rank: int, rslora: bool) -> float:
+    """The ``lora_alpha`` that gives ``scale`` at ``rank`` (an integer within 1e-9 of one)."""
+    x = scale * (math.sqrt(rank) if rslora else rank)
+    return float(round(x)) if abs(x - round(x)) <= 1e-9 * max(1.0, abs(x)) else x
 
 
 def save_adapters(
@@ -156,16 +186,24 @@ def save_adapters(
         ``adapter_model.safetensors`` (tensors in the adapters' dtype).
       adapters: ``{path: LoraWeight}`` for ``jmem.models.llama`` params (``jmem.lora.init``
         or ``load_adapters``): paths ``layers/<name>/kernel``, ``a [L, in, r]``,
-        ``b [L, r, out]``; one rank, alpha, dropout, rsLoRA and init setting for all.
+        ``b [L, r, out]``; one rank, alpha, dropout, rsLoRA and init setting for the
+        projections. Expert adapters (``layers/expert_{gate,up,down}/kernel``, ``a [L, E,
+        in, r]``, ``b [L, E, r, out]``; Qwen3-MoE, Mixtral) are written as PEFT's
+        ``target_parameters`` ``mlp.experts.gate_up_proj`` (gate and up fused: a rank
+        ``r_g + r_u`` block pair, ``r`` when their ``a`` are equal) and
+        ``mlp.experts.down_proj``, with ``rank_pattern``/``alpha_pattern`` where their rank
+        or alpha differ from the projections'; ``lora_dropout`` is then written as 0 (PEFT's
+        ``ParamWrapper`` refuses any other; dropout acts only in training).
       config: the model's ``LlamaConfig`` (checks ``L`` and the shapes).
       base_model_name_or_path: recorded in ``adapter_config.json`` (PEFT loads this base
         when given only the adapter directory).
 
     Raises:
       ValueError: an adapter on a weight PEFT has no module for (a bias, a norm, the
-        embedding; only the projections' kernels, ``llama.linear_names(config)``), shapes
-        that do not
-        fit ``config``, or adapters that differ in rank/alpha/dropout/rsLoRA/init.
+        embedding, the router; only the projections' kernels, ``llama.linear_names(config)``,
+        and the experts'), shapes that do not fit ``config``, projections' adapters that
+        differ in rank/alpha, adapters that differ in dropout/rsLoRA/init, or gate and up
+        adapters of different scales.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
 
@@ -175,28 +213,66 @@ def save_adapters(
     tensors: dict[str, np.ndarray] = {}
     modules = []
     for path, w in adapters.items():
+        if path in _experts.EXPERT_PATHS:
+            continue
         name = _module_of(path)
         if name not in shapes:
             raise ValueError(
                 f"Adapter {path!r}: {config} has no {name} (its kernels: {linear_names(config)})."
             )
         L, fan_in, fan_out = shapes[name]["kernel"]
-        r = w.rank
-        if tuple(w.a.shape) != (L, fan_in, r) or tuple(w.b.shape) != (L, r, fan_out):
-            raise ValueError(
-                f"Adapter {path!r} has a{tuple(w.a.shape)}, b{tuple(w.b.shape)}; expected "
-                f"a{(L, fan_in, r)}, b{(L, r, fan_out)} for {config}."
-            )
+        _check_factors(path, w, (L, fan_in), fan_out, config)
         a, b = np.asarray(w.a), np.asarray(w.b)
         for i in range(L):
             tensors[_key(i, name, "A")] = np.ascontiguousarray(a[i].T)
             tensors[_key(i, name, "B")] = np.ascontiguousarray(b[i].T)
         modules.append(name)
-    cfg = _adapter_config(adapters, sorted(modules), base_model_name_or_path)
+    experts = _expert_tensors(adapters, shapes, config, tensors)
+    cfg = _adapter_config(adapters, sorted(modules), experts, base_model_name_or_path)
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def _check_factors(path: str, w, lead: tuple, fan_out: int, config) -> None:
+    """Raises unless ``w`` has ``a [*lead, r]`` and ``b [*lead[:-1], r, fan_out]``."""
+    r = w.rank
+    want_a, want_b = (*lead, r), (*lead[:-1], r, fan_out)
+    if tuple(w.a.shape) != want_a or tuple(w.b.shape) != want_b:
+        raise ValueError(
+            f"Adapter {path!r} has a{tuple(w.a.shape)}, b{tuple(w.b.shape)}; expected "
+            f"a{want_a}, b{want_b} for {config}."
+        )
+
+
+def _expert_tensors(adapters: dict, shapes: dict, config, tensors: dict) -> dict:
+    """Adds the expert adapters' PEFT tensors to ``tensors`` (``peft_experts``: gate and up
+    as one fused ``gate_up_proj`` pair); returns ``{parameter: (rank, scale)}``."""
+    pairs = {}
+    for path in _experts.EXPERT_PATHS:
+        if path not in adapters:
+            continue
+        name = path.split("/")[1]
+        if name not in shapes:
+            raise ValueError(f"Adapter {path!r}: {config} has no experts (num_experts=0).")
+        L, E, fan_in, fan_out = shapes[name]["kernel"]
+        _check_factors(path, adapters[path], (L, E, fan_in), fan_out, config)
+    gate, up = (adapters.get(p) for p in _experts.PARAMS["gate_up_proj"])
+    if gate is not None or up is not None:
+        f = shapes["expert_gate"]["kernel"][-1]
+        pairs["gate_up_proj"] = _experts.fused_gate_up(gate, up, f)
+    down = adapters.get(_experts.PARAMS["down_proj"][0])
+    if down is not None:
+        a, b = np.asarray(down.a), np.asarray(down.b)
+        pairs["down_proj"] = (np.swapaxes(a, -1, -2), np.swapaxes(b, -1, -2), down.scale)
+    infix = _experts.slots(list(pairs))
+    for param, (A, B, _) in pairs.items():
+        for i in range(A.shape[0]):
+            a_w, b_w = _experts.to_peft(A[i], B[i])
+            tensors[_experts.key(i, infix[param], "A")] = a_w
+            tensors[_experts.key(i, infix[param], "B")] = b_w
+    return {param: (A.shape[-2], scale) for param, (A, _, scale) in pairs.items()}
 
 
 def _neutral(value) -> bool:
@@ -219,9 +295,17 @@ def _check_config(c: dict, config: LlamaConfig) -> tuple[int, float]:
         )
     r, alpha = int(c["r"]), float(c["lora_alpha"])
     for field, base in (("rank_pattern", r), ("alpha_pattern", alpha)):
-        odd = {k: v for k, v in (c.get(field) or {}).items() if v != base}
+        odd = {
+            k: v
+            for k, v in (c.get(field) or {}).items()
+            if v != base and not any(k.endswith(p) for p in _experts.PARAMS)
+        }
         if odd:
-            raise ValueError(f"{field}={odd} (per-module values) is not implemented.")
+            raise ValueError(
+                f"{field}={odd} (per-module values) is not implemented (only for the experts' "
+                "gate_up_proj/down_proj)."
+            )
+    _check_target_parameters(c.get("target_parameters"), config)
     targets = c.get("target_modules")
     if isinstance(targets, list | tuple):
         unknown = sorted(set(targets) - set(linear_names(config)))
@@ -239,6 +323,25 @@ def _check_config(c: dict, config: LlamaConfig) -> tuple[int, float]:
     return r, alpha
 
 
+def _check_target_parameters(targets, config: LlamaConfig) -> None:
+    """Refuses ``target_parameters`` other than the experts' fused ``gate_up_proj`` and
+    ``down_proj`` of a mixture-of-experts config (PEFT's all-linear also adapts the router
+    ``mlp.gate.weight``, which jmem keeps float and unadapted)."""
+    if not targets:
+        return
+    if not config.num_experts:
+        raise ValueError(
+            f"target_parameters {sorted(targets)} adapt 3-D parameters; {config} has no "
+            "experts (num_experts=0)."
+        )
+    other = sorted(t for t in targets if t.rpartition(".")[2] not in _experts.PARAMS)
+    if other:
+        raise ValueError(
+            f"target_parameters {other} are not the experts' gate_up_proj/down_proj: jmem "
+            "never adapts the router (mlp.gate), which stays float; drop them in PEFT first."
+        )
+
+
 def _read_tensors(directory: str, config: LlamaConfig) -> dict[str, dict[int, dict]]:
     """``{module: {layer: {"A": [r, in], "B": [out, r]}}}`` from the safetensors file."""
     from safetensors.numpy import load_file  # noqa: PLC0415
@@ -251,6 +354,11 @@ def _read_tensors(directory: str, config: LlamaConfig) -> dict[str, dict[int, di
     out: dict[str, dict[int, dict]] = {}
     unknown = []
     for key, arr in load_file(path).items():
+        e = _experts.KEY_RE.match(key)
+        if e is not None and config.num_experts:
+            slot = "expert_" + (e.group(2) or "")
+            out.setdefault(slot, {}).setdefault(int(e.group(1)), {})[e.group(3)] = arr
+            continue
         m = _KEY_RE.match(key)
         names = linear_names(config)
         if m is None or m.group(3) not in names or m.group(2) != _GROUP[m.group(3)]:
@@ -281,6 +389,10 @@ def load_adapters(directory: str, params, config: LlamaConfig) -> dict[str, _lor
     params (stacked layers, ``a [L, in, r]``, ``b [L, r, out]``), holding PEFT's weights
     in their stored dtype, with ``scale`` = ``lora_alpha / r`` (``/ sqrt(r)`` with
     ``use_rslora``) and ``lora_dropout`` / ``use_rslora`` / ``init_lora_weights`` recorded.
+    Expert adapters (``target_parameters`` ``mlp.experts.gate_up_proj``/``down_proj``) become
+    ``a [L, E, in, r]``, ``b [L, E, r, out]`` of ``layers/expert_{gate,up,down}/kernel``
+    with their parameter's ``rank_pattern``/``alpha_pattern`` scale; the fused
+    ``gate_up_proj`` pair is split exactly (``jmem.models.peft_experts.split_gate_up``).
 
     Args:
       directory: holds ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's
@@ -296,8 +408,9 @@ def load_adapters(directory: str, params, config: LlamaConfig) -> dict[str, _lor
       FileNotFoundError: a missing file.
       ValueError: a PEFT feature jmem does not implement (the message names the field:
         ``use_dora``, ``modules_to_save``, ``rank_pattern``/``alpha_pattern`` that differ,
-        ``bias``, ``target_modules`` outside the Llama linear layers, partial layers,
-        non-LoRA ``peft_type``, ...), or shapes that do not match ``params``.
+        ``bias``, ``target_modules`` outside the Llama linear layers, ``target_parameters``
+        other than the experts' (PEFT's all-linear adapts the router ``mlp.gate``), partial
+        layers, non-LoRA ``peft_type``, ...), or shapes that do not match ``params``.
     """
     cpath = os.path.join(directory, CONFIG_NAME)
     if not os.path.exists(cpath):
@@ -333,8 +446,84 @@ def load_adapters(directory: str, params, config: LlamaConfig) -> dict[str, _lor
             use_rslora=rs,
             init_lora_weights=c.get("init_lora_weights", True),
         )
+    out.update(_load_experts(c, tensors, leaves, config, (r, alpha, rs)))
     if tensors:
         raise ValueError(
             f"params have no leaf layers/<name>/kernel for the PEFT adapters of {sorted(tensors)}."
         )
+    return {p: out[p] for p in leaves if p in out}
+
+
+def _pattern(patterns: dict, name: str, default):
+    """``patterns``' value for module ``name`` as PEFT's ``get_pattern_key`` matches it
+    (``(.*\\.)?(key)$``), else ``default``."""
+    for k, v in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({k})$", name):
+            return v
+    return default
+
+
+def _expert_pairs(c: dict, tensors: dict, config: LlamaConfig):
+    """``{parameter: (A [L, E, R, in], B [L, E, out, R])}`` of the expert tensors read
+    (removed from ``tensors``), by ``target_parameters`` and PEFT's nesting."""
+    targets = [t.rpartition(".")[2] for t in (c.get("target_parameters") or [])]
+    params = [p for p in _experts.PARAMS if p in targets]
+    found = sorted(k for k in tensors if k.startswith("expert_"))
+    if found and not params:
+        raise ValueError(
+            "the adapter file holds expert tensors (mlp.experts.lora_*) but adapter_config.json "
+            "names no target_parameters (mlp.experts.gate_up_proj / down_proj)."
+        )
+    infix = _experts.slots(params) if params else {}
+    pairs = {}
+    for param in params:
+        layers = tensors.pop("expert_" + infix[param], None)
+        if layers is None:
+            raise ValueError(f"target_parameters names {param}, but no tensors of it are stored.")
+        one = [
+            _experts.from_peft(layers[i]["A"], layers[i]["B"], config.num_experts)
+            for i in range(config.num_layers)
+        ]
+        pairs[param] = (np.stack([x[0] for x in one]), np.stack([x[1] for x in one]))
+    return pairs
+
+
+def _load_experts(c: dict, tensors: dict, leaves: dict, config: LlamaConfig, base) -> dict:
+    """The expert adapters (``peft_experts``: the fused ``gate_up_proj`` pair split into
+    ``expert_gate`` and ``expert_up``), each with the scale of its parameter's
+    ``rank_pattern``/``alpha_pattern``."""
+    r, alpha, rs = base
+    out = {}
+    for param, (A, B) in _expert_pairs(c, tensors, config).items():
+        name = f"model.layers.0.mlp.experts.{param}"
+        R = int(_pattern(c.get("rank_pattern"), name, r))
+        a_p = float(_pattern(c.get("alpha_pattern"), name, alpha))
+        if A.shape[-2] != R:
+            raise ValueError(
+                f"the {param} adapters have rank {A.shape[-2]}, adapter_config.json says {R}."
+            )
+        scale = a_p / math.sqrt(R) if rs else a_p / R
+        if param == "gate_up_proj":
+            factors = dict(zip(_experts.PARAMS[param], _experts.split_gate_up(A, B)))
+        else:
+            factors = {_experts.PARAMS[param][0]: (np.swapaxes(A, -1, -2), np.swapaxes(B, -1, -2))}
+        for path, pair in factors.items():
+            if pair is None:
+                continue
+            a, b = pair
+            leaf = leaves.get(path)
+            want = None if leaf is None else tuple(leaf.shape)
+            if want is None or a.shape[:-1] != want[:-1] or b.shape[-1] != want[-1]:
+                raise ValueError(
+                    f"PEFT {param} adapters give a{a.shape}, b{b.shape}; params have "
+                    f"{path!r} {want}."
+                )
+            out[path] = _lora.LoraWeight(
+                a=jnp.asarray(np.ascontiguousarray(a)),
+                b=jnp.asarray(np.ascontiguousarray(b)),
+                scale=float(scale),
+                dropout=float(c.get("lora_dropout", 0.0) or 0.0),
+                use_rslora=rs,
+                init_lora_weights=c.get("init_lora_weights", True),
+            )
     return out

@@ -10,6 +10,7 @@ import contextlib
 import io
 import sys
 
+from jmem._src import native_logs
 from jmem._src.finetune import launcher
 from jmem._src.finetune.config_file import parse_args
 
@@ -38,7 +39,9 @@ def main(
         launcher.restart_with_huge_pages(config)  # may os.execve: the new process prints
         sys.stdout.write(notes)
         sys.stdout.flush()
-    from jmem._src.finetune import job  # noqa: PLC0415 (JAX starts here, with the work)
+    native_logs.show(config.run.debug)
+    with native_logs.hidden():  # the plugins' start-up log lines (cudart_stub, ...)
+        from jmem._src.finetune import job  # noqa: PLC0415 (JAX starts here, with the work)
 
     return job.run_command(config)
 

@@ -394,7 +394,10 @@ class RunConfig(_Group):
     )
     no_progress: bool = option(False, "plain log lines instead of a progress bar", switch=True)
     debug: bool = option(
-        False, "a traceback instead of a one-line error", switch=True, cli_only=True
+        False,
+        "a traceback instead of a one-line error; XLA's own log lines shown",
+        switch=True,
+        cli_only=True,
     )
     host_allocator: str = option(
         "auto",

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmem._src import native_logs
 from jmem._src import rewards
 from jmem._src.checkpointing import verify_step
 from jmem._src.cli import CliError
@@ -140,9 +141,14 @@ def grpo_inputs(config, cfg, tok):
     ``--max-prompt-len``) and the ``--reward`` functions (``rewards.parse_rewards``).
 
     Raises:
-      CliError: no ``--data``, a bad prompt file, or a reward that cannot be loaded; one
-        line each."""
+      CliError: no ``--data``, a bad prompt file, a reward that cannot be loaded, a column
+        a reward needs missing, or several processes; one line each."""
     g = config.grpo
+    if jax.process_count() > 1:
+        raise CliError(
+            "--objective grpo runs in one process (its devices may form a --mesh); launch "
+            "it without --num-processes"
+        )
     if config.data.data is None:
         raise CliError(
             "--objective grpo needs --data FILE.jsonl of prompts (a 'prompt' column: text or "
@@ -278,7 +284,10 @@ def _run_quietly_off_process_0(config):
     """``run``; in a multi-process run only process 0 prints (errors still reach stderr)."""
     run = config.run
     note = apply_allocator(run.host_allocator, config.execution.remat, run.dry_run)  # before JAX
-    initialize_distributed(config)
+    native_logs.show(run.debug)
+    with native_logs.hidden():  # the backend's start-up lines (cudart_stub, ...)
+        initialize_distributed(config)
+        jax.devices()
     if jax.process_index() == 0:
         return _run(config, note)
     with quiet_stdout():  # gloo's connection lines too (C++ std::cout)

@@ -23,6 +23,7 @@ from jmem import data as jdata
 from jmem import lora as jlora
 from jmem import sharding
 from jmem._src import lora_modules
+from jmem._src import native_logs
 from jmem._src.checkpointing import CheckpointDamagedError
 from jmem._src.checkpointing import committed_steps
 from jmem._src.cli import CliError
@@ -274,7 +275,8 @@ def _four_places(value) -> str:
 def _compile(step, state, batch):
     """One compile of the step: the executable and its peak bytes (per device on a mesh)."""
     t0 = time.perf_counter()
-    compiled = step.jitted.lower(state, batch).compile()
+    with native_logs.hidden():
+        compiled = step.jitted.lower(state, batch).compile()
     peak = MemoryReport.from_compiled(compiled).peak_bytes
     per = (
         " per device"

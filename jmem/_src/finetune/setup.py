@@ -109,6 +109,7 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
                 1, d["batch_size"] // g.num_generations
             )
         set_["seq_len"] = sizes["seq_len"] = g.max_prompt_len + g.max_completion_len
+        unset = [k for k in unset if k != "seq_len"]  # not a CPU-sized default
     if t.lr is None:
         set_["lr"] = 3e-3 if name == "tiny" else 2e-4
     if t.lora_alpha is None and t.lora_rank:  # --lora-rank 0: no adapters, no alpha

@@ -18,6 +18,7 @@ from jmem._src import jaxpr as _jaxpr
 from jmem._src import tree as _tree
 from jmem._src.implicit import matmul_rules as _matmul
 from jmem._src.implicit import modules as _modules
+from jmem._src.implicit import ragged_rules as _ragged
 from jmem._src.implicit import registry as _registry
 from jmem._src.implicit import structural_rules as _structural
 from jmem._src.implicit.weight import ImplicitWeightError
@@ -39,6 +40,7 @@ def _register_defaults() -> None:
     jaxpr core's table (under each name JAX has used for it)."""
     own = {
         "dot_general": _matmul.dot_general,
+        "ragged_dot_general": _ragged.ragged_dot_general,
         "convert_element_type": _structural.convert,
         "transpose": _structural.transpose,
         "copy": _structural.identity,

@@ -28,11 +28,15 @@ __all__ = [
 
 #: Leaves whose path matches this (``re.search``, case-insensitive) are never quantized by
 #: default: embeddings, output heads, norms (``*norm*``, a path component starting with
-#: ``ln`` such as ``ln1`` / ``ln_f``), biases and leaves named ``scale``.
-EXCLUDE = r"(embed|embedding|wte|wpe|lm_head|output_head|norm|ln_|(^|/)ln|bias|(^|/)scale$)"
+#: ``ln`` such as ``ln1`` / ``ln_f``), biases, leaves named ``scale`` and a mixture of
+#: experts' router (``router``, ``[d_model, E]`` per layer: it picks the experts, so it stays
+#: float, as bitsandbytes leaves transformers' routers, which are no ``nn.Linear``).
+EXCLUDE = r"(embed|embedding|wte|wpe|lm_head|output_head|norm|ln_|(^|/)ln|bias|(^|/)scale$|router)"
 
-#: LoRA's default modules, as PEFT's default for Llama: the query and value projections.
-LORA_DEFAULT_MODULES = r".*(q_proj|v_proj).*"
+#: LoRA's default modules, as PEFT's default for Llama: the query and value projections;
+#: on a mixture-of-experts model also the experts' projections (one LoRA pair per expert:
+#: PEFT's default for Mixtral adapts q/v only, but the experts hold most of the weights).
+LORA_DEFAULT_MODULES = r".*(q_proj|v_proj|expert_gate|expert_up|expert_down).*"
 
 
 def default_modules(path: str, leaf: Any) -> bool:

@@ -116,7 +116,7 @@ def _saved_per_token(shape: ModelShape, A: int, s: int, t: int) -> dict[str, int
     internals are recomputed per chunk under every mode, so a layer keeps what crosses the
     chunks: its input and mid-layer residual, q, k, v and the attention output.
     """
-    h, F, a = shape.hidden_size, shape.intermediate_size, shape.num_heads
+    h, F, a = shape.hidden_size, shape.active_mlp_width, shape.num_heads
     qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     long = is_long_context(shape, s)
     scores = 4 * a if long else A * a * s
@@ -140,7 +140,7 @@ def _saved_per_token(shape: ModelShape, A: int, s: int, t: int) -> dict[str, int
 def _offloaded_per_token(shape: ModelShape, A: int) -> int:
     """Bytes one layer sends to host per token under ``offload``: its input and
     selective's residuals."""
-    h, F = shape.hidden_size, shape.intermediate_size
+    h, F = shape.hidden_size, shape.active_mlp_width
     qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     return A * (2 * h + qd + 2 * kv + 2 * F)
 
@@ -168,7 +168,7 @@ def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, saved, A)
     logits += int(terms.loss_work_per_token_h * t * h)
     if shape.tie_embeddings:
         logits += int(terms.tied_head_copies * A * V * h)
-    mlp = m * terms.mlp_work_per_token_f * shape.intermediate_size
+    mlp = m * terms.mlp_work_per_token_f * shape.active_mlp_width
     weights = terms.layer_weight_bytes * sum(i * o for i, o in shape.linear_shapes().values())
     work = t * (terms.layer_work_per_token_h * h + terms.saved_copy * saved) + mlp + weights
     return {"recompute": int(work), "logits": logits}

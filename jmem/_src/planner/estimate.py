@@ -214,8 +214,7 @@ def _params_notes(spec, streamed: dict) -> list[str]:
 def _lora_states(spec, shape, S, AD, base, accounting, master_weights):
     """LoRA on a frozen base: adapters get grads, state and (maybe) masters; with detail."""
     rank, targets = spec
-    lin = shape.linear_shapes()
-    trainable = shape.num_layers * rank * sum(sum(lin[t]) for t in targets)
+    trainable = shape.lora_elements(targets, rank)
     adapter_master = 4 if (accounting == "nominal" or (master_weights and AD < 4)) else 0
     detail = {
         "base:params": int(base),

@@ -38,8 +38,13 @@ class ModelShape:
     ``gate_up_proj`` leaf; ``linear_shapes`` still lists the separate projections (the
     same elements), so LoRA on a fused module is counted as on its parts (``2 r H`` more
     adapter elements per layer than PEFT's one adapter on the fused module). ``biases``: the
-    projections with a bias ``[L, out]`` (as ``LlamaConfig.biases``). ``name`` does not take
-    part in comparisons (Llama 3.1 8B has Llama 3 8B's shape)."""
+    projections with a bias ``[L, out]`` (as ``LlamaConfig.biases``). ``num_experts`` E > 0
+    (mixture of experts, ``num_experts_per_tok`` k, each ``expert_size`` wide): the MLP's
+    ``gate_proj``/``up_proj``/``down_proj`` entries of ``linear_shapes`` stand for the
+    experts' stacks (``[H, E F_e]``: their elements, what NF4 quantizes), the router
+    ``[H, E]`` is a float leaf, and activations count the k active experts' width
+    (``active_mlp_width``; the ``T k`` sorted token copies are not counted). ``name`` does
+    not take part in comparisons (Llama 3.1 8B has Llama 3 8B's shape)."""
 
     vocab_size: int
     hidden_size: int
@@ -53,6 +58,9 @@ class ModelShape:
     norm_widths: tuple[int, ...] | None = None
     fused_projections: bool = False
     biases: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_size: int = 0
     #: The long-context paths as resolved from the step's ``jmem.Levers`` (attention,
     #: ``loss_chunk``, ``token_chunk``; set by ``estimate``): how the step computes, not the
     #: shape, so they do not take part in comparisons.
@@ -63,6 +71,8 @@ class ModelShape:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``[in, out]`` of each linear weight of one layer."""
         h, f = self.hidden_size, self.intermediate_size
+        if self.num_experts:
+            f = self.num_experts * self.expert_size  # every expert's weights, side by side
         qd, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {
             "q_proj": (h, qd),
@@ -73,6 +83,29 @@ class ModelShape:
             "up_proj": (h, f),
             "down_proj": (f, h),
         }
+
+    @property
+    def active_mlp_width(self) -> int:
+        """The MLP width a token's activations see: F, or k experts of ``expert_size``."""
+        if self.num_experts:
+            return self.num_experts_per_tok * self.expert_size
+        return self.intermediate_size
+
+    @property
+    def router_params(self) -> int:
+        """Elements of the routers ``[L, H, E]`` (0 for a dense MLP)."""
+        return self.num_layers * self.hidden_size * self.num_experts
+
+    def lora_elements(self, targets, rank: int) -> int:
+        """Elements of LoRA factors ``a [in, r]``, ``b [r, out]`` on the linear weights
+        ``targets`` of every layer; on a mixture of experts the MLP's names stand for the
+        experts, one pair per expert (``E r (H + F_e)`` per projection)."""
+        lin, mlp = self.linear_shapes(), ("gate_proj", "up_proj", "down_proj")
+        expert_pair = self.num_experts * (self.hidden_size + self.expert_size)
+        per_layer = sum(
+            expert_pair if (self.num_experts and t in mlp) else sum(lin[t]) for t in targets
+        )
+        return self.num_layers * rank * per_layer
 
     @property
     def linear_params(self) -> int:
@@ -105,6 +138,8 @@ class ModelShape:
             }
         sizes += list(lin.values())
         sizes += list(self._bias_sizes().values())
+        if self.num_experts:
+            sizes.append(self.router_params)
         if not self.tie_embeddings:
             sizes.append(h * self.vocab_size)
         return sizes
@@ -120,7 +155,8 @@ class ModelShape:
     def n_params(self) -> int:
         """Total parameters; equals ``jmem.models.llama.num_params(config)``."""
         biases = sum(self._bias_sizes().values())
-        return self.linear_params + self.embedding_params + self.norm_params + biases
+        embed_norms = self.embedding_params + self.norm_params + self.router_params
+        return self.linear_params + embed_norms + biases
 
 
 def norm_widths_of(model: Any) -> tuple[int, ...] | None:
@@ -151,7 +187,18 @@ def _of_config(model: Any, name: str | None) -> ModelShape:
         norm_widths_of(model),
         bool(getattr(model, "fused_projections", False)),
         tuple(getattr(model, "biases", ())),
+        *_experts_of(model),
     )
+
+
+def _experts_of(model: Any) -> tuple[int, int, int]:
+    """``(num_experts, num_experts_per_tok, expert_size)`` of a config-like object (zeros
+    for a dense one)."""
+    e = int(getattr(model, "num_experts", 0) or 0)
+    if not e:
+        return 0, 0, 0
+    fe = getattr(model, "moe_intermediate_size", None) or model.intermediate_size
+    return e, int(getattr(model, "num_experts_per_tok", 2)), int(fe)
 
 
 #: Shapes of the presets (``model_table.PRESETS``, as ``jmem.models.llama.CONFIGS``).

@@ -19,6 +19,7 @@ from jmem.models.families.table import NO_WINDOWS
 from jmem.models.families.table import NOT_LOADED
 from jmem.models.families.table import PATTERN
 from jmem.models.families.table import QWEN_WINDOWS
+from jmem.models.families.table import USE_SLIDING_WINDOW
 from jmem.models.families.table import Family
 from jmem.models.families.table import Windows
 from jmem.models.families.table import family_of
@@ -39,6 +40,7 @@ __all__ = [
     "NO_WINDOWS",
     "PATTERN",
     "QWEN_WINDOWS",
+    "USE_SLIDING_WINDOW",
     "Family",
     "Windows",
     "carried_fields",

@@ -7,7 +7,7 @@ Every family rule is a field of its entry (the options it implies, from
 so a new Llama-like family is one ``Family`` entry here (see ``docs/families.md``); the
 ``config.json`` reader is ``read.py``, the writer ``write.py``. Sources: transformers'
 ``modeling_<family>.py`` and ``configuration_<family>.py`` (Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3, Phi-3, OLMo 2).
+Gemma 2, Gemma 3, Phi-3, OLMo 2, Mixtral, Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable
 
 from jmem._src import model_table
 from jmem.models.llama import LlamaConfig
+from jmem.models.llama import expert_size
 from jmem.models.llama import param_shapes
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "NO_WINDOWS",
     "PATTERN",
     "QWEN_WINDOWS",
+    "USE_SLIDING_WINDOW",
     "Family",
     "Windows",
     "family_of",
@@ -198,6 +200,79 @@ def _write_gemma_windows(config: LlamaConfig, types: list[str]) -> dict:
     return {"sliding_window": config.sliding_window or 4096, "layer_types": types}
 
 
+def _write_use_sliding_window(config: LlamaConfig, types: list[str]) -> dict:
+    """Qwen3-MoE: one window in every layer, switched by ``use_sliding_window``."""
+    return {
+        "sliding_window": config.sliding_window,
+        "use_sliding_window": bool(types[0] != "full_attention"),
+    }
+
+
+def _int_field(c: dict, field: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        refuse(field, value, "a positive integer")
+    return value
+
+
+def _router_fields(c: dict, experts_field: str) -> dict:
+    """The router's fields shared by Mixtral and Qwen3-MoE."""
+    num = c.get(experts_field)
+    if num is None and experts_field == "num_experts":
+        num = c.get("num_local_experts")  # transformers 5 writes Qwen3-MoE's E under this name
+    return {
+        "num_experts": _int_field(c, experts_field, num),
+        "num_experts_per_tok": _int_field(c, "num_experts_per_tok", c["num_experts_per_tok"]),
+        "router_aux_loss_coef": float(c.get("router_aux_loss_coef") or 0.0),
+    }
+
+
+def _mixtral(c: dict) -> dict:
+    """Mixtral: E = ``num_local_experts``, experts ``intermediate_size`` wide, the top-k
+    weights always renormalised; no router jitter (a training-time noise jmem omits)."""
+    if c.get("router_jitter_noise"):
+        refuse("router_jitter_noise", c["router_jitter_noise"], "0.0 (jmem adds no router noise)")
+    return {**_router_fields(c, "num_local_experts"), "norm_topk_prob": True}
+
+
+def _write_mixtral(config: LlamaConfig) -> dict:
+    c = config
+    return {
+        "num_local_experts": c.num_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "router_aux_loss_coef": c.router_aux_loss_coef,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _qwen3_moe(c: dict) -> dict:
+    """Qwen3-MoE: every layer sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``),
+    experts ``moe_intermediate_size`` wide, ``norm_topk_prob``, attention biases."""
+    if c.get("decoder_sparse_step", 1) != 1:
+        refuse("decoder_sparse_step", c["decoder_sparse_step"], "1 (every layer's MLP routed)")
+    if c.get("mlp_only_layers"):
+        refuse("mlp_only_layers", c["mlp_only_layers"], "[] (every layer's MLP routed)")
+    return {
+        **_attention_bias(c),
+        **_router_fields(c, "num_experts"),
+        "moe_intermediate_size": _int_field(c, "moe_intermediate_size", c["moe_intermediate_size"]),
+        "norm_topk_prob": bool(c.get("norm_topk_prob", False)),
+    }
+
+
+def _write_qwen3_moe(config: LlamaConfig) -> dict:
+    c = config
+    return {
+        **_write_attention_bias(c),
+        "num_experts": c.num_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "moe_intermediate_size": expert_size(c),
+        "norm_topk_prob": c.norm_topk_prob,
+        "router_aux_loss_coef": c.router_aux_loss_coef,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Windows:
     """How a family's ``config.json`` places sliding-window layers.
@@ -225,6 +300,8 @@ QWEN_WINDOWS = Windows(_use_sliding_window, _qwen_types, _write_qwen_windows)
 ALTERNATING = Windows(_always, _alternate_types, _write_gemma_windows)
 #: Gemma 3: every ``sliding_window_pattern``-th layer global.
 PATTERN = Windows(_always, _pattern_types, _write_gemma_windows)
+#: Qwen3-MoE: ``use_sliding_window`` puts the window in every layer.
+USE_SLIDING_WINDOW = Windows(_use_sliding_window, _all_sliding, _write_use_sliding_window)
 
 
 def _computes_any(config: LlamaConfig) -> str | None:
@@ -257,6 +334,26 @@ def _mistral_rejects(config: LlamaConfig) -> str | None:
     return _llama_shaped(config, "Mistral")
 
 
+def _mixtral_rejects(config: LlamaConfig) -> str | None:
+    """Mixtral: no biases, renormalised top-k, experts ``intermediate_size`` wide."""
+    if config.biases:
+        return "Mixtral has no biases"
+    if not config.norm_topk_prob:
+        return "Mixtral always renormalises the top-k weights (norm_topk_prob=True)"
+    if config.moe_intermediate_size is not None:
+        return "Mixtral's experts are intermediate_size wide (leave moe_intermediate_size None)"
+    return _llama_shaped(config, "Mixtral")
+
+
+def _qwen3_moe_rejects(config: LlamaConfig) -> str | None:
+    """Qwen3-MoE: ``moe_intermediate_size`` named, one window for every layer."""
+    if config.moe_intermediate_size is None:
+        return "Qwen3-MoE names its experts' width (set moe_intermediate_size)"
+    if config.layer_types is not None:
+        return "Qwen3-MoE has no per-layer attention types"
+    return None
+
+
 def _qwen2_rejects(config: LlamaConfig) -> str | None:
     """Qwen2: biases on q/k/v."""
     if set(config.biases) != set(_QKV):
@@ -286,6 +383,9 @@ class Family:
       rejects: ``LlamaConfig`` -> None when the family computes it, else why not
         (``family_of`` chooses among the families with the config's options by it:
         Llama, Mistral and Qwen2 share Llama's options and differ in biases and window).
+      experts: for a mixture-of-experts family, ``{jmem MOE_NAMES leaf: HF module}`` of a
+        layer as pairs, ``{e}`` standing for the expert index (the router's module has
+        none); empty for a dense family (``family_of`` matches it to ``num_experts``).
     """
 
     architecture: str
@@ -298,6 +398,7 @@ class Family:
     defaults: tuple[tuple[str, Any], ...] = ()
     activation_field: str = "hidden_act"
     rejects: Callable[[LlamaConfig], str | None] = _computes_any
+    experts: tuple[tuple[str, str], ...] = ()
 
 
 def _implied(model_type: str) -> tuple[tuple[str, Any], ...]:
@@ -404,6 +505,61 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
+_MOE_FIELDS = ("num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")
+
+FAMILIES["mixtral"] = Family(
+    "MixtralForCausalLM",
+    options=_implied("mixtral"),
+    windows=EVERY_LAYER,
+    fields=(*_MOE_FIELDS, "num_local_experts", "router_jitter_noise"),
+    read=_mixtral,
+    write=_write_mixtral,
+    defaults=(
+        ("rms_norm_eps", 1e-5),
+        ("rope_theta", 1e6),
+        ("num_local_experts", 8),
+        ("num_experts_per_tok", 2),
+        ("router_aux_loss_coef", 0.001),
+    ),
+    rejects=_mixtral_rejects,
+    experts=(
+        ("router", "block_sparse_moe.gate"),
+        ("expert_gate", "block_sparse_moe.experts.{e}.w1"),
+        ("expert_up", "block_sparse_moe.experts.{e}.w3"),
+        ("expert_down", "block_sparse_moe.experts.{e}.w2"),
+    ),
+)
+FAMILIES["qwen3_moe"] = Family(
+    "Qwen3MoeForCausalLM",
+    options=_implied("qwen3_moe"),
+    windows=USE_SLIDING_WINDOW,
+    fields=(
+        *_MOE_FIELDS,
+        "num_experts",
+        "num_local_experts",  # transformers 5's spelling of num_experts
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "attention_bias",
+    ),
+    read=_qwen3_moe,
+    write=_write_qwen3_moe,
+    defaults=(
+        ("sliding_window", 4096),
+        ("num_experts_per_tok", 8),
+        ("moe_intermediate_size", 768),
+        ("router_aux_loss_coef", 0.001),
+    ),
+    rejects=_qwen3_moe_rejects,
+    experts=(
+        ("router", "mlp.gate"),
+        ("expert_gate", "mlp.experts.{e}.gate_proj"),
+        ("expert_up", "mlp.experts.{e}.up_proj"),
+        ("expert_down", "mlp.experts.{e}.down_proj"),
+    ),
+)
+
 #: ``model_type``s jmem does not load -> what to load instead.
 NOT_LOADED: dict[str, str] = {
     "gemma3": (
@@ -437,12 +593,16 @@ def family_of(config: LlamaConfig) -> str:
     """
     default = _options(LlamaConfig(num_layers=1))
     opts = _options(config)
+    moe = config.num_experts > 0
     candidates = {
-        name: fam for name, fam in FAMILIES.items() if {**default, **dict(fam.options)} == opts
+        name: fam
+        for name, fam in FAMILIES.items()
+        if {**default, **dict(fam.options)} == opts and bool(fam.experts) == moe
     }
     if not candidates:
         raise ValueError(
-            f"The family options {opts} of {config} match no transformers family "
+            f"The family options {opts} (num_experts={config.num_experts}) of {config} "
+            "match no transformers family "
             f"({sorted(FAMILIES)}); the export could not be loaded."
         )
     reasons = {name: fam.rejects(config) for name, fam in candidates.items()}
@@ -475,8 +635,9 @@ def _layer_norm_names(config: LlamaConfig) -> dict[str, str]:
 
 def tensor_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
     """``{jmem leaf path: (HF tensor name, transposed)}`` for every leaf of
-    ``param_shapes(config)``; layer names hold ``{i}`` for the layer index, and kernels are
-    transposed (jmem ``[in, out]``, HF ``[out, in]``)."""
+    ``param_shapes(config)``; layer names hold ``{i}`` for the layer index (and expert
+    weights ``{e}`` for the expert's: one HF tensor per expert of each ``[L, E, in, out]``
+    stack), and kernels are transposed (jmem ``[in, out]``, HF ``[out, in]``)."""
     names = {
         "embed/embedding": ("model.embed_tokens.weight", False),
         "final_norm/scale": ("model.norm.weight", False),
@@ -484,7 +645,11 @@ def tensor_names(config: LlamaConfig) -> dict[str, tuple[str, bool]]:
     if not config.tie_embeddings:
         names["lm_head/kernel"] = ("lm_head.weight", True)
     norms = _layer_norm_names(config)
+    experts = dict(FAMILIES[family_of(config)].experts) if config.num_experts else {}
     for name, leaves in param_shapes(config)["layers"].items():
+        if name in experts:  # per expert ({e}) [out, in] weights, the router [E, H]
+            names[f"layers/{name}/kernel"] = (f"model.layers.{{i}}.{experts[name]}.weight", True)
+            continue
         if name in norms:
             names[f"layers/{name}/scale"] = (f"model.layers.{{i}}.{norms[name]}.weight", False)
             continue

@@ -6,7 +6,8 @@ scaling), grouped-query attention (optional sliding window, packed rows via
 in Touvron et al. 2023 ("Llama 2") and Hugging Face's ``LlamaForCausalLM``. Named family
 options (per-layer attention types and RoPE bases, norm form and placement, QK-norm,
 attention scale and soft-caps, embedding scale, fused projections) make it Mistral, Qwen2/3,
-Gemma 2/3, Phi-3 and OLMo 2 too, whose checkpoints load into it (``jmem.models.hf``; the
+Gemma 2/3, Phi-3, OLMo 2, and with routed experts (``num_experts``) Mixtral and
+Qwen3-MoE too, whose checkpoints load into it (``jmem.models.hf``; the
 mapping is ``jmem.models.families``). ``generate`` decodes with a KV cache;
 ``rollout`` samples G completions per prompt (GRPO's rollouts).
 
@@ -31,10 +32,12 @@ from jmem.models.llama.config import CHECKPOINT_NAMES
 from jmem.models.llama.config import FUSED_LINEAR_NAMES
 from jmem.models.llama.config import LAYER_TYPES
 from jmem.models.llama.config import LINEAR_NAMES
+from jmem.models.llama.config import MOE_NAMES
 from jmem.models.llama.config import NORM_PLACEMENTS
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
 from jmem.models.llama.config import RopeScaling
+from jmem.models.llama.config import expert_size
 from jmem.models.llama.config import linear_names
 from jmem.models.llama.decoder import abstract_params
 from jmem.models.llama.decoder import forward
@@ -53,6 +56,7 @@ from jmem.models.llama.layers import rope_frequencies
 from jmem.models.llama.layers import rope_tables
 from jmem.models.llama.loss import cross_entropy
 from jmem.models.llama.loss import loss_fn
+from jmem.models.llama.loss import loss_terms
 from jmem.models.llama.presets import CONFIGS
 from jmem.models.llama.presets import EXECUTION_FIELDS
 from jmem.models.llama.presets import get_config
@@ -65,6 +69,7 @@ __all__ = [
     "FUSED_LINEAR_NAMES",
     "LAYER_TYPES",
     "LINEAR_NAMES",
+    "MOE_NAMES",
     "NORM_PLACEMENTS",
     "LlamaConfig",
     "Params",
@@ -76,6 +81,7 @@ __all__ = [
     "attention_mask",
     "cross_entropy",
     "decoder_layer",
+    "expert_size",
     "final_norm",
     "forward",
     "generate",
@@ -85,6 +91,7 @@ __all__ = [
     "init",
     "linear_names",
     "loss_fn",
+    "loss_terms",
     "num_params",
     "param_shapes",
     "rms_norm",

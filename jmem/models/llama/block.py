@@ -16,11 +16,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src import fp8_apply
 from jmem._src import levers as levers_lib
+from jmem._src import moe
 from jmem._src.attention import attention
 from jmem._src.token_chunks import over_tokens
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
 from jmem.models.llama.layers import _mlp
+from jmem.models.llama.layers import _moe
 from jmem.models.llama.layers import _norm
 from jmem.models.llama.layers import _proj
 from jmem.models.llama.layers import _qkv
@@ -28,7 +30,7 @@ from jmem.models.llama.layers import apply_rope
 
 
 def _layer(x, layer, config, rope, attn, cache=None, index=None, lv=None):
-    """One residual block, ``[B, S, H]`` -> ``([B, S, H], cache)``, as Llama's::
+    """One residual block, ``[B, S, H]`` -> ``([B, S, H], cache, router)``, as Llama's::
 
         x = x + attn(norm(x))   # _attn_in (norm, q/k/v, RoPE) | _attend | _attn_out
         x = x + mlp(norm(x))    # _mlp_block
@@ -41,7 +43,9 @@ def _layer(x, layer, config, rope, attn, cache=None, index=None, lv=None):
 
     ``rope``: ``(cos, sin)``; ``attn``: ``_attend``'s index arguments; ``cache``: None, or
     a pair ``[B, T, nKV, D]`` into which this call's keys/values are written at row index
-    ``index``, attention then running over the whole cache (returned updated). ``lv``: the
+    ``index``, attention then running over the whole cache (returned updated); the third
+    output is None, or for a mixture-of-experts layer its ``moe.router_stats`` over the
+    call's tokens (float32 ``[E]`` choices and probability sums). ``lv``: the
     ``ResolvedLevers`` (None: decoding, ``_DECODE``). No FP8 argument: FP8 (as NF4 and
     LoRA) is an implicit weight, ``jmem.fp8.apply``."""
     lv = _DECODE if lv is None else lv
@@ -51,15 +55,18 @@ def _layer(x, layer, config, rope, attn, cache=None, index=None, lv=None):
     q, k, v = local(_attn_in, x, cos, sin)
     k, v, cache = _write_cache(cache, k, v, index)
     ctx = checkpoint_name(_attend(q, k, v, config, attn, lv).reshape(b, s, -1), "attn_context")
-    (x,) = local(_residuals, x, ctx)
-    return x, cache
+    x, *probs = local(_residuals, x, ctx)
+    router = moe.router_stats(probs[0], config.num_experts_per_tok) if probs else None
+    return x, cache, router
 
 
 def _residuals(x, ctx, *, layer, config):
     """The block after attention, token-local: ``x += attn_out(ctx)``, ``x += mlp(norm x)``;
-    ``x [B, S, H]``, ``ctx [B, S, nH * D]`` -> ``(x,)``."""
+    ``x [B, S, H]``, ``ctx [B, S, nH * D]`` -> ``(x,)``, or ``(x, router probabilities
+    [B, S, E])`` for a mixture-of-experts layer."""
     x = x + _attn_out(ctx, layer, config)
-    return (x + _mlp_block(x, layer, config),)
+    out, *probs = _mlp_block(x, layer, config)
+    return (x + out, *probs)
 
 
 def _attn_in(x, cos, sin, *, layer, config):
@@ -78,10 +85,16 @@ def _attn_out(ctx, layer, config: LlamaConfig) -> jax.Array:
 
 def _mlp_block(x, layer, config: LlamaConfig) -> jax.Array:
     """The MLP sublayer without its residual: ``mlp_norm`` (not with ``"post"``), the gated
-    MLP, ``post_mlp_norm`` (not with ``"pre"``)."""
+    MLP or the routed experts (``num_experts > 0``), ``post_mlp_norm`` (not with ``"pre"``);
+    returns ``(out,)``, or ``(out, router probabilities)`` with experts."""
     h = x if config.norm_placement == "post" else _norm(x, layer, "mlp_norm", config)
-    out = _mlp(h, layer, config)
-    return out if config.norm_placement == "pre" else _norm(out, layer, "post_mlp_norm", config)
+    if config.num_experts:
+        out, *probs = _moe(h, layer, config)
+    else:
+        out, probs = _mlp(h, layer, config), []
+    if config.norm_placement != "pre":
+        out = _norm(out, layer, "post_mlp_norm", config)
+    return (out, *probs)
 
 
 def _write_cache(cache, k, v, index):

@@ -36,6 +36,11 @@ CHECKPOINT_NAMES = (
     "mlp_up",
     "mlp_hidden",
     "mlp_down",
+    "router_logits",
+    "expert_gate",
+    "expert_up",
+    "expert_hidden",
+    "expert_down",
     "post_mlp_norm",
 )
 
@@ -46,6 +51,12 @@ LINEAR_NAMES = model_table.LINEAR_NAMES
 
 #: The kernels of a ``fused_projections`` layer (Phi-3): q/k/v and gate/up in one each.
 FUSED_LINEAR_NAMES = model_table.FUSED_LINEAR_NAMES
+
+
+#: The weights of a mixture-of-experts layer's MLP (``num_experts > 0``), in place of
+#: ``gate_proj``/``up_proj``/``down_proj``: the router kernel ``[H, E]`` and the experts'
+#: stacked kernels ``[E, H, F]``, ``[E, H, F]``, ``[E, F, H]``.
+MOE_NAMES = ("router", "expert_gate", "expert_up", "expert_down")
 
 
 #: ``LlamaConfig.layer_types`` values.
@@ -165,6 +176,18 @@ class LlamaConfig:
       fused_projections: q/k/v in one kernel ``qkv_proj [L, H, (nH + 2 nKV) D]`` and gate/up
         in one ``gate_up_proj [L, H, 2F]`` (Phi-3; LoRA adapts each fused kernel as one
         module, as PEFT does).
+
+    Mixture of experts (Mixtral, Jiang et al. 2024; Qwen3-MoE; ``docs/families.md``):
+      num_experts: E, routed experts per layer; 0 (default) is the dense MLP. With E > 0
+        every layer's MLP is routed: a ``router`` kernel ``[H, E]`` and experts
+        ``expert_gate``/``expert_up`` ``[E, H, F_e]``, ``expert_down`` ``[E, F_e, H]``
+        (``MOE_NAMES``) replace ``gate_proj``/``up_proj``/``down_proj``.
+      num_experts_per_tok: k, the experts each token is routed to (1 <= k <= E).
+      moe_intermediate_size: F_e, each expert's MLP width; None: ``intermediate_size``.
+      norm_topk_prob: renormalise the k routing weights to sum to 1 (Mixtral always does;
+        Qwen3-MoE's ``norm_topk_prob``); else they are the softmax probabilities.
+      router_aux_loss_coef: weight of the load-balancing loss (Fedus et al. 2021, as
+        transformers' ``load_balancing_loss_func``) that ``loss_fn`` adds; 0 turns it off.
     """
 
     vocab_size: int = 32000
@@ -192,6 +215,11 @@ class LlamaConfig:
     final_logit_softcap: float | None = None
     scale_embeddings: bool = False
     fused_projections: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         object.__setattr__(self, "biases", tuple(self.biases))
@@ -200,6 +228,7 @@ class LlamaConfig:
         if unknown:
             raise ValueError(f"biases {unknown} are not projections; choose from {names}.")
         _check_family_options(self)
+        _check_experts(self)
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(
                 f"hidden_act={self.hidden_act!r} is not implemented; choose from "
@@ -219,6 +248,33 @@ class LlamaConfig:
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
                 f"{self.num_kv_heads} for grouped-query attention."
             )
+
+
+def _check_experts(c: LlamaConfig) -> None:
+    """ValueError for mixture-of-experts fields the routed MLP cannot run."""
+    if c.num_experts < 0:
+        raise ValueError(f"num_experts must be >= 0 (0: dense MLP); got {c.num_experts}.")
+    if c.num_experts == 0:
+        return
+    if not 1 <= c.num_experts_per_tok <= c.num_experts:
+        raise ValueError(
+            f"num_experts_per_tok={c.num_experts_per_tok} must be in 1..num_experts="
+            f"{c.num_experts}: each token is routed to that many distinct experts."
+        )
+    if c.moe_intermediate_size is not None and c.moe_intermediate_size < 1:
+        raise ValueError(f"moe_intermediate_size must be >= 1; got {c.moe_intermediate_size}.")
+    if c.fused_projections:
+        raise ValueError("num_experts > 0 with fused_projections is not implemented.")
+    if c.router_aux_loss_coef < 0:
+        raise ValueError(f"router_aux_loss_coef must be >= 0; got {c.router_aux_loss_coef}.")
+    if set(c.biases) & {"gate_proj", "up_proj", "down_proj"}:
+        raise ValueError("MLP biases with num_experts > 0 are not implemented (experts have none).")
+
+
+def expert_size(config: LlamaConfig) -> int:
+    """F_e, one expert's MLP width: ``moe_intermediate_size``, else ``intermediate_size``."""
+    c = config
+    return c.intermediate_size if c.moe_intermediate_size is None else c.moe_intermediate_size
 
 
 def _check_family_options(c: LlamaConfig) -> None:

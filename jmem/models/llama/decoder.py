@@ -17,12 +17,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jmem._src import fp8_apply
 from jmem._src import fp8_meta
 from jmem._src import levers as levers_lib
+from jmem._src import moe
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.block import _layer
 from jmem.models.llama.block import _resolved
 from jmem.models.llama.block import warn_fp8_argument
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
+from jmem.models.llama.config import expert_size
 from jmem.models.llama.layers import _embed
 from jmem.models.llama.layers import _head
 from jmem.models.llama.layers import rope_tables
@@ -45,9 +47,7 @@ def _layer_shapes(c: LlamaConfig) -> Params:
             "k_proj": {"kernel": (H, kv)},
             "v_proj": {"kernel": (H, kv)},
             "o_proj": {"kernel": (q, H)},
-            "gate_proj": {"kernel": (H, F)},
-            "up_proj": {"kernel": (H, F)},
-            "down_proj": {"kernel": (F, H)},
+            **_mlp_shapes(c),
         }
     norms = {}
     if c.norm_placement != "post":
@@ -62,6 +62,26 @@ def _layer_shapes(c: LlamaConfig) -> Params:
     for name in c.biases:
         shapes[name]["bias"] = shapes[name]["kernel"][-1:]
     return shapes
+
+
+def _mlp_shapes(c: LlamaConfig) -> Params:
+    """The MLP's kernels: gate/up/down ``[H, F]``/``[F, H]``, or with ``num_experts`` E the
+    router ``[H, E]`` and the experts' stacks ``[E, H, F_e]``, ``[E, H, F_e]``,
+    ``[E, F_e, H]`` (``MOE_NAMES``)."""
+    H, F, E = c.hidden_size, c.intermediate_size, c.num_experts
+    if not E:
+        return {
+            "gate_proj": {"kernel": (H, F)},
+            "up_proj": {"kernel": (H, F)},
+            "down_proj": {"kernel": (F, H)},
+        }
+    Fe = expert_size(c)
+    return {
+        "router": {"kernel": (H, E)},
+        "expert_gate": {"kernel": (E, H, Fe)},
+        "expert_up": {"kernel": (E, H, Fe)},
+        "expert_down": {"kernel": (E, Fe, H)},
+    }
 
 
 def param_shapes(config: LlamaConfig) -> Params:
@@ -232,6 +252,33 @@ def hidden_states(
       ValueError: as ``forward`` (misshaped tokens, positions or segment ids;
         ``levers.fp8=True`` outside ``jmem.fp8.apply``).
     """
+    x, lv, _ = decode_layers(
+        params,
+        tokens,
+        config,
+        positions=positions,
+        segment_ids=segment_ids,
+        layer_transform=layer_transform,
+        levers=levers,
+    )
+    return x, lv
+
+
+def decode_layers(
+    params: Params,
+    tokens: jax.Array,
+    config: LlamaConfig,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    layer_transform: Callable | None = None,
+    levers: Any = None,
+) -> tuple[jax.Array, levers_lib.ResolvedLevers, jax.Array | None]:
+    """``hidden_states`` and the router's load-balancing loss: ``(hidden, resolved,
+    aux)``, ``aux`` a float32 scalar (``jmem._src.moe.load_balancing_loss`` over every
+    layer and token of the batch, not yet weighted by ``router_aux_loss_coef``) for a
+    mixture-of-experts config, None for a dense one. Arguments and errors as
+    ``hidden_states``."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
             f"tokens must be an integer array [batch, seq]; got {tokens.dtype}{tokens.shape}."
@@ -253,12 +300,15 @@ def hidden_states(
         # Named so that remat's "offload" policy saves the layer input in host memory.
         x = checkpoint_name(x, "layer_input")
         layer_rope, layer_attn = _per_layer(local, rope, attn, c)
-        return _layer(x, layer, c, layer_rope, layer_attn, lv=lv)[0], None
+        x, _, router = _layer(x, layer, c, layer_rope, layer_attn, lv=lv)
+        return x, router  # router: None (dense) or this layer's moe.router_stats
 
     if layer_transform is not None:
         body = layer_transform(body)
     xs = params["layers"] if is_local is None else (params["layers"], is_local)
-    return jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)[0], lv
+    x, router = jax.lax.scan(body, x, xs, unroll=lv.scan_unroll)
+    aux = None if router is None else moe.load_balancing_loss(*router, math.prod(tokens.shape))
+    return x, lv, aux
 
 
 def forward(
@@ -283,7 +333,8 @@ def forward(
       segment_ids: optional int32 ``[B, S]``: packed examples (a row holding several
         sequences), one id per example; attention never crosses ids (see
         ``attention_mask``). Default: one sequence per row.
-      layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``,
+      layer_transform: optional wrapper applied to the scan body ``(x, layer) -> (x, None)``
+        (``(x, router statistics)`` for a mixture-of-experts config),
         e.g. ``lambda f: jmem.remat(f, "selective")``. ``jmem.remat`` around the whole loss
         reaches the scan body without it.
       fp8: deprecated (one release; warns): FP8 scaling states from

@@ -47,7 +47,7 @@ def _cached_forward(params, tokens, config, cache, index, rows=None):
     def body(x, xs):
         layer, kv, local = xs
         layer_rope, layer_attn = _per_layer(local, rope, attn, c)
-        return _layer(x, layer, c, layer_rope, layer_attn, kv, index)
+        return _layer(x, layer, c, layer_rope, layer_attn, kv, index)[:2]
 
     x, cache = jax.lax.scan(body, x, (params["layers"], cache, is_local))
     return _head(params, x[:, -1:], c)[:, 0], cache

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jmem._src import moe
 from jmem._src.mesh_batch import rows_split
 from jmem.models.llama.config import ACTIVATIONS
 from jmem.models.llama.config import LlamaConfig
@@ -135,6 +136,24 @@ def _mlp(h, layer, config: LlamaConfig) -> jax.Array:
     gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
     hidden = checkpoint_name(ACTIVATIONS[config.hidden_act](gate) * up, "mlp_hidden")
     return checkpoint_name(_proj(hidden, layer, "down_proj"), "mlp_down")
+
+
+def _moe(h, layer, config: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+    """The routed-experts MLP (``num_experts > 0``, ``jmem._src.moe.routed_experts``):
+    ``h [..., H]`` -> ``(out [..., H], router probabilities float32 [..., E])``."""
+    c = config
+    lead = h.shape[:-1]
+    out, probs = moe.routed_experts(
+        h.reshape(-1, h.shape[-1]),
+        layer["router"]["kernel"],
+        layer["expert_gate"]["kernel"],
+        layer["expert_up"]["kernel"],
+        layer["expert_down"]["kernel"],
+        top_k=c.num_experts_per_tok,
+        norm_topk_prob=c.norm_topk_prob,
+        activation=ACTIVATIONS[c.hidden_act],
+    )
+    return out.reshape(*lead, -1), probs.reshape(*lead, -1)
 
 
 def _embed(params: Params, tokens: jax.Array, config: LlamaConfig) -> jax.Array:

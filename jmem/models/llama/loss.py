@@ -15,7 +15,7 @@ from jmem._src.linear_cross_entropy import token_nll
 from jmem._src.offload import params as offload_params
 from jmem.models.llama.config import LlamaConfig
 from jmem.models.llama.config import Params
-from jmem.models.llama.decoder import hidden_states
+from jmem.models.llama.decoder import decode_layers
 from jmem.models.llama.decoder import with_fp8
 from jmem.models.llama.layers import final_norm
 from jmem.models.llama.layers import head_kernel
@@ -41,21 +41,43 @@ def loss_fn(
     levers: Any = None,
     **kwargs,
 ) -> jax.Array:
-    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``.
+    """Mean next-token cross-entropy of ``batch = {"inputs": [B,S], "targets": [B,S]}``,
+    plus ``router_aux_loss_coef`` times the load-balancing loss for a mixture-of-experts
+    config (``num_experts > 0``; as transformers' ``MixtralForCausalLM`` and
+    ``Qwen3MoeForCausalLM`` add it when ``output_router_logits``).
 
     Optional batch entries, int32/float ``[B, S]``: ``"mask"`` (loss weight per target),
     ``"positions"`` and ``"segment_ids"`` (packed rows; passed to ``forward``). Extra
     keyword arguments go to ``forward``. ``levers``: as ``forward``'s (None:
     ``jmem.Levers()``). The loss is computed ``levers.loss_chunk`` tokens at a time
     (``linear_cross_entropy``, with ``final_logit_softcap``), never holding the
-    ``[B, S, V]`` logits unless ``loss_chunk=0``. ``fp8=metas`` is deprecated:
+    ``[B, S, V]`` logits unless ``loss_chunk=0``. ``loss_terms`` returns the two terms
+    apart. ``fp8=metas`` is deprecated:
     ``jmem.fp8.apply(loss_fn)(params, metas, batch, config, ...)``."""
     fp8 = kwargs.pop("fp8", None)
     if fp8 is not None:
         return with_fp8(loss_fn, "loss_fn", params, fp8, batch, config, levers=levers, **kwargs)
+    return loss_terms(params, batch, config, levers=levers, **kwargs)["loss"]
+
+
+def loss_terms(
+    params: Params,
+    batch: dict[str, jax.Array],
+    config: LlamaConfig,
+    *,
+    levers: Any = None,
+    **kwargs,
+) -> dict[str, jax.Array]:
+    """``loss_fn``'s loss and its terms, float32 scalars: ``{"loss", "cross_entropy",
+    "router_aux_loss"}`` with ``loss = cross_entropy + router_aux_loss_coef *
+    router_aux_loss``; ``router_aux_loss`` is the load-balancing loss over every layer and
+    every token of ``batch["inputs"]`` (transformers' ``load_balancing_loss_func`` without
+    an attention mask: padding counts), 0 for a dense config. For
+    ``jax.grad(..., has_aux=True)``: ``lambda p, b: (t := loss_terms(p, b, cfg))["loss"], t``.
+    Arguments as ``loss_fn``."""
     kwargs = {"layer_transform": None, **kwargs}
     params = offload_params.fetch_resident(params, levers)
-    x, lv = hidden_states(
+    x, lv, aux = decode_layers(
         params,
         batch["inputs"],
         config,
@@ -64,7 +86,7 @@ def loss_fn(
         levers=levers,
         **kwargs,
     )
-    return linear_cross_entropy(
+    ce = linear_cross_entropy(
         final_norm(params, x, config),
         head_kernel(params, config),
         batch["targets"],
@@ -72,3 +94,7 @@ def loss_fn(
         chunk=lv.loss_chunk,
         logit_softcap=config.final_logit_softcap,
     )
+    if aux is None:
+        return {"loss": ce, "cross_entropy": ce, "router_aux_loss": jnp.zeros((), jnp.float32)}
+    loss = ce + config.router_aux_loss_coef * aux
+    return {"loss": loss, "cross_entropy": ce, "router_aux_loss": aux}
