@@ -44,6 +44,7 @@ BAD_FLAGS = {
     "top-p": (GRPO + ["--top-p", "0"], ["--top-p", "(0, 1]"]),
     "temperature": (GRPO + ["--temperature", "0"], ["--temperature", "positive"]),
     "scale": (GRPO + ["--scale-rewards", "std"], ["--scale-rewards", "group"]),
+    "offload params": (GRPO + ["--offload", "params"], ["--offload params", "grpo"]),
     "kl without adapters": (
         GRPO + ["--beta", "0.04", "--lora-rank", "0"],
         ["--beta > 0 with --lora-rank 0", "adapters off"],
