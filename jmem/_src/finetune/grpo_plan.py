@@ -126,6 +126,23 @@ def _training_choice(config, cfg, target, devices, memory) -> tuple[dict, list[s
     return changes, lines
 
 
+def run_generation_batch(config, cfg, memory: int, devices: int = 1):
+    """``(config, line)`` for a training run with ``--generation-batch`` unset: the largest
+    generation micro-batch whose planned phase fits ``memory`` bytes (``--memory``, or the
+    accelerator's own), and the line saying why; ``config`` unchanged (and ``line`` None)
+    when ``--generation-batch`` is given. Rollout rows draw from their own keys, so the
+    completions do not depend on it."""
+    if config.grpo.generation_batch is not None:
+        return config, None
+    kw = _generation_kwargs(config, cfg, None, devices)
+    reserve = min(grpo_phases.DEFAULT_RESERVE, memory // 8)  # a small --memory keeps 1/8
+    gb, _, why = grpo_phases.largest_generation_batch(
+        memory, cfg, rows=config.data.batch_size, reserve=reserve, **kw
+    )
+    line = f"resolver: {why}" + ("; generating 1 row at a time" if not gb else "")
+    return config.replace(generation_batch=max(gb, 1)), line
+
+
 def resolve(config, cfg, target=None, devices: int = 1):
     """``(config, lines)``: ``config`` with the generation batch, remat and accumulation that the
     planner finds fit ``budget(config)`` in both phases (only options left at their
