@@ -30,10 +30,13 @@ CALIBRATION = os.path.join(RESULTS, "calibration.json")
 TARGET = "h100_sxm"
 LABEL = "XLA:GPU compile for h100_sxm, no GPU"
 
-#: The calibration grid: Llama-3.1-8B QLoRA r=32, batch 1.
+#: The calibration grid: Llama-3.1-8B QLoRA r=32, batch 1; ``full`` and ``offload_inputs``
+#: at every length of ``SEQS``, every remat policy at ``POLICY_SEQS``.
 MODEL, RANK = "llama3_1_8b", 32
 SEQS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 REMATS = ("full", "offload_inputs")
+POLICIES = ("none", "dots", "selective", "full", "offload", "offload_inputs")
+POLICY_SEQS = (4096, 16384, 49152)
 
 
 def key(flags: dict) -> str:
@@ -105,19 +108,22 @@ def job_flags(model: str, seq: int, remat: str, rank: int = RANK, batch: int = 1
     return dict(config=model, seq_len=seq, batch_size=batch, lora_rank=rank, remat=remat, **extra)
 
 
-def _planner(model: str, seq: int, remat: str, rank: int, target: str) -> int:
+def _planner(model: str, seq: int, remat: str, rank: int, target: str, attention=None) -> int:
     """``planner.estimate``'s device total for the job's step (its defaults: NF4, all seven
-    projections, 8-bit AdamW, bf16, ``jmem.Levers()`` resolved for ``target``)."""
+    projections, 8-bit AdamW, bf16, ``jmem.Levers()`` resolved for ``target``, with
+    ``attention`` when the compile was given one)."""
+    import jmem  # noqa: PLC0415
     from jmem import planner  # noqa: PLC0415
     from jmem.models import llama  # noqa: PLC0415
 
+    levers = jmem.Levers(remat=remat, **({"attention": attention} if attention else {}))
     return planner.estimate(
         llama.get_config(model),
         param_dtype="bf16",
         optimizer="adamw_8bit",
         lora={"rank": rank, "targets": list(llama.LINEAR_NAMES)},
         quantization="nf4",
-        remat=remat,
+        levers=levers,
         seq_len=seq,
         target=target,
     ).total
@@ -141,10 +147,18 @@ FAMILIES = (
 )
 
 
-def _row(model: str, seq: int, remat: str, rank: int) -> dict:
+#: Every remat policy on the 7B-9B presets of other families (QLoRA r=32): 4,096 and
+#: 16,384 tokens for the device-saving policies, 4,096 for the offloading ones.
+FAMILY_POLICIES = ("qwen2_5_7b", "mistral_7b", "gemma2_9b", "phi3_mini")
+#: The 8B policies with blockwise attention instead of cuDNN (``--attention blockwise``).
+BLOCKWISE = ("none", "dots")
+
+
+def _row(model: str, seq: int, remat: str, rank: int, attention: str | None = None) -> dict:
     """One calibration row: the compile (cached) and the planner's totals for both
-    compilers."""
-    r = cached(job_flags(model, seq, remat, rank))
+    compilers; ``attention``: the ``--attention`` flag, when given (``attention_flag``)."""
+    extra = {"attention": attention} if attention else {}
+    r = cached(job_flags(model, seq, remat, rank, **extra))
     skip = ("flags", "planner_cpu_total", "levers")
     return {
         "model": model,
@@ -154,16 +168,37 @@ def _row(model: str, seq: int, remat: str, rank: int) -> dict:
         "remat": remat,
         **{k: v for k, v in r.items() if k not in skip},
         "attention": r["levers"]["attention"]["value"],
-        "planner_gpu_total": _planner(model, seq, remat, rank, TARGET),
-        "planner_cpu_total": _planner(model, seq, remat, rank, "cpu"),
+        **({"attention_flag": attention} if attention else {}),
+        "planner_gpu_total": _planner(model, seq, remat, rank, TARGET, attention),
+        "planner_cpu_total": _planner(model, seq, remat, rank, "cpu", attention),
     }
+
+
+def _policy_rows() -> list[dict]:
+    """Every remat policy: 8B at ``POLICY_SEQS`` (the ``full``/``offload_inputs`` points
+    of ``SEQS`` are in the main grid), 8B with blockwise attention at 16k, and the other
+    families (``FAMILY_POLICIES``)."""
+    rows = [
+        _row(MODEL, seq, remat, RANK)
+        for remat in POLICIES
+        for seq in POLICY_SEQS
+        if not (remat in REMATS and seq in SEQS)
+    ]
+    rows += [_row(MODEL, 16384, remat, RANK, "blockwise") for remat in BLOCKWISE]
+    for m in FAMILY_POLICIES:
+        rows += [_row(m, s, r, RANK) for s in (4096, 16384) for r in POLICIES[:4]]
+        rows += [_row(m, 4096, r, RANK) for r in POLICIES[4:]]
+    return rows
 
 
 def calibration(seqs=SEQS, remats=REMATS) -> dict:
     """Compiles (or reads) the grid and writes ``calibration.json``: one row per point with
     the compiled device peak and host bytes, and the planner's totals with XLA:GPU's terms
-    (``target="h100_sxm"``) and with XLA:CPU's (``target="cpu"``)."""
+    (``target="h100_sxm"``) and with XLA:CPU's (``target="cpu"``). ``points``: 8B with
+    ``full`` and ``offload_inputs`` at ``seqs``; ``policies``: every remat policy
+    (``_policy_rows``); ``families``: the presets at 4k with full remat."""
     rows = [_row(MODEL, seq, remat, RANK) for remat in remats for seq in seqs]
+    policies = _policy_rows()
     families = [_row(m, 4096, "full", 8) for m in FAMILIES]
     families.append(_row("qwen3_0_6b", 32768, "full", 8))  # one small preset at 32k
     out = {
@@ -172,6 +207,7 @@ def calibration(seqs=SEQS, remats=REMATS) -> dict:
         "job": "jmem finetune --dry-run --target h100_sxm (NF4, bf16, adamw_8bit, "
         "loss/token chunks and attention resolved for the target)",
         "points": rows,
+        "policies": policies,
         "families": families,
     }
     save(out, CALIBRATION)
@@ -426,7 +462,8 @@ def main(argv=None) -> None:
             r = cached(job_flags(model, int(seq), remat, rank, **extra))
             print(json.dumps({k: v for k, v in r.items() if k != "levers"}))
         return
-    for row in calibration()["points"]:
+    data = calibration()
+    for row in data["points"] + data["policies"]:
         print(
             f"{row['remat']:>15} {row['seq_len']:>7}: device {row['peak_bytes'] / 2**30:6.2f}"
             f" GiB, host {row['host_peak_bytes'] / 2**30:6.2f} GiB, planner "

@@ -129,6 +129,9 @@ def _estimate(args: argparse.Namespace) -> int:
             "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
             "adapters (QLoRA)."
         )
+    if args.objective == "grpo":
+        return _estimate_grpo(args)
+    _check_sft_args(args)
     if args.max_seq:
         return _max_seq(args)
     if args.target:
@@ -144,6 +147,142 @@ def _estimate(args: argparse.Namespace) -> int:
             print(static_line(ledger))
         print()
     return 0
+
+
+#: ``estimate``'s GRPO flags and their defaults (refused with ``--objective sft``).
+GRPO_FLAGS = {
+    "num_generations": 8,
+    "max_prompt_len": 512,
+    "max_completion_len": 256,
+    "generation_batch": None,
+    "beta": 0.0,
+}
+
+
+def _check_sft_args(args: argparse.Namespace) -> None:
+    """GRPO's flags given (not at their defaults) without ``--objective grpo``."""
+    given = [k for k, v in GRPO_FLAGS.items() if getattr(args, k) != v]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags} apply to --objective grpo; pass it, or drop them")
+
+
+def _check_grpo_args(args: argparse.Namespace) -> None:
+    """``--objective grpo``'s sizes: whole groups, a generation batch that divides them."""
+    if args.max_seq:
+        raise ValueError("--max-seq applies to --objective sft; drop it for grpo")
+    g, b = args.num_generations, args.batch_size
+    if b % g:
+        raise ValueError(
+            f"--batch-size {b} counts completions and must be a multiple of --num-generations "
+            f"{g} (whole groups); pass e.g. --batch-size {g * max(1, b // g)}"
+        )
+    if args.generation_batch is not None and b % args.generation_batch:
+        raise ValueError(f"--generation-batch {args.generation_batch} must divide --batch-size {b}")
+
+
+def _generation(args: argparse.Namespace, kw: dict):
+    """``(phase, why)``: the generation phase at ``--generation-batch``, else at the largest
+    divisor of ``--batch-size`` that fits ``--memory``, else at the whole batch."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+    from jmem._src.planner import grpo_phases  # noqa: PLC0415
+    from jmem._src.planner import kv_cache  # noqa: PLC0415
+
+    gen = dict(
+        lora=kw["lora"],
+        quantization=kw["quantization"],
+        param_dtype=args.param_dtype,
+        optimizer=kw["optimizer"],
+        offload=kw["offload"],
+        max_prompt_len=args.max_prompt_len,
+        max_completion_len=args.max_completion_len,
+        target=args.target,
+    )
+    b = args.batch_size
+    if args.generation_batch is None and args.memory:
+        _, phase, why = grpo_phases.largest_generation_batch(
+            args.memory, args.model, rows=b, reserve=args.reserve, **gen
+        )
+        return phase, why
+    gb = args.generation_batch or b
+    phase = kv_cache.generation_phase(args.model, generation_batch=gb, **gen)
+    if args.generation_batch is not None:
+        why = f"generation batch {gb}: --generation-batch"
+    else:
+        why = f"generation batch {gb}: the whole batch (no --generation-batch, no --memory)"
+    if args.memory and not planner.fits(phase.total, args.memory, args.reserve):
+        why += "; pass --memory without --generation-batch for the largest that fits"
+    return phase, why
+
+
+def _verdict(phase, args: argparse.Namespace) -> str:
+    """``; fits 24 GiB`` (with ``--memory``), by ``planner.fits`` and ``--reserve``."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+
+    if not args.memory:
+        return ""
+    ok = planner.fits(phase.total, args.memory, args.reserve)
+    return (
+        f"; {'fits' if ok else 'does not fit'} {args.memory / 2**30:g} GiB with the "
+        f"{args.reserve / GB:g} GB reserve"
+    )
+
+
+def _estimate_grpo(args: argparse.Namespace) -> int:
+    """``--objective grpo``: per optimizer and remat mode, the generation phase (one rollout
+    micro-batch) and the training phase (``--batch-size`` completions of ``--max-prompt-len +
+    --max-completion-len`` tokens), one line each beginning with the phase's name."""
+    from jmem._src.planner import grpo_phases  # noqa: PLC0415 (JAX: only once a command runs)
+
+    _check_grpo_args(args)
+    where = f"the planner, {_compiler_name(args.target)}"
+    for opt, remat in itertools.product(args.optimizer, args.remat):
+        kw = _estimate_kwargs(args, opt, remat)
+        kw.pop("seq_len"), kw.pop("batch_size")
+        print(f"== objective=grpo optimizer={opt} remat={remat} ({where}) ==")
+        gen, why = _generation(args, kw)
+        print(gen.line() + _verdict(gen, args))
+        print(f"  {why}")
+        train = grpo_phases.training_phase(
+            args.model,
+            batch_size=args.batch_size,
+            max_prompt_len=args.max_prompt_len,
+            max_completion_len=args.max_completion_len,
+            beta=args.beta,
+            target=args.target,
+            **kw,
+        )
+        print(train.line() + _verdict(train, args))
+        if args.target:
+            _grpo_compiled(args, opt, remat, gen.config["rows"])
+        print()
+    return 0
+
+
+def _grpo_compiled(args: argparse.Namespace, opt: str, remat: str, rows: int) -> None:
+    """``--objective grpo --target``: both phases compiled for the target at ``rows``
+    generation rows (``compiled_plan.compile_grpo``), one line each."""
+    from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
+    from jmem._src.finetune import compiled_plan  # noqa: PLC0415
+    from jmem._src.measure import format_bytes  # noqa: PLC0415
+
+    flags = _compiled_flags(args, opt, remat)
+    flags.update(
+        num_generations=args.num_generations,
+        max_prompt_len=args.max_prompt_len,
+        max_completion_len=args.max_completion_len,
+        **({"beta": args.beta} if args.beta else {}),
+    )
+    phases = compiled_plan.compile_grpo(flags, args.target, generation_batch=rows)
+    for name, rec in phases.items():
+        fits = ""
+        if args.memory:
+            ok = planner.fits(rec["peak_bytes"], args.memory, args.reserve)
+            fits = f"; {'fits' if ok else 'does not fit'} {args.memory / 2**30:g} GiB"
+        print(
+            f"{name}: compiled for {args.target} ({_compiler(args.target)}; source: compiler): "
+            f"device peak {format_bytes(rec['peak_bytes'])}{fits}"
+        )
 
 
 def _max_seq(args: argparse.Namespace) -> int:
@@ -209,6 +348,20 @@ def _estimate_compiled(args: argparse.Namespace) -> int:
             print(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {args.memory / 2**30:g} GiB")
         print()
     return 0
+
+
+def _compiler_name(target: str | None) -> str:
+    """``XLA:GPU's buffers for h100_sxm``: whose buffers the planner's GRPO phases model
+    (None: the running backend's, with the flag that changes it)."""
+    import jax  # noqa: PLC0415
+
+    from jmem import targets  # noqa: PLC0415
+
+    if target is None:
+        gpu = jax.default_backend() == "gpu"
+        return f"XLA:{'GPU' if gpu else 'CPU'}'s buffers (this machine; --target h100_sxm: a GPU's)"
+    gpu = targets.get(target).platform == "gpu"
+    return f"XLA:{'GPU' if gpu else 'CPU'}'s buffers for {target}"
 
 
 def _compiler(target: str) -> str:
@@ -346,6 +499,48 @@ def _add_estimate(sub, full: bool) -> None:
     p.set_defaults(func=_estimate)
 
 
+def _add_grpo_flags(p) -> None:
+    """``estimate --objective grpo``'s flags (as ``jmem finetune``'s)."""
+    p.add_argument(
+        "--objective",
+        choices=["sft", "grpo"],
+        default="sft",
+        help="sft (default): one training step; grpo: its two phases, the rollout's "
+        "generation micro-batch (KV cache) and the training step on the completions",
+    )
+    p.add_argument(
+        "--num-generations",
+        type=cli.positive_int,
+        default=GRPO_FLAGS["num_generations"],
+        help="grpo: completions per prompt G (default 8); --batch-size counts completions",
+    )
+    p.add_argument(
+        "--max-prompt-len",
+        type=cli.positive_int,
+        default=GRPO_FLAGS["max_prompt_len"],
+        help="grpo: prompt tokens (default 512, as jmem finetune)",
+    )
+    p.add_argument(
+        "--max-completion-len",
+        type=cli.positive_int,
+        default=GRPO_FLAGS["max_completion_len"],
+        help="grpo: completion tokens (default 256, as jmem finetune)",
+    )
+    p.add_argument(
+        "--generation-batch",
+        type=cli.positive_int,
+        default=None,
+        help="grpo: completions per rollout micro-batch; unset: the largest divisor of "
+        "--batch-size that fits --memory (else the whole batch)",
+    )
+    p.add_argument(
+        "--beta",
+        type=cli.nonnegative_float,
+        default=GRPO_FLAGS["beta"],
+        help="grpo: the KL weight (> 0 adds the reference's log-probs; default 0)",
+    )
+
+
 def _add_target_flags(p) -> None:
     """``estimate``'s flags that answer from the compiler (``--target``)."""
     from jmem import targets  # noqa: PLC0415 (JAX: only once a command runs)
@@ -355,7 +550,9 @@ def _add_target_flags(p) -> None:
         choices=targets.NAMES,
         help="answer from the compiler: compile the job's QLoRA step for this target (XLA:GPU "
         "deviceless compile, pip install 'jmem[gpu-plan]' and JAX_PLATFORMS=cpu); with "
-        "--max-seq, a bisection over multiples of 8,192 tokens (minutes for an 8B model)",
+        "--max-seq, a bisection over multiples of 8,192 tokens (minutes for an 8B model); with "
+        "--objective grpo: the planner with that compiler's buffers, then both phases compiled "
+        "(jmem finetune --objective grpo --dry-run --target)",
     )
     p.add_argument(
         "--search-limit",
@@ -366,7 +563,9 @@ def _add_target_flags(p) -> None:
 
 
 def _add_shape_flags(p) -> None:
-    """``estimate``'s flags for the activations and the layout: remat, sizes, shards."""
+    """``estimate``'s flags for the activations and the layout: remat, sizes, shards, and
+    ``--objective grpo``'s sizes (``_add_grpo_flags``)."""
+    _add_grpo_flags(p)
     from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
 
     p.add_argument(

@@ -13,6 +13,12 @@ from jmem._src.planner.capacity import largest_model
 from jmem._src.planner.capacity import largest_seq_len
 from jmem._src.planner.capacity import largest_seq_len_by_remat
 from jmem._src.planner.estimate import estimate
+from jmem._src.planner.grpo_phases import largest_generation_batch
+from jmem._src.planner.grpo_phases import training_phase
+from jmem._src.planner.kv_cache import Phase
+from jmem._src.planner.kv_cache import generation_phase
+from jmem._src.planner.kv_cache import kv_bytes_per_token
+from jmem._src.planner.kv_cache import kv_cache_bytes
 from jmem._src.planner.ledger import Ledger
 from jmem._src.planner.offload import Offload
 from jmem._src.planner.shapes import MODEL_SHAPES
@@ -31,18 +37,24 @@ __all__ = (
     "Ledger",
     "ModelShape",
     "Offload",
+    "Phase",
     "Suggestion",
     "activation_bytes",
     "advise",
     "estimate",
     "fits",
+    "generation_phase",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
     "largest_batch",
+    "largest_generation_batch",
     "largest_model",
     "largest_seq_len",
     "largest_seq_len_by_remat",
     "parse_memory",
     "resolve_shape",
     "standard_shape",
+    "training_phase",
 )
 
 #: Deprecated names, kept for one release: name -> (module, its new name, what to use).

@@ -44,3 +44,16 @@ def test_long_context_writes_its_rows(tmp_path):
         assert row["step_seconds"] > 0
     assert set(result["levers"]) == {"dense", "long"}
     assert len(result["load_avg_at_start"]) == 3
+
+
+@pytest.mark.slow
+def test_grpo_throughput_writes_both_phases(tmp_path):
+    out = tmp_path / "grpo_throughput.json"
+    flags = ["--steps", "2", "--out", str(out), "--config", "tiny", "--data"]
+    flags += [os.path.join(ROOT, "examples", "grpo_letters.jsonl"), "--reward"]
+    flags += [os.path.join(ROOT, "examples", "grpo_rewards.py") + ":lowercase_share"]
+    flags += ["--batch-size", "4", "--num-generations", "2", "--max-prompt-len", "32"]
+    _load("grpo_throughput").main(flags + ["--max-completion-len", "8"])
+    result = json.loads(out.read_text())
+    assert result["steps_timed"] == 1 and result["commit"] and result["date"]
+    assert result["generation_tokens_per_s"] > 0 and result["train_tokens_per_s"] > 0

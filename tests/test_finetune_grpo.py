@@ -44,6 +44,7 @@ BAD_FLAGS = {
     "top-p": (GRPO + ["--top-p", "0"], ["--top-p", "(0, 1]"]),
     "temperature": (GRPO + ["--temperature", "0"], ["--temperature", "positive"]),
     "scale": (GRPO + ["--scale-rewards", "std"], ["--scale-rewards", "group"]),
+    "offload params": (GRPO + ["--offload", "params"], ["--offload params", "grpo"]),
     "kl without adapters": (
         GRPO + ["--beta", "0.04", "--lora-rank", "0"],
         ["--beta > 0 with --lora-rank 0", "adapters off"],
@@ -397,3 +398,24 @@ def test_grad_accum_gives_the_whole_batch_loss(loss_type):
         _, metrics = step(state, {**batch, key: mask})
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_a_run_without_generation_batch_takes_the_largest_that_fits():
+    """A training run's ``--generation-batch`` unset: the planner's largest divisor of the
+    batch whose generation phase fits the memory (``--memory`` or the accelerator's)."""
+    from jmem._src.finetune import grpo_plan
+    from jmem.models import llama
+
+    cfg = llama.get_config("llama3_1_8b")
+    flags = GRPO + ["--config", "llama3_1_8b", "--lora-rank", "32", "--batch-size", "8"]
+    config = parse_args(flags + ["--max-prompt-len", "1024", "--max-completion-len", "19456"])
+    gib = 2**30
+    picked = {}
+    for memory in (24 * gib, 48 * gib, 141 * gib):
+        resolved, line = grpo_plan.run_generation_batch(config, cfg, memory)
+        gb = resolved.grpo.generation_batch
+        assert 8 % gb == 0 and line.startswith(f"resolver: generation batch {gb}"), line
+        picked[memory] = gb
+    assert picked[24 * gib] <= picked[48 * gib] < picked[141 * gib], picked
+    given = parse_args(flags + ["--generation-batch", "4"])
+    assert grpo_plan.run_generation_batch(given, cfg, 16 * gib) == (given, None)

@@ -426,3 +426,27 @@ def test_nf4_on_load_quantizes_the_experts_and_keeps_the_router_float(checkpoint
         )
         want = nf4.quantize(dense["layers"][name]["kernel"])  # per expert matrix
         np.testing.assert_array_equal(leaf.packed, want.packed)
+
+
+@pytest.mark.slow
+def test_the_job_fine_tunes_tiny_moe(tmp_path):
+    """``jmem finetune --config tiny_moe`` (QLoRA, default targets) and ``--checkpoint`` of
+    a Mixtral checkpoint: the experts in NF4 and the router float, ``all`` adapts the
+    attention projections (``target_modules``; the experts are PEFT ``target_parameters``),
+    and the loss falls."""
+    from jmem import finetune  # noqa: PLC0415
+
+    out = tmp_path / "run"
+    argv = ["--config", "tiny_moe", "--batch-size", "8", "--seq-len", "32", "--steps", "12"]
+    finetune.main(argv + ["--no-progress", "--lr", "3e-3", "--out", str(out)])
+    summary = json.load(open(out / "summary.json"))
+    assert summary["last_loss"] < summary["first_loss"] - 0.1, summary
+    targets = json.load(open(out / "adapter" / "adapter_config.json"))["target_modules"]
+    assert sorted(targets) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # --checkpoint: a Mixtral checkpoint read, quantized but for its router
+    cfg = llama.get_config("tiny_moe")
+    hf.save_params(str(tmp_path / "ckpt"), llama.init(jax.random.key(0), cfg), cfg)
+    argv[:2] = ["--checkpoint", str(tmp_path / "ckpt"), "--tokenizer", "byte"]
+    finetune.main(argv + ["--no-progress", "--lr", "3e-3", "--out", str(tmp_path / "run2")])
+    summary = json.load(open(tmp_path / "run2" / "summary.json"))
+    assert summary["last_loss"] < summary["first_loss"] - 0.1, summary

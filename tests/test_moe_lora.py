@@ -171,6 +171,12 @@ def test_weight_as_group_sizes_or_left_operand_refused():
 
     with pytest.raises(lora.ImplicitWeightError, match="ragged_dot_general"):
         lora.apply(left)(params, ad, x, gs)
+    merged = lora.merge(params, ad)  # allow_materialize: the merged weight for this call
+    chex.assert_trees_all_close(
+        lora.apply(left, allow_materialize=True)(params, ad, x, gs),
+        left(merged, x, gs),
+        atol=1e-5,
+    )
 
 
 # --------------------------------------------------------------------------------------

@@ -88,10 +88,13 @@ def load_config(directory: str) -> LlamaConfig:
     ``max_window_layers``, Gemma's alternation and ``sliding_window_pattern``); Qwen2's
     q/k/v biases, ``attention_bias`` and Llama's ``mlp_bias``; Gemma's
     ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping`` and
-    ``hidden_activation``; ``hidden_act`` in ``jmem.models.llama.ACTIVATIONS``. Refused by
+    ``hidden_activation``; ``hidden_act`` in ``jmem.models.llama.ACTIVATIONS``; Mixtral's
+    and Qwen3-MoE's experts (``num_local_experts``/``num_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``, ``norm_topk_prob``, ``router_aux_loss_coef``). Refused by
     name and value: other RoPE types (Phi-3's ``longrope``/``su``, YaRN, dynamic),
     ``partial_rotary_factor`` != 1, dropout, bidirectional attention, quantized
-    checkpoints, the multimodal ``gemma3`` model type.
+    checkpoints, the multimodal ``gemma3`` model type, Qwen3-MoE's dense layers
+    (``decoder_sparse_step`` != 1, ``mlp_only_layers``), Mixtral's ``router_jitter_noise``.
 
     Raises:
       FileNotFoundError: no ``config.json`` in ``directory``.

@@ -268,6 +268,9 @@ def quantized_base(config, cfg, dtype, abstract: bool):
         if abstract:
             return jax.eval_shape(lambda: qlora.quantize_params(llama.abstract_params(cfg, dtype)))
         with user_input(f"--checkpoint {config.model.checkpoint}"):
+            if cfg.num_experts:  # read in dtype, then NF4 (the router stays float)
+                params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=dtype)
+                return jax.jit(qlora.quantize_params)(params)
             params, _ = hf.load_params(config.model.checkpoint, cfg, dtype=dtype, quantize="nf4")
         return params
     make = lambda k: qlora.quantize_params(llama.init(k, cfg, dtype))

@@ -82,3 +82,32 @@ def longest(flags: dict, target: str, memory: int, reserve: int, limit: int) -> 
         else:
             hi = mid - 1
     return best
+
+
+#: ``--memory`` of ``compile_grpo``'s dry runs: everything fits, so the dry run's resolver
+#: changes nothing and the flags compile as given (the caller judges the peaks).
+_AS_GIVEN = 1 << 50
+
+
+def compile_grpo(flags: dict, target: str, *, generation_batch: int) -> dict:
+    """Compiles both GRPO phases for ``target`` at ``generation_batch`` rows (``jmem
+    finetune --objective grpo --dry-run --target``: the training step and the rollout's
+    micro-batch program) with the flags as given (no resolver), its printout silenced;
+    ``flags``: ``job_flags``'s with the GRPO
+    sizes (``num_generations``, ``max_prompt_len``, ``max_completion_len``, ``beta``).
+    Returns ``dry_run.json``'s ``phases`` record (``{"generation": {"peak_bytes", ...},
+    "training": {...}}``)."""
+    from jmem import finetune  # noqa: PLC0415 (JAX: only once a command runs)
+
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+        config = finetune.FinetuneConfig.from_flat(
+            **flags,
+            objective="grpo",
+            generation_batch=generation_batch,
+            memory=_AS_GIVEN,
+            dry_run=True,
+            target=target,
+            out=out,
+        )
+        record = finetune.run(config)
+    return record["phases"]

@@ -717,6 +717,13 @@ def _check_grpo(get, name) -> None:
             f"the adapters off, and full fine-tuning has none; drop {name('beta')} or train "
             "LoRA adapters"
         )
+    if "params" in get("offload").split(","):
+        raise cli.CliError(
+            f"{name('offload')} params does not apply to {name('objective')} grpo yet: its "
+            "log-prob pass and rollouts read the base on the device; keep the base there "
+            f"(drop params from {name('offload')}) and lower memory with {name('remat')} "
+            f"offload_inputs or a smaller {name('generation_batch')}"
+        )
     rewards, weights = get("reward"), get("reward_weights")
     if weights is not None and len(weights) != len(rewards):
         raise cli.CliError(

@@ -50,6 +50,10 @@ def dry_run(config, cfg, mesh=None, target=None):
     the target's memory."""
     if target is not None and mesh is not None:
         mesh = jtargets.mesh(target, tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+    devices = 1 if mesh is None else int(mesh.size)
+    grpo = config.training.objective == "grpo"
+    if grpo:  # the planner picks what fits both phases, before the compile
+        config = _grpo_resolved(config, cfg, target, devices)
     step, _, dtype, _ = build(config, cfg, mesh=mesh, target=target, disk=False)
     full = full_finetuning(config)
     trainable, frozen = _abstract_trainable(config, cfg, dtype)
@@ -65,7 +69,6 @@ def dry_run(config, cfg, mesh=None, target=None):
         q_bytes, q_count, frozen_bytes = base_bytes(frozen)
         adapted = lora_modules.module_names(list(trainable))
         modules = lora_modules.linear_names(adapted)  # what the planner counts
-    devices = 1 if mesh is None else int(mesh.size)
     est = _estimate(config, step.levers, cfg, dtype, modules, devices)
     n_adapter = llama.num_params(cfg) if full else jlora.num_trainable(trainable)
     _print_heading(config, cfg, adapted, n_adapter, time.time() - t0)
@@ -92,7 +95,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     print(collectives_line(report.collective_bytes, _planned_collectives(config, cfg, step)))
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
-    if config.run.memory is None:  # the target's own memory: the smaller cards too
+    if config.run.memory is None and not grpo:  # the target's own memory: smaller cards too
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
         smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
     _print_transfers(config, est)
@@ -104,6 +107,8 @@ def dry_run(config, cfg, mesh=None, target=None):
     nf4 = None if full else q_bytes / q_count
     out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
     out.update(memory=memory, fits=fit, cards=smaller)
+    if grpo:
+        out.update(_grpo_phases(config, cfg, state, report, target, devices))
     if target is not None:
         t = jtargets.get(target)
         out.update(target=t.name, device=t.description or t.name)
@@ -111,6 +116,29 @@ def dry_run(config, cfg, mesh=None, target=None):
     with open(os.path.join(config.run.out, "dry_run.json"), "w") as f:
         json.dump(out, f, indent=2)
     return out
+
+
+def _grpo_resolved(config, cfg, target, devices: int):
+    """``--objective grpo``: the config with the planner's choices (``grpo_plan.resolve``),
+    each printed with its reason."""
+    from jmem._src.finetune import grpo_plan  # noqa: PLC0415 (it imports this module)
+
+    config, lines = grpo_plan.resolve(config, cfg, target, devices)
+    for line in lines:
+        print(line)
+    return config
+
+
+def _grpo_phases(config, cfg, state, report, target, devices: int) -> dict:
+    """``--objective grpo``: the two phases' lines printed (``grpo_plan.phase_lines``: the
+    rollout's micro-batch compiled too); their record for ``dry_run.json``."""
+    from jmem._src.finetune import grpo_plan  # noqa: PLC0415 (it imports this module)
+
+    lines, record = grpo_plan.phase_lines(config, cfg, state, report, target, devices)
+    print()
+    for line in lines:
+        print(line)
+    return record
 
 
 def compute_record(flops: float | None, cfg, batch, devices: int, target, *, full: bool) -> dict:

@@ -96,6 +96,7 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
         return dry_run(config, cfg, mesh, target=target)
     tok = make_tokenizer(config, cfg)
     if config.training.objective == "grpo":
+        config = _generation_batch(config, cfg, on_accelerator, notes)
         ds, held = grpo_inputs(config, cfg, tok), None
     else:
         ds, held = load_datasets(config, tok)
@@ -135,6 +136,23 @@ def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
             discard(paths)
         raise
     return summary
+
+
+def _generation_batch(config, cfg, on_accelerator: bool, notes: list):
+    """GRPO's rollout micro-batch for a training run with ``--generation-batch`` unset: on
+    an accelerator (its memory, or ``--memory``) or wherever ``--memory`` is given, the
+    largest that the planner fits (its reason appended to ``notes``); else every row."""
+    from jmem._src.finetune import grpo_plan  # noqa: PLC0415 (it imports the dry run)
+
+    memory = config.run.memory
+    if memory is None and on_accelerator:
+        memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if memory is None:
+        return config
+    config, line = grpo_plan.run_generation_batch(config, cfg, int(memory))  # one device
+    if line:
+        notes.append(line)
+    return config
 
 
 def grpo_inputs(config, cfg, tok):

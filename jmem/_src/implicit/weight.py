@@ -299,7 +299,8 @@ def error(w: Weight, prim: str, why: str = "") -> ImplicitWeightError:
     return ImplicitWeightError(
         f"Weight {w.name!r} (view shape {w.shape}, {jnp.dtype(w.dtype).name}) reaches primitive "
         f"{prim!r}, which jmem cannot apply to an NF4/LoRA weight without materializing it"
-        f"{': ' + why if why else ''}. Use the weight only through matmuls (dot_general/einsum/@), "
+        f"{': ' + why if why else ''}. Use the weight only through matmuls (dot_general/einsum/@; "
+        f"jax.lax.ragged_dot for a stack of experts), "
         f"optionally after astype/transpose/slicing its stacked axis, or pass "
         f"allow_materialize=True to dequantize/merge it for this operation.",
         weight_name=w.name,

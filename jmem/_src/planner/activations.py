@@ -53,6 +53,19 @@ class CompilerTerms:
         beyond the saved stack (XLA:GPU: the layer's input being written into, or read
         from, the stack; none with the inputs offloaded).
       source: what the constants were fitted to.
+      unrolled_weight_copies: copies of the layer stack's stored weights (``layer_param_bytes``:
+        the packed NF4 layers of a QLoRA base) that ``remat="none"`` holds: the job
+        inlines the layer loop under ``none`` (``scan_unroll``) and XLA:GPU slices each
+        layer's weights out of the stacked arrays into buffers kept until that layer's
+        backward (1 on XLA:GPU; 0 on XLA:CPU: not measured there).
+      unrolled_blockwise_per_pair: under ``remat="none"`` with blockwise attention, bytes
+        per layer and query-key pair (``b s^2``) the inlined layers hold beyond their
+        saved residuals (XLA:GPU: fitted, not read off its buffers; 0 on XLA:CPU).
+      offload_mlp_per_token_f: under ``remat="offload"``, which the job runs without
+        token chunks (``jmem.resolve_levers``), the layer phase's bytes per token and
+        intermediate unit instead of ``mlp_work_per_token_f`` per chunk token: the whole
+        ``[t, F]`` gate and up read back from host and the SwiGLU backward's bf16
+        temporaries (XLA:GPU; None: ``mlp_work_per_token_f``, XLA:CPU, not measured).
     """
 
     compiler: str
@@ -64,6 +77,9 @@ class CompilerTerms:
     tied_head_copies: float
     saved_copy: float
     source: str
+    unrolled_weight_copies: float = 0
+    offload_mlp_per_token_f: float | None = None
+    unrolled_blockwise_per_pair: float = 0
 
 
 #: XLA:CPU: fitted to the compiled peaks of the main job's dry run (Llama-3.1-8B, QLoRA
@@ -91,6 +107,9 @@ GPU_TERMS = CompilerTerms(
     1.6,
     1,
     "XLA:GPU compiles for h100_sxm of the 8B QLoRA job, 2k-128k tokens",
+    unrolled_weight_copies=1,
+    offload_mlp_per_token_f=9.2,
+    unrolled_blockwise_per_pair=0.85,
 )
 COMPILER_TERMS = {"cpu": CPU_TERMS, "gpu": GPU_TERMS}
 
@@ -111,26 +130,50 @@ def _saved_per_token(shape: ModelShape, A: int, s: int, t: int) -> dict[str, int
     ``t``: tokens of the micro-batch).
 
     With blockwise attention (:func:`is_long_context`) no ``[S, T]`` array is saved: the
-    score term ``A a s`` is its float32 log-sum-exp, ``4 a`` (``dots`` saves it by name,
-    with the output). With the token-local parts in chunks (``mlp_chunk < t``) a chunk's
-    internals are recomputed per chunk under every mode, so a layer keeps what crosses the
-    chunks: its input and mid-layer residual, q, k, v and the attention output.
+    score term ``A a s`` is its float32 log-sum-exp, ``4 a``. With the token-local parts in
+    chunks (``mlp_chunk < t``) a chunk's internals are recomputed per chunk under every
+    mode, so a layer keeps what crosses the chunks (``_chunked_saved_per_token``).
     """
     h, F, a = shape.hidden_size, shape.active_mlp_width, shape.num_heads
     qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     long = is_long_context(shape, s)
-    scores = 4 * a if long else A * a * s
     if long and shape.mlp_chunk and shape.mlp_chunk < t:
-        crossing = A * (2 * h + 2 * qd + 2 * kv) + scores
-        none, dots, selective = crossing, crossing, A * (2 * h + qd + 2 * kv)
-    else:
-        none = 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + scores + 6 * A * F
-        dots = A * (2 * h + 2 * qd + 2 * kv + 2 * F) + scores
-        selective = A * (2 * h + qd + 2 * kv + 2 * F)
+        return _chunked_saved_per_token(shape, A)
+    scores = 4 * a if long else A * a * s
+    return {
+        "none": 2 * (8 + A) * h + A * (2 * qd + 2 * kv) + scores + 6 * A * F,
+        "dots": A * (2 * h + 2 * qd + 2 * kv + 2 * F) + scores,
+        "selective": A * (2 * h + qd + 2 * kv + 2 * F),
+        "full": A * h,
+        "offload": 0,
+        "offload_inputs": 0,
+    }
+
+
+def _chunked_saved_per_token(shape: ModelShape, A: int) -> dict[str, int]:
+    """Bytes one layer saves per token with the token-local parts in chunks, as
+    ``print_saved_residuals`` lists them for the job's step (``jmem.models.llama``'s two
+    chunk loops around attention; ``docs/planner.md``). ``dots`` and ``selective``: the
+    layer input and the first loop's outputs q, k, v (``A (h + qd + 2 kv)``), and with
+    blockwise attention its output and float32 log-sum-exp, saved by name (``A qd + 4 a``;
+    cuDNN's are recomputed). ``none``: the layer input, q, k, v, the attention output and
+    its log-sum-exp (``A (h + 2 qd + 2 kv) + 4 a``; with cuDNN, XLA:GPU aliases the
+    second loop's copy of the layer input and the context, a reshape of the output, to
+    their first buffers); with blockwise attention the second loop's copies of the
+    input and the context too (``A (h + qd)``; not counted: the float32 RoPE tables,
+    ``4 D`` a token, that a model whose layers differ, as Gemma 2's, selects per layer)."""
+    h, a = shape.hidden_size, shape.num_heads
+    qd, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    crossing = A * (h + qd + 2 * kv)
+    blockwise = shape.attention == "blockwise"
+    named = A * qd + 4 * a if blockwise else 0
+    none = A * (h + 2 * qd + 2 * kv) + 4 * a
+    if blockwise:
+        none += A * (h + qd)
     return {
         "none": none,
-        "dots": dots,
-        "selective": selective,
+        "dots": crossing + named,
+        "selective": crossing + named,
         "full": A * h,
         "offload": 0,
         "offload_inputs": 0,
@@ -155,12 +198,18 @@ def is_long_context(shape: ModelShape, seq_len: int) -> bool:
     return attention != "dense"
 
 
-def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, saved, A) -> dict:
+def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, remat, A) -> dict:
     """``recompute`` and ``logits`` of the long-context paths (no ``[S, T]`` scores, no
-    ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries), with ``terms``' constants;
-    ``saved``: bytes per token one layer keeps on the device under the remat mode."""
+    ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries), with ``terms``' constants.
+    The layer phase holds the layer input being written into (read from) the saved stack
+    when ``remat`` keeps the inputs on the device (``saved_copy``); under ``offload`` its
+    MLP term is ``offload_mlp_per_token_f`` per token."""
     t, h, V = b * s, shape.hidden_size, shape.vocab_size
+    held = 0 if remat in ("offload", "offload_inputs") else terms.saved_copy * A * h
     m = min(t, shape.mlp_chunk) if shape.mlp_chunk else t
+    f = terms.mlp_work_per_token_f
+    if remat == "offload" and terms.offload_mlp_per_token_f is not None:
+        f = terms.offload_mlp_per_token_f
     if shape.loss_chunk:
         logits = int(terms.loss_chunk_buffers * 4 * min(t, shape.loss_chunk) * V)
     else:
@@ -168,9 +217,9 @@ def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, saved, A)
     logits += int(terms.loss_work_per_token_h * t * h)
     if shape.tie_embeddings:
         logits += int(terms.tied_head_copies * A * V * h)
-    mlp = m * terms.mlp_work_per_token_f * shape.active_mlp_width
+    mlp = m * f * shape.active_mlp_width
     weights = terms.layer_weight_bytes * sum(i * o for i, o in shape.linear_shapes().values())
-    work = t * (terms.layer_work_per_token_h * h + terms.saved_copy * saved) + mlp + weights
+    work = t * (terms.layer_work_per_token_h * h + held) + mlp + weights
     return {"recompute": int(work), "logits": logits}
 
 
@@ -182,6 +231,7 @@ def activation_bytes(
     activation_dtype: Any = "bf16",
     remat: str | None = None,
     compiler: str = "cpu",
+    layer_param_bytes: int = 0,
 ) -> dict[str, int]:
     """Bytes of activations kept for the backward pass of one micro-batch, by part.
 
@@ -197,7 +247,9 @@ def activation_bytes(
     set ``t (w h) + min(t, mlp_chunk) f F + c W`` bytes (``W``: one layer's linear
     weights), ``logits`` the chunked loss's ``k * 4 loss_chunk V + l t h``, there is no
     mask, and ``phased`` is 1: the loss and the layers' backward pass run one after the
-    other, so the step holds the larger of the two. The constants are the compiler's
+    other, so the step holds the larger of the two. With the token-local parts in chunks
+    ``layers`` counts what crosses the chunks under each mode (``docs/planner.md``, "Every
+    remat policy on the GPU compiler"). The constants are the compiler's
     (:class:`CompilerTerms`): XLA:CPU's ``w=22, f=24, c=0, k=2.5, l=0`` (it keeps bf16
     temporaries in float32) or XLA:GPU's (fitted to h100_sxm compiles; docs/planner.md).
     The derivation and the table of modes are in ``docs/planner.md``.
@@ -210,6 +262,10 @@ def activation_bytes(
       remat: one of :data:`REMAT_MODES` (``None`` = ``"none"``).
       compiler: ``"cpu"`` or ``"gpu"``: whose buffer assignment the long-context paths
         model (:data:`COMPILER_TERMS`; ``planner.estimate`` picks it from its target).
+      layer_param_bytes: bytes of the layer stack's weights as stored (the packed NF4
+        layers of a QLoRA base; ``planner.estimate`` passes them for an NF4 base): with
+        the long-context paths, ``remat="none"`` adds ``unrolled_weight_copies`` of them to
+        ``layers`` (:class:`CompilerTerms`).
 
     Returns:
       ``{"layers", "recompute", "logits", "other", "host_activations", "phased"}`` in
@@ -243,6 +299,11 @@ def activation_bytes(
     }
     if is_long_context(shape, s):
         terms = COMPILER_TERMS[compiler]
-        parts.update(_long_context_parts(shape, batch_size, s, terms, saved[remat], A))
+        parts.update(_long_context_parts(shape, batch_size, s, terms, remat, A))
         parts.update(other=A * t * shape.hidden_size, phased=1)
+        if remat == "none":  # the inlined layers' weight slices, held to their backward
+            parts["layers"] += int(terms.unrolled_weight_copies * layer_param_bytes)
+            if shape.attention == "blockwise":
+                pairs = L * batch_size * s * s
+                parts["layers"] += int(terms.unrolled_blockwise_per_pair * pairs)
     return parts

@@ -238,8 +238,11 @@ def _divide_from(x: float, k: int, zero_stage: int, stage: int) -> float:
     return math.ceil(x / k) if zero_stage >= stage else x
 
 
-def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P):
-    """ZeRO stage 1/2/3 over ``k`` shards (ceil-divided), and its notes."""
+def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P, adapters=0.0):
+    """ZeRO stage 1/2/3 over ``k`` shards (ceil-divided), and its notes. ``adapters``: the
+    LoRA adapters' bytes (their params and, as many, their grads), which jmem's FSDP
+    shardings replicate (``jmem._src.sharding``: ``LoraWeight`` nodes and their gradients;
+    their optimizer state is split)."""
     if k == 1:
         if not explicit_stage:
             return st, []
@@ -256,13 +259,28 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P)
         )
     notes.append(f"ZeRO-{zero_stage} over {k} shards")
     sharded = _States(
-        _divide_from(st.params, k, zero_stage, 3),
-        _divide_from(st.grads, k, zero_stage, 2),
+        _divide_from(st.params - adapters, k, zero_stage, 3) + adapters,
+        _divide_from(st.grads - adapters, k, zero_stage, 2) + adapters,
         _divide_from(st.optimizer_state, k, zero_stage, 1),
         _divide_from(st.master_weights, k, zero_stage, 1),
         st.trainable,
     )
     return sharded, notes
+
+
+def _update_notes(shape, offload: Offload, spec, opt: OptimizerLayout, num_shards: int):
+    """What the leaf-by-leaf update of an offloaded float32 optimizer state (full
+    fine-tuning) holds after the backward pass: about seven float32 copies of the largest
+    stacked leaf's shard (its moments and master fetched, their new values and the update;
+    read off XLA:GPU's buffers for Llama-2-7B on 8 devices, docs/offload.md). Not counted."""
+    if spec is not None or opt.bits < 32 or "optimizer_state" not in offload.ledgers:
+        return []
+    held = 7 * 4 * max(shape.leaf_sizes()) / num_shards
+    return [
+        f"not counted: the leaf-by-leaf update of the offloaded state holds ~{held / GB:.3g} "
+        "GB after the backward pass (7 float32 copies of the largest leaf's shard; with "
+        "params and grads, instead of the activations)"
+    ]
 
 
 def _streamed_remat(streamed: dict, remat, offload: Offload):
@@ -304,9 +322,11 @@ def _transfers(
     return {k: v for k, v in host.items() if k not in moved}, moved, transfers
 
 
-def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target):
+def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target, nf4):
     """The activation ledger: ``(bytes, detail, host bytes, notes)``; ``target``: the
-    resolved levers' compile target (its platform's compiler terms, ``compiler_terms``)."""
+    resolved levers' compile target (its platform's compiler terms, ``compiler_terms``);
+    ``nf4``: bytes per NF4 weight of a QLoRA base (None: none), for the layer stack's
+    weight slices that ``remat="none"`` holds."""
     if budget is not None:
         return int(budget), {"activation:budget": int(budget)}, 0, []
     platform = _levers._platform(target)[1]  # noqa: SLF001 (resolve's own rule)
@@ -318,6 +338,7 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
         activation_dtype=act_dtype,
         remat=remat,
         compiler=terms.compiler,
+        layer_param_bytes=int(shape.linear_params * nf4) if nf4 else 0,
     )
     phased = parts.pop("phased")
     work = [parts["recompute"], parts["logits"]]
@@ -509,7 +530,8 @@ def estimate(
         AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
         st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
         notes += [*base_notes, lora_note]
-    st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P)
+    adapters = st.grads if spec is not None else 0  # LoRA: the grads are the adapters'
+    st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P, adapters)
     shards = (num_shards, zero_stage)
     streamed, params_host = {}, 0
     if offload.params:
@@ -524,7 +546,7 @@ def estimate(
     )
     remat = _streamed_remat(streamed, lv.remat, offload)
     act, act_detail, host_act, act_notes = _activations(
-        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target
+        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target, nf4
     )
     if host_act:
         host["activations"] = host_act
@@ -534,6 +556,6 @@ def estimate(
     config = _config(model, config, quantization, num_shards, accounting)
     host, disk, transfers = _transfers(host, offload, streamed)
     flops = int((6 if spec is None else 4) * n * batch_size * seq_len)
-    notes += shard_notes + act_notes
+    notes += shard_notes + act_notes + _update_notes(shape, offload, spec, opt, num_shards)
     extra = dict(transfers=transfers, disk=disk, flops=flops)
     return _ledger(st, act, host, n, {**detail, **act_detail}, notes, config, **extra)
