@@ -32,6 +32,7 @@ def _planned_peak(cfg, remat: str, strategy: str, seq: int, context: int) -> int
     est = planner.estimate(
         cfg,
         param_dtype="bfloat16",
+        optimizer="adamw_8bit",  # the job's default
         lora={"rank": 32, "targets": "all"},
         quantization="nf4",
         levers=levers,
