@@ -92,7 +92,9 @@ def dry_run(config, cfg, mesh=None, target=None):
     _print_rows(rows, mesh, devices)
     compute = compute_record(report.dot_flops, cfg, batch, devices, target, full=full)
     print(compute_line(compute))
-    print(collectives_line(report.collective_bytes, _planned_collectives(config, cfg, step)))
+    print(
+        collectives_line(report.collective_bytes, _planned_collectives(config, cfg, step, target))
+    )
     memory, fit = _print_verdict(report, config.run.memory, target)
     smaller = {}
     if config.run.memory is None and not grpo:  # the target's own memory: smaller cards too
@@ -181,13 +183,17 @@ def compute_line(c: dict) -> str:
     return line
 
 
-def _planned_collectives(config, cfg, step) -> dict:
+def _planned_collectives(config, cfg, step, target) -> dict:
     """The planner's attention collectives per step per device on a context mesh
-    (``jmem._src.planner.context``; empty without one)."""
+    (``jmem._src.planner.context``; empty without one); XLA:CPU (``target`` None on a CPU)
+    moves bf16 collectives as f32."""
     context = mesh_sizes(config)[2]
     passes = 1 if config.execution.remat == "none" else 2
     strategy = step.levers.context_strategy
-    return cp_plan.collective_bytes(cfg, config.data.seq_len, context, strategy, passes=passes)
+    cpu = target is None and jax.default_backend() == "cpu"
+    return cp_plan.collective_bytes(
+        cfg, config.data.seq_len, context, strategy, passes=passes, itemsize=4 if cpu else 2
+    )
 
 
 def collectives_line(counted: dict | None, planned: dict | None = None) -> str:
