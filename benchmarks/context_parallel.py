@@ -36,7 +36,8 @@ def dry_run(args, remat: str, strategy: str, seq: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "jmem", "finetune", "--config", args.config]
         cmd += ["--lora-rank", "32", "--batch-size", "1", "--seq-len", str(seq)]
-        cmd += ["--mesh", f"context={args.context}", "--dry-run", "--target", args.target]
+        cmd += ["--mesh", f"context={args.context}", "--dry-run"]
+        cmd += ["--target", args.target] if args.target else []
         cmd += ["--remat", remat, "--context-strategy", strategy, "--out", out]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         t0 = time.time()
@@ -101,7 +102,7 @@ def commit() -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="llama3_1_8b")
-    p.add_argument("--target", default="h100_sxm")
+    p.add_argument("--target", default="h100_sxm", help="'' for the running backend")
     p.add_argument("--context", type=int, default=8)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1 << 20])
     p.add_argument("--remats", nargs="+", default=["full", "offload_inputs"])
@@ -119,7 +120,9 @@ def main(argv=None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
-        "figures": f"XLA:GPU compile for {args.target} without a GPU (not autotuned)",
+        "figures": f"XLA:GPU compile for {args.target} without a GPU (not autotuned)"
+        if args.target
+        else "compiled for the running backend",
         "config": args.config,
         "context": args.context,
         "method": "QLoRA r=32 (NF4 base), batch 1, --dry-run --mesh context=N",

@@ -57,3 +57,16 @@ def test_grpo_throughput_writes_both_phases(tmp_path):
     result = json.loads(out.read_text())
     assert result["steps_timed"] == 1 and result["commit"] and result["date"]
     assert result["generation_tokens_per_s"] > 0 and result["train_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_context_parallel_writes_its_rows(tmp_path):
+    """One dry run on a context=4 mesh of CPU devices (tests/conftest.py's XLA_FLAGS reach
+    the subprocess): its row has the compiled peak and the strategy's collective."""
+    out = tmp_path / "context_parallel.json"
+    argv = ["--config", "tiny", "--target", "", "--context", "4", "--seq-lens", "256"]
+    argv += ["--remats", "full", "--strategies", "all_gather", "--out", str(out)]
+    _load("context_parallel").main(argv)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row, row
+    assert row["peak_bytes"] > 0 and row["collective_bytes"]["all-gather"] > 0, row
