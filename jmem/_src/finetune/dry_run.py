@@ -267,6 +267,8 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dic
 
     def advise_at(card: int):
         reserve = planner.DEFAULT_RESERVE + excess
+        if reserve >= card:  # the compile's excess alone fills the card: no lever helps
+            return None
         return planner.advise(card, cfg, reserve=reserve, **kwargs)
 
     lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess)
