@@ -105,7 +105,7 @@ def routed_experts(
 
 #: Bytes of the zero-padded ``[rows, E K]`` operand one grouped matmul may lower to (see
 #: ``_grouped``); the sorted rows are cut into chunks that keep it under this.
-PADDED_OPERAND_BYTES = 1 << 30
+PADDED_OPERAND_BYTES = 1 << 28
 
 
 def chunk_rows(rows: int, experts: int, k: int, itemsize: int) -> int:
