@@ -509,3 +509,44 @@ def test_nf4_experts_cost_one_dequantized_stack_on_xla_gpu():
         for name, p in (("nf4", nf4_params), ("bf16", {"moe": {"kernel": dense}}))
     }
     np.testing.assert_allclose(temp["nf4"] - temp["bf16"], e * h * f * 2, rtol=0.02)
+
+
+@pytest.mark.slow
+def test_finetune_offload_params_on_tiny_moe_equals_the_device_run(tmp_path):
+    """``--offload params`` on tiny_moe (NF4 expert stacks ``[L, E, in, out]`` in
+    ``pinned_host``, each layer's experts fetched inside the layer scan): 3 steps give the
+    losses of the run with the base on the device (1e-5)."""
+    from jmem import finetune  # noqa: PLC0415
+
+    argv = ["--config", "tiny_moe", "--steps", "3", "--batch-size", "2", "--seq-len", "32"]
+    argv += ["--no-progress", "--eval-split", "0"]
+    device = finetune.main(argv + ["--out", str(tmp_path / "device")])["losses"]
+    host = finetune.main(argv + ["--offload", "params", "--out", str(tmp_path / "host")])
+    assert len(device) == 3
+    np.testing.assert_allclose(host["losses"], device, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("offload", [False, True])
+def test_planner_within_10_percent_of_the_qwen3_moe_dry_run(tmp_path, offload):
+    """XLA:GPU compile for h100_sxm (no GPU; about a minute each): ``jmem finetune --config
+    qwen3_30b_a3b --lora-rank 16 --seq-len 4096 --batch-size 1 --dry-run`` with the base on
+    the device and streamed: the planner's total is the compiled device peak within 10%,
+    and the streamed peak is under 16 GiB."""
+    import json  # noqa: PLC0415
+
+    import jmem  # noqa: PLC0415
+    from jmem import finetune  # noqa: PLC0415
+
+    reason = jmem.targets.unavailable_reason("h100_sxm")
+    if reason is not None:
+        pytest.skip(f"no XLA:GPU compiler here: {reason}")
+    argv = ["--config", "qwen3_30b_a3b", "--lora-rank", "16", "--seq-len", "4096"]
+    argv += ["--batch-size", "1", "--dry-run", "--target", "h100_sxm", "--out", str(tmp_path)]
+    finetune.main(argv + ["--offload", "params"] * offload)
+    rec = json.load(open(tmp_path / "dry_run.json"))
+    peak, planned = rec["compiled"]["peak_bytes"], rec["estimate"]["total"]
+    np.testing.assert_allclose(planned, peak, rtol=0.10)
+    if offload:
+        assert peak <= 16 * 2**30, peak

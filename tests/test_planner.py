@@ -991,3 +991,16 @@ def test_planner_within_10_percent_of_the_h100_compile_for_every_family():
     }
     for p in families:
         assert _gpu_estimate(p).total == pytest.approx(p["peak_bytes"], rel=0.10), p
+
+
+def test_card_lines_when_the_compiles_excess_alone_fills_a_card():
+    """A card the reserve plus the compile's bytes over the planner's already fill gets no
+    lever (``advise_at`` returns None), not an error: a 60 GiB peak the planner put at
+    20 GiB on the 24 and 32 GiB cards."""
+    from jmem._src.finetune import card_fit
+
+    lines, record = card_fit.card_lines(
+        60 * 2**30, 80 * 2**30, planner.DEFAULT_RESERVE, lambda card: None, 40 * 2**30
+    )
+    assert record["levers"] == {24: None, 32: None, 40: None, 48: None}
+    assert lines[-1].endswith("no lever or plan of the planner's advice brings it under")

@@ -103,9 +103,47 @@ def routed_experts(
     return out.astype(dt), probs
 
 
+#: Bytes of the zero-padded ``[rows, E K]`` operand one grouped matmul may lower to (see
+#: ``_grouped``); the sorted rows are cut into chunks that keep it under this.
+PADDED_OPERAND_BYTES = 1 << 28
+
+
+def chunk_rows(rows: int, experts: int, k: int, itemsize: int) -> int:
+    """Rows per chunk of a grouped matmul of ``rows`` rows of width ``k`` against
+    ``experts`` stacked kernels: ``rows`` when the padded ``[rows, E K]`` operand fits
+    ``PADDED_OPERAND_BYTES``, else the largest multiple of 8 (at least 8) that does."""
+    fit = PADDED_OPERAND_BYTES // max(1, experts * k * itemsize)
+    return rows if rows <= fit else max(8, fit // 8 * 8)
+
+
 def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``lhs [M, K]`` rows grouped by ``group_sizes [E]`` times ``rhs [E, K, N]``."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    """``lhs [M, K]`` rows grouped by ``group_sizes [E]`` times ``rhs [E, K, N]``.
+
+    XLA (jaxlib 0.10) lowers ``ragged_dot`` to one dot over a zero-padded ``[M, E K]``
+    copy of the rows (each row placed in its expert's K columns): a transient of
+    ``M E K`` elements, 16 GiB for Qwen3-30B-A3B's gate at 4,096 tokens. So rows beyond
+    ``chunk_rows`` are cut into chunks, a ``lax.scan`` doing one ``ragged_dot`` per chunk
+    with that chunk's group sizes (the rows are sorted by expert, so a chunk's groups are
+    its slice of the experts' row ranges); exact, the same FLOPs, one chunk's padded copy
+    live at a time."""
+    m, k = lhs.shape
+    e = rhs.shape[0]
+    c = chunk_rows(m, e, k, jnp.dtype(lhs.dtype).itemsize)
+    if c >= m:
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    n = -(-m // c)
+    chunks = jnp.pad(lhs, ((0, n * c - m), (0, 0))).reshape(n, c, k)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    lo = jnp.arange(n, dtype=ends.dtype)[:, None] * c
+    sizes = jnp.clip(ends[None] - lo, 0, c) - jnp.clip(starts[None] - lo, 0, c)  # [n, E]
+
+    def step(_, chunk_and_sizes):
+        chunk, gs = chunk_and_sizes
+        return None, jax.lax.ragged_dot(chunk, rhs, gs.astype(group_sizes.dtype))
+
+    _, out = jax.lax.scan(step, None, (chunks, sizes))
+    return out.reshape(n * c, -1)[:m]
 
 
 def _check_shapes(h, e, router, gate, up, down, top_k) -> None:

@@ -48,10 +48,13 @@ def job_flags(changes: Mapping) -> str:
     return " ".join(flags)
 
 
-def cheapest(advice: Advice) -> tuple[str, int] | None:
+def cheapest(advice: Advice | None) -> tuple[str, int] | None:
     """``(what, planner device total)`` of the cheapest lever of ``advice`` that fits alone
-    (its levers are ordered by cost), else of its cumulative plan when that fits, else None.
+    (its levers are ordered by cost), else of its cumulative plan when that fits, else None
+    (also for no advice: a card no lever can reach).
     ``what``: the job's flags and the planner's name for the lever."""
+    if advice is None:
+        return None
     for lever in advice.suggestions:
         flags = job_flags(lever.changes)
         if lever.fits and flags:
@@ -79,10 +82,11 @@ def card_lines(
     """The dry run's lines for the cards below ``memory`` (bytes): which ones the compiled
     ``peak`` (bytes) fits with ``reserve`` (bytes), and per card it misses the cheapest
     lever that brings it under (``advise_at(card bytes)``: ``planner.advise`` at that
-    memory, which the caller makes judge the planner's totals plus ``excess``, the
-    compiled peak's bytes over the planner's), cards sharing a lever on one line; and the
-    record for ``dry_run.json`` (``{"fits": {GiB: bool}, "levers": {GiB: [what, planner
-    bytes] or None}}``). No lines when no card is below ``memory``."""
+    memory, or None when the card is below the reserve, which the caller makes judge
+    the planner's totals plus ``excess``, the compiled peak's bytes over the planner's),
+    cards sharing a lever on one line; and the record for ``dry_run.json``
+    (``{"fits": {GiB: bool}, "levers": {GiB: [what, planner bytes] or None}}``).
+    No lines when no card is below ``memory``."""
     verdicts = card_fits(peak, memory, reserve)
     if not verdicts:
         return [], {}

@@ -334,6 +334,8 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dic
 
     def advise_at(card: int):
         reserve = planner.DEFAULT_RESERVE + excess
+        if reserve >= card:  # the compile's excess alone fills the card: no lever helps
+            return None
         return planner.advise(card, cfg, reserve=reserve, **kwargs)
 
     lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess)
@@ -431,6 +433,6 @@ def _planner_kwargs(config, levers, dtype, modules, devices: int) -> dict:
         **_method_kwargs(config, modules),
         levers=levers,
         batch_size=max(1, rows_per_example(config) * config.data.batch_size // sharded),
-        seq_len=config.data.seq_len // context,
+        seq_len=None if config.data.seq_len is None else config.data.seq_len // context,
         **shards,
     )
