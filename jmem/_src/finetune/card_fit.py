@@ -48,23 +48,42 @@ def job_flags(changes: Mapping) -> str:
     return " ".join(flags)
 
 
-def cheapest(advice: Advice | None) -> tuple[str, int] | None:
+def host_label(host: int, host_memory: int | None) -> str:
+    """``", needs X GiB of host memory, above --host-memory Y"`` when a lever's ``host``
+    bytes exceed ``host_memory`` (bytes; None: no limit), else ""."""
+    if host_memory is None or host <= host_memory:
+        return ""
+    return (
+        f", needs {host / 2**30:.2f} GiB of host memory, above --host-memory "
+        f"{host_memory / 2**30:.2f} GiB"
+    )
+
+
+def cheapest(advice: Advice | None, host_memory: int | None = None) -> tuple[str, int] | None:
     """``(what, planner device total)`` of the cheapest lever of ``advice`` that fits alone
-    (its levers are ordered by cost), else of its cumulative plan when that fits, else None
-    (also for no advice: a card no lever can reach).
+    (its levers are ordered by cost) and whose host bytes are within ``host_memory``
+    (bytes; None: no limit), else of its cumulative plan when that fits, else the cheapest
+    lever that fits the device but not ``host_memory``, its ``what`` saying so
+    (``host_label``); else None (also for no advice: a card no lever can reach).
     ``what``: the job's flags and the planner's name for the lever."""
     if advice is None:
         return None
+    over = None
     for lever in advice.suggestions:
         flags = job_flags(lever.changes)
         if lever.fits and flags:
             name = lever.name.split(" (--")[0]  # the params rung names its flag already
-            return f"{flags} ({name})", lever.total
+            label = host_label(lever.host, host_memory)
+            if not label:
+                return f"{flags} ({name})", lever.total
+            over = over or (f"{flags} ({name}){label}", lever.total)
     if advice.plan and advice.plan[-1].fits:
         names = " + ".join(lv.name for lv in advice.plan)
         flags = " ".join(f for f in (job_flags(lv.changes) for lv in advice.plan) if f)
-        return f"{flags} (the planner's plan: {names})", advice.plan[-1].total
-    return None
+        label = host_label(advice.plan[-1].host, host_memory)
+        if not label or over is None:
+            return f"{flags} (the planner's plan: {names}){label}", advice.plan[-1].total
+    return over
 
 
 def card_fits(peak: int, memory: int, reserve: int) -> dict[int, bool]:
@@ -78,13 +97,15 @@ def card_lines(
     reserve: int,
     advise_at: Callable[[int], Advice],
     excess: int = 0,
+    host_memory: int | None = None,
 ) -> tuple[list[str], dict]:
     """The dry run's lines for the cards below ``memory`` (bytes): which ones the compiled
     ``peak`` (bytes) fits with ``reserve`` (bytes), and per card it misses the cheapest
     lever that brings it under (``advise_at(card bytes)``: ``planner.advise`` at that
     memory, or None when the card is below the reserve, which the caller makes judge
     the planner's totals plus ``excess``, the compiled peak's bytes over the planner's),
-    cards sharing a lever on one line; and the record for ``dry_run.json``
+    a lever over ``host_memory`` (bytes) labelled so (``cheapest``), cards sharing a lever
+    on one line; and the record for ``dry_run.json``
     (``{"fits": {GiB: bool}, "levers": {GiB: [what, planner bytes] or None}}``).
     No lines when no card is below ``memory``."""
     verdicts = card_fits(peak, memory, reserve)
@@ -96,7 +117,9 @@ def card_lines(
         no
     )
     lines = [f"Also (the same rule, cards below {format_bytes(memory)}): " + "; ".join(said)]
-    levers = {g: cheapest(advise_at(g * 2**30)) for g, ok in verdicts.items() if not ok}
+    levers = {
+        g: cheapest(advise_at(g * 2**30), host_memory) for g, ok in verdicts.items() if not ok
+    }
     if levers:
         over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
         lines.append(f"  cheapest lever that brings it under (the planner's advice{over}):")
@@ -108,6 +131,6 @@ def card_lines(
         if lever is None:
             lines.append(where + "no lever or plan of the planner's advice brings it under")
         else:
-            lines.append(where + f"{lever[0]}, planner: {format_bytes(lever[1])}")
+            lines.append(where + f"{lever[0]}, planner: {format_bytes(lever[1])} (planner-only)")
     record = {"fits": verdicts, "levers": {g: lv and list(lv) for g, lv in levers.items()}}
     return lines, record

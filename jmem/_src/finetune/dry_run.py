@@ -31,6 +31,7 @@ from jmem._src.finetune.mesh import mesh_axes
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.mesh import mesh_sizes
 from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.setup import offload_record
 from jmem._src.planner import context as cp_plan
 from jmem._src.planner.offload import Offload
 from jmem._src.units import format_count
@@ -99,7 +100,8 @@ def dry_run(config, cfg, mesh=None, target=None):
     smaller = {}
     if config.run.memory is None and not grpo:  # the target's own memory: smaller cards too
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
-        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
+        host = config.run.host_memory
+        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs, host)
     _print_transfers(config, est)
     ex = config.execution
     lever = not offload_of(ex).params and ex.remat != "none"
@@ -108,7 +110,7 @@ def dry_run(config, cfg, mesh=None, target=None):
         _print_params_lever(frozen_bytes, est, streamed, full)
     nf4 = None if full else q_bytes / q_count
     out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
-    out.update(memory=memory, fits=fit, cards=smaller)
+    out.update(memory=memory, fits=fit, cards=smaller, offload=offload_record(config, cfg))
     if grpo:
         out.update(_grpo_phases(config, cfg, state, report, target, devices))
     if target is not None:
@@ -243,15 +245,19 @@ RUNGS = {
     "master_weights": ("master weights", "host<->device"),
     "disk": ("optimizer state + masters", "disk<->host"),
     "params": ("parameters", "host<->device"),
+    "activations": ("layer inputs (--remat offload*)", "host<->device"),
 }
 
 
-def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offload") -> list[str]:
+def transfer_lines(
+    est, pcie_gbps: float, disk_gbps: float, flag: str = "--offload", remat_flag: str = ""
+) -> list[str]:
     """The dry run's transfer lines from the planner's ledger ``est``: per offload rung in
     use (each key of ``est.transfers``), the bytes one step moves and their time at the
     stated bandwidth (``pcie_gbps`` for host<->device, ``disk_gbps`` for disk, GB/s with
     GB = 1e9 bytes) and the flag that turned it on (``flag`` for the optimizer's rungs,
-    ``--offload-dir`` for disk), then ``est.trade()``'s one-line summary. Raises
+    ``--offload-dir`` for disk, ``remat_flag`` for the offloaded layer inputs of
+    ``--remat offload``/``offload_inputs``), then ``est.trade()``'s one-line summary. Raises
     ValueError for a bandwidth <= 0 (``Ledger.transfer_seconds``)."""
     secs = est.transfer_seconds(pcie_gbps, disk_gbps)
     lines = ["transfers per step (planner; GB = 1e9 B):" if secs else "transfers per step: none"]
@@ -259,6 +265,7 @@ def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offlo
         what, link = RUNGS.get(key, (key.replace("_", " "), "host<->device"))
         gbps, knob = (disk_gbps, "--disk-gbps") if key == "disk" else (pcie_gbps, "--pcie-gbps")
         by = {"disk": "--offload-dir", "params": "--offload params"}.get(key, flag)
+        by = remat_flag if key == "activations" and remat_flag else by
         lines.append(
             f"  {what + ' ' + link:40}{nbytes / 1e9:>10.3g} GB  {secs[key]:>9.3g} s at "
             f"{gbps:g} GB/s ({knob})  [{by}]"
@@ -267,8 +274,10 @@ def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offlo
 
 
 def _print_transfers(config, est) -> None:
-    flag = "--offload-dir" if config.execution.offload_dir else "--offload"
-    for line in transfer_lines(est, config.execution.pcie_gbps, config.execution.disk_gbps, flag):
+    ex = config.execution
+    flag = "--offload-dir" if ex.offload_dir else "--offload"
+    remat = f"--remat {ex.remat}"
+    for line in transfer_lines(est, ex.pcie_gbps, ex.disk_gbps, flag, remat):
         print(line)
 
 
@@ -326,10 +335,11 @@ def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) ->
     )
 
 
-def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dict:
+def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict, host=None) -> dict:
     """``cards.card_lines`` printed: the verdict for the cards below ``memory`` and the
     planner's cheapest lever per card missed, its totals judged with the compiled
-    ``peak``'s bytes over the planner's ``planned`` added to the reserve; its record."""
+    ``peak``'s bytes over the planner's ``planned`` added to the reserve, a lever over
+    ``host`` (``--host-memory``, bytes) labelled so; its record."""
     excess = max(0, int(peak) - int(planned))
 
     def advise_at(card: int):
@@ -338,7 +348,7 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dic
             return None
         return planner.advise(card, cfg, reserve=reserve, **kwargs)
 
-    lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess)
+    lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess, host)
     for line in lines:
         print(line)
     return record
