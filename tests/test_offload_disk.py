@@ -412,3 +412,23 @@ def test_offloaded_layer_inputs_are_counted_as_transfers():
     assert f"{2 * inputs / 1e9:.3g} GB host<->device per step" in offload_in_effect(c, cfg)
     plain = finetune.FinetuneConfig.from_flat(seq_len=4096, batch_size=2)
     assert offload_record(plain, cfg)["layer_inputs_bytes_per_step"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_with_offloaded_layer_inputs_prints_and_records_their_bytes(tmp_path, capsys):
+    """A tiny CPU run with ``--remat offload_inputs``: the start line names the layer inputs
+    in host memory with their bytes per step (``2 x 2 B x L x rows x seq_len x hidden``:
+    to the host in the forward pass, back for the backward) and ``summary.json``'s
+    ``offload`` records the same bytes."""
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg = llama.get_config("tiny")
+    out = tmp_path / "run"
+    flags = SMALL + ["--steps", "1"]  # one step (the last --steps counts)
+    finetune.main(flags + ["--remat", "offload_inputs", "--out", str(out)])
+    moved = 2 * 2 * cfg.num_layers * 4 * 16 * cfg.hidden_size  # batch 4, 16 tokens
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("offload:")]
+    assert "layer inputs in host memory (--remat offload_inputs" in line
+    assert f"{moved / 1e9:.3g} GB host<->device per step" in line
+    record = json.loads((out / "summary.json").read_text())["offload"]
+    assert record["layer_inputs"] == "host" and record["layer_inputs_bytes_per_step"] == moved
