@@ -409,6 +409,13 @@ class RunConfig(_Group):
         check=cli.memory(False),
         metavar="SIZE",
     )
+    no_check_advice: bool = option(
+        False,
+        "--dry-run: name the levers for smaller cards from the planner alone (planner-only), "
+        "without compiling each for the target (at most 3 compiles, the default)",
+        switch=True,
+        cli_only=True,
+    )
     no_progress: bool = option(False, "plain log lines instead of a progress bar", switch=True)
     debug: bool = option(
         False,

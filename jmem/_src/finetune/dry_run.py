@@ -17,6 +17,7 @@ from jmem import planner
 from jmem import targets as jtargets
 from jmem._src import lora_modules
 from jmem._src.finetune import card_fit as cards
+from jmem._src.finetune.advice_check import AdviceCheck
 from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
@@ -101,7 +102,8 @@ def dry_run(config, cfg, mesh=None, target=None):
     if config.run.memory is None and not grpo:  # the target's own memory: smaller cards too
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
         host = config.run.host_memory
-        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs, host)
+        check = None if config.run.no_check_advice else AdviceCheck(config, cfg, mesh, target)
+        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs, host, check)
     _print_transfers(config, est)
     ex = config.execution
     lever = not offload_of(ex).params and ex.remat != "none"
@@ -335,11 +337,14 @@ def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) ->
     )
 
 
-def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict, host=None) -> dict:
+def _print_cards(
+    peak: int, memory: int, planned: int, cfg, kwargs: dict, host=None, check=None
+) -> dict:
     """``cards.card_lines`` printed: the verdict for the cards below ``memory`` and the
     planner's cheapest lever per card missed, its totals judged with the compiled
     ``peak``'s bytes over the planner's ``planned`` added to the reserve, a lever over
-    ``host`` (``--host-memory``, bytes) labelled so; its record."""
+    ``host`` (``--host-memory``, bytes) labelled so, each compiled by ``check``
+    (``AdviceCheck``; None: planner-only) with the compiles' time; its record."""
     excess = max(0, int(peak) - int(planned))
 
     def advise_at(card: int):
@@ -348,7 +353,14 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict, host=N
             return None
         return planner.advise(card, cfg, reserve=reserve, **kwargs)
 
-    lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess, host)
+    reserve = planner.DEFAULT_RESERVE
+    lines, record = cards.card_lines(peak, memory, reserve, advise_at, excess, host, check)
+    if check is not None and check.compiles:
+        lines.append(
+            f"  (advice checked by {check.compiles} compile(s) of the step in "
+            f"{check.seconds:.0f}s; --no-check-advice skips them)"
+        )
+        record["check_seconds"] = check.seconds
     for line in lines:
         print(line)
     return record
