@@ -336,7 +336,11 @@ def _estimate_compiled(args: argparse.Namespace) -> int:
 
     for opt, remat in itertools.product(args.optimizer, args.remat):
         step = compiled_plan.compile_step(
-            _compiled_flags(args, opt, remat), args.target, args.seq_len
+            _compiled_flags(args, opt, remat),
+            args.target,
+            args.seq_len,
+            memory=args.memory,
+            host_memory=args.host_memory,
         )
         print(f"== optimizer={opt} remat={remat} ==")
         print(
@@ -347,6 +351,8 @@ def _estimate_compiled(args: argparse.Namespace) -> int:
         if args.memory:
             fits = planner.fits(step.peak_bytes, args.memory, args.reserve)
             print(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {args.memory / 2**30:g} GiB")
+            if step.advice:  # the dry run's, with its 2 GB reserve
+                print(compiled_plan.advice_line(step.advice))
         print()
     return 0
 

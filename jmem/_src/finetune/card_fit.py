@@ -177,3 +177,25 @@ def _card_advice(card: int, reserve: int, found: list, check) -> tuple[tuple, tu
             return (f"{what}; {done.describe()}; {planner}", *missed), (what, total), row
         missed.append(f"tried {what}: {done.describe()}: does not fit")
     return ("no lever of the planner's advice compiles under it", *missed), None, row
+
+
+def memory_lines(
+    memory: int,
+    reserve: int,
+    advice: Advice | None,
+    excess: int = 0,
+    host_memory: int | None = None,
+    check: Callable | None = None,
+) -> tuple[list[str], dict]:
+    """The dry run's advice for a ``--memory`` (bytes) its compiled step misses, as
+    ``card_lines`` gives it per card: the cheapest lever of ``advice`` (``planner.advise``
+    at ``memory``, its totals judged with ``excess`` over the reserve; None: no lever can
+    reach it) within ``host_memory`` (bytes), compiled by ``check`` when given (the next
+    lever when one misses); and its record (``{"lever": [what, planner bytes] or None,
+    "checked": [what, device, host, transfer bytes, seconds, fits] or None}``)."""
+    over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
+    how = "; compiled for the target" if check else ""
+    said, lever, row = _card_advice(memory, reserve, candidates(advice, host_memory), check)
+    lines = [f"cheapest lever that brings it under (the planner's advice{over}{how}):"]
+    lines += [f"  {said[0]}"] + [f"    {more}" for more in said[1:]]
+    return lines, {"lever": lever and list(lever), "checked": row}

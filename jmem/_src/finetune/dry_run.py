@@ -98,12 +98,11 @@ def dry_run(config, cfg, mesh=None, target=None):
         collectives_line(report.collective_bytes, _planned_collectives(config, cfg, step, target))
     )
     memory, fit = _print_verdict(report, config.run.memory, target)
-    smaller = {}
-    if config.run.memory is None and not grpo:  # the target's own memory: smaller cards too
+    smaller = advice = {}
+    if not grpo and (config.run.memory is None or not fit):
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
-        host = config.run.host_memory
-        check = None if config.run.no_check_advice else AdviceCheck(config, cfg, mesh, target)
-        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs, host, check)
+        peak = report.peak_bytes
+        smaller, advice = _print_advice(config, cfg, peak, memory, est, kwargs, mesh, target)
     _print_transfers(config, est)
     ex = config.execution
     lever = not offload_of(ex).params and ex.remat != "none"
@@ -113,6 +112,7 @@ def dry_run(config, cfg, mesh=None, target=None):
     nf4 = None if full else q_bytes / q_count
     out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
     out.update(memory=memory, fits=fit, cards=smaller, offload=offload_record(config, cfg))
+    out.update({"advice": advice} if advice else {})
     if grpo:
         out.update(_grpo_phases(config, cfg, state, report, target, devices))
     if target is not None:
@@ -337,6 +337,40 @@ def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) ->
     )
 
 
+def _print_advice(config, cfg, peak: int, memory: int, est, kwargs: dict, mesh, target):
+    """``(cards record, --memory advice record)``: with ``--memory`` unset the cards below
+    the target's ``memory`` (``_print_cards``), else the advice for the ``memory`` the
+    compiled ``peak`` misses (``card_fit.memory_lines``); each lever compiled for the
+    ``target`` (``AdviceCheck``; no target: planner-only) unless ``--no-check-advice``, a
+    lever over ``--host-memory`` labelled so."""
+    run = config.run
+    compiled = target is not None and not run.no_check_advice
+    check = AdviceCheck(config, cfg, mesh, target) if compiled else None
+    if run.memory is None:
+        return _print_cards(peak, memory, est.total, cfg, kwargs, run.host_memory, check), {}
+    excess = max(0, int(peak) - int(est.total))
+    reserve = planner.DEFAULT_RESERVE + excess
+    advice = planner.advise(memory, cfg, reserve=reserve, **kwargs) if reserve < memory else None
+    lines, record = cards.memory_lines(
+        memory, planner.DEFAULT_RESERVE, advice, excess, run.host_memory, check
+    )
+    for line in lines + _check_time(check, record):
+        print(line)
+    return {}, record
+
+
+def _check_time(check, record: dict) -> list[str]:
+    """The line saying how many compiles the advice check made and their time (recorded
+    as ``check_seconds``); none without compiles."""
+    if check is None or not check.compiles:
+        return []
+    record["check_seconds"] = check.seconds
+    return [
+        f"  (advice checked by {check.compiles} compile(s) of the step in {check.seconds:.0f}s; "
+        "--no-check-advice skips them)"
+    ]
+
+
 def _print_cards(
     peak: int, memory: int, planned: int, cfg, kwargs: dict, host=None, check=None
 ) -> dict:
@@ -355,13 +389,7 @@ def _print_cards(
 
     reserve = planner.DEFAULT_RESERVE
     lines, record = cards.card_lines(peak, memory, reserve, advise_at, excess, host, check)
-    if check is not None and check.compiles:
-        lines.append(
-            f"  (advice checked by {check.compiles} compile(s) of the step in "
-            f"{check.seconds:.0f}s; --no-check-advice skips them)"
-        )
-        record["check_seconds"] = check.seconds
-    for line in lines:
+    for line in lines + (_check_time(check, record) if lines else []):
         print(line)
     return record
 
