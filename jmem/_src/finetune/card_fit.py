@@ -118,7 +118,7 @@ def card_lines(
     a lever over ``host_memory`` (bytes) labelled so (``candidates``), cards sharing a
     lever on one line; and the record for ``dry_run.json`` (``{"fits": {GiB: bool},
     "levers": {GiB: [what, planner bytes] or None}}``, with ``check``: ``"checked": {GiB:
-    [what, compiled device bytes, host bytes, transfer bytes, seconds, fits]}``).
+    [what, compiled device bytes, host bytes, transfer bytes, seconds, GB/s, fits]}``).
 
     ``check``: ``advice_check.AdviceCheck`` (``changes -> Checked``, None when not
     compiled): each card's lever is compiled and printed with the compile's device and
@@ -172,7 +172,7 @@ def _card_advice(card: int, reserve: int, found: list, check) -> tuple[tuple, tu
             why = "" if check is None else f"; not compiled: {check.why_not(changes)}"
             return (f"{what}, {planner} (planner-only{why})", *missed), (what, total), None
         row = [what, done.peak_bytes, done.host_bytes, sum(done.transfers.values())]
-        row += [done.seconds, done.fits(card, reserve)]
+        row += [done.seconds, done.pcie_gbps, done.fits(card, reserve)]
         if row[-1]:
             return (f"{what}; {done.describe()}; {planner}", *missed), (what, total), row
         missed.append(f"tried {what}: {done.describe()}: does not fit")
@@ -192,7 +192,7 @@ def memory_lines(
     at ``memory``, its totals judged with ``excess`` over the reserve; None: no lever can
     reach it) within ``host_memory`` (bytes), compiled by ``check`` when given (the next
     lever when one misses); and its record (``{"lever": [what, planner bytes] or None,
-    "checked": [what, device, host, transfer bytes, seconds, fits] or None}``)."""
+    "checked": [what, device, host, transfer bytes, seconds, GB/s, fits] or None}``)."""
     over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
     how = "; compiled for the target" if check else ""
     said, lever, row = _card_advice(memory, reserve, candidates(advice, host_memory), check)

@@ -94,7 +94,7 @@ def advice_line(advice: dict) -> str:
     return (
         f"advice: {lever[0]}; compiled: {row[1] / 2**30:.2f} GiB device + "
         f"{row[2] / 2**30:.2f} GiB host, moves {row[3] / 1e9:.3g} GB per step "
-        f"({row[4]:.3g} s at --pcie-gbps); planner: {format_bytes(lever[1])}"
+        f"({row[4]:.3g} s at {row[5]:g} GB/s); planner: {format_bytes(lever[1])}"
     )
 
 
