@@ -139,3 +139,18 @@ def test_the_check_compiles_each_configuration_once_and_at_most_its_limit(monkey
     assert check([{"offload": "params", "remat": "none"}]) is None and len(made) == 2
     assert "refuses" in check.why_not([{"offload": "params", "remat": "none"}])
     assert check.compiles == 0 and dataclasses.is_dataclass(first)
+
+
+def test_a_compiled_lever_over_host_memory_says_so():
+    """The planner put the lever's host bytes at 0.5 GiB, within --host-memory 0.75 GiB;
+    its compile holds 1 GiB in host memory: the line says the compile needs more."""
+    advice = _advice(("offloaded inputs", {"remat": "offload_inputs"}, 12, 0.5))
+    fake = _FakeCheck({"offload_inputs": 15})
+    lines, _ = card_fit.card_lines(
+        40 * GiB, 25 * GiB, 2 * GiB, lambda c: advice, host_memory=int(0.75 * GiB), check=fake
+    )
+    assert lines[-1].startswith("  on a 24 GiB card: --remat offload_inputs (offloaded inputs);")
+    assert (
+        "1.00 GiB host, moves 4 GB per step (0.16 s at 25 GB/s --pcie-gbps), which needs 1.00 "
+        "GiB of host memory, above --host-memory 0.75 GiB; planner: 12.00 GiB"
+    ) in lines[-1]

@@ -145,7 +145,7 @@ def card_lines(
     levers: dict = {}
     checked: dict = {}
     for g in sorted(found, reverse=True):  # the largest card first: the cheapest levers
-        said, levers[g], checked[g] = _card_advice(g * 2**30, reserve, found[g], check)
+        said, levers[g], checked[g] = _card_advice(g * 2**30, reserve, found[g], check, host_memory)
         groups.setdefault(said, []).append(str(g))
     for said, cards in groups.items():
         where = f"  on a {'/'.join(sorted(cards, key=int))} GiB card: "
@@ -156,10 +156,13 @@ def card_lines(
     return lines, record
 
 
-def _card_advice(card: int, reserve: int, found: list, check) -> tuple[tuple, tuple, list]:
+def _card_advice(
+    card: int, reserve: int, found: list, check, host_memory: int | None = None
+) -> tuple[tuple, tuple, list]:
     """``(lines, (what, planner bytes) or None, checked row or None)`` for one card
     (``card`` bytes): the first of ``found`` (``candidates``) whose compile (``check``)
-    fits the card, each tried before it that misses named on a line of its own; the
+    fits the card, each tried before it that misses named on a line of its own, its
+    compiled host bytes over ``host_memory`` (bytes) labelled so (``host_label``); the
     planner's figures, labelled so, where ``check`` is None or does not compile it
     (``check.why_not``)."""
     if not found:
@@ -174,7 +177,9 @@ def _card_advice(card: int, reserve: int, found: list, check) -> tuple[tuple, tu
         row = [what, done.peak_bytes, done.host_bytes, sum(done.transfers.values())]
         row += [done.seconds, done.pcie_gbps, done.fits(card, reserve)]
         if row[-1]:
-            return (f"{what}; {done.describe()}; {planner}", *missed), (what, total), row
+            over = "" if "--host-memory" in what else host_label(done.host_bytes, host_memory)
+            said = f"{what}; {done.describe()}{over.replace(', needs', ', which needs')}"
+            return (f"{said}; {planner}", *missed), (what, total), row
         missed.append(f"tried {what}: {done.describe()}: does not fit")
     return ("no lever of the planner's advice compiles under it", *missed), None, row
 
@@ -195,7 +200,8 @@ def memory_lines(
     "checked": [what, device, host, transfer bytes, seconds, GB/s, fits] or None}``)."""
     over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
     how = "; compiled for the target" if check else ""
-    said, lever, row = _card_advice(memory, reserve, candidates(advice, host_memory), check)
+    found = candidates(advice, host_memory)
+    said, lever, row = _card_advice(memory, reserve, found, check, host_memory)
     lines = [f"cheapest lever that brings it under (the planner's advice{over}{how}):"]
     lines += [f"  {said[0]}"] + [f"    {more}" for more in said[1:]]
     return lines, {"lever": lever and list(lever), "checked": row}
