@@ -117,8 +117,9 @@ def card_lines(
     the planner's totals plus ``excess``, the compiled peak's bytes over the planner's),
     a lever over ``host_memory`` (bytes) labelled so (``candidates``), cards sharing a
     lever on one line; and the record for ``dry_run.json`` (``{"fits": {GiB: bool},
-    "levers": {GiB: [what, planner bytes] or None}}``, with ``check``: ``"checked": {GiB:
-    [what, compiled device bytes, host bytes, transfer bytes, seconds, GB/s, fits]}``).
+    "levers": {GiB: [what, planner bytes] or None}}``; with ``check`` and a card missed,
+    ``"checked": {GiB: [what, compiled device bytes, host bytes, transfer bytes, seconds,
+    GB/s, fits] or None}``).
 
     ``check``: ``advice_check.AdviceCheck`` (``changes -> Checked``, None when not
     compiled): each card's lever is compiled and printed with the compile's device and
@@ -151,7 +152,7 @@ def card_lines(
         where = f"  on a {'/'.join(sorted(cards, key=int))} GiB card: "
         lines += [where + said[0]] + [f"    {more}" for more in said[1:]]
     record = {"fits": verdicts, "levers": {g: lv and list(lv) for g, lv in sorted(levers.items())}}
-    if check is not None:
+    if check is not None and checked:
         record["checked"] = {g: checked[g] for g in sorted(checked)}
     return lines, record
 
