@@ -57,12 +57,13 @@ class Checked:
         return fits(self.peak_bytes, card, reserve)
 
     def describe(self) -> str:
-        """``compiled: 10.20 GiB device + 3.50 GiB host, moves 7.52 GB host<->device per
-        step (0.301 s at 25 GB/s)``."""
+        """``compiled: 10.23 GiB device + 14.00 GiB host, moves 30.1 GB per step (1.2 s at
+        25 GB/s --pcie-gbps)`` (GB = 1e9 B; disk's bytes at ``--disk-gbps``)."""
         moved = sum(self.transfers.values())
+        disk = ", disk at --disk-gbps" if self.transfers.get("disk") else ""
         how = (
             f"moves {moved / GB:.3g} GB per step ({self.seconds:.3g} s at "
-            f"{self.pcie_gbps:g} GB/s --pcie-gbps)"
+            f"{self.pcie_gbps:g} GB/s --pcie-gbps{disk})"
             if moved
             else "no transfers"
         )
