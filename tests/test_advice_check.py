@@ -154,3 +154,23 @@ def test_a_compiled_lever_over_host_memory_says_so():
         "1.00 GiB host, moves 4 GB per step (0.16 s at 25 GB/s --pcie-gbps), which needs 1.00 "
         "GiB of host memory, above --host-memory 0.75 GiB; planner: 12.00 GiB"
     ) in lines[-1]
+
+
+def test_a_memory_the_step_misses_gets_the_same_compiled_advice():
+    """``--dry-run --memory SIZE`` missed: the cheapest lever for ``SIZE``, compiled
+    (``card_fit.memory_lines``), recorded as ``advice``; without a check, planner-only."""
+    advice = _advice(
+        ("selective remat", {"remat": "selective"}, 10, 0),
+        ("offloaded inputs", {"remat": "offload_inputs"}, 12, 3),
+    )
+    fake = _FakeCheck({"selective": 31, "offload_inputs": 15})
+    lines, record = card_fit.memory_lines(24 * GiB, 2 * GiB, advice, check=fake)
+    assert lines[0].endswith("(the planner's advice; compiled for the target):")
+    assert lines[1].startswith("  --remat offload_inputs (offloaded inputs); compiled: 15.00")
+    assert lines[2].startswith("    tried --remat selective") and lines[2].endswith("not fit")
+    assert record["lever"] == ["--remat offload_inputs (offloaded inputs)", 12 * GiB]
+    assert record["checked"][1] == 15 * GiB
+    lines, record = card_fit.memory_lines(24 * GiB, 2 * GiB, advice)
+    assert lines[1].endswith("planner: 10.00 GiB (planner-only)") and record["checked"] is None
+    lines, record = card_fit.memory_lines(24 * GiB, 2 * GiB, None)
+    assert "no lever" in lines[1] and record == {"lever": None, "checked": None}
