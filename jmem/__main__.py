@@ -140,7 +140,8 @@ def _estimate(args: argparse.Namespace) -> int:
         kw = _estimate_kwargs(args, opt, remat)
         print(f"== optimizer={opt} remat={remat} ==")
         if args.memory:
-            print(planner.advise(args.memory, args.model, reserve=args.reserve, **kw))
+            advice = planner.advise(args.memory, args.model, reserve=args.reserve, **kw)
+            print(dataclasses.replace(advice, host_memory=args.host_memory))
         else:
             ledger = planner.estimate(args.model, **kw)
             print(ledger)
@@ -335,7 +336,11 @@ def _estimate_compiled(args: argparse.Namespace) -> int:
 
     for opt, remat in itertools.product(args.optimizer, args.remat):
         step = compiled_plan.compile_step(
-            _compiled_flags(args, opt, remat), args.target, args.seq_len
+            _compiled_flags(args, opt, remat),
+            args.target,
+            args.seq_len,
+            memory=args.memory,
+            host_memory=args.host_memory,
         )
         print(f"== optimizer={opt} remat={remat} ==")
         print(
@@ -346,6 +351,8 @@ def _estimate_compiled(args: argparse.Namespace) -> int:
         if args.memory:
             fits = planner.fits(step.peak_bytes, args.memory, args.reserve)
             print(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {args.memory / 2**30:g} GiB")
+            if step.advice:  # the dry run's, with its 2 GB reserve
+                print(compiled_plan.advice_line(step.advice))
         print()
     return 0
 
@@ -415,6 +422,23 @@ def _why_nothing_fits(args: argparse.Namespace, kw: dict) -> str:
     )
 
 
+def _add_memory_flags(p) -> None:
+    """``estimate``'s ``--memory``, ``--reserve`` and ``--host-memory``."""
+    p.add_argument(
+        "--memory", type=cli.memory(False), help="device memory: 24GB, 24GiB, 80G or bytes"
+    )
+    p.add_argument(
+        "--reserve", type=cli.memory(True), default="2GB", help="memory kept free (default 2GB)"
+    )
+    p.add_argument(
+        "--host-memory",
+        type=cli.memory(False),
+        default="128GiB",
+        help="host memory the levers' host bytes are judged against (default 128GiB, a "
+        "typical workstation's)",
+    )
+
+
 def _add_estimate(sub, full: bool) -> None:
     """``estimate``: its flags only when it is the command (they need the planner, which
     imports JAX; ``jmem --help`` answers without)."""
@@ -436,12 +460,7 @@ def _add_estimate(sub, full: bool) -> None:
         type=_model,
         help=f"config name ({', '.join(sorted(llama.CONFIGS))}) or parameter count (7e9, 7B)",
     )
-    p.add_argument(
-        "--memory", type=cli.memory(False), help="device memory: 24GB, 24GiB, 80G or bytes"
-    )
-    p.add_argument(
-        "--reserve", type=cli.memory(True), default="2GB", help="memory kept free (default 2GB)"
-    )
+    _add_memory_flags(p)
     p.add_argument(
         "--param-dtype", default="bf16", help="dtype the params are stored in (default bf16)"
     )

@@ -286,6 +286,53 @@ def test_the_offload_remat_policy_compiles_with_token_chunks_resolved_off(tmp_pa
 
 
 @pytest.mark.slow
+def test_the_dry_runs_advice_for_a_smaller_card_compiles_to_what_it_says(tmp_path, capsys):
+    """Llama-3.1-8B QLoRA r=32 at 57,344 tokens (24.65 GiB compiled: misses the 24 GiB
+    card): the dry run compiles the lever it names for 24 GiB and prints that compile's
+    device and host bytes and transfers. A separate dry run of the named flags gives the
+    same device and host bytes within 10%, its peak fits the card, and a --host-memory
+    below the lever's host bytes either replaces the lever or says it needs more. ``jmem
+    estimate --target --memory 24GiB`` prints the same compiled advice. (Measured
+    2026-12-04, XLA:GPU compile for h100_sxm, no GPU: --remat offload_inputs, 10.23 GiB
+    device + 14.00 GiB host, 30.1 GB moved per step; planner 10.20 GiB.)"""
+    argv = ["--config", "llama3_1_8b", "--lora-rank", "32", "--seq-len", "57344"]
+    argv += ["--batch-size", "1"]
+    out = _qlora_dry_run(tmp_path / "job", argv)
+    text = capsys.readouterr().out
+    assert out["cards"]["fits"][24] is False
+    what, planned = out["cards"]["levers"][24]
+    row = out["cards"]["checked"][24]
+    assert row[0] == what and row[-1]  # compiled, and the compile fits the card
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("  on a 24 GiB card: ")]
+    assert f"compiled: {row[1] / 2**30:.2f} GiB device + {row[2] / 2**30:.2f} GiB host" in line
+    assert "GB/s --pcie-gbps" in line and "planner-only" not in line
+    flags = what.split(" (")[0].split()
+    assert "DIR" not in flags, what
+    alone = _qlora_dry_run(tmp_path / "lever", argv + flags + ["--memory", "24GiB"])
+    c = alone["compiled"]
+    assert alone["fits"] and c["peak_bytes"] == pytest.approx(row[1], rel=0.10)
+    assert c["host_peak_bytes"] == pytest.approx(row[2], rel=0.10)
+    if c["host_peak_bytes"]:  # a lever in host memory: its transfers are printed
+        assert row[3] > 0 and row[4] > 0
+    tight = max(1, c["host_peak_bytes"] // 2)
+    out = _qlora_dry_run(tmp_path / "tight", argv + ["--host-memory", str(tight)])
+    capsys.readouterr()
+    named = out["cards"]["levers"][24]
+    assert named is None or named[0] != what or "above --host-memory" in named[0]
+    if named is not None and "above --host-memory" not in named[0]:
+        assert out["cards"]["checked"][24] is None or out["cards"]["checked"][24][2] <= tight
+    # jmem estimate --target --memory: the same compiled advice, in one line
+    from jmem.__main__ import main
+
+    est = ["estimate", "--model", "llama3_1_8b", "--lora-rank", "32", "--quant", "nf4"]
+    est += ["--seq-len", "57344", "--optimizer", "adamw_8bit", "--remat", "full"]
+    main(est + ["--target", TARGET, "--memory", "24GiB"])
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("advice:")]
+    assert line.startswith(f"advice: {what}; compiled: {row[1] / 2**30:.2f} GiB device + ")
+    assert f"{row[2] / 2**30:.2f} GiB host" in line and "GB/s" in line
+
+
+@pytest.mark.slow
 def test_estimate_answers_from_the_compiler(capsys):
     """``jmem estimate --target h100_sxm``: the job's step compiled at --seq-len (device
     peak and host bytes from XLA:GPU), and ``--max-seq`` bisects over compiles (tiny, up to

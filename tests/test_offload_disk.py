@@ -383,3 +383,52 @@ def test_dry_run_with_offload_dir_prints_both_rungs(tmp_path, capsys):
     assert float(opt[3]) == float(f"{moved['optimizer'] / 1e9:.3g}") > 0
     assert printed[first + 1 + len(moved)].startswith("offload saves")
     assert not state_dir.exists()
+
+
+def test_offloaded_layer_inputs_are_counted_as_transfers():
+    """``remat="offload_inputs"``: each layer's input goes to host in the forward pass and
+    back for the backward, so the planner's transfers carry 2 x its host activations
+    (``L x tokens x 2 B x hidden``), the dry run prints their line with the remat flag,
+    and the run's offload line and ``summary.json``'s record carry the same bytes."""
+    from jmem._src.finetune.dry_run import transfer_lines  # noqa: PLC0415
+    from jmem._src.finetune.setup import offload_in_effect  # noqa: PLC0415
+    from jmem._src.finetune.setup import offload_record  # noqa: PLC0415
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg = llama.get_config("llama3_2_1b")
+    kw = dict(optimizer="adamw", param_dtype="bf16", seq_len=4096, batch_size=2)
+    led = jmem.planner.estimate(cfg, remat="offload_inputs", **kw)
+    inputs = cfg.num_layers * 2 * 4096 * 2 * cfg.hidden_size
+    assert led.host["activations"] == inputs
+    assert led.transfers == {"activations": 2 * inputs}
+    assert jmem.planner.estimate(cfg, remat="full", **kw).transfers == {}
+    lines = transfer_lines(led, 25.0, 3.0, "--offload", "--remat offload_inputs")
+    row = lines[1].split()
+    assert row[:2] == ["layer", "inputs"] and row[-2:] == ["[--remat", "offload_inputs]"]
+    assert float(row[5]) == float(f"{2 * inputs / 1e9:.3g}")
+    c = finetune.FinetuneConfig.from_flat(remat="offload_inputs", seq_len=4096, batch_size=2)
+    r = offload_record(c, cfg)
+    assert r["layer_inputs"] == "host" and r["layer_inputs_bytes_per_step"] == 2 * inputs
+    assert f"{2 * inputs / 1e9:.3g} GB host<->device per step" in offload_in_effect(c, cfg)
+    plain = finetune.FinetuneConfig.from_flat(seq_len=4096, batch_size=2)
+    assert offload_record(plain, cfg)["layer_inputs_bytes_per_step"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_with_offloaded_layer_inputs_prints_and_records_their_bytes(tmp_path, capsys):
+    """A tiny CPU run with ``--remat offload_inputs``: the start line names the layer inputs
+    in host memory with their bytes per step (``2 x 2 B x L x rows x seq_len x hidden``:
+    to the host in the forward pass, back for the backward) and ``summary.json``'s
+    ``offload`` records the same bytes."""
+    from jmem.models import llama  # noqa: PLC0415
+
+    cfg = llama.get_config("tiny")
+    out = tmp_path / "run"
+    flags = SMALL + ["--steps", "1"]  # one step (the last --steps counts)
+    finetune.main(flags + ["--remat", "offload_inputs", "--out", str(out)])
+    moved = 2 * 2 * cfg.num_layers * 4 * 16 * cfg.hidden_size  # batch 4, 16 tokens
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("offload:")]
+    assert "layer inputs in host memory (--remat offload_inputs" in line
+    assert f"{moved / 1e9:.3g} GB host<->device per step" in line
+    record = json.loads((out / "summary.json").read_text())["offload"]
+    assert record["layer_inputs"] == "host" and record["layer_inputs_bytes_per_step"] == moved

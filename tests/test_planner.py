@@ -1004,3 +1004,51 @@ def test_card_lines_when_the_compiles_excess_alone_fills_a_card():
     )
     assert record["levers"] == {24: None, 32: None, 40: None, 48: None}
     assert lines[-1].endswith("no lever or plan of the planner's advice brings it under")
+
+
+def test_card_levers_over_host_memory_are_labelled_or_replaced(capsys):
+    """``--host-memory``: a lever whose planner host bytes exceed it is not the card's
+    advice when another lever fits within it (the 70B's ``--offload params`` keeps its
+    ~35 GiB NF4 base in host memory: over 16 GiB, so sharding is named instead); when only
+    levers over it fit, the line says how much host memory it needs. Planner-only."""
+    from jmem._src.finetune import card_fit
+    from jmem._src.finetune import dry_run
+
+    h100 = jmem.targets.get("h100_sxm").memory_bytes
+    run, cfg, kw = _dry_run_70b("none")
+    peak, planned = run["device_peak_bytes"], planner.estimate(cfg, **kw).total
+    free = dry_run._print_cards(peak, h100, planned, cfg, kw, None)
+    assert free["levers"][24][0].startswith("--offload params")
+    tight = dry_run._print_cards(peak, h100, planned, cfg, kw, 16 * 2**30)
+    assert not tight["levers"][24][0].startswith("--offload params")
+    out = capsys.readouterr().out
+    assert "(planner-only)" in out and "above --host-memory" not in out
+    streamed = planner.advise(24 * 2**30, cfg, **kw)
+    (lever,) = [s for s in streamed.suggestions if str(s.changes.get("offload")) == "params"]
+    assert lever.host > 30 * 2**30  # the NF4 base, in host memory
+    only = dataclasses.replace(streamed, suggestions=(lever,), plan=())
+    what, total = card_fit.cheapest(only, 16 * 2**30)
+    assert total == lever.total and what.endswith(
+        f"needs {lever.host / 2**30:.2f} GiB of host memory, above --host-memory 16.00 GiB"
+    )
+    assert card_fit.cheapest(only, None)[0] == card_fit.cheapest(only, lever.host)[0]
+    assert "needs" not in card_fit.cheapest(only, None)[0]
+
+
+def test_estimate_labels_levers_over_host_memory(capsys):
+    """``jmem estimate --memory --host-memory``: the levers are labelled planner-only, each
+    with host bytes shows them, and one over ``--host-memory`` says so (the 70B's
+    ``--offload params``: its NF4 base in host memory, over 16 GiB, within 128 GiB)."""
+    from jmem.__main__ import main
+
+    argv = ["estimate", "--model", "llama3_1_70b", "--lora-rank", "16", "--quant", "nf4"]
+    argv += ["--seq-len", "4096", "--memory", "24GiB", "--remat", "full"]
+    main(argv + ["--optimizer", "adamw", "--host-memory", "16GiB"])
+    out = capsys.readouterr().out
+    assert "levers, cheapest first (planner-only estimates, GB = 1e9 B):" in out
+    (line,) = [ln for ln in out.splitlines() if "(--offload params):" in ln and "cost" in ln]
+    assert re.search(r"\(fits\), host [\d.]+ GB, above --host-memory 17\.18 GB;", line), line
+    main(argv + ["--optimizer", "adamw"])  # the default, 128 GiB
+    out = capsys.readouterr().out.splitlines()
+    (line,) = [ln for ln in out if "(--offload params):" in ln and "cost" in ln]
+    assert ", host " in line and "above --host-memory" not in line

@@ -48,23 +48,52 @@ def job_flags(changes: Mapping) -> str:
     return " ".join(flags)
 
 
-def cheapest(advice: Advice | None) -> tuple[str, int] | None:
-    """``(what, planner device total)`` of the cheapest lever of ``advice`` that fits alone
-    (its levers are ordered by cost), else of its cumulative plan when that fits, else None
-    (also for no advice: a card no lever can reach).
-    ``what``: the job's flags and the planner's name for the lever."""
+def host_label(host: int, host_memory: int | None) -> str:
+    """``", needs X GiB of host memory, above --host-memory Y"`` when a lever's ``host``
+    bytes exceed ``host_memory`` (bytes; None: no limit), else ""."""
+    if host_memory is None or host <= host_memory:
+        return ""
+    return (
+        f", needs {host / 2**30:.2f} GiB of host memory, above --host-memory "
+        f"{host_memory / 2**30:.2f} GiB"
+    )
+
+
+def candidates(advice: Advice | None, host_memory: int | None = None) -> list[tuple]:
+    """The levers of ``advice`` that bring its memory under, in the order the dry run
+    tries them: each lever that fits alone (cheapest first) and whose host bytes are
+    within ``host_memory`` (bytes; None: no limit), then the cumulative plan when it fits,
+    then the levers that fit the device but not ``host_memory``, their ``what`` saying so
+    (``host_label``). Each ``(what, planner device total, changes)``: the job's flags and
+    the planner's name for the lever, bytes, and the planner ``changes`` applied in order
+    (one lever's, or the plan's). Empty for no advice (a card no lever can reach)."""
     if advice is None:
-        return None
+        return []
+    within, over = [], []
     for lever in advice.suggestions:
         flags = job_flags(lever.changes)
         if lever.fits and flags:
             name = lever.name.split(" (--")[0]  # the params rung names its flag already
-            return f"{flags} ({name})", lever.total
+            label = host_label(lever.host, host_memory)
+            (over if label else within).append(
+                (f"{flags} ({name}){label}", lever.total, (lever.changes,))
+            )
     if advice.plan and advice.plan[-1].fits:
         names = " + ".join(lv.name for lv in advice.plan)
         flags = " ".join(f for f in (job_flags(lv.changes) for lv in advice.plan) if f)
-        return f"{flags} (the planner's plan: {names})", advice.plan[-1].total
-    return None
+        label = host_label(advice.plan[-1].host, host_memory)
+        plan = f"{flags} (the planner's plan: {names}){label}", advice.plan[-1].total
+        (over if label else within).append((*plan, tuple(lv.changes for lv in advice.plan)))
+    return within + over
+
+
+def cheapest(advice: Advice | None, host_memory: int | None = None) -> tuple[str, int] | None:
+    """``(what, planner device total)`` of the first of ``candidates(advice, host_memory)``:
+    the cheapest lever that fits alone within ``host_memory`` (bytes; None: no limit), else
+    the plan, else the cheapest lever over ``host_memory``, labelled so; None when there is
+    none (also for no advice: a card no lever can reach)."""
+    found = candidates(advice, host_memory)
+    return found[0][:2] if found else None
 
 
 def card_fits(peak: int, memory: int, reserve: int) -> dict[int, bool]:
@@ -78,15 +107,25 @@ def card_lines(
     reserve: int,
     advise_at: Callable[[int], Advice],
     excess: int = 0,
+    host_memory: int | None = None,
+    check: Callable | None = None,
 ) -> tuple[list[str], dict]:
     """The dry run's lines for the cards below ``memory`` (bytes): which ones the compiled
     ``peak`` (bytes) fits with ``reserve`` (bytes), and per card it misses the cheapest
     lever that brings it under (``advise_at(card bytes)``: ``planner.advise`` at that
     memory, or None when the card is below the reserve, which the caller makes judge
     the planner's totals plus ``excess``, the compiled peak's bytes over the planner's),
-    cards sharing a lever on one line; and the record for ``dry_run.json``
-    (``{"fits": {GiB: bool}, "levers": {GiB: [what, planner bytes] or None}}``).
-    No lines when no card is below ``memory``."""
+    a lever over ``host_memory`` (bytes) labelled so (``candidates``), cards sharing a
+    lever on one line; and the record for ``dry_run.json`` (``{"fits": {GiB: bool},
+    "levers": {GiB: [what, planner bytes] or None}}``; with ``check`` and a card missed,
+    ``"checked": {GiB: [what, compiled device bytes, host bytes, transfer bytes, seconds,
+    GB/s, fits] or None}``).
+
+    ``check``: ``advice_check.AdviceCheck`` (``changes -> Checked``, None when not
+    compiled): each card's lever is compiled and printed with the compile's device and
+    host bytes and transfers, and one that misses its card gives way to the next; None:
+    the planner's figures, labelled planner-only. No lines when no card is below
+    ``memory``."""
     verdicts = card_fits(peak, memory, reserve)
     if not verdicts:
         return [], {}
@@ -96,18 +135,74 @@ def card_lines(
         no
     )
     lines = [f"Also (the same rule, cards below {format_bytes(memory)}): " + "; ".join(said)]
-    levers = {g: cheapest(advise_at(g * 2**30)) for g, ok in verdicts.items() if not ok}
-    if levers:
+    found = {
+        g: candidates(advise_at(g * 2**30), host_memory) for g, ok in verdicts.items() if not ok
+    }
+    if found:
         over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
-        lines.append(f"  cheapest lever that brings it under (the planner's advice{over}):")
+        how = "; each compiled for the target" if check else ""
+        lines.append(f"  cheapest lever that brings it under (the planner's advice{over}{how}):")
     groups: dict = {}
-    for g, lever in sorted(levers.items(), reverse=True):  # the largest card first
-        groups.setdefault(lever, []).append(str(g))
-    for lever, cards in groups.items():
+    levers: dict = {}
+    checked: dict = {}
+    for g in sorted(found, reverse=True):  # the largest card first: the cheapest levers
+        said, levers[g], checked[g] = _card_advice(g * 2**30, reserve, found[g], check, host_memory)
+        groups.setdefault(said, []).append(str(g))
+    for said, cards in groups.items():
         where = f"  on a {'/'.join(sorted(cards, key=int))} GiB card: "
-        if lever is None:
-            lines.append(where + "no lever or plan of the planner's advice brings it under")
-        else:
-            lines.append(where + f"{lever[0]}, planner: {format_bytes(lever[1])}")
-    record = {"fits": verdicts, "levers": {g: lv and list(lv) for g, lv in levers.items()}}
+        lines += [where + said[0]] + [f"    {more}" for more in said[1:]]
+    record = {"fits": verdicts, "levers": {g: lv and list(lv) for g, lv in sorted(levers.items())}}
+    if check is not None and checked:
+        record["checked"] = {g: checked[g] for g in sorted(checked)}
     return lines, record
+
+
+def _card_advice(
+    card: int, reserve: int, found: list, check, host_memory: int | None = None
+) -> tuple[tuple, tuple, list]:
+    """``(lines, (what, planner bytes) or None, checked row or None)`` for one card
+    (``card`` bytes): the first of ``found`` (``candidates``) whose compile (``check``)
+    fits the card, each tried before it that misses named on a line of its own, its
+    compiled host bytes over ``host_memory`` (bytes) labelled so (``host_label``); the
+    planner's figures, labelled so, where ``check`` is None or does not compile it
+    (``check.why_not``)."""
+    if not found:
+        return ("no lever or plan of the planner's advice brings it under",), None, None
+    missed, row = [], None
+    for what, total, changes in found:
+        done = None if check is None else check(changes)
+        planner = f"planner: {format_bytes(total)}"
+        if done is None:
+            why = "" if check is None else f"; not compiled: {check.why_not(changes)}"
+            return (f"{what}, {planner} (planner-only{why})", *missed), (what, total), None
+        row = [what, done.peak_bytes, done.host_bytes, sum(done.transfers.values())]
+        row += [done.seconds, done.pcie_gbps, done.fits(card, reserve)]
+        if row[-1]:
+            over = "" if "--host-memory" in what else host_label(done.host_bytes, host_memory)
+            said = f"{what}; {done.describe()}{over.replace(', needs', ', which needs')}"
+            return (f"{said}; {planner}", *missed), (what, total), row
+        missed.append(f"tried {what}: {done.describe()}: does not fit")
+    return ("no lever of the planner's advice compiles under it", *missed), None, row
+
+
+def memory_lines(
+    memory: int,
+    reserve: int,
+    advice: Advice | None,
+    excess: int = 0,
+    host_memory: int | None = None,
+    check: Callable | None = None,
+) -> tuple[list[str], dict]:
+    """The dry run's advice for a ``--memory`` (bytes) its compiled step misses, as
+    ``card_lines`` gives it per card: the cheapest lever of ``advice`` (``planner.advise``
+    at ``memory``, its totals judged with ``excess`` over the reserve; None: no lever can
+    reach it) within ``host_memory`` (bytes), compiled by ``check`` when given (the next
+    lever when one misses); and its record (``{"lever": [what, planner bytes] or None,
+    "checked": [what, device, host, transfer bytes, seconds, GB/s, fits] or None}``)."""
+    over = f", plus the compile's {format_bytes(excess)} over it" if excess > 0 else ""
+    how = "; compiled for the target" if check else ""
+    found = candidates(advice, host_memory)
+    said, lever, row = _card_advice(memory, reserve, found, check, host_memory)
+    lines = [f"cheapest lever that brings it under (the planner's advice{over}{how}):"]
+    lines += [f"  {said[0]}"] + [f"    {more}" for more in said[1:]]
+    return lines, {"lever": lever and list(lever), "checked": row}

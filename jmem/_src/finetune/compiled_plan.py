@@ -23,11 +23,14 @@ SEARCH_MULTIPLE = 8192
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """One compile of the job's step: ``seq_len`` tokens, device peak and host bytes."""
+    """One compile of the job's step: ``seq_len`` tokens, device peak and host bytes;
+    ``advice``: the dry run's advice for a ``memory`` it misses (``dry_run.json``'s
+    ``advice``: the lever, each compiled for the target), None when not asked or it fits."""
 
     seq_len: int
     peak_bytes: int
     host_bytes: int
+    advice: dict | None = None
 
 
 def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -> dict:
@@ -54,19 +57,45 @@ def job_flags(model, *, lora_rank: int, quant, lora_targets, offload, **flags) -
     return dict(config=model, lora_rank=lora_rank, offload=str(job), **extra, **flags)
 
 
-def compile_step(flags: dict, target: str, seq_len: int) -> CompiledStep:
+def compile_step(
+    flags: dict, target: str, seq_len: int, memory: int | None = None, host_memory=None
+) -> CompiledStep:
     """Compiles the job's step for ``target`` at ``seq_len`` (``jmem finetune --dry-run
-    --target``), its printout silenced; ``flags``: ``job_flags``'s."""
+    --target``), its printout silenced; ``flags``: ``job_flags``'s. ``memory`` (bytes):
+    when the step misses it, the dry run's advice too, each lever compiled for the target
+    (at most 3 more compiles; ``host_memory``: ``--host-memory``, bytes, None: the job's
+    default); None: the step alone."""
     from jmem import finetune  # noqa: PLC0415 (JAX: only once a command runs)
 
+    judged = {"no_check_advice": True} if memory is None else {"memory": memory}
+    if memory is not None and host_memory is not None:
+        judged["host_memory"] = host_memory
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
         config = finetune.FinetuneConfig.from_flat(
-            **flags, seq_len=seq_len, dry_run=True, target=target, out=out
+            **flags, **judged, seq_len=seq_len, dry_run=True, target=target, out=out
         )
         record = finetune.run(config)
     compiled = record["compiled"]
     host = int(compiled.get("host_peak_bytes") or 0)
-    return CompiledStep(seq_len, int(compiled["peak_bytes"]), host)
+    return CompiledStep(seq_len, int(compiled["peak_bytes"]), host, record.get("advice"))
+
+
+def advice_line(advice: dict) -> str:
+    """``compile_step``'s ``advice`` in one line: the lever and its compile's device and
+    host bytes and transfers (GiB; GB = 1e9 B), or the planner's figure labelled
+    planner-only where it was not compiled."""
+    from jmem._src.measure import format_bytes  # noqa: PLC0415
+
+    lever, row = advice.get("lever"), advice.get("checked")
+    if lever is None:
+        return "advice: no lever of the planner's advice brings it under"
+    if row is None or not row[-1]:
+        return f"advice: {lever[0]}, planner: {format_bytes(lever[1])} (planner-only)"
+    return (
+        f"advice: {lever[0]}; compiled: {row[1] / 2**30:.2f} GiB device + "
+        f"{row[2] / 2**30:.2f} GiB host, moves {row[3] / 1e9:.3g} GB per step "
+        f"({row[4]:.3g} s at {row[5]:g} GB/s); planner: {format_bytes(lever[1])}"
+    )
 
 
 def longest(flags: dict, target: str, memory: int, reserve: int, limit: int) -> CompiledStep:

@@ -402,6 +402,20 @@ class RunConfig(_Group):
         check=cli.memory(False),
         metavar="SIZE",
     )
+    host_memory: int = option(
+        128 * 2**30,
+        "host memory for --dry-run's advice (24GB, 128GiB, bytes; default 128 GiB, a "
+        "typical workstation's): a lever whose host bytes exceed it is labelled so",
+        check=cli.memory(False),
+        metavar="SIZE",
+    )
+    no_check_advice: bool = option(
+        False,
+        "--dry-run: name the levers for smaller cards from the planner alone (planner-only), "
+        "without compiling each for the target (at most 3 compiles, the default)",
+        switch=True,
+        cli_only=True,
+    )
     no_progress: bool = option(False, "plain log lines instead of a progress bar", switch=True)
     debug: bool = option(
         False,

@@ -17,6 +17,7 @@ from jmem import planner
 from jmem import targets as jtargets
 from jmem._src import lora_modules
 from jmem._src.finetune import card_fit as cards
+from jmem._src.finetune.advice_check import AdviceCheck
 from jmem._src.finetune.build import abstract_batch
 from jmem._src.finetune.build import base_bytes
 from jmem._src.finetune.build import build
@@ -31,6 +32,7 @@ from jmem._src.finetune.mesh import mesh_axes
 from jmem._src.finetune.mesh import mesh_record
 from jmem._src.finetune.mesh import mesh_sizes
 from jmem._src.finetune.rundir import flags
+from jmem._src.finetune.setup import offload_record
 from jmem._src.planner import context as cp_plan
 from jmem._src.planner.offload import Offload
 from jmem._src.units import format_count
@@ -96,10 +98,11 @@ def dry_run(config, cfg, mesh=None, target=None):
         collectives_line(report.collective_bytes, _planned_collectives(config, cfg, step, target))
     )
     memory, fit = _print_verdict(report, config.run.memory, target)
-    smaller = {}
-    if config.run.memory is None and not grpo:  # the target's own memory: smaller cards too
+    smaller = advice = {}
+    if not grpo and (config.run.memory is None or not fit):
         kwargs = _planner_kwargs(config, step.levers, dtype, modules, devices)
-        smaller = _print_cards(report.peak_bytes, memory, est.total, cfg, kwargs)
+        peak = report.peak_bytes
+        smaller, advice = _print_advice(config, cfg, peak, memory, est, kwargs, mesh, target)
     _print_transfers(config, est)
     ex = config.execution
     lever = not offload_of(ex).params and ex.remat != "none"
@@ -108,7 +111,8 @@ def dry_run(config, cfg, mesh=None, target=None):
         _print_params_lever(frozen_bytes, est, streamed, full)
     nf4 = None if full else q_bytes / q_count
     out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
-    out.update(memory=memory, fits=fit, cards=smaller)
+    out.update(memory=memory, fits=fit, cards=smaller, offload=offload_record(config, cfg))
+    out.update({"advice": advice} if advice else {})
     if grpo:
         out.update(_grpo_phases(config, cfg, state, report, target, devices))
     if target is not None:
@@ -243,15 +247,19 @@ RUNGS = {
     "master_weights": ("master weights", "host<->device"),
     "disk": ("optimizer state + masters", "disk<->host"),
     "params": ("parameters", "host<->device"),
+    "activations": ("layer inputs (--remat offload*)", "host<->device"),
 }
 
 
-def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offload") -> list[str]:
+def transfer_lines(
+    est, pcie_gbps: float, disk_gbps: float, flag: str = "--offload", remat_flag: str = ""
+) -> list[str]:
     """The dry run's transfer lines from the planner's ledger ``est``: per offload rung in
     use (each key of ``est.transfers``), the bytes one step moves and their time at the
     stated bandwidth (``pcie_gbps`` for host<->device, ``disk_gbps`` for disk, GB/s with
     GB = 1e9 bytes) and the flag that turned it on (``flag`` for the optimizer's rungs,
-    ``--offload-dir`` for disk), then ``est.trade()``'s one-line summary. Raises
+    ``--offload-dir`` for disk, ``remat_flag`` for the offloaded layer inputs of
+    ``--remat offload``/``offload_inputs``), then ``est.trade()``'s one-line summary. Raises
     ValueError for a bandwidth <= 0 (``Ledger.transfer_seconds``)."""
     secs = est.transfer_seconds(pcie_gbps, disk_gbps)
     lines = ["transfers per step (planner; GB = 1e9 B):" if secs else "transfers per step: none"]
@@ -259,6 +267,7 @@ def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offlo
         what, link = RUNGS.get(key, (key.replace("_", " "), "host<->device"))
         gbps, knob = (disk_gbps, "--disk-gbps") if key == "disk" else (pcie_gbps, "--pcie-gbps")
         by = {"disk": "--offload-dir", "params": "--offload params"}.get(key, flag)
+        by = remat_flag if key == "activations" and remat_flag else by
         lines.append(
             f"  {what + ' ' + link:40}{nbytes / 1e9:>10.3g} GB  {secs[key]:>9.3g} s at "
             f"{gbps:g} GB/s ({knob})  [{by}]"
@@ -267,8 +276,10 @@ def transfer_lines(est, pcie_gbps: float, disk_gbps: float, flag: str = "--offlo
 
 
 def _print_transfers(config, est) -> None:
-    flag = "--offload-dir" if config.execution.offload_dir else "--offload"
-    for line in transfer_lines(est, config.execution.pcie_gbps, config.execution.disk_gbps, flag):
+    ex = config.execution
+    flag = "--offload-dir" if ex.offload_dir else "--offload"
+    remat = f"--remat {ex.remat}"
+    for line in transfer_lines(est, ex.pcie_gbps, ex.disk_gbps, flag, remat):
         print(line)
 
 
@@ -326,10 +337,48 @@ def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) ->
     )
 
 
-def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dict:
+def _print_advice(config, cfg, peak: int, memory: int, est, kwargs: dict, mesh, target):
+    """``(cards record, --memory advice record)``: with ``--memory`` unset the cards below
+    the target's ``memory`` (``_print_cards``), else the advice for the ``memory`` the
+    compiled ``peak`` misses (``card_fit.memory_lines``); each lever compiled for the
+    ``target`` (``AdviceCheck``; no target: planner-only) unless ``--no-check-advice``, a
+    lever over ``--host-memory`` labelled so."""
+    run = config.run
+    compiled = target is not None and not run.no_check_advice
+    check = AdviceCheck(config, cfg, mesh, target) if compiled else None
+    if run.memory is None:
+        return _print_cards(peak, memory, est.total, cfg, kwargs, run.host_memory, check), {}
+    excess = max(0, int(peak) - int(est.total))
+    reserve = planner.DEFAULT_RESERVE + excess
+    advice = planner.advise(memory, cfg, reserve=reserve, **kwargs) if reserve < memory else None
+    lines, record = cards.memory_lines(
+        memory, planner.DEFAULT_RESERVE, advice, excess, run.host_memory, check
+    )
+    for line in lines + _check_time(check, record):
+        print(line)
+    return {}, record
+
+
+def _check_time(check, record: dict) -> list[str]:
+    """The line saying how many compiles the advice check made and their time (recorded
+    as ``check_seconds``); none without compiles."""
+    if check is None or not check.compiles:
+        return []
+    record["check_seconds"] = check.seconds
+    return [
+        f"  (advice checked by {check.compiles} compile(s) of the step in {check.seconds:.0f}s; "
+        "--no-check-advice skips them)"
+    ]
+
+
+def _print_cards(
+    peak: int, memory: int, planned: int, cfg, kwargs: dict, host=None, check=None
+) -> dict:
     """``cards.card_lines`` printed: the verdict for the cards below ``memory`` and the
     planner's cheapest lever per card missed, its totals judged with the compiled
-    ``peak``'s bytes over the planner's ``planned`` added to the reserve; its record."""
+    ``peak``'s bytes over the planner's ``planned`` added to the reserve, a lever over
+    ``host`` (``--host-memory``, bytes) labelled so, each compiled by ``check``
+    (``AdviceCheck``; None: planner-only) with the compiles' time; its record."""
     excess = max(0, int(peak) - int(planned))
 
     def advise_at(card: int):
@@ -338,8 +387,9 @@ def _print_cards(peak: int, memory: int, planned: int, cfg, kwargs: dict) -> dic
             return None
         return planner.advise(card, cfg, reserve=reserve, **kwargs)
 
-    lines, record = cards.card_lines(peak, memory, planner.DEFAULT_RESERVE, advise_at, excess)
-    for line in lines:
+    reserve = planner.DEFAULT_RESERVE
+    lines, record = cards.card_lines(peak, memory, reserve, advise_at, excess, host, check)
+    for line in lines + (_check_time(check, record) if lines else []):
         print(line)
     return record
 

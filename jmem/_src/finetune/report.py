@@ -148,7 +148,7 @@ def finish(
         "peak_bytes": device_memory() or compiled_peak,
         "peak_source": "device memory_stats" if device_memory() else "compiled (jmem.measure)",
         "trainable_params": n_adapter,
-        "offload": offload_record(config),
+        "offload": offload_record(config, cfg),
         "losses": losses,
         "learning_rates": lrs,
         "device": jax.devices()[0].device_kind,

@@ -131,7 +131,8 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     notes = []
     if unset and not on_gpu and not run.dry_run:
         notes.append("CPU-sized defaults: " + ", ".join(f"{cli_flag(k)} {sizes[k]}" for k in unset))
-    notes += [n for n in (offload_in_effect(config), offload_note(config)) if n]
+    offload = offload_in_effect(config, cfg, sizes["batch_size"], sizes["seq_len"])
+    notes += [n for n in (offload, offload_note(config)) if n]
     if sizes["seq_len"] > cfg.max_seq_len:
         notes.append(
             f"note: --seq-len {sizes['seq_len']} exceeds the model's max_seq_len "
@@ -148,24 +149,48 @@ def default_eval_every(steps: int) -> int:
     return max(steps // 10, min(steps, 10), 1)
 
 
-def offload_record(config) -> dict:
+def layer_input_bytes(config, cfg, batch_size=None, seq_len=None) -> int:
+    """Bytes per step that ``--remat offload``/``offload_inputs`` moves between host and
+    device for the layer inputs: each layer's input (``rows x seq_len x hidden`` at the
+    2-byte compute dtype) goes to pinned host memory in the forward pass and back for the
+    backward, so ``2 x 2 x L x rows x seq_len x hidden`` over the whole batch (``rows``:
+    ``--batch-size`` sequences, two per preference pair); 0 under any other remat.
+    ``--remat offload`` also offloads selective's residuals (the planner's
+    ``activations`` transfer in the dry run counts those too). ``batch_size``/``seq_len``:
+    the run's values where the config leaves them unset."""
+    if not config.execution.remat.startswith("offload"):
+        return 0
+    rows = (batch_size or config.data.batch_size) * (
+        1 if config.training.objective in ("sft", "grpo") else 2
+    )
+    tokens = rows * (seq_len or config.data.seq_len)
+    return 2 * 2 * cfg.num_layers * tokens * cfg.hidden_size
+
+
+def offload_record(config, cfg=None, batch_size=None, seq_len=None) -> dict:
     """Where each offloadable ledger lives in this run (``summary.json``'s ``offload``):
     ``optimizer_state`` (with the fp32 masters) ``device``/``host``/``disk``, ``params``
-    ``device``/``host``, ``layer_inputs`` ``device``/``host`` (``--remat offload*``)."""
+    ``device``/``host``, ``layer_inputs`` ``device``/``host`` (``--remat offload*``); with
+    the model's shape ``cfg``, ``layer_inputs_bytes_per_step`` too (``layer_input_bytes``,
+    bytes host<->device per step)."""
     off = offload_of(config.execution)
     state = {"none": "device", "optimizer": "host", "disk": "disk"}.get(off.state, "host")
     remat = config.execution.remat
-    return {
+    record = {
         "optimizer_state": state,
         "params": "host" if off.params else "device",
         "layer_inputs": "host" if remat.startswith("offload") else "device",
         "offload_dir": config.execution.offload_dir,
     }
+    if cfg is not None:
+        record["layer_inputs_bytes_per_step"] = layer_input_bytes(config, cfg, batch_size, seq_len)
+    return record
 
 
-def offload_in_effect(config) -> str | None:
-    """The line naming every offload in effect (None without one)."""
-    r = offload_record(config)
+def offload_in_effect(config, cfg=None, batch_size=None, seq_len=None) -> str | None:
+    """The line naming every offload in effect (None without one); with the model's shape
+    ``cfg``, the layer inputs' bytes per step (``layer_input_bytes``, GB = 1e9 B)."""
+    r = offload_record(config, cfg, batch_size, seq_len)
     parts = []
     if r["optimizer_state"] == "disk":
         parts.append(f"optimizer state and masters on disk under {r['offload_dir']}")
@@ -174,7 +199,9 @@ def offload_in_effect(config) -> str | None:
     if r["params"] == "host":
         parts.append("frozen params in host memory, streamed a layer at a time")
     if r["layer_inputs"] == "host":
-        parts.append(f"layer inputs in host memory (--remat {config.execution.remat})")
+        moved = r.get("layer_inputs_bytes_per_step")
+        per_step = "" if moved is None else f", {moved / 1e9:.3g} GB host<->device per step"
+        parts.append(f"layer inputs in host memory (--remat {config.execution.remat}{per_step})")
     return "offload: " + "; ".join(parts) if parts else None
 
 

@@ -34,6 +34,8 @@ class Suggestion:
       changes: the ``estimate`` keywords it changes (``{"optimizer": "adamw_8bit"}``).
       total: the estimate's device bytes with the changes applied.
       fits: ``total`` fits the memory less the reserve.
+      host: the estimate's host bytes with the changes applied (``Ledger.host_total``:
+        offloaded state, streamed params, offloaded activations).
     """
 
     name: str
@@ -41,6 +43,7 @@ class Suggestion:
     changes: Mapping[str, Any]
     total: int
     fits: bool
+    host: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Advice:
       plan: suggestions applied cumulatively in cost order (states first, then activations)
         until the configuration fits; ``plan_total`` is the total after the last one
         (the plan is empty when it fits already; it may end short of fitting).
+      host_memory: host memory (bytes) the printout judges each lever's host bytes
+        against (``jmem estimate --host-memory``); None: not judged.
+
+    The printout's figures are the planner's (no compile); GB = 1e9 bytes.
     """
 
     fits: bool
@@ -67,6 +74,7 @@ class Advice:
     ledger: Ledger
     suggestions: tuple[Suggestion, ...]
     plan: tuple[Suggestion, ...] = ()
+    host_memory: int | None = None
 
     @property
     def levers(self) -> tuple[Suggestion, ...]:
@@ -93,16 +101,28 @@ class Advice:
                 f"usable; short by {self.short_by / GB:.2f} GB in the {self.short} ledger(s)"
             )
         if self.suggestions:
-            lines.append("levers, cheapest first:")
+            lines.append("levers, cheapest first (planner-only estimates, GB = 1e9 B):")
             for i, lv in enumerate(self.suggestions, 1):
                 mark = "fits" if lv.fits else "still short"
-                lines.append(f"  {i}. {lv.name}: {lv.total / GB:.2f} GB ({mark}); cost: {lv.cost}")
+                lines.append(
+                    f"  {i}. {lv.name}: {lv.total / GB:.2f} GB ({mark}){self._host(lv)}; "
+                    f"cost: {lv.cost}"
+                )
         if self.plan:
             lines.append("cumulative plan:")
             for lv in self.plan:
                 lines.append(f"  + {lv.name}: {lv.total / GB:.2f} GB")
             lines.append("  => fits" if self.plan[-1].fits else "  => still does not fit")
         return "\n".join(lines)
+
+    def _host(self, lv: Suggestion) -> str:
+        """``, host X GB`` for a lever with host bytes, and whether it exceeds
+        ``host_memory``."""
+        if not lv.host:
+            return ""
+        over = self.host_memory is not None and lv.host > self.host_memory
+        above = f", above --host-memory {self.host_memory / GB:.2f} GB" if over else ""
+        return f", host {lv.host / GB:.2f} GB{above}"
 
 
 def _offload(config: Mapping[str, Any]) -> Offload:
@@ -279,12 +299,13 @@ def _priced(
     levers = []
     for name, cost, changes in cands:
         try:
-            t = estimate(model, **_apply(config, changes)).total
+            led = estimate(model, **_apply(config, changes))
         except ValueError:
             continue
+        t = led.total
         if t >= current:  # a lever that saves nothing here is no advice
             continue
-        levers.append(Suggestion(name, cost, changes, t, t <= avail))
+        levers.append(Suggestion(name, cost, changes, t, t <= avail, led.host_total))
     return tuple(levers)
 
 
@@ -408,8 +429,9 @@ def _plan(model: Any, config: Mapping[str, Any], avail: int) -> tuple[Suggestion
         if not ch:
             continue
         new = _apply(cfg, ch)
-        t = estimate(model, **new).total
+        led = estimate(model, **new)
+        t = led.total
         if t < total:
             cfg, total = new, t
-            plan.append(Suggestion(name, cost, ch, t, t <= avail))
+            plan.append(Suggestion(name, cost, ch, t, t <= avail, led.host_total))
     return tuple(plan)

@@ -309,11 +309,15 @@ def _transfers(
     the device and back once per step (2 x its bytes); on disk, also from disk and back.
     ``streamed`` (the params rung: ``{"stack": bytes, "resident": bytes}``, else empty): the
     layer stack crosses host-to-device three times per micro-batch (forward, remat
-    recomputation, backward), the resident weights once."""
+    recomputation, backward), the resident weights once. Offloaded activations
+    (``remat="offload"``/``"offload_inputs"``: ``host["activations"]``) go to host in the
+    forward pass and back for the backward: 2 x their bytes (``"activations"``)."""
     moved = {k: v for k, v in host.items() if k in ("optimizer_state", "master_weights")}
     transfers = {
         ("optimizer" if k == "optimizer_state" else k): 2 * v for k, v in moved.items() if v
     }
+    if host.get("activations"):
+        transfers["activations"] = 2 * int(host["activations"])
     if streamed:
         transfers[PARAMS] = int(round(3 * streamed["stack"] + streamed["resident"]))
     if not offload.disk:

@@ -40,7 +40,9 @@ class Ledger:
         over host<->device: 2 x its bytes), ``"master_weights"`` (2 x), ``"disk"``
         (disk<->host: 2 x state and masters, read and written back), ``"params"``
         (host-to-device: the layer stack 3 x per micro-batch, in the forward pass, the remat
-        recomputation and the backward pass, plus the embedding, final norm and head once).
+        recomputation and the backward pass, plus the embedding, final norm and head once),
+        ``"activations"`` (``remat="offload"``/``"offload_inputs"``: the offloaded layer
+        inputs to host in the forward pass and back in the backward, 2 x their bytes).
       disk: bytes kept on disk (``offload="disk"``), by ledger.
       flops: compute FLOPs of one step (6 N tokens; 4 N tokens for a frozen base with
         LoRA, whose weights get no gradient; Kaplan et al. 2020), attention excluded.
