@@ -228,7 +228,7 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
         ys, sinks = _recomputed(chunk_fn, values, sinks, i)
         return tuple(_put(o, y, i, ax) for o, y in zip(out, ys)), sinks
 
-    sinks = [_grad_sink(a) for a in flat]
+    sinks = [layout.constrain(_grad_sink(a)) for a in flat]  # sharded as the input, not whole
     outs, _ = lax.fori_loop(0, (n + pad) // chunk, body, (init, sinks))
     trim = [slice(None)] * ax + [slice(0, n)]
     return tuple(layout.merge(o[tuple(trim)] if pad else o) for o in outs)
