@@ -15,14 +15,19 @@ from jmem._src.levers import resolve
 from jmem._src.planner import context as cp
 from jmem.models import llama
 
-RESULTS = os.path.join(
-    os.path.dirname(__file__), "..", "benchmarks", "results", "context_parallel_h100.json"
-)
+_DIR = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+RESULTS = os.path.join(_DIR, "context_parallel_h100.json")
+#: 2M-4.6M tokens, ``--remat offload_inputs``, each strategy at 2M and 4M
+LONGEST = os.path.join(_DIR, "context_parallel_longest_h100.json")
 
 
-def _rows():
-    with open(RESULTS) as f:
+def _rows(path=RESULTS):
+    with open(path) as f:
         return json.load(f)["rows"]
+
+
+def _all_rows():
+    return _rows() + _rows(LONGEST)
 
 
 def _planned_peak(cfg, remat: str, strategy: str, seq: int, context: int) -> int:
@@ -43,19 +48,37 @@ def _planned_peak(cfg, remat: str, strategy: str, seq: int, context: int) -> int
     return est.total + cp.attention_bytes(cfg, seq, context, strategy)
 
 
-@pytest.mark.parametrize("row", range(6))
+@pytest.mark.parametrize("row", range(14))
 def test_planner_within_10_percent_of_the_compiled_peak_per_device(row):
-    """llama3_1_8b, QLoRA r=32, 1M tokens over context=8, remat full and offload_inputs,
-    each strategy: the planner's device peak within 10% of the compile's."""
-    r = _rows()[row]
+    """llama3_1_8b, QLoRA r=32 over context=8: 1M tokens under remat full and
+    offload_inputs, and 2M, 3.7M, 4.2M, 4.6M tokens under offload_inputs, each strategy:
+    the planner's device peak within 10% of the compile's (observed -6.5% to +1.7%;
+    Ulysses within 2% at every length), and the stored planner column is the planner's."""
+    r = _all_rows()[row]
     cfg = llama.get_config("llama3_1_8b")
     planned = _planned_peak(cfg, r["remat"], r["strategy"], r["seq_len"], 8)
-    np.testing.assert_allclose(planned, r["peak_bytes"], rtol=0.10, err_msg=str(r["remat"]))
+    msg = f"{r['remat']} {r['strategy']} {r['seq_len']}"
+    np.testing.assert_allclose(planned, r["peak_bytes"], rtol=0.10, err_msg=msg)
+    assert planned == r["planner_per_device_bytes"], msg
 
 
-@pytest.mark.parametrize("row", range(6))
+def test_ulysses_token_layout_term_is_zero_when_the_logits_buffers_cover_it():
+    """The term counts only what exceeds the loss chunk's float32 logits: 0 at 512k tokens
+    over 8 devices with 2,048-token loss chunks (2 x 0.5 GiB of token-layout arrays under
+    1.84 x 0.98 GiB of logits), positive and growing with the length beyond."""
+    cfg = llama.get_config("llama3_1_8b")
+    base = lambda s: 2.5 * cp.unit_bytes(cfg, s, 8, "qkvo")  # noqa: E731
+    extra = lambda s: cp.attention_bytes(cfg, s, 8, "ulysses") - base(s)  # noqa: E731
+    assert extra(1 << 19) == pytest.approx(0, abs=1)
+    assert 0 < extra(1 << 21) < extra(1 << 22)
+    # one device's [S / C, nH D] bf16 arrays twice, less 1.84 float32 [2048, V] buffers
+    want = 2 * 2 * (1 << 19) * 4096 - 1.84 * 4 * 2048 * cfg.vocab_size
+    assert extra(1 << 22) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("row", range(14))
 def test_planned_attention_collectives_within_10_percent_of_the_compiled(row):
-    r = _rows()[row]
+    r = _all_rows()[row]
     cfg = llama.get_config("llama3_1_8b")
     planned = cp.collective_bytes(cfg, r["seq_len"], 8, r["strategy"], passes=2)
     for kind, nbytes in planned.items():

@@ -446,7 +446,12 @@ def _estimate(config, levers, cfg, dtype, modules, devices: int, params: bool = 
     if context == 1:
         return est
     extra = cp_plan.attention_bytes(
-        cfg, config.data.seq_len, context, levers.context_strategy, kwargs["batch_size"]
+        cfg,
+        config.data.seq_len,
+        context,
+        levers.context_strategy,
+        kwargs["batch_size"],
+        loss_chunk=levers.loss_chunk,
     )
     return dataclasses.replace(est, activations=est.activations + extra)
 
