@@ -1,8 +1,9 @@
 """Routed experts, dropless: a router's softmax over E experts picks each token's top k,
 the tokens are sorted by expert and every projection is one grouped matmul
-(``jax.lax.ragged_dot``) over the experts' stacked kernels; no capacity factor, no token
-dropped. Routing as transformers' ``MixtralTopKRouter``/``Qwen3MoeTopKRouter`` (softmax in
-float32, top-k, optional renormalisation); the grouped matmul as MegaBlocks (Gale et al.
+(``jmem._src.grouped_matmul``, ``jax.lax.ragged_dot``'s product) over the experts' stacked
+kernels; no capacity factor, no token dropped. Routing as transformers'
+``MixtralTopKRouter``/``Qwen3MoeTopKRouter`` (softmax in float32, top-k, optional
+renormalisation); the grouped matmul as MegaBlocks (Gale et al.
 2023, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts"); the load-balancing
 loss as Switch Transformer (Fedus et al. 2021, eqs. 4-6) and transformers'
 ``load_balancing_loss_func``.
@@ -15,6 +16,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from jmem._src.grouped_matmul import grouped_matmul
 
 __all__ = ["load_balancing_loss", "route", "routed_experts", "router_stats"]
 
@@ -59,13 +62,13 @@ def routed_experts(
     """A mixture-of-experts gated MLP over tokens, dropless.
 
     Each token goes to its ``top_k`` experts (``route``); the ``T * k`` (token, expert)
-    pairs are sorted by expert and each projection is one ``jax.lax.ragged_dot`` over the
-    stacked kernels with the experts' group sizes, so the matmul work is that of k experts
+    pairs are sorted by expert and each projection is one grouped matmul over the stacked
+    kernels with the experts' group sizes (``jmem._src.grouped_matmul``), so the matmul work is that of k experts
     per token, not E. Expert ``e`` computes ``down_e(act(gate_e(h)) * up_e(h))``; the
     outputs are weighted by the routing weights and summed per token (in float32).
 
     The kernels are used as they come (``.astype`` to the activation dtype, then
-    ``ragged_dot``): NF4, LoRA or FP8 weights act on them through jmem's interpreter.
+    the grouped matmul): NF4, LoRA or FP8 weights act on them through jmem's interpreter.
 
     Args:
       x: ``[T, H]`` tokens in the activation dtype.
@@ -103,47 +106,12 @@ def routed_experts(
     return out.astype(dt), probs
 
 
-#: Bytes of the zero-padded ``[rows, E K]`` operand one grouped matmul may lower to (see
-#: ``_grouped``); the sorted rows are cut into chunks that keep it under this.
-PADDED_OPERAND_BYTES = 1 << 28
-
-
-def chunk_rows(rows: int, experts: int, k: int, itemsize: int) -> int:
-    """Rows per chunk of a grouped matmul of ``rows`` rows of width ``k`` against
-    ``experts`` stacked kernels: ``rows`` when the padded ``[rows, E K]`` operand fits
-    ``PADDED_OPERAND_BYTES``, else the largest multiple of 8 (at least 8) that does."""
-    fit = PADDED_OPERAND_BYTES // max(1, experts * k * itemsize)
-    return rows if rows <= fit else max(8, fit // 8 * 8)
-
-
 def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``lhs [M, K]`` rows grouped by ``group_sizes [E]`` times ``rhs [E, K, N]``.
-
-    XLA (jaxlib 0.10) lowers ``ragged_dot`` to one dot over a zero-padded ``[M, E K]``
-    copy of the rows (each row placed in its expert's K columns): a transient of
-    ``M E K`` elements, 16 GiB for Qwen3-30B-A3B's gate at 4,096 tokens. So rows beyond
-    ``chunk_rows`` are cut into chunks, a ``lax.scan`` doing one ``ragged_dot`` per chunk
-    with that chunk's group sizes (the rows are sorted by expert, so a chunk's groups are
-    its slice of the experts' row ranges); exact, the same FLOPs, one chunk's padded copy
-    live at a time."""
-    m, k = lhs.shape
-    e = rhs.shape[0]
-    c = chunk_rows(m, e, k, jnp.dtype(lhs.dtype).itemsize)
-    if c >= m:
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
-    n = -(-m // c)
-    chunks = jnp.pad(lhs, ((0, n * c - m), (0, 0))).reshape(n, c, k)
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    lo = jnp.arange(n, dtype=ends.dtype)[:, None] * c
-    sizes = jnp.clip(ends[None] - lo, 0, c) - jnp.clip(starts[None] - lo, 0, c)  # [n, E]
-
-    def step(_, chunk_and_sizes):
-        chunk, gs = chunk_and_sizes
-        return None, jax.lax.ragged_dot(chunk, rhs, gs.astype(group_sizes.dtype))
-
-    _, out = jax.lax.scan(step, None, (chunks, sizes))
-    return out.reshape(n * c, -1)[:m]
+    """``lhs [M, K]`` rows grouped by ``group_sizes [E]`` times ``rhs [E, K, N]``:
+    ``jmem._src.grouped_matmul`` (tiles of each expert's rows; XLA rewrites
+    ``jax.lax.ragged_dot`` into a dot over a zero-padded ``[M, E K]`` copy, E times the
+    work). NF4/LoRA experts act on it through the interpreter's rule for its call."""
+    return grouped_matmul(lhs, rhs, group_sizes)
 
 
 def _check_shapes(h, e, router, gate, up, down, top_k) -> None:

@@ -16,12 +16,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem._src import grouped_matmul as _gmm
+from jmem._src import jaxpr as _jaxpr
 from jmem._src.implicit import matmul_rules as _matmul
+from jmem._src.implicit import registry as _registry
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import is_nf4
 from jmem._src.implicit.weight import is_weight
 
-__all__ = ["ragged_dot_general", "supported"]
+__all__ = ["grouped_matmul_call", "ragged_dot_general", "supported"]
 
 
 def _dims(params: dict):
@@ -68,9 +71,37 @@ def _bind(x, rhs, group_sizes, params: dict, rc: int):
     return _ragged(x, rhs, group_sizes, rdn, params)
 
 
+def _standard(x, rhs, rdn) -> bool:
+    """``x [M, K]`` ragged over its rows times ``rhs [E, ., .]`` grouped over axis 0,
+    without batch dimensions: the form ``jmem._src.grouped_matmul`` computes."""
+    (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+    return (
+        x.ndim == 2
+        and tuple(lc) == (1,)
+        and tuple(rc) in ((1,), (2,))
+        and not lb
+        and not rb
+        and tuple(rdn.lhs_ragged_dimensions) == (0,)
+        and tuple(rdn.rhs_group_dimensions) == (0,)
+    )
+
+
 def _ragged(x, rhs, group_sizes, rdn, params: dict):
     """``lax.ragged_dot_general`` with ``rdn`` and the precision, output type and output
-    sharding of ``params`` (no ``group_offset``: ``supported`` refused one)."""
+    sharding of ``params`` (no ``group_offset``: ``supported`` refused one), computed by
+    ``jmem._src.grouped_matmul`` (k experts' FLOPs, not E: XLA rewrites ``ragged_dot``
+    densely) in its form, by ``lax.ragged_dot_general`` otherwise."""
+    if _standard(x, rhs, rdn) and params.get("out_sharding") is None:
+        (_, rc), _ = rdn.dot_dimension_numbers
+        y = _gmm.grouped_matmul(
+            x,
+            rhs,
+            group_sizes,
+            transpose_rhs=tuple(rc) == (2,),
+            precision=params.get("precision"),
+            preferred_element_type=params.get("preferred_element_type"),
+        )
+        return y
     return lax.ragged_dot_general(
         x,
         rhs,
@@ -91,6 +122,8 @@ def _frozen_nf4_ragged(x, q, group_sizes, *, w: Weight, params: dict, rc: int):
     meta = w.replace(base=None, a=None, b=None)
     x_type = jax.typeof(x)
     x_aval = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x_type.sharding)
+    lc, _, _, _, ragged, _ = _dims(params)
+    standard = x.ndim == 2 and lc == (1,) and ragged == (0,)
 
     def prim(x, q, gs):
         return _bind(x, meta.replace(base=q).dense_base(), gs, params, rc)
@@ -105,6 +138,12 @@ def _frozen_nf4_ragged(x, q, group_sizes, *, w: Weight, params: dict, rc: int):
     def bwd(res, g):
         q, gs = res
         q = _matmul._after(q, g)
+        if standard:  # the input gradient: each tile times its dequantized kernel transposed
+            dense = meta.replace(base=q).dense_base()
+            dx = _gmm.grouped_matmul(
+                g, dense, gs, transpose_rhs=rc == 1, precision=params.get("precision")
+            )
+            return dx.astype(x_aval.dtype), None, None
         return jax.linear_transpose(lambda x: prim(x, q, gs), x_aval)(g)[0], None, None
 
     f.defvjp(fwd, bwd)
@@ -155,6 +194,11 @@ def ragged_dot_general(interp, eqn, invals):
     why = supported(w, params)
     if why:
         return interp.fallback(eqn, invals, w, why)
+    return _adapted(interp, x, w, group_sizes, params)
+
+
+def _adapted(interp, x, w: Weight, group_sizes, params: dict):
+    """``x_e·W_e + s·(x_e·a_e)·b_e`` per expert, for a form ``supported`` accepts."""
     _, (rc_view,), _, _, _, _ = _dims(params)
     rc = w.perm[rc_view]
     if is_nf4(w.base):
@@ -166,3 +210,36 @@ def ragged_dot_general(interp, eqn, invals):
     site = interp.next_dropout_site() if w.dropout_active else 0
     u = _lora_ragged(x, w, group_sizes, params, rc, site)
     return _matmul.adapted(y, u, batched=False)
+
+
+def grouped_matmul_call(interp, eqn, invals):
+    """The rule for a ``custom_vjp_call`` receiving a weight: for a traced
+    ``jmem._src.grouped_matmul.grouped_matmul`` (what ``routed_experts`` calls) whose
+    kernels are the weight, the rule of the ``ragged_dot_general`` it computes;
+    ``NotImplemented`` (the next rule) for anything else."""
+    cfg = _gmm.config_of(eqn.params)
+    nc = eqn.params.get("num_consts", 0)
+    if cfg is None or len(invals) != nc + 3 or any(is_weight(v) for v in invals[:nc]):
+        return NotImplemented
+    x, w, group_sizes = invals[nc:]
+    if is_weight(x) or is_weight(group_sizes) or not is_weight(w):
+        return NotImplemented
+    rdn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2 if cfg.transpose_rhs else 1,)), ((), ())),
+        lhs_ragged_dimensions=(0,),
+        rhs_group_dimensions=(0,),
+    )
+    params = {
+        "ragged_dot_dimension_numbers": rdn,
+        "precision": cfg.precision,
+        "preferred_element_type": cfg.preferred_element_type,
+        "group_offset": None,
+        "out_sharding": None,
+    }
+    if supported(w, params):
+        return NotImplemented
+    return [_adapted(interp, x, w, group_sizes, params)]
+
+
+for _name in sorted(_jaxpr.names_of(_jaxpr.CUSTOM_VJP)):
+    _registry.register(_name, grouped_matmul_call)

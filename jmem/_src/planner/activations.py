@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any
 
 from jmem._src import dtypes as _dtypes
+from jmem._src import grouped_matmul as _gmm
 from jmem._src.attention import pick_implementation
-from jmem._src.moe import chunk_rows
 from jmem._src.names import REMAT_NAMES
 from jmem._src.planner.shapes import ModelShape
 
@@ -227,17 +227,20 @@ def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, remat, A)
 def moe_dispatch_bytes(shape: ModelShape, t: int, A: int) -> int:
     """One routed layer's backward working set beyond the dense MLP's (0 without experts):
     the ``T k`` sorted token copies ``[T k, H]`` and the expert hidden ``[T k, F_e]`` (gate,
-    up, hidden) with their gradients, one chunk of the zero-padded ``[rows, E K]`` operand
-    XLA lowers ``ragged_dot`` to (``jmem._src.moe.chunk_rows``), and one dequantized (or
-    cast) stack of the layer's ``E H F_e`` experts in the compute dtype."""
+    up, hidden) with their gradients, the grouped matmul's tiled copy of the rows
+    ``[T k + E tile, max(H, F_e)]`` and one chunk of its gathered kernels
+    (``jmem._src.grouped_matmul``), and one dequantized (or cast) stack of the layer's
+    ``E H F_e`` experts in the compute dtype."""
     e, k, fe, h = shape.num_experts, shape.num_experts_per_tok, shape.expert_size, shape.hidden_size
     if not e:
         return 0
     rows = t * k
     dispatch = 2 * A * rows * (h + 3 * fe)
     wide = max(h, fe)
-    padded = A * chunk_rows(rows, e, wide, A) * e * wide
-    return dispatch + padded + A * e * h * fe
+    tile = _gmm.tile_rows(rows, e)
+    tiled = A * (rows + e * tile) * wide
+    kernels = min(_gmm.KERNEL_CHUNK_BYTES, (rows // tile + e) * h * fe * A)
+    return dispatch + tiled + kernels + A * e * h * fe
 
 
 def activation_bytes(
