@@ -2,6 +2,7 @@
 
 from jmem._src.sharding import CONTEXT_AXIS
 from jmem._src.sharding import DATA_AXIS
+from jmem._src.sharding import EXPERT_AXIS
 from jmem._src.sharding import FSDP_AXIS
 from jmem._src.sharding import STRATEGIES
 from jmem._src.sharding import array_spec
@@ -18,6 +19,7 @@ from jmem._src.sharding import state_shardings
 __all__ = (
     "CONTEXT_AXIS",
     "DATA_AXIS",
+    "EXPERT_AXIS",
     "FSDP_AXIS",
     "STRATEGIES",
     "array_spec",

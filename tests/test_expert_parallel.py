@@ -1,0 +1,130 @@
+"""Expert parallelism: the routed experts of a mixture-of-experts layer split over an
+``expert`` mesh axis of 4 of the 8 CPU devices of tests/conftest.py (docs/sharding.md,
+"Expert parallelism"), against one device.
+
+Tolerances: float32 throughout in the library tests; the split computation sums the
+experts' outputs and the gradients in another order than one device does (observed
+~1e-7 absolute for O(1) values), so 1e-5 bounds rounding, far below any lost or
+duplicated pair (O(0.1)).
+"""
+
+
+import chex
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmem
+from jmem import lora
+from jmem import qlora
+from jmem import sharding
+from jmem import train_step
+from jmem._src import moe
+from jmem.models import llama
+
+
+def _mesh(expert=4, fsdp=1, data=1):
+    n = expert * fsdp * data
+    return sharding.make_mesh(data, fsdp, jax.devices()[:n], expert=expert)
+
+
+def test_make_mesh_expert_axis_and_errors():
+    mesh = _mesh(expert=2, fsdp=2)
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 2, "context": 1}
+    assert sharding.make_mesh(2, 4).axis_names == ("data", "fsdp", "context")  # no expert axis
+    assert dict(sharding.make_mesh(expert=4).shape)["fsdp"] == 2
+    with pytest.raises(ValueError, match="data \\* fsdp \\* expert \\* context"):
+        sharding.make_mesh(1, 3, expert=2)
+    with pytest.raises(ValueError, match="expert must be a positive int"):
+        sharding.make_mesh(expert=0)
+    assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp", "expert"))
+
+
+def _layer(t=32, h=16, f=24, e=8, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(k[0], (t, h))
+    router = jax.random.normal(k[1], (h, e))
+    gate, up = (jax.random.normal(k[i], (e, h, f)) * 0.1 for i in (2, 3))
+    down = jax.random.normal(k[4], (e, f, h)) * 0.1
+    return x, router, gate, up, down
+
+
+def _loss(x, router, gate, up, down):
+    out, probs = moe.routed_experts(x, router, gate, up, down, top_k=2, norm_topk_prob=True)
+    selected, prob_sum = moe.router_stats(probs, 2)
+    aux = moe.load_balancing_loss(selected[None], prob_sum[None], probs.shape[0])
+    return jnp.sum(out * jnp.cos(out)) + aux
+
+
+@pytest.mark.parametrize("fsdp, batch", [(1, 32), (2, 32), (1, 2)])
+def test_routed_experts_on_expert_mesh_equal_one_device(fsdp, batch):
+    """Values and gradients (tokens, router, every expert kernel) and the aux loss of one
+    layer on an expert=4 (x fsdp=2) mesh: those of one device; with 2 tokens (fewer rows
+    than devices: the tokens are not split over ``expert``) the psum path."""
+    args = _layer(t=batch)
+    grad = jax.value_and_grad(_loss, argnums=range(5))
+    ref = grad(*args)
+    mesh = _mesh(expert=4, fsdp=fsdp)
+    with jax.set_mesh(mesh):
+        kernels = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args[2:]]
+        fn = jax.jit(grad)
+        got = fn(*args[:2], *kernels)
+        hlo = fn.lower(*args[:2], *kernels).as_text()
+    chex.assert_trees_all_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert "all_gather" in hlo if batch > 2 else "all_reduce" in hlo
+    assert got[1][2].sharding.spec[0] == "expert"  # the kernels' gradients stay split
+
+
+def test_expert_axis_not_dividing_experts_refused():
+    args = _layer(e=6)
+    with jax.set_mesh(_mesh(expert=4)):
+        with pytest.raises(ValueError, match="does not divide the 6 experts"):
+            jax.jit(_loss)(*args)
+
+
+CFG = llama.get_config("tiny_moe", num_layers=2, max_seq_len=64)
+
+
+def _qlora_runs(meshes, steps=2):
+    """Two QLoRA steps (NF4 experts, rank-4 adapters on every expert projection and q/v)
+    of a 2-layer tiny_moe on each mesh: ``[(losses, adapters, aux)]``."""
+    frozen = qlora.quantize_params(llama.init(jax.random.key(0), CFG))
+    adapters = lora.init(jax.random.key(1), frozen, rank=4)
+    adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # b starts at 0: make it count
+    lv = jmem.Levers()
+
+    def loss_fn(ad, batch, *, frozen):
+        fn = qlora.apply(lambda p, b: llama.loss_fn(p, b, CFG, levers=lv))
+        return fn(frozen, ad, batch)
+
+    batches = [helpers.token_batch(CFG, 4, 16, seed=i) for i in range(steps)]
+    runs = []
+    for mesh in meshes:
+        step = train_step(loss_fn, optax.adam(1e-2, eps=1e-4), mesh=mesh)
+        state, losses = step.init(jax.tree.map(jnp.copy, adapters), frozen=frozen), []
+        for b in batches:
+            state, metrics = step(state, b)
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, state))
+    return runs
+
+
+@pytest.mark.slow
+def test_qlora_step_on_expert_mesh_equals_one_device():
+    """Two train steps of QLoRA on a 2-layer tiny_moe (8 experts, NF4 expert stacks with a
+    LoRA pair per expert) on an expert=4 mesh: the losses and adapters of one device
+    (1e-5); the NF4 codes, scales and expert factors are split on ``E``."""
+    one, ep = _qlora_runs((None, _mesh(expert=4)))
+    np.testing.assert_allclose(ep[0], one[0], rtol=1e-5)
+    chex.assert_trees_all_close(ep[1].params, one[1].params, atol=1e-5, rtol=1e-5)
+    codes = ep[1].frozen["layers"]["expert_gate"]["kernel"].packed
+    assert codes.sharding.spec[1] == "expert"
+    assert {s.data.shape[1] for s in codes.addressable_shards} == {CFG.num_experts // 4}
+    a = ep[1].params["layers/expert_up/kernel"].a
+    assert a.sharding.spec[1] == "expert"
