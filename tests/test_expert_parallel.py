@@ -24,6 +24,8 @@ from jmem import qlora
 from jmem import sharding
 from jmem import train_step
 from jmem._src import moe
+from jmem._src.measure import compile_for_target
+from jmem._src.measure import report_from_compiled
 from jmem.models import llama
 
 
@@ -170,3 +172,41 @@ def test_job_refuses_what_an_expert_axis_cannot_split(case, tmp_path, capsys):
         finetune.main(_JOB + argv + ["--steps", "1", "--out", str(out)])
     helpers.one_line_error(capsys, e, *words)
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------
+# XLA:GPU compile for 8 x h100_sxm (no GPU).
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu_compile
+def test_expert_layer_compiles_for_8_h100_with_split_kernels():
+    """XLA:GPU compile for 8 h100_sxm devices (no GPU needed): the value and gradients of
+    one routed-experts layer (64 experts of 512 x 256, 8 per token, 2,048 tokens per
+    device, bf16) on an expert=8 mesh compile; the program gathers the group's tokens
+    (all-gather) and reduce-scatters their outputs, and each device's arguments hold 1/8
+    of the expert kernels (and of the tokens) plus the replicated router."""
+    reason = jmem.targets.unavailable_reason("h100_sxm")
+    if reason is not None:
+        pytest.skip(f"no XLA:GPU compiler here: {reason}")
+    axes = ("data", "fsdp", "expert", "context")
+    mesh = jmem.targets.mesh("h100_sxm", (1, 1, 8, 1), axes)
+    e, h, f, t = 64, 512, 256, 8 * 2048
+    spec = lambda shape, s: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.bfloat16, sharding=NamedSharding(mesh, s)
+    )
+    x, router = spec((t, h), P("expert")), spec((h, e), P())
+    kernels = [spec((e, h, f), P("expert")), spec((e, h, f), P("expert"))]
+    kernels.append(spec((e, f, h), P("expert")))
+
+    def loss(x, router, gate, up, down):
+        out, probs = moe.routed_experts(x, router, gate, up, down, top_k=8, norm_topk_prob=True)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(probs**2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    compiled = compile_for_target(jax.jit(grad), (x, router, *kernels), {}, "h100_sxm")
+    report = report_from_compiled(compiled, "h100_sxm", flops=True)
+    per_device = (t * h + 3 * e * h * f) // 8 * 2 + h * e * 2
+    assert report.argument_bytes == per_device
+    kinds = report.collective_bytes
+    assert kinds.get("all-gather", 0) > 0 and kinds.get("reduce-scatter", 0) > 0, kinds
