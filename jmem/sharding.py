@@ -6,6 +6,7 @@ from jmem._src.sharding import EXPERT_AXIS
 from jmem._src.sharding import FSDP_AXIS
 from jmem._src.sharding import STRATEGIES
 from jmem._src.sharding import array_spec
+from jmem._src.sharding import batch_axes
 from jmem._src.sharding import batch_sharding
 from jmem._src.sharding import constrain_gradients
 from jmem._src.sharding import gradient_shardings
@@ -23,6 +24,7 @@ __all__ = (
     "FSDP_AXIS",
     "STRATEGIES",
     "array_spec",
+    "batch_axes",
     "batch_sharding",
     "constrain_gradients",
     "gradient_shardings",
