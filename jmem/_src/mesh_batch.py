@@ -21,11 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 from jmem._src.sharding import CONTEXT_AXIS
 from jmem._src.sharding import DATA_AXIS
+from jmem._src.sharding import EXPERT_AXIS
 from jmem._src.sharding import FSDP_AXIS
 
 
 def batch_groups(batch_size: int) -> tuple[tuple[str, ...], int]:
-    """``(axes, G)``: the Auto batch axes (``"data"``, ``"fsdp"``: those of
+    """``(axes, G)``: the Auto batch axes (``"data"``, ``"fsdp"``, ``"expert"``: those of
     ``jmem.sharding.batch_sharding``) of the mesh in context (``jax.sharding.get_abstract_mesh``)
     over which ``batch_size`` rows are split, in mesh order while their product divides
     ``batch_size``, and ``G``, that product; ``((), 1)`` without a mesh (or a 1-device one).
@@ -35,7 +36,7 @@ def batch_groups(batch_size: int) -> tuple[tuple[str, ...], int]:
         return (), 1
     axes, n = [], 1
     for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
-        batch_axis = name in (DATA_AXIS, FSDP_AXIS)
+        batch_axis = name in (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)
         if batch_axis and kind == AxisType.Auto and size > 1 and batch_size % (n * size) == 0:
             axes.append(name)
             n *= size
@@ -50,6 +51,18 @@ def context_split() -> int:
         return 1
     for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
         if name == CONTEXT_AXIS and kind == AxisType.Auto:
+            return int(size)
+    return 1
+
+
+def expert_split() -> int:
+    """Size of the Auto ``"expert"`` axis of the mesh in context (1 without one): the
+    number of devices the routed experts are split over (``jmem._src.expert_parallel``)."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty:
+        return 1
+    for name, size, kind in zip(m.axis_names, m.axis_sizes, m.axis_types):
+        if name == EXPERT_AXIS and kind == AxisType.Auto:
             return int(size)
     return 1
 

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jmem._src.grouped_matmul import grouped_matmul
+from jmem._src.mesh_batch import expert_split
 
-__all__ = ["load_balancing_loss", "route", "routed_experts", "router_stats"]
+__all__ = ["load_balancing_loss", "local_experts", "route", "routed_experts", "router_stats"]
 
 
 def route(
@@ -70,6 +71,10 @@ def routed_experts(
     The kernels are used as they come (``.astype`` to the activation dtype, then
     the grouped matmul): NF4, LoRA or FP8 weights act on them through jmem's interpreter.
 
+    On a mesh in context with an ``"expert"`` axis of size ``N > 1`` the layer runs expert
+    parallel (``jmem._src.expert_parallel``): each device computes its ``E / N`` experts for
+    the tokens of its expert group; the result is the same.
+
     Args:
       x: ``[T, H]`` tokens in the activation dtype.
       router: ``[H, E]``.
@@ -89,8 +94,38 @@ def routed_experts(
     t, h = x.shape
     e = router.shape[-1]
     _check_shapes(h, e, router, expert_gate, expert_up, expert_down, top_k)
+    if expert_split() > 1:
+        from jmem._src import expert_parallel  # noqa: PLC0415 (it imports this module)
+
+        kernels = (expert_gate, expert_up, expert_down)
+        return expert_parallel.routed_experts(
+            x, router, *kernels, top_k=top_k, norm_topk_prob=norm_topk_prob, activation=activation
+        )
     probs, weights, experts = route(x, router, top_k=top_k, norm_topk_prob=norm_topk_prob)
-    flat = experts.reshape(-1)  # [T * k], token-major
+    kernels = (expert_gate, expert_up, expert_down)
+    out = local_experts(x, weights, experts, kernels, first=0, activation=activation)
+    return out.astype(x.dtype), probs
+
+
+def local_experts(x, weights, experts, kernels, *, first, activation) -> jax.Array:
+    """The routed pairs of experts ``first .. first + E_l - 1`` (``E_l`` the kernels' leading
+    size), weighted and summed per token, float32 ``[T, H]``; pairs routed to other experts
+    are sorted after the local groups (outside every group of the grouped matmul) and
+    contribute zero. With ``first = 0`` and all ``E`` kernels, the whole layer.
+
+    Args:
+      x: ``[T, H]`` tokens; ``weights`` float32 ``[T, k]``, ``experts`` int32 ``[T, k]``
+        (``route``).
+      kernels: ``(gate, up, down)``: ``[E_l, H, F]``, ``[E_l, H, F]``, ``[E_l, F, H]``.
+      first: int32 scalar (may be traced): the global id of the first local expert.
+      activation: the gate's activation.
+    """
+    expert_gate, expert_up, expert_down = kernels
+    t, h = x.shape
+    top_k, e = experts.shape[-1], expert_gate.shape[0]
+    flat = experts.reshape(-1) - first  # [T * k], token-major, local ids
+    local = (flat >= 0) & (flat < e)
+    flat = jnp.where(local, flat, e)  # other experts' pairs: after the local groups
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = jnp.take(x, order // top_k, axis=0)  # [T * k, H], sorted by expert
@@ -102,8 +137,8 @@ def routed_experts(
     down = checkpoint_name(down, "expert_down")
     unsorted = jnp.zeros_like(down).at[order].set(down)  # back to token-major pairs
     pairs = unsorted.reshape(t, top_k, h).astype(jnp.float32)
-    out = jnp.sum(pairs * weights[..., None], axis=1)  # no matmul: elementwise, float32
-    return out.astype(dt), probs
+    pairs = jnp.where(local.reshape(t, top_k, 1), pairs, 0.0)  # rows outside the groups
+    return jnp.sum(pairs * weights[..., None], axis=1)  # no matmul: elementwise, float32
 
 
 def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -6,6 +6,7 @@ Sources: ZeRO (arXiv:1910.02054), PyTorch FSDP (arXiv:2304.11277), GSPMD (arXiv:
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 from typing import Callable
 
@@ -26,6 +27,7 @@ __all__ = [
     "DATA_AXIS",
     "FSDP_AXIS",
     "CONTEXT_AXIS",
+    "EXPERT_AXIS",
     "STRATEGIES",
     "make_mesh",
     "array_spec",
@@ -43,6 +45,11 @@ DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 #: The context-parallel axis: one sequence split over its devices (docs/sharding.md).
 CONTEXT_AXIS = "context"
+#: The expert-parallel axis: the experts of a mixture-of-experts layer split over its
+#: devices, the batch split over it too (docs/sharding.md, "Expert parallelism").
+EXPERT_AXIS = "expert"
+#: Param paths whose leaves carry a stacked expert axis ``[*L, E, in, out]``.
+EXPERT_KERNELS = re.compile(r"expert_(gate|up|down)")
 STRATEGIES = ("zero1", "zero2", "zero3", "fsdp")
 #: Dense arrays with fewer elements are replicated (a 4096-element fp32 tensor is 16 KiB).
 DEFAULT_MIN_SIZE = 4096
@@ -53,46 +60,71 @@ DEFAULT_MIN_SIZE = 4096
 # ----------------------------------------------------------------------------------------
 
 
-def make_mesh(data: int = 1, fsdp: int | None = None, devices=None, *, context: int = 1) -> Mesh:
-    """A 3-D mesh ``("data", "fsdp", "context")`` with Auto axis types (module docstring).
+def make_mesh(
+    data: int = 1, fsdp: int | None = None, devices=None, *, context: int = 1, expert: int = 1
+) -> Mesh:
+    """A mesh ``("data", "fsdp", "context")`` with Auto axis types (module docstring), or
+    ``("data", "fsdp", "expert", "context")`` for ``expert > 1``.
 
     Args:
       data: size of the data-parallel axis (replicas of params and state).
-      fsdp: size of the sharding axis; default ``len(devices) // (data * context)``.
+      fsdp: size of the sharding axis; default ``len(devices) // (data * expert * context)``.
       devices: devices to use, in order (default ``jax.devices()``, all processes' devices).
-        The context axis varies fastest, then fsdp: consecutive devices (one host's) form
-        a context group, then an fsdp group.
+        The context axis varies fastest, then expert, then fsdp: consecutive devices (one
+        host's) form a context group, then an expert group, then an fsdp group.
       context: size of the context-parallel axis: each sequence is split over it
         (docs/sharding.md, "Context parallelism"); params are replicated over it.
+      expert: size of the expert-parallel axis: the routed experts' stacked kernels are
+        split over it, and the batch too (docs/sharding.md, "Expert parallelism").
 
     Returns:
-      ``jax.sharding.Mesh`` of shape ``(data, fsdp, context)``.
+      ``jax.sharding.Mesh`` of shape ``(data, fsdp, context)`` or ``(data, fsdp, expert,
+      context)``.
 
     Raises:
-      ValueError: non-positive sizes, or ``data * fsdp * context != len(devices)``.
+      ValueError: non-positive sizes, or a product of the sizes other than ``len(devices)``.
     """
     devices = list(jax.devices() if devices is None else devices)
-    for name, size in (("data", data), ("context", context)):
+    for name, size in (("data", data), ("context", context), ("expert", expert)):
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}.")
+    rest = data * context * expert
     if fsdp is None:
-        if len(devices) % (data * context):
+        if len(devices) % rest:
             raise ValueError(
-                f"data * context = {data * context} does not divide the {len(devices)} "
+                f"data * expert * context = {rest} does not divide the {len(devices)} "
                 f"devices; pass fsdp= explicitly or choose a divisor."
             )
-        fsdp = len(devices) // (data * context)
+        fsdp = len(devices) // rest
     if not isinstance(fsdp, (int, np.integer)) or fsdp < 1:
         raise ValueError(f"fsdp must be a positive int, got {fsdp!r}.")
-    n = data * fsdp * context
+    n = fsdp * rest
     if n != len(devices):
+        what = "data * fsdp * context" if expert == 1 else "data * fsdp * expert * context"
+        sizes = f"{data} * {fsdp}" + (f" * {expert}" if expert > 1 else "") + f" * {context}"
         raise ValueError(
-            f"data * fsdp * context = {data} * {fsdp} * {context} = {n} but {len(devices)} "
-            f"devices were given; pass devices=jax.devices()[:{n}] or "
-            f"sizes whose product is {len(devices)}."
+            f"{what} = {sizes} = {n} but {len(devices)} devices were given; pass "
+            f"devices=jax.devices()[:{n}] or sizes whose product is {len(devices)}."
         )
-    arr = np.asarray(devices, dtype=object).reshape(int(data), int(fsdp), int(context))
-    return Mesh(arr, (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS), axis_types=(AxisType.Auto,) * 3)
+    shape, axes = (data, fsdp, context), (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS)
+    if expert > 1:
+        shape, axes = (
+            (data, fsdp, expert, context),
+            (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS),
+        )
+    arr = np.asarray(devices, dtype=object).reshape(*(int(d) for d in shape))
+    return Mesh(arr, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def expert_size(mesh: Any) -> int:
+    """Size of ``mesh``'s ``"expert"`` axis (1 when it has none)."""
+    return int(dict(mesh.shape).get(EXPERT_AXIS, 1))
+
+
+def batch_axes(mesh: Any) -> tuple[str, ...]:
+    """The axes a batch's rows are split over: ``("data", "fsdp")``, and ``"expert"`` when
+    the mesh has one (outside the routed experts it is one more data axis)."""
+    return (DATA_AXIS, FSDP_AXIS) + ((EXPERT_AXIS,) if EXPERT_AXIS in mesh.axis_names else ())
 
 
 def context_size(mesh: Any) -> int:
@@ -264,7 +296,47 @@ def _tree_shardings(
         spec = array_spec(shape, n, min_size=min_size) if split else P()
         return _sharding(mesh, spec, kind(x))
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: x is None or _is_special(x))
+    out = jax.tree.map(one, tree, is_leaf=lambda x: x is None or _is_special(x))
+    return _expert_shardings(tree, out, mesh) if expert_size(mesh) > 1 else out
+
+
+def _add_expert(s: NamedSharding | None, shape, axis: int) -> NamedSharding | None:
+    """``s`` with ``"expert"`` on ``axis`` of a leaf of ``shape`` (unchanged when the axis
+    does not exist, is taken, or the expert axis does not divide it)."""
+    n = expert_size(s.mesh) if s is not None else 1
+    if s is None or shape is None or not 0 <= axis < len(shape) or shape[axis] % n:
+        return s
+    spec = list(s.spec) + [None] * (len(shape) - len(s.spec))
+    if spec[axis] is not None:
+        return s
+    spec[axis] = EXPERT_AXIS
+    return NamedSharding(s.mesh, P(*spec), memory_kind=s.memory_kind)
+
+
+def _expert_shardings(tree: Any, shardings: Any, mesh: Mesh) -> Any:
+    """``shardings`` with the stacked expert axis ``E`` of the routed experts' kernels
+    (paths matching ``EXPERT_KERNELS``) split over ``"expert"``: a dense kernel or LoRA
+    factor ``[*L, E, in, out]`` on its axis ``ndim - 3``, an NF4 kernel's codes and scales
+    ``[*L, E, ...]`` on axis ``batch_ndim - 1``; any FSDP split stays on its axis."""
+
+    def dense(x, s):
+        shape = shape_of(x)
+        return s if shape is None or len(shape) < 3 else _add_expert(s, shape, len(shape) - 3)
+
+    def one(path, x, s):
+        if x is None or not EXPERT_KERNELS.search(jax.tree_util.keystr(path)):
+            return s
+        if isinstance(x, _qz.QuantizedArray):
+            return s
+        if isinstance(x, _nf4.NF4Array):
+            axis = x.batch_ndim - 1
+            return jax.tree.map(lambda l, t: _add_expert(t, shape_of(l), axis), x, s)
+        if isinstance(x, _lora.LoraWeight):
+            return jax.tree.map(dense, x, s)
+        return dense(x, s)
+
+    special = lambda x: x is None or _is_special(x)
+    return jax.tree_util.tree_map_with_path(one, tree, shardings, is_leaf=special)
 
 
 def param_shardings(
@@ -406,17 +478,17 @@ def state_shardings(
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-    """Sharding of a batch array: leading (batch) axis split over ``("data", "fsdp")``, and,
-    on a mesh with a ``"context"`` axis larger than 1 and ``ndim >= 2``, the second
-    (sequence) axis over ``"context"``.
+    """Sharding of a batch array: leading (batch) axis split over ``("data", "fsdp")`` (and
+    ``"expert"`` on a mesh with one, ``batch_axes``), and, on a mesh with a ``"context"``
+    axis larger than 1 and ``ndim >= 2``, the second (sequence) axis over ``"context"``.
 
-    The batch size must be a multiple of ``data * fsdp``; the sequence length one of
+    The batch size must be a multiple of the batch axes' product; the sequence length one of
     ``2 * context`` (``check_context_length``).
     """
     check_mesh(mesh)
     if ndim >= 2 and context_size(mesh) > 1:
-        return NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS), CONTEXT_AXIS))
-    return NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS)))
+        return NamedSharding(mesh, P(batch_axes(mesh), CONTEXT_AXIS))
+    return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def check_context_length(length: int, context: int, what: str = "sequence length") -> None:
@@ -431,7 +503,8 @@ def check_context_length(length: int, context: int, what: str = "sequence length
 
 
 def batch_shardings_of(batch: Any, mesh: Mesh) -> Any:
-    n = mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
+    axes = batch_axes(mesh)
+    n = math.prod(int(mesh.shape[a]) for a in axes)
     cp = context_size(mesh)
 
     def one(path, x):
@@ -441,7 +514,7 @@ def batch_shardings_of(batch: Any, mesh: Mesh) -> Any:
         if shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has leading (batch) size {shape[0]}, "
-                f"not a multiple of data * fsdp = {n}: pad or resize the global batch."
+                f"not a multiple of {' * '.join(axes)} = {n}: pad or resize the global batch."
             )
         if len(shape) >= 2 and cp > 1:
             check_context_length(shape[1], cp, f"batch leaf {jax.tree_util.keystr(path)}'s length")

@@ -60,18 +60,19 @@ beta_value = cli.number(
 
 
 def mesh_spec(text: str) -> str:
-    """argparse type: ``data=N,fsdp=M,context=C`` (any may be left out; sizes >= 1)."""
+    """argparse type: ``data=N,fsdp=M,expert=E,context=C`` (any may be left out; sizes >= 1)."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     sizes = {}
     for part in parts:
-        m = re.fullmatch(r"(data|fsdp|context)=([0-9]+)", part)
+        m = re.fullmatch(r"(data|fsdp|expert|context)=([0-9]+)", part)
         if not m or int(m[2]) < 1 or m[1] in sizes:
             raise argparse.ArgumentTypeError(
-                f"expected data=N,fsdp=M,context=C (positive sizes, each axis once), got {text!r}"
+                "expected data=N,fsdp=M,expert=E,context=C (positive sizes, each axis once), "
+                f"got {text!r}"
             )
         sizes[m[1]] = int(m[2])
     if not sizes:
-        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M,context=C, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected data=N,fsdp=M,expert=E,context=C, got {text!r}")
     return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 
@@ -460,9 +461,10 @@ class DevicesConfig(_Group):
 
     mesh: str | None = option(
         None,
-        "devices as data=N,fsdp=M,context=C (jmem.sharding: the NF4 base, optimizer state and "
-        "batch split over fsdp, adapters replicated; data: replicas; context: each sequence "
-        "split over C devices); unset: FSDP over every device",
+        "devices as data=N,fsdp=M,expert=E,context=C (jmem.sharding: the NF4 base, optimizer "
+        "state and batch split over fsdp, adapters replicated; data: replicas; expert: a "
+        "mixture of experts' experts split over E devices, the batch too; context: each "
+        "sequence split over C devices); unset: FSDP over every device",
         check=mesh_spec,
     )
     coordinator: str | None = option(

@@ -27,6 +27,7 @@ from jmem._src.finetune.launcher import allocator_note
 from jmem._src.finetune.launcher import apply_allocator
 from jmem._src.finetune.loop import train
 from jmem._src.finetune.mesh import check_context
+from jmem._src.finetune.mesh import check_expert
 from jmem._src.finetune.mesh import initialize_distributed
 from jmem._src.finetune.mesh import job_mesh
 from jmem._src.finetune.mesh import sync
@@ -88,6 +89,7 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
         notes.append(host_note)
     check_lora_targets(config, cfg)
     check_context(config, cfg)
+    check_expert(config, cfg)
     target = _check_target(config)
     mesh, mesh_notes = (target_mesh(config), []) if target else job_mesh(config)
     if config.run.dry_run:

@@ -1,6 +1,7 @@
-"""The devices a run uses: ``--mesh data=N,fsdp=M,context=C`` over ``jax.devices()`` (every
-process's devices after ``jax.distributed.initialize``), default FSDP over all of them
-(``context``: each sequence split over ``C`` devices, docs/sharding.md); the frozen
+"""The devices a run uses: ``--mesh data=N,fsdp=M,expert=E,context=C`` over ``jax.devices()``
+(every process's devices after ``jax.distributed.initialize``), default FSDP over all of
+them (``context``: each sequence split over ``C`` devices; ``expert``: a mixture of
+experts' experts split over ``E`` devices, docs/sharding.md); the frozen
 base (NF4 included), adapters, optimizer state and batch are placed by ``jmem.sharding``'s
 rules (``jmem.train_step(mesh=...)``); with ``--offload params`` the base keeps its FSDP
 sharding in host memory, each device streaming its shard."""
@@ -20,11 +21,19 @@ from jmem._src.context_attention import check_strategy
 
 def _sizes(spec: str, n_devices: int) -> tuple[int, int, int]:
     """``(data, fsdp, context)`` of a ``--mesh`` spec: fsdp unset is the devices left over
-    by data and context when data is given, else 1."""
+    by data, expert and context when data is given, else 1."""
     sizes = dict((k, int(v)) for k, v in (p.split("=") for p in spec.split(",")))
     data, context = sizes.get("data", 1), sizes.get("context", 1)
-    fsdp = sizes.get("fsdp", n_devices // (data * context) if "data" in sizes else 1)
+    rest = data * context * sizes.get("expert", 1)
+    fsdp = sizes.get("fsdp", n_devices // rest if "data" in sizes else 1)
     return data, max(fsdp, 1), context
+
+
+def _expert(spec: str | None) -> int:
+    """The ``expert=E`` size of a ``--mesh`` spec (1 unset)."""
+    if spec is None:
+        return 1
+    return int(dict(p.split("=") for p in spec.split(",")).get("expert", 1))
 
 
 def mesh_sizes(config) -> tuple[int, int, int]:
@@ -35,6 +44,36 @@ def mesh_sizes(config) -> tuple[int, int, int]:
         return 1, 1, 1
     # A --target mesh counts the target's devices: fsdp unset is 1 there (target_mesh).
     return _sizes(spec, len(jax.devices()) if config.devices.target is None else 0)
+
+
+def check_expert(config, cfg) -> None:
+    """The run's ``--mesh expert=E`` against the model and the other axes (nothing for
+    ``E = 1``).
+
+    Raises:
+      CliError: a model without routed experts, an ``E`` that does not divide its number
+        of experts, or a ``context`` axis as well (not combined).
+    """
+    n, spec = _expert(config.devices.mesh), config.devices.mesh
+    if n == 1:
+        return
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if experts == 0:
+        raise CliError(
+            f"--mesh {spec}: the model ({config.model.config or config.model.checkpoint}) has "
+            "no routed experts to split over an expert axis; drop expert= or pick a "
+            "mixture-of-experts model"
+        )
+    if experts % n:
+        raise CliError(
+            f"--mesh {spec}: expert={n} does not divide the model's {experts} experts; pass "
+            f"an expert= size that divides {experts}"
+        )
+    if mesh_sizes(config)[2] > 1:
+        raise CliError(
+            f"--mesh {spec}: an expert axis and a context axis do not combine (the routed "
+            "experts split a batch's rows, not a sequence); drop expert= or context="
+        )
 
 
 def check_context(config, cfg) -> None:
@@ -101,21 +140,24 @@ def job_mesh(config) -> tuple[jax.sharding.Mesh | None, list[str]]:
             )
         return sharding.make_mesh(1, d, devices=devices[:d]), notes
     data, fsdp, context = _sizes(config.devices.mesh, n)
-    if data * fsdp * context > n:
+    expert = _expert(config.devices.mesh)
+    total = data * fsdp * context * expert
+    if total > n:
         raise CliError(
-            f"--mesh {config.devices.mesh}: needs {data * fsdp * context} devices, {n} are "
+            f"--mesh {config.devices.mesh}: needs {total} devices, {n} are "
             f"visible; pass sizes whose product is at most {n}"
         )
-    _check_batch(config, data * fsdp)
-    used = devices[: data * fsdp * context]
-    return sharding.make_mesh(data, fsdp, devices=used, context=context), []
+    _check_batch(config, data * fsdp, expert)
+    used = devices[:total]
+    return sharding.make_mesh(data, fsdp, devices=used, context=context, expert=expert), []
 
 
-def _check_batch(config, rows: int) -> None:
-    if config.data.batch_size % rows:
+def _check_batch(config, rows: int, expert: int = 1) -> None:
+    if config.data.batch_size % (rows * expert):
+        what = "data * fsdp" + (" * expert" if expert > 1 else "")
         raise CliError(
             f"--mesh {config.devices.mesh}: --batch-size {config.data.batch_size} is not a "
-            f"multiple of data * fsdp = {rows}; pass a --batch-size that is"
+            f"multiple of {what} = {rows * expert}; pass a --batch-size that is"
         )
 
 
@@ -135,7 +177,8 @@ def _one_device(config, n: int, flag: str) -> list[str]:
     run."""
     why, instead, idle = _ONE_DEVICE[flag]
     spec = config.devices.mesh
-    if (spec is not None and math.prod(_sizes(spec, n)) > 1) or jax.process_count() > 1:
+    many = spec is not None and math.prod(_sizes(spec, n)) * _expert(spec) > 1
+    if many or jax.process_count() > 1:
         where = f"--mesh {spec}" if spec is not None else "the processes beyond the first"
         raise CliError(f"{flag} runs on one device ({why}); drop {where}, {instead}")
     if spec is None and n > 1:
@@ -146,8 +189,9 @@ def _one_device(config, n: int, flag: str) -> list[str]:
 
 
 def target_mesh(config):
-    """``--target`` with ``--mesh data=N,fsdp=M,context=C``: the mesh on ``N * M * C`` of the
-    target's compile-only devices (``jmem.targets.mesh``), or None without ``--mesh``.
+    """``--target`` with ``--mesh data=N,fsdp=M,expert=E,context=C``: the mesh on ``N * M * E *
+    C`` of the target's compile-only devices (``jmem.targets.mesh``), or None without
+    ``--mesh``.
 
     Raises:
       CliError: for a ``--mesh`` without both sizes, or a batch it does not divide.
@@ -159,8 +203,11 @@ def target_mesh(config):
         return None
     sizes = dict(part.split("=") for part in spec.split(","))
     data, fsdp = int(sizes.get("data", 1)), int(sizes.get("fsdp", 1))
-    context = int(sizes.get("context", 1))
-    _check_batch(config, data * fsdp)
+    context, expert = int(sizes.get("context", 1)), int(sizes.get("expert", 1))
+    _check_batch(config, data * fsdp, expert)
+    if expert > 1:
+        shape, axes = (data, fsdp, expert, context), ("data", "fsdp", "expert", "context")
+        return targets.mesh(config.devices.target, shape, axes)
     axes = ("data", "fsdp", "context")
     return targets.mesh(config.devices.target, (data, fsdp, context), axes)
 

@@ -20,6 +20,7 @@ from jmem._src.implicit import matmul_rules as _matmul
 from jmem._src.implicit import modules as _modules
 from jmem._src.implicit import ragged_rules as _ragged
 from jmem._src.implicit import registry as _registry
+from jmem._src.implicit import shard_map_rule as _shard_map
 from jmem._src.implicit import structural_rules as _structural
 from jmem._src.implicit.weight import ImplicitWeightError
 from jmem._src.implicit.weight import Weight
@@ -52,6 +53,7 @@ def _register_defaults() -> None:
         "squeeze": _structural.squeeze,
         "reshape": _structural.reshape,
         "device_put": _structural.device_put,
+        "shard_map": _shard_map.shard_map,
     }
     by_kind = {
         _jaxpr.CALL: _structural.inline_call,
