@@ -17,7 +17,7 @@ from jmem.models import llama
 
 _DIR = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 RESULTS = os.path.join(_DIR, "context_parallel_h100.json")
-#: 2M-4.6M tokens, ``--remat offload_inputs``, each strategy at 2M and 4M
+#: 2M-8M tokens, ``--remat offload_inputs``, each strategy at 2M and 4M, ulysses beyond
 LONGEST = os.path.join(_DIR, "context_parallel_longest_h100.json")
 
 
@@ -48,12 +48,13 @@ def _planned_peak(cfg, remat: str, strategy: str, seq: int, context: int) -> int
     return est.total + cp.attention_bytes(cfg, seq, context, strategy)
 
 
-@pytest.mark.parametrize("row", range(14))
+@pytest.mark.parametrize("row", range(len(_all_rows())))
 def test_planner_within_10_percent_of_the_compiled_peak_per_device(row):
     """llama3_1_8b, QLoRA r=32 over context=8: 1M tokens under remat full and
-    offload_inputs, and 2M, 3.7M, 4.2M, 4.6M tokens under offload_inputs, each strategy:
-    the planner's device peak within 10% of the compile's (observed -6.5% to +1.7%;
-    Ulysses within 2% at every length), and the stored planner column is the planner's."""
+    offload_inputs, and 2M-8M tokens under offload_inputs (each strategy at 2M and 4M):
+    the planner's device peak within 10% of the compile's (observed -9.8% to +9.6%, the
+    ring's at the edges; Ulysses within 3%), and the stored planner column is the
+    planner's."""
     r = _all_rows()[row]
     cfg = llama.get_config("llama3_1_8b")
     planned = _planned_peak(cfg, r["remat"], r["strategy"], r["seq_len"], 8)
@@ -62,21 +63,7 @@ def test_planner_within_10_percent_of_the_compiled_peak_per_device(row):
     assert planned == r["planner_per_device_bytes"], msg
 
 
-def test_ulysses_token_layout_term_is_zero_when_the_logits_buffers_cover_it():
-    """The term counts only what exceeds the loss chunk's float32 logits: 0 at 512k tokens
-    over 8 devices with 2,048-token loss chunks (2 x 0.5 GiB of token-layout arrays under
-    1.84 x 0.98 GiB of logits), positive and growing with the length beyond."""
-    cfg = llama.get_config("llama3_1_8b")
-    base = lambda s: 2.5 * cp.unit_bytes(cfg, s, 8, "qkvo")  # noqa: E731
-    extra = lambda s: cp.attention_bytes(cfg, s, 8, "ulysses") - base(s)  # noqa: E731
-    assert extra(1 << 19) == pytest.approx(0, abs=1)
-    assert 0 < extra(1 << 21) < extra(1 << 22)
-    # one device's [S / C, nH D] bf16 arrays twice, less 1.84 float32 [2048, V] buffers
-    want = 2 * 2 * (1 << 19) * 4096 - 1.84 * 4 * 2048 * cfg.vocab_size
-    assert extra(1 << 22) == pytest.approx(want, rel=1e-6)
-
-
-@pytest.mark.parametrize("row", range(14))
+@pytest.mark.parametrize("row", range(len(_all_rows())))
 def test_planned_attention_collectives_within_10_percent_of_the_compiled(row):
     r = _all_rows()[row]
     cfg = llama.get_config("llama3_1_8b")

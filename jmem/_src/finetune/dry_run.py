@@ -451,7 +451,6 @@ def _estimate(config, levers, cfg, dtype, modules, devices: int, params: bool = 
         context,
         levers.context_strategy,
         kwargs["batch_size"],
-        loss_chunk=levers.loss_chunk,
     )
     return dataclasses.replace(est, activations=est.activations + extra)
 

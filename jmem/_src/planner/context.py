@@ -11,21 +11,20 @@ C``:
 
 - ``all_gather``: the gathered K/V and, in the backward pass, its gradient (f32, before
   the reduce-scatter), less the overlap XLA's buffer assignment finds: ``2.5 kv``;
-- ``ring``: the compiled ring of jmem's custom VJP holds about as much (its rotation
-  buffers, residuals and the dK/dV in flight): ``2.5 kv``;
-- ``ulysses``: the all-to-all buffers in and out of the head split and their gradients:
-  ``2.5 qkvo``; and two more bf16 ``[S / C, nH D]`` arrays in the token layout (the q
-  and output on the near side of the all-to-alls, ``bf16[1, S/C, nH, D]`` in the
-  compile's memory-usage report), of which the planner counts only what exceeds the
-  loss phase's float32 ``[loss_chunk, V]`` logits buffers (``GPU_TERMS``'s
-  ``loss_chunk_buffers``): the token-local ledger sums those, and XLA's buffer
-  assignment places the two arrays in their space, as they are never live together.
-  Below ~2M tokens on 8 devices the term is about 0; it grows with ``S`` beyond
-  (without it the planner was 6% low at 2M and 10-11% low at 3.7-4.6M tokens).
+- ``ring``: the compiled ring of jmem's custom VJP holds a little less (its rotation
+  buffers, residuals and the dK/dV in flight): ``2.33 kv``, fitted over 1M-4M tokens
+  (the compiled residual grows from 1.5 to 2.8 kv with the length; not modelled, so
+  the planner is within -10%..+10% there);
+- ``ulysses``: the all-to-all buffers in and out of the head split beyond what the
+  token-local ledger already holds: ``0.65 qkvo``, fitted over 1M-8M tokens (the
+  compiled residual is 0.3-0.95 qkvo as XLA's buffer placement changes with the length;
+  the planner is within -7%..+6% there).
 
 The factors are calibrated on XLA:GPU compiles for h100_sxm without a GPU (llama3_1_8b,
 QLoRA r=32, 1M tokens, context=8, remat ``full`` and ``offload_inputs``;
-``benchmarks/results/context_parallel_h100.json``) and checked at 2M and 4M+ tokens
+``benchmarks/results/context_parallel_h100.json``; the token-chunk loop's input
+cotangent sharded as the input, which before held the whole sequence's hidden states on
+every device and had been counted here) and checked at 2M-8M tokens
 (``benchmarks/results/context_parallel_longest_h100.json``, ``tests/test_context_plan.py``).
 
 Collectives per step and device (bytes each delivers, as ``jmem._src.hlo_collectives``
@@ -41,12 +40,10 @@ attention, else 1):
 
 from __future__ import annotations
 
-from jmem._src.planner.activations import GPU_TERMS
-
 __all__ = ["STRATEGY_FACTORS", "attention_bytes", "collective_bytes", "unit_bytes"]
 
 #: per strategy: (unit, factor): attention's extra per-device bytes = factor * unit
-STRATEGY_FACTORS = {"all_gather": ("kv", 2.5), "ring": ("kv", 2.5), "ulysses": ("qkvo", 2.5)}
+STRATEGY_FACTORS = {"all_gather": ("kv", 2.5), "ring": ("kv", 2.33), "ulysses": ("qkvo", 0.65)}
 
 
 def unit_bytes(shape, seq_len: int, context: int, unit: str, itemsize: int = 2) -> float:
@@ -63,19 +60,12 @@ def unit_bytes(shape, seq_len: int, context: int, unit: str, itemsize: int = 2) 
 
 
 def attention_bytes(
-    shape,
-    seq_len: int,
-    context: int,
-    strategy: str,
-    batch: int = 1,
-    itemsize: int = 2,
-    loss_chunk: int | None = 2048,
+    shape, seq_len: int, context: int, strategy: str, batch: int = 1, itemsize: int = 2
 ) -> int:
     """Per-device bytes attention adds to the token-local ledger of ``seq_len / context``
     tokens, for ``batch`` sequences of ``seq_len`` tokens split over ``context`` devices
-    (module docstring; ``itemsize``: bytes per activation value; ``loss_chunk``: tokens
-    per chunk of the loss, None for an unchunked loss; the model's ``vocab_size`` sizes
-    its logits); 0 for ``context == 1``. Raises ValueError for an unknown ``strategy``."""
+    (module docstring; ``itemsize``: bytes per activation value); 0 for ``context == 1``.
+    Raises ValueError for an unknown ``strategy``."""
     if context <= 1:
         return 0
     if strategy not in STRATEGY_FACTORS:
@@ -83,20 +73,7 @@ def attention_bytes(
             f"context strategy {strategy!r} is unknown; choose from {list(STRATEGY_FACTORS)}."
         )
     unit, factor = STRATEGY_FACTORS[strategy]
-    held = factor * batch * unit_bytes(shape, seq_len, context, unit, itemsize)
-    if strategy == "ulysses":
-        held += _token_layout_bytes(shape, seq_len // context * batch, itemsize, loss_chunk)
-    return int(held)
-
-
-def _token_layout_bytes(shape, tokens: int, itemsize: int, loss_chunk: int | None) -> float:
-    """Ulysses' two ``[tokens, nH D]`` arrays beyond the loss phase's float32 logits
-    buffers they share space with (module docstring), at least 0."""
-    d = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_heads
-    arrays = 2.0 * tokens * shape.num_heads * d * itemsize
-    chunk = min(tokens, loss_chunk) if loss_chunk else tokens
-    logits = GPU_TERMS.loss_chunk_buffers * 4 * chunk * shape.vocab_size
-    return max(0.0, arrays - logits)
+    return int(factor * batch * unit_bytes(shape, seq_len, context, unit, itemsize))
 
 
 def collective_bytes(
