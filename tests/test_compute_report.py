@@ -73,3 +73,21 @@ def test_a_loop_of_unknown_length_is_reported_as_not_counted():
     c = compute_record(None, llama.get_config("tiny"), batch, 1, "h100_sxm", full=False)
     assert c["ratio"] is None and c["seconds_bound"] is None
     assert "not counted" in compute_line(c) and "unknown trip count" in compute_line(c)
+
+
+@pytest.mark.slow
+def test_the_minimum_of_a_mixture_of_experts_counts_the_routed_experts_only(tmp_path):
+    """On ``tiny_moe`` (k of E experts per token) the minimum is ``4 N T`` with ``N`` the
+    parameters a token's matmuls use, so the compiled step is at least that minimum (over
+    all E experts' weights the minimum was 1.5x the compile). The upper bound is looser than
+    the dense model's 2x: at tiny_moe's sizes the grouped matmul's row tiles pad 512 routed
+    rows by up to one tile per expert (2.03x measured)."""
+    from jmem.models import llama
+
+    out = tmp_path / "moe"
+    argv = ["--config", "tiny_moe", "--dry-run", "--seq-len", "256", "--batch-size", "1"]
+    finetune.main(argv + ["--remat", "none", "--token-chunk", "0", "--out", str(out)])
+    c = json.loads((out / "dry_run.json").read_text())["compute"]
+    cfg = llama.get_config("tiny_moe")
+    assert cfg.num_experts > cfg.num_experts_per_tok, cfg
+    assert 1.0 <= c["ratio"] < 2.5, c

@@ -150,10 +150,14 @@ def _grpo_phases(config, cfg, state, report, target, devices: int) -> dict:
 def compute_record(flops: float | None, cfg, batch, devices: int, target, *, full: bool) -> dict:
     """The compiled step's dot FLOPs (per device) against the model's minimum: a forward
     and the input gradients, ``4 N T`` (``6 N T`` when the base trains, ``full``), with
-    ``N`` the parameters in matmuls (all but an untied input embedding) and ``T`` the
-    device's tokens; with the target's bf16 peak, the step-time bound it implies. ``flops``
-    None (a loop of unknown trip count): ``dot_flops``, ``ratio`` and the bound are None."""
+    ``N`` the parameters in a token's matmuls (all but an untied input embedding; on a
+    mixture of experts the k routed experts of E, not all of them) and ``T`` the device's
+    tokens; with the target's bf16 peak, the step-time bound it implies. ``flops`` None (a
+    loop of unknown trip count): ``dot_flops``, ``ratio`` and the bound are None."""
     n = llama.num_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
+    if cfg.num_experts:  # the experts a token does not run: (E - k) of each layer's E
+        idle = cfg.num_experts - cfg.num_experts_per_tok
+        n -= cfg.num_layers * idle * 3 * cfg.hidden_size * llama.expert_size(cfg)
     tokens = batch["inputs"].size / devices
     minimum = (6 if full else 4) * n * tokens
     peak = None if target is None else jtargets.get(target).bf16_flops

@@ -559,7 +559,8 @@ def estimate(
     model = shape.name or (f"{n / 1e9:.3g}B" if count_given else "config")
     config = _config(model, config, quantization, num_shards, accounting)
     host, disk, transfers = _transfers(host, offload, streamed)
-    flops = int((6 if spec is None else 4) * n * batch_size * seq_len)
+    active = n if count_given else n - shape.inactive_expert_params  # k of E experts
+    flops = int((6 if spec is None else 4) * active * batch_size * seq_len)
     notes += shard_notes + act_notes + _update_notes(shape, offload, spec, opt, num_shards)
     extra = dict(transfers=transfers, disk=disk, flops=flops)
     return _ledger(st, act, host, n, {**detail, **act_detail}, notes, config, **extra)

@@ -92,6 +92,13 @@ class ModelShape:
         return self.intermediate_size
 
     @property
+    def inactive_expert_params(self) -> int:
+        """Elements of the experts a token does not run: ``L (E - k) 3 H F_e`` (0 for a
+        dense MLP); the parameters minus these are the ones in a token's matmuls."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_layers * idle * 3 * self.hidden_size * self.expert_size
+
+    @property
     def router_params(self) -> int:
         """Elements of the routers ``[L, H, E]`` (0 for a dense MLP)."""
         return self.num_layers * self.hidden_size * self.num_experts
