@@ -258,6 +258,21 @@ def test_context_checkpoint_resumes_on_another_mesh_shape(context_run, tmp_path)
         assert resumed["mesh"] == {"data": 1, "fsdp": 1, **axes}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--offload", "params"], ["--remat", "offload_inputs"]])
+def test_job_on_context_mesh_composes_with_host_offload(extra, tmp_path):
+    """``--offload params`` (the NF4 base streamed per layer from host) and ``--remat
+    offload_inputs`` on ``--mesh context=2``: the losses of the same mesh with everything on
+    the device (1e-5 relative)."""
+    from jmem import finetune
+
+    argv = _JOB + ["--seq-len", "128", "--steps", "2", "--mesh", "context=2"]
+    ref = finetune.main(argv + ["--out", str(tmp_path / "device")])["losses"]
+    got = finetune.main(argv + extra + ["--out", str(tmp_path / "host")])["losses"]
+    assert len(ref) == 2
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
 REFUSALS = {
     "length": (["--seq-len", "36", "--mesh", "context=4"], ["--seq-len 36", "multiple of 8"]),
     "cudnn": (
