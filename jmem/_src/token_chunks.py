@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jmem._src import partial_sums
 from jmem._src.jaxpr import rebuildable
 from jmem._src.mesh_batch import constrain_groups
 from jmem._src.mesh_batch import expert_split
@@ -262,52 +263,28 @@ def _per_device(fn: Callable, chunk: int, layout: "_Layout", arrays, weights):
     body's entry, not once per chunk (the partitioner, left to itself, puts the
     all-gather next to each matmul, inside the chunk loop). Their cotangents are each
     device's partial sums over its chunks, carried through the loop without a
-    collective and written into a per-device sink (``_weight_sink``, ``_attach``) that
-    leaves the body split as the tokens; the sink's sum over devices, outside, is the
-    weight's cotangent, which the partitioner reduce-scatters into the FSDP split once."""
-    lead = P(layout.axes or None, CONTEXT_AXIS if layout.c > 1 else None)
+    collective and sent to a per-device slot (``jmem._src.partial_sums``); the slots' sum,
+    outside, is the weight's cotangent, which the partitioner reduce-scatters into the
+    FSDP split once."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = P(layout.axes or None, CONTEXT_AXIS if layout.c > 1 else None)
     leaves, tree = jax.tree.flatten(weights)
-    sinks = [_weight_sink(w, (layout.g, layout.c), lead) for w in leaves]
+    n, slot_spec = partial_sums.slots(mesh, layout.manual_axes)
+    sinks = [partial_sums.sink(w, n, slot_spec) for w in leaves]
 
     def body(leaves, sinks, *xs):
-        leaves = [w if s is None else _attach(w, s) for w, s in zip(leaves, sinks)]
+        leaves = [w if s is None else partial_sums.attach(w, s) for w, s in zip(leaves, sinks)]
         return tuple(over_tokens(fn, chunk, *xs, weights=jax.tree.unflatten(tree, leaves)))
 
     run = jax.shard_map(
         body,
-        mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(P(), lead, *[lead] * len(arrays)),
-        out_specs=lead,
+        mesh=mesh,
+        in_specs=(P(), [None if s is None else slot_spec for s in sinks], *[spec] * len(arrays)),
+        out_specs=spec,
         axis_names=set(layout.manual_axes),
         check_vma=False,
     )
     return run(leaves, sinks, *arrays)
-
-
-def _weight_sink(w, lead: tuple, spec: P):
-    """Zeros ``[*lead, *w.shape]`` split as ``spec`` (one slot per device of the token
-    split) whose cotangent, summed over the slots, is ``w``'s; None for a ``w`` without
-    a cotangent (integers: NF4 codes, keys)."""
-    if not jnp.issubdtype(w.dtype, jnp.inexact):
-        return None
-
-    @jax.custom_vjp
-    def sink(w):
-        return jax.lax.with_sharding_constraint(jnp.zeros((*lead, *w.shape), w.dtype), spec)
-
-    sink.defvjp(lambda w: (sink(w), None), lambda _, g: (g.sum((0, 1)).astype(w.dtype),))
-    return sink(w)
-
-
-@jax.custom_vjp
-def _attach(w, sink):
-    """``w``, its cotangent sent to ``sink`` (this device's slot ``[1, 1, *w.shape]`` of a
-    ``_weight_sink``) instead: the shard_map's transpose then has no replicated input's
-    cotangent to ``psum`` (XLA:CPU's all-reduce promotion aborts on the bf16 one)."""
-    return w
-
-
-_attach.defvjp(lambda w, sink: (w, None), lambda _, g: (None, g[None, None]))
 
 
 class _Layout:
