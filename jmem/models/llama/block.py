@@ -112,7 +112,11 @@ def _write_cache(cache, k, v, index):
 def _local(fn, *arrays, lv, layer, config):
     """``fn(*arrays, layer=, config=)`` as a token-local step (``_over_tokens``), the
     layer's weights passed as ``over_tokens``'s ``weights`` (on an FSDP mesh gathered once
-    per loop, not per chunk)."""
+    per loop, not per chunk). Not under FP8: a projection's scaling state is max-reduced
+    over the chunks, and per-device partial sums (``over_tokens`` on a mesh) would add
+    the devices' states; FP8's weights are closed over (gathered per chunk on a mesh)."""
+    if lv.fp8 or fp8_apply.applying():
+        return _over_tokens(functools.partial(fn, layer=layer, config=config), lv, *arrays)
     step = functools.partial(_with_layer, fn, config)
     return _over_tokens(step, lv, *arrays, weights=layer)
 
