@@ -429,14 +429,14 @@ def _small_qlora(cfg):
     return loss_for, adapters, base
 
 
-def _step_collectives(cfg, token_chunk: int, qlora: bool) -> dict:
+def _step_collectives(cfg, chunk: int, qlora: bool) -> dict:
     """Collective bytes per step per device (``jmem._src.hlo_collectives``, loops by trip
     count) of the small Llama's step on ``fsdp=8``, batch 8 x 64, full fine-tuning or
-    QLoRA, with ``token_chunk`` (0: whole)."""
+    QLoRA, with token and loss chunks of ``chunk`` tokens (0: whole)."""
     from jmem._src.hlo_collectives import collective_bytes
     from jmem.models import llama
 
-    lv = jmem.Levers(token_chunk=token_chunk, loss_chunk=16)
+    lv = jmem.Levers(token_chunk=chunk, loss_chunk=chunk)
     batch = helpers.token_batch(cfg, 8, 64)
     mesh = sharding.make_mesh(fsdp=8)
     if qlora:
@@ -453,12 +453,13 @@ def _step_collectives(cfg, token_chunk: int, qlora: bool) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("qlora", [False, True], ids=["full", "qlora"])
 def test_fsdp_weight_gathers_and_gradient_reductions_do_not_repeat_per_token_chunk(qlora):
-    """On ``fsdp=8`` the token-chunk loops (4 chunks of 16 per device and loop) all-gather
-    each layer's weights once per pass, not once per chunk, and reduce their gradients
-    once: the step's all-gather and gradient-reduction bytes with chunks are at most those
-    without (+2%). With the all-gathers and all-reduces inside each chunk loop they were
-    2.3x and 3.5x (full), 4.9x and 4.0x (QLoRA). QLoRA's chunked step gathers the NF4
-    codes, fewer bytes than the unchunked step's dequantized weights (0.22x)."""
+    """On ``fsdp=8`` the token-chunk loops and the chunked loss (4 chunks of 16 per device
+    and loop) all-gather each layer's weights and the head once per pass, not once per
+    chunk, and reduce their gradients once: the step's all-gather and gradient-reduction
+    bytes with chunks are at most those without (+2%). With the all-gathers and
+    all-reduces inside each chunk loop they were 2.5x and 3.9x (full), 5.3x and 4.0x
+    (QLoRA). QLoRA's chunked step gathers the NF4 codes, fewer bytes than the unchunked
+    step's dequantized weights."""
     cfg = helpers.small_config()
     whole, chunked = (_step_collectives(cfg, tc, qlora) for tc in (0, 16))
     print(f"collective bytes, whole {whole}, chunks of 16 {chunked}")
