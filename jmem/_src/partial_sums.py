@@ -47,8 +47,15 @@ def _sink(w, n, spec):
     def zeros(w):
         return jax.lax.with_sharding_constraint(jnp.zeros((n, *w.shape), w.dtype), spec)
 
-    zeros.defvjp(lambda w: (zeros(w), None), lambda _, g: (g.sum(0).astype(w.dtype),))
+    zeros.defvjp(lambda w: (zeros(w), None), lambda _, g: (_sum_slots(g).astype(w.dtype),))
     return zeros(w)
+
+
+def _sum_slots(g: jax.Array) -> jax.Array:
+    """``g``'s sum over its slots (axis 0) in its own dtype, as the partitioner reduces a
+    gradient without the slots: ``jnp.sum`` adds bf16 in float32, and the reduce-scatter
+    then moves float32, twice the bytes."""
+    return jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,))
 
 
 @jax.custom_vjp
