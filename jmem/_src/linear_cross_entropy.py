@@ -11,7 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jmem._src import partial_sums
 from jmem._src.mesh_batch import constrain_groups
+from jmem._src.mesh_batch import expert_split
 from jmem._src.mesh_batch import split_tokens
 from jmem._src.mesh_batch import token_groups
 from jmem._src.sharding import CONTEXT_AXIS
@@ -168,9 +170,51 @@ def linear_cross_entropy(
     if chunk == 0 or chunk >= n // (g * c):  # each device's tokens: one chunk
         logits = _logits(x.reshape(n, h), head.astype(x.dtype)).reshape(b, s, -1)
         return jnp.sum(token_nll(logits, targets, logit_softcap) * weight) / denom
+    total = _chunked_sum(x, head, targets, weight, chunk, logit_softcap)
+    return _value_before_backward(total) / denom
+
+
+def _chunked_sum(x, head, targets, weight, chunk: int, logit_softcap) -> jax.Array:
+    """The masked NLL sum (float32 scalar) over chunks of ``chunk`` tokens: a checkpointed
+    ``lax.scan`` over each device's chunks (``_group_chunks``), run per device
+    (``_per_device_sum``) on a mesh whose Auto axes split the tokens."""
+    b, s = x.shape[:2]
+    axes, _, c = token_groups(b, s)
+    if (axes or c > 1) and expert_split() == 1:
+        return _per_device_sum(x, head, targets, weight, chunk, logit_softcap, axes, c)
     body = jax.checkpoint(lambda c, xs_: _chunk_sum(head, logit_softcap, c, xs_))
     total, _ = lax.scan(body, jnp.zeros((), jnp.float32), _group_chunks(chunk, x, targets, weight))
-    return _value_before_backward(total) / denom
+    return total
+
+
+def _per_device_sum(x, head, targets, weight, chunk, logit_softcap, axes, c) -> jax.Array:
+    """``_chunked_sum`` in a ``jax.shard_map`` manual over the token split (the batch
+    ``axes``, and ``"context"`` for ``c > 1``: ``mesh_batch.token_groups``): the
+    head enters replicated (an FSDP-sharded head all-gathered once, not once per chunk of
+    the backward scan, where the partitioner put it), its cotangent goes to per-device
+    slots summed outside (``jmem._src.partial_sums``: reduced once, not once per chunk),
+    and each device's sum leaves as one element of a ``[G, C]`` array, summed outside.
+    Under expert parallelism (a ``shard_map`` over the whole mesh in the layers) the scan
+    runs as the partitioner places it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = axes + ((CONTEXT_AXIS,) if c > 1 else ())
+    spec = P(axes or None, CONTEXT_AXIS if c > 1 else None)
+    n, slot_spec = partial_sums.slots(mesh, manual)
+    sink = partial_sums.sink(head, n, slot_spec)
+
+    def body(head, sink, x, targets, weight):
+        head = head if sink is None else partial_sums.attach(head, sink)
+        return _chunked_sum(x, head, targets, weight, chunk, logit_softcap).reshape(1, 1)
+
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), None if sink is None else slot_spec, spec, spec, spec),
+        out_specs=spec,
+        axis_names=set(manual),
+        check_vma=False,
+    )
+    return jnp.sum(run(head, sink, x, targets, weight))
 
 
 def _group_chunks(chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -21,6 +21,7 @@ around the interpreted chunk (``jmem._src.jaxpr.rebuildable``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 from typing import Callable
 
 import jax
@@ -28,8 +29,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jmem._src import partial_sums
 from jmem._src.jaxpr import rebuildable
 from jmem._src.mesh_batch import constrain_groups
+from jmem._src.mesh_batch import expert_split
 from jmem._src.mesh_batch import merge_tokens
 from jmem._src.mesh_batch import split_tokens
 from jmem._src.mesh_batch import token_groups
@@ -166,8 +169,11 @@ def _rebuild(counts: tuple, body: Callable, invals: list) -> list:
     return [*ys, *sinks]
 
 
-def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-    """``fn(*arrays)`` computed over chunks of ``chunk`` tokens.
+def over_tokens(
+    fn: Callable, chunk: int, *arrays: jax.Array, weights: Any = None
+) -> tuple[jax.Array, ...]:
+    """``fn(*arrays)`` (``fn(weights, *arrays)`` with ``weights``) computed over chunks of
+    ``chunk`` tokens.
 
     ``fn`` must be token-local (row ``t`` of each output depends on row ``t`` of each input
     only: norms, projections, RoPE, an MLP); it is called on ``[G, chunk, ...]`` slices under
@@ -181,10 +187,16 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     the whole batch is gathered. Without a mesh ``G = 1``: the ``B * S`` tokens are chunked.
 
     Args:
-      fn: ``fn(*chunks) -> tuple of arrays``, each ``[G, chunk, ...]``.
+      fn: ``fn(*chunks) -> tuple of arrays``, each ``[G, chunk, ...]``
+        (``fn(weights, *chunks)`` with ``weights``).
       chunk: tokens per chunk (> 0), per row group.
       *arrays: ``[B, S, ...]`` arrays (same ``B, S``); each group's tokens are chunked
         (the last chunk zero-padded).
+      weights: None, or the pytree of arrays ``fn`` reads besides its tokens (a layer's
+        weights), passed to ``fn`` first. On a mesh whose Auto axes split the tokens they
+        are gathered once, before the chunk loop (``_per_device``), rather than once per
+        chunk, as the partitioner gathers the weights ``fn`` closes over; pass every
+        array ``fn`` would close over here.
 
     Returns:
       ``fn``'s outputs as ``[B, S, ...]`` arrays, equal to ``fn`` on the whole arrays
@@ -203,8 +215,17 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     if any(a.shape[:2] != (b, s) for a in arrays):
         raise ValueError(f"arrays must share their [B, S] axes; got {[a.shape for a in arrays]}.")
     layout = _Layout(b, s)
+    if weights is not None and layout.n > chunk and layout.manual_axes:
+        return _per_device(fn, chunk, layout, arrays, weights)
+    if weights is not None:
+        fn = functools.partial(fn, weights)
     if layout.n <= chunk:
         return tuple(fn(*arrays))
+    return _loop(fn, chunk, layout, arrays)
+
+
+def _loop(fn: Callable, chunk: int, layout: "_Layout", arrays) -> tuple[jax.Array, ...]:
+    """``over_tokens``'s loop over ``layout.n``'s tokens in chunks of ``chunk``."""
     n, ax = layout.n, layout.ax
     pad = -n % chunk
     flat = [layout.split(a) for a in arrays]
@@ -234,6 +255,38 @@ def over_tokens(fn: Callable, chunk: int, *arrays: jax.Array) -> tuple[jax.Array
     return tuple(layout.merge(o[tuple(trim)] if pad else o) for o in outs)
 
 
+def _per_device(fn: Callable, chunk: int, layout: "_Layout", arrays, weights):
+    """``over_tokens`` on a mesh whose Auto axes split the tokens: a ``jax.shard_map``
+    manual over those axes (``layout.manual_axes``), inside which each device chunks its
+    own ``[B / G, S / C, ...]`` tokens as on one device. The ``weights`` enter the body
+    replicated over the manual axes: an FSDP-sharded layer is all-gathered once, at the
+    body's entry, not once per chunk (the partitioner, left to itself, puts the
+    all-gather next to each matmul, inside the chunk loop). Their cotangents are each
+    device's partial sums over its chunks, carried through the loop without a
+    collective and sent to a per-device slot (``jmem._src.partial_sums``); the slots' sum,
+    outside, is the weight's cotangent, which the partitioner reduce-scatters into the
+    FSDP split once."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = P(layout.axes or None, CONTEXT_AXIS if layout.c > 1 else None)
+    leaves, tree = jax.tree.flatten(weights)
+    n, slot_spec = partial_sums.slots(mesh, layout.manual_axes)
+    sinks = [partial_sums.sink(w, n, slot_spec) for w in leaves]
+
+    def body(leaves, sinks, *xs):
+        leaves = [w if s is None else partial_sums.attach(w, s) for w, s in zip(leaves, sinks)]
+        return tuple(over_tokens(fn, chunk, *xs, weights=jax.tree.unflatten(tree, leaves)))
+
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), [None if s is None else slot_spec for s in sinks], *[spec] * len(arrays)),
+        out_specs=spec,
+        axis_names=set(layout.manual_axes),
+        check_vma=False,
+    )
+    return run(leaves, sinks, *arrays)
+
+
 class _Layout:
     """How ``over_tokens`` lays out ``[B, S, ...]`` arrays so that each device loops over its
     own ``n`` tokens (``jmem._src.mesh_batch``): ``[n, ...]`` without a split (token axis 0,
@@ -248,6 +301,10 @@ class _Layout:
         self.axes, self.g, self.c = token_groups(b, s)
         self.n = b // self.g * (s // self.c)
         self.ax = 2 if self.c > 1 else (1 if self.g > 1 else 0)
+        # The axes a per-device loop runs manual over (``_per_device``); none under
+        # expert parallelism, whose layer is a shard_map over the whole mesh already.
+        split = self.axes + ((CONTEXT_AXIS,) if self.c > 1 else ())
+        self.manual_axes = () if expert_split() > 1 else split
 
     def split(self, a):
         if self.ax == 2:

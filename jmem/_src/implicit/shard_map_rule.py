@@ -18,6 +18,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jmem._src import partial_sums
 from jmem._src.implicit.weight import Weight
 from jmem._src.implicit.weight import error
 from jmem._src.implicit.weight import is_weight
@@ -51,6 +52,21 @@ def _split(w: Weight, spec, mesh) -> tuple[str, Weight | None, P | None]:
     return "", local, P(spec[0])
 
 
+def _slots(p) -> tuple[int, P]:
+    """The per-device slots over the body's manual axes (``partial_sums.slots``)."""
+    return partial_sums.slots(p["mesh"], p["newly_manual_axes"])
+
+
+def _sinks(leaves: list, leaf_spec: P, p) -> list:
+    """Per array of a replicated weight, its ``partial_sums.sink`` (None for an integer
+    array) when the body is unchecked (``check_vma=False``, whose transpose would ``psum``
+    the float arrays' cotangents inside it); all None otherwise."""
+    if p["check_vma"] or any(s is not None for s in tuple(leaf_spec)):
+        return [None] * len(leaves)
+    n, spec = _slots(p)
+    return [partial_sums.sink(w, n, spec) for w in leaves]
+
+
 def shard_map(interp, eqn, invals):
     """``shard_map`` receiving ``Weight`` operands (module docstring)."""
     p = eqn.params
@@ -66,18 +82,24 @@ def shard_map(interp, eqn, invals):
         if why:
             return interp.fallback(eqn, invals, v, why)
         leaves, treedef = jax.tree.flatten(local)
-        flat.extend(leaves)
-        specs.extend([leaf_spec] * len(leaves))
-        defs.append((treedef, len(leaves)))
+        sinks = _sinks(leaves, leaf_spec, p)
+        mask = [s is not None for s in sinks]
+        sinks = [s for s in sinks if s is not None]
+        flat.extend([*leaves, *sinks])
+        specs.extend([leaf_spec] * len(leaves) + [_slots(p)[1]] * len(sinks))
+        defs.append((treedef, len(leaves), mask))
 
     def body(*args):
         args, vals = list(args), []
         for d in defs:
             if d is None:
                 vals.append(args.pop(0))
-            else:
-                vals.append(jax.tree.unflatten(d[0], args[: d[1]]))
-                del args[: d[1]]
+                continue
+            treedef, n, mask = d
+            leaves, sinks = args[:n], iter(args[n : n + sum(mask)])
+            del args[: n + sum(mask)]
+            leaves = [partial_sums.attach(w, next(sinks)) if m else w for w, m in zip(leaves, mask)]
+            vals.append(jax.tree.unflatten(treedef, leaves))
         outs = interp.eval(p["jaxpr"], (), vals)
         for o in outs:
             if is_weight(o):

@@ -110,11 +110,23 @@ def _write_cache(cache, k, v, index):
 
 
 def _local(fn, *arrays, lv, layer, config):
-    """``fn(*arrays, layer=, config=)`` as a token-local step (``_over_tokens``)."""
-    return _over_tokens(functools.partial(fn, layer=layer, config=config), lv, *arrays)
+    """``fn(*arrays, layer=, config=)`` as a token-local step (``_over_tokens``), the
+    layer's weights passed as ``over_tokens``'s ``weights`` (on an FSDP mesh gathered once
+    per loop, not per chunk). Not under FP8: a projection's scaling state is max-reduced
+    over the chunks, and per-device partial sums (``over_tokens`` on a mesh) would add
+    the devices' states; FP8's weights are closed over (gathered per chunk on a mesh)."""
+    if lv.fp8 or fp8_apply.applying():
+        return _over_tokens(functools.partial(fn, layer=layer, config=config), lv, *arrays)
+    step = functools.partial(_with_layer, fn, config)
+    return _over_tokens(step, lv, *arrays, weights=layer)
 
 
-def _over_tokens(fn, lv, *arrays):
+def _with_layer(fn, config, layer, *arrays):
+    """``fn(*arrays, layer=layer, config=config)``."""
+    return fn(*arrays, layer=layer, config=config)
+
+
+def _over_tokens(fn, lv, *arrays, weights=None):
     """``fn(*arrays)``, token-local, over chunks of ``lv.token_chunk`` tokens
     (``jmem._src.token_chunks.over_tokens``: its ``[chunk, F]`` MLP tensors and float32
     norms and projections exist for one chunk at a time and are recomputed per chunk in
@@ -125,8 +137,8 @@ def _over_tokens(fn, lv, *arrays):
     unchunked call's one. Checkpoint names inside a chunk are not seen by an outer remat
     policy."""
     if not lv.token_chunk:
-        return tuple(fn(*arrays))
-    return over_tokens(fn, lv.token_chunk, *arrays)
+        return tuple(fn(*arrays) if weights is None else fn(weights, *arrays))
+    return over_tokens(fn, lv.token_chunk, *arrays, weights=weights)
 
 
 def _attend(q, k, v, config: LlamaConfig, attn: dict, lv) -> jax.Array:
