@@ -197,6 +197,9 @@ def test_defaults_are_filled_with_is_none_and_sized_for_the_device(example, tmp_
     assert any("exceeds the model's max_seq_len 512" in n for n in notes)
     c, _ = resolve_defaults(parse_args([]), cfg, on_gpu=False)
     assert (c.model.config, c.model.tokenizer, c.training.lr) == ("tiny", "byte", 3e-3)
+    # tiny_moe is CPU-sized and randomly initialised too: the same sizes and rate on a GPU
+    c, _ = resolve_defaults(parse_args(["--config", "tiny_moe"]), cfg, on_gpu=True)
+    assert (c.training.lr, c.data.batch_size, c.data.seq_len) == (3e-3, 16, 128)
 
 
 @pytest.mark.slow

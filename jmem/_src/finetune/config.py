@@ -267,7 +267,7 @@ class TrainingConfig(_Group):
     optimizer: str = option("adamw_8bit", "optimizer", choices=OPTIMIZER_NAMES)
     lr: float | None = option(
         None,
-        "peak learning rate; unset: 3e-3 for tiny (random init), 2e-4 otherwise",
+        "peak learning rate; unset: 3e-3 for tiny and tiny_moe (random init), 2e-4 otherwise",
         check=cli.positive_float,
     )
     weight_decay: float = option(

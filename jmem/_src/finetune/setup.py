@@ -26,6 +26,10 @@ from jmem.models import llama
 
 #: Unset sizes: "small" for `tiny` and for any training run on a CPU, "large" on a GPU and
 #: for --dry-run plans of a bigger model. The sequence length is capped at the model's.
+#: The CPU-sized presets (random init, byte-level vocabulary): the small defaults and the
+#: random-init learning rate on any device.
+CPU_SIZED = ("tiny", "tiny_moe")
+
 DEFAULTS = {
     "small": {"steps": 200, "batch_size": 16, "seq_len": 128},
     "large": {"steps": 20, "batch_size": 1, "seq_len": 2048},
@@ -98,7 +102,7 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
     if model.tokenizer is None:
         set_["tokenizer"] = model.checkpoint or "byte"
     name = set_.get("config", model.config)
-    d = DEFAULTS["small" if name == "tiny" or not (on_gpu or run.dry_run) else "large"]
+    d = DEFAULTS["small" if name in CPU_SIZED or not (on_gpu or run.dry_run) else "large"]
     sizes = {"steps": t.steps, "batch_size": config.data.batch_size, "seq_len": config.data.seq_len}
     unset = [k for k, v in sizes.items() if v is None]
     for k in unset:
@@ -112,7 +116,7 @@ def resolve_defaults(config, cfg, *, on_gpu: bool):
         set_["seq_len"] = sizes["seq_len"] = g.max_prompt_len + g.max_completion_len
         unset = [k for k in unset if k != "seq_len"]  # not a CPU-sized default
     if t.lr is None:
-        set_["lr"] = 3e-3 if name == "tiny" else 2e-4
+        set_["lr"] = 3e-3 if name in CPU_SIZED else 2e-4
     if t.lora_alpha is None and t.lora_rank:  # --lora-rank 0: no adapters, no alpha
         set_["lora_alpha"] = 2.0 * t.lora_rank
     if t.objective != "sft" and t.beta is None:
