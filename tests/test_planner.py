@@ -867,6 +867,35 @@ def _dry_run_70b(offload: str):
 _OFFLOAD_PARAMS_70B = "benchmarks/results/gpu_compile/offload_params_70b.json"
 
 
+@pytest.mark.parametrize("offload", ["none", "params"])
+@pytest.mark.parametrize("seq_len", [4096, 16384])
+def test_planner_within_10_percent_of_the_stored_70b_dry_runs(offload, seq_len):
+    """Llama-3.1-70B QLoRA r=16 with the base on the device and streamed (``--offload
+    params``): the planner, as the dry run calls it, is the committed h100_sxm compile's
+    device peak within 10% (``offload_params_70b.json``); streamed, its state ledgers are
+    the compile's device arguments (the adapters and their state: the base is in host
+    memory) within 0.1%."""
+    import json
+    import pathlib
+
+    from jmem import finetune
+    from jmem._src.finetune import dry_run
+    from jmem._src.finetune.setup import job_levers
+
+    path = pathlib.Path(__file__).parent.parent / _OFFLOAD_PARAMS_70B
+    runs = json.loads(path.read_text())["runs"]
+    (run,) = [r for r in runs if r["seq_len"] == seq_len and r["offload"] == offload]
+    flat = dict(config="llama3_1_70b", seq_len=seq_len, batch_size=1, lora_rank=16)
+    config = finetune.FinetuneConfig.from_flat(**flat, offload=offload)
+    cfg = llama.get_config("llama3_1_70b")
+    lv = jmem.resolve_levers(job_levers(config), cfg, (1, seq_len), "h100_sxm")
+    kw = dry_run._planner_kwargs(config, lv, "bfloat16", list(llama.LINEAR_NAMES), 1)
+    est = planner.estimate(cfg, **kw)
+    np.testing.assert_allclose(est.total, run["device_peak_bytes"], rtol=0.10)
+    state = est.params + est.optimizer_state + est.master_weights
+    np.testing.assert_allclose(state, run["device_argument_bytes"], rtol=1e-3)
+
+
 def test_dry_run_judges_the_smaller_cards_and_names_the_cheapest_lever(capsys):
     """``--memory`` not given: the verdict is against the target's memory, and the dry run
     adds the 24/32/40/48 GiB cards by the same rule (compiled peak + 2 GB reserve), with the
