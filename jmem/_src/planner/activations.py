@@ -245,8 +245,8 @@ def moe_layer_bytes(
     (token, expert) pairs, ``tile = tile_rows(rows, E)`` and ``n`` the grouped matmul's
     static tile bound (``jmem._src.grouped_matmul``):
 
-    * the tiled rows: three ``[n tile, H]`` and three ``[n tile, F_e]`` copies (the sorted
-      tokens, the expert hidden and their gradients, placed into tiles);
+    * the tiled rows: three ``[n tile, H]`` and three ``[n tile, F_e]`` copies (the rows
+      and their gradients placed into tiles, as the compiles hold them);
     * the expert hidden ``[rows, F_e]`` and its gradient;
     * each adapted expert projection's ``F_e``-side LoRA factor gathered per tile,
       ``[n, r, F_e]`` (``expert_lora``: the rank summed over the adapted projections);
