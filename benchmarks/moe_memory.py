@@ -5,7 +5,9 @@ on the device and streamed from host memory (``--offload params``).
 
 Each row is one ``jmem finetune ... --dry-run --target h100_sxm`` (XLA:GPU compile for
 h100_sxm without a GPU; needs the ``gpu-plan`` extra and ``JAX_PLATFORMS=cpu``), read from
-its ``dry_run.json``: the compiled device peak (``jmem.measure``) and the planner's total.
+its ``dry_run.json``: the compiled device peak, arguments and temporaries (``jmem.measure``)
+and the planner's total, state ledgers (params, optimizer state, masters: the compile's
+arguments) and grads + activations (its temporaries).
 The goals set against published figures (theirs, not measured here): Unsloth's 17.5 GB for
 Qwen3-30B-A3B and 28 GB for Mixtral 8x7B QLoRA. Prints a table and writes
 ``benchmarks/results/moe_memory_h100.json``. One compile at a time (each takes about a
@@ -28,7 +30,7 @@ import tempfile
 GIB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "moe_memory_h100.json")
-MACHINE = "XLA:GPU compile for h100_sxm without a GPU"
+MACHINE = "XLA:GPU compile for h100_sxm, no GPU, shared 2-core CPU machine"
 #: preset -> (goal GiB, published figure)
 GOALS = {
     "qwen3_30b_a3b": (16, "Unsloth: 17.5 GB"),
@@ -52,13 +54,17 @@ def row(preset: str, offload: bool) -> dict:
     rec = dry_run(preset, offload)
     goal, published = GOALS[preset]
     peak = rec["compiled"]["peak_bytes"] / GIB
+    est = rec["estimate"]
+    state = est["params"] + est["optimizer_state"] + est["master_weights"]
     return {
         "config": preset,
         "offload_params": offload,
         "compiled_peak_gib": round(peak, 2),
         "compiled_args_gib": round(rec["compiled"]["argument_bytes"] / GIB, 2),
         "compiled_temp_gib": round(rec["compiled"]["temp_bytes"] / GIB, 2),
-        "planner_total_gib": round(rec["estimate"]["total"] / GIB, 2),
+        "planner_total_gib": round(est["total"] / GIB, 2),
+        "planner_state_gib": round(state / GIB, 2),
+        "planner_grads_activations_gib": round((est["grads"] + est["activations"]) / GIB, 2),
         "trainable_params": rec["trainable_params"],
         "goal_gib": goal,
         "meets_goal": peak <= goal,

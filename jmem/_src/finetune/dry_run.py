@@ -327,8 +327,8 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
 # --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
 def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) -> None:
     """The ``--offload params`` rung, when the step does not fit and it is not in use: the
-    frozen base's (``full``: the trained params') bytes leave the device (the embedding,
-    final norm, head and two layers' slices stay) and the layer stack crosses PCIe three
+    frozen base's (``full``: the trained params') bytes leave the device (a layer's slice
+    is fetched per layer, the head for the loss) and the layer stack crosses PCIe three
     times a step (forward, remat recomputation, backward); ``est``/``streamed``: the
     planner without and with it."""
     flag, what = ("optimizer,params", "the params") if full else ("params", "the frozen base")

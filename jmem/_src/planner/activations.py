@@ -25,6 +25,7 @@ __all__ = [
     "activation_bytes",
     "compiler_terms",
     "is_long_context",
+    "moe_layer_bytes",
 ]
 
 #: Remat modes (``jmem.REMAT_POLICIES``' names), from most to least memory.
@@ -199,12 +200,14 @@ def is_long_context(shape: ModelShape, seq_len: int) -> bool:
     return attention != "dense"
 
 
-def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, remat, A) -> dict:
+def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, remat, A, moe=(0, 0)):
     """``recompute`` and ``logits`` of the long-context paths (no ``[S, T]`` scores, no
     ``[B, S, V]`` logits, no ``[B, S, F]`` MLP temporaries), with ``terms``' constants.
     The layer phase holds the layer input being written into (read from) the saved stack
     when ``remat`` keeps the inputs on the device (``saved_copy``); under ``offload`` its
-    MLP term is ``offload_mlp_per_token_f`` per token."""
+    MLP term is ``offload_mlp_per_token_f`` per token. A routed layer's MLP is
+    ``moe_layer_bytes`` (``moe``: its ``(stored, expert_lora)``) instead of the dense
+    MLP's chunk buffers and weights."""
     t, h, V = b * s, shape.hidden_size, shape.vocab_size
     held = 0 if remat in ("offload", "offload_inputs") else terms.saved_copy * A * h
     m = min(t, shape.mlp_chunk) if shape.mlp_chunk else t
@@ -218,29 +221,56 @@ def _long_context_parts(shape: ModelShape, b, s, terms: CompilerTerms, remat, A)
     logits += int(terms.loss_work_per_token_h * t * h)
     if shape.tie_embeddings:
         logits += int(terms.tied_head_copies * A * V * h)
-    mlp = m * f * shape.active_mlp_width
-    weights = terms.layer_weight_bytes * sum(i * o for i, o in shape.linear_shapes().values())
+    linear = shape.linear_shapes()
+    if shape.num_experts:  # the MLP's names stand for the experts
+        linear = {k: v for k, v in linear.items() if k not in _MLP_NAMES}
+        mlp = moe_layer_bytes(shape, m, A, *moe, weight_bytes=terms.layer_weight_bytes)
+    else:
+        mlp = m * f * shape.active_mlp_width
+    weights = terms.layer_weight_bytes * sum(i * o for i, o in linear.values())
     work = t * (terms.layer_work_per_token_h * h + held) + mlp + weights
-    return {"recompute": int(work + moe_dispatch_bytes(shape, t, A)), "logits": logits}
+    return {"recompute": int(work), "logits": logits}
 
 
-def moe_dispatch_bytes(shape: ModelShape, t: int, A: int) -> int:
-    """One routed layer's backward working set beyond the dense MLP's (0 without experts):
-    the ``T k`` sorted token copies ``[T k, H]`` and the expert hidden ``[T k, F_e]`` (gate,
-    up, hidden) with their gradients, the grouped matmul's tiled copy of the rows
-    ``[T k + E tile, max(H, F_e)]`` and one chunk of its gathered kernels
-    (``jmem._src.grouped_matmul``), and one dequantized (or cast) stack of the layer's
-    ``E H F_e`` experts in the compute dtype."""
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_layer_bytes(
+    shape: ModelShape, m: int, A: int, stored: float = 0, expert_lora: int = 0, weight_bytes=0
+) -> int:
+    """One routed layer's MLP in its backward working set (0 without experts), for the ``m``
+    tokens of one token chunk (the routed block runs inside the layer's token-chunk loop),
+    as XLA:GPU's buffers at the layer's peak show them (Mixtral 8x7B and Qwen3-30B-A3B
+    QLoRA, h100_sxm compiles; docs/planner.md, "Mixture of experts"). With ``rows = m k``
+    (token, expert) pairs, ``tile = tile_rows(rows, E)`` and ``n`` the grouped matmul's
+    static tile bound (``jmem._src.grouped_matmul``):
+
+    * the tiled rows: three ``[n tile, H]`` and three ``[n tile, F_e]`` copies (the rows
+      and their gradients placed into tiles, as the compiles hold them);
+    * the expert hidden ``[rows, F_e]`` and its gradient;
+    * each adapted expert projection's ``F_e``-side LoRA factor gathered per tile,
+      ``[n, r, F_e]`` (``expert_lora``: the rank summed over the adapted projections);
+    * the weights. NF4 experts (``stored``: bytes per stored expert weight): the layer's
+      packed slice of its three ``[E, H, F_e]`` stacks, and one stack dequantized twice in
+      the backward pass (the rematted forward's and the backward's copies of the same
+      projection, which XLA fuses into one two-output fusion: two bf16 stacks and their
+      4-bit codes unpacked to a byte each, ``2 (A + 1) E H F_e``). Unquantized experts
+      (``stored`` 0; not measured): ``weight_bytes`` per weight of the three stacks (the
+      dense layers' ``layer_weight_bytes``) and one cast stack ``A E H F_e``.
+    """
     e, k, fe, h = shape.num_experts, shape.num_experts_per_tok, shape.expert_size, shape.hidden_size
     if not e:
         return 0
-    rows = t * k
-    dispatch = 2 * A * rows * (h + 3 * fe)
-    wide = max(h, fe)
+    rows = m * k
     tile = _gmm.tile_rows(rows, e)
-    tiled = A * (rows + e * tile) * wide
-    kernels = min(_gmm.KERNEL_CHUNK_BYTES, (rows // tile + e) * h * fe * A)
-    return dispatch + tiled + kernels + A * e * h * fe
+    tiles = -(-(rows + e * (tile - 1)) // tile)
+    stack = e * h * fe  # one projection's experts
+    routed = 3 * A * tiles * tile * (h + fe) + 2 * A * rows * fe + A * tiles * expert_lora * fe
+    if stored:
+        weights = 3 * stored * stack + 2 * (A + 1) * stack
+    else:
+        weights = 3 * weight_bytes * stack + A * stack
+    return int(routed + weights)
 
 
 def activation_bytes(
@@ -252,6 +282,7 @@ def activation_bytes(
     remat: str | None = None,
     compiler: str = "cpu",
     layer_param_bytes: int = 0,
+    expert_lora: int = 0,
 ) -> dict[str, int]:
     """Bytes of activations kept for the backward pass of one micro-batch, by part.
 
@@ -265,7 +296,8 @@ def activation_bytes(
     selective's residuals). With the long-context paths (``shape.attention`` blockwise at
     this length, see :func:`is_long_context`) ``recompute`` is one layer's backward working
     set ``t (w h) + min(t, mlp_chunk) f F + c W`` bytes (``W``: one layer's linear
-    weights), ``logits`` the chunked loss's ``k * 4 loss_chunk V + l t h``, there is no
+    weights; a routed layer's MLP and expert weights are ``moe_layer_bytes`` instead of
+    the last two terms' MLP part), ``logits`` the chunked loss's ``k * 4 loss_chunk V + l t h``, there is no
     mask, and ``phased`` is 1: the loss and the layers' backward pass run one after the
     other, so the step holds the larger of the two. With the token-local parts in chunks
     ``layers`` counts what crosses the chunks under each mode (``docs/planner.md``, "Every
@@ -285,7 +317,10 @@ def activation_bytes(
       layer_param_bytes: bytes of the layer stack's weights as stored (the packed NF4
         layers of a QLoRA base; ``planner.estimate`` passes them for an NF4 base): with
         the long-context paths, ``remat="none"`` adds ``unrolled_weight_copies`` of them to
-        ``layers`` (:class:`CompilerTerms`).
+        ``layers`` (:class:`CompilerTerms`); on a mixture of experts, the bytes per stored
+        weight they give price a routed layer's packed expert slice (``moe_layer_bytes``).
+      expert_lora: the LoRA rank summed over the adapted expert projections (``3 r`` with
+        all three adapted; 0: none): the grouped matmul gathers their factors per tile.
 
     Returns:
       ``{"layers", "recompute", "logits", "other", "host_activations", "phased"}`` in
@@ -319,7 +354,9 @@ def activation_bytes(
     }
     if is_long_context(shape, s):
         terms = COMPILER_TERMS[compiler]
-        parts.update(_long_context_parts(shape, batch_size, s, terms, remat, A))
+        stored = layer_param_bytes / max(shape.linear_params, 1)  # bytes per stored weight
+        moe = (stored, expert_lora)
+        parts.update(_long_context_parts(shape, batch_size, s, terms, remat, A, moe))
         parts.update(other=A * t * shape.hidden_size, phased=1)
         if remat == "none":  # the inlined layers' weight slices, held to their backward
             parts["layers"] += int(terms.unrolled_weight_copies * layer_param_bytes)

@@ -168,32 +168,38 @@ def _nf4_rate(accounting: str, double_quant: bool) -> float:
     return (4 + 8 / 64 + 32 / (64 * 256)) / 8 if double_quant else (4 + 32 / 64) / 8
 
 
-def _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings) -> float:
-    """Bytes of the weights outside the layer stack (embedding, final norm, LM head): the
-    part of the base the params rung keeps on the device for the step. ``nf4``: bytes per
-    quantized weight, None for an unquantized base (``P`` bytes each)."""
+def _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings) -> tuple[float, float]:
+    """``(resident, head)``: bytes of the weights outside the layer stack (embedding, final
+    norm, LM head), which cross host-to-device once a step under the params rung, and of
+    the head among them (the LM head, or the embedding when tied), which the loss phase
+    fetches to the device. ``nf4``: bytes per quantized weight, None for an unquantized
+    base (``P`` bytes each)."""
     rest = shape.embedding_params + shape.hidden_size
+    head = shape.vocab_size * shape.hidden_size
     if count_given:  # a count is quantized whole: the shape's fraction of its n
-        return rest * (P if nf4 is None else nf4) * n / max(shape.n_params, 1)
+        rate = (P if nf4 is None else nf4) * n / max(shape.n_params, 1)
+        return rest * rate, head * rate
     if nf4 is None:
-        return rest * P
-    emb = shape.embedding_params * (nf4 if quantize_embeddings else P)
-    return emb + shape.hidden_size * P
+        return rest * P, head * P
+    emb = nf4 if quantize_embeddings else P
+    return shape.embedding_params * emb + shape.hidden_size * P, head * emb
 
 
-def _stream_params(st: _States, base: float, resident: float, shape, shards: tuple[int, int]):
+def _stream_params(st: _States, base: float, weights: tuple, shape, shards: tuple[int, int]):
     """The params rung on states sharded as ``shards`` (``(num_shards, zero_stage)``): the
-    base lives in host memory; the device keeps the resident weights and two layers' slices
-    (the one in use and the next one's copy in flight). Returns ``(states, host bytes,
-    {"stack": bytes streamed per pass, "resident": bytes}, detail)``."""
+    whole base lives in host memory between steps (the job puts every frozen leaf in
+    ``pinned_host``), so the device's arguments hold none of it. In the step each layer's
+    slice is fetched into a buffer of the layer loop, where XLA also slices a device-resident
+    stack's layer (the activations' layer working set counts it either way), and the loss
+    phase fetches the head (``weights``: ``(resident, head)`` bytes, ``_resident_bytes``).
+    Returns ``(states, host bytes, {"stack": bytes streamed per pass, "resident": bytes},
+    head bytes the loss phase holds, detail)``."""
     k, zero_stage = shards
-    base, resident = (_divide_from(x, k, zero_stage, 3) for x in (base, resident))
+    base, resident, head = (_divide_from(x, k, zero_stage, 3) for x in (base, *weights))
     stack = base - resident
-    kept = resident + 2 * stack / shape.num_layers
     detail = {"params:layer_slice": int(round(stack / shape.num_layers))}
-    detail["params:device"] = int(round(kept))
-    st = dataclasses.replace(st, params=st.params - base + kept)
-    return st, int(round(base)), {"stack": stack, "resident": resident}, detail
+    st = dataclasses.replace(st, params=st.params - base)
+    return st, int(round(base)), {"stack": stack, "resident": resident}, head, detail
 
 
 def _params_notes(spec, streamed: dict) -> list[str]:
@@ -201,7 +207,8 @@ def _params_notes(spec, streamed: dict) -> list[str]:
     notes = [
         f"params streamed from host: the layer stack ({streamed['stack'] / GB:.3g} GB) "
         "crosses host-to-device 3x per micro-batch (forward, remat recomputation, "
-        "backward), the embedding/final norm/head once; two layers' slices on the device"
+        "backward), the embedding/final norm/head once; on the device one layer's slice at a "
+        "time and the head for the loss"
     ]
     if spec is None:
         notes.append(
@@ -326,11 +333,23 @@ def _transfers(
     return {k: v for k, v in host.items() if k not in moved}, moved, transfers
 
 
-def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target, nf4):
+def _expert_lora(shape, spec) -> int:
+    """The LoRA rank summed over the adapted expert projections (``activation_bytes``'
+    ``expert_lora``): 0 without experts or without adapters on them."""
+    if spec is None or not shape.num_experts:
+        return 0
+    rank, targets = spec
+    return rank * len({"gate_proj", "up_proj", "down_proj"} & set(targets))
+
+
+def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_given, target, w):
     """The activation ledger: ``(bytes, detail, host bytes, notes)``; ``target``: the
     resolved levers' compile target (its platform's compiler terms, ``compiler_terms``);
-    ``nf4``: bytes per NF4 weight of a QLoRA base (None: none), for the layer stack's
-    weight slices that ``remat="none"`` holds."""
+    ``w``: ``(nf4, expert_lora, head)``: bytes per NF4 weight of a QLoRA base (None: none),
+    for the layer stack's weight slices that ``remat="none"`` holds and a routed layer's
+    expert slice; ``_expert_lora``; the head's bytes the params rung fetches for the loss
+    phase (0 without it), held beside the chunked loss's buffers."""
+    nf4, expert_lora, head = w
     if budget is not None:
         return int(budget), {"activation:budget": int(budget)}, 0, []
     platform = _levers._platform(target)[1]  # noqa: SLF001 (resolve's own rule)
@@ -343,9 +362,11 @@ def _activations(shape, budget, batch_size, seq_len, act_dtype, remat, count_giv
         remat=remat,
         compiler=terms.compiler,
         layer_param_bytes=int(shape.linear_params * nf4) if nf4 else 0,
+        expert_lora=expert_lora,
     )
     phased = parts.pop("phased")
-    work = [parts["recompute"], parts["logits"]]
+    parts["streamed_head"] = int(round(head))
+    work = [parts["recompute"], parts["logits"] + parts["streamed_head"]]
     act = parts["layers"] + parts["other"] + (max(work) if phased else sum(work))
     detail = {f"activation:{k}": v for k, v in parts.items() if v}
     notes = []
@@ -537,10 +558,10 @@ def estimate(
     adapters = st.grads if spec is not None else 0  # LoRA: the grads are the adapters'
     st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P, adapters)
     shards = (num_shards, zero_stage)
-    streamed, params_host = {}, 0
+    streamed, params_host, head = {}, 0, 0
     if offload.params:
-        resident = _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings)
-        st, params_host, streamed, rung = _stream_params(st, base, resident, shape, shards)
+        weights = _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings)
+        st, params_host, streamed, head, rung = _stream_params(st, base, weights, shape, shards)
         detail, notes = {**detail, **rung}, notes + _params_notes(spec, streamed)
     st, host = _offload(st, offload, params_host)
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
@@ -549,8 +570,9 @@ def estimate(
         shape, model, count_given, levers, batch_size, seq_len, act_dtype, target
     )
     remat = _streamed_remat(streamed, lv.remat, offload)
+    w = (nf4, _expert_lora(shape, spec), head)
     act, act_detail, host_act, act_notes = _activations(
-        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target, nf4
+        shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target, w
     )
     if host_act:
         host["activations"] = host_act

@@ -95,10 +95,10 @@ class Ledger:
 
     def trade(self, pcie_gbps: float = PCIE_GBPS, disk_gbps: float = DISK_GBPS) -> str:
         """``saves X GiB, moves Y GB per step (...)``: the offload rungs' trade in one line."""
-        # the params rung's host bytes less what it keeps on the device (resident weights
-        # and two layers' slices, ``detail["params:device"]``)
+        # the params rung's host bytes less the head it fetches for the loss phase
+        # (``detail["activation:streamed_head"]``)
         saved = self.host_total - self.host.get("activations", 0) + sum(self.disk.values())
-        saved -= self.detail.get("params:device", 0)
+        saved -= self.detail.get("activation:streamed_head", 0)
         secs = self.transfer_seconds(pcie_gbps, disk_gbps)
         parts = ", ".join(
             f"{k.replace('_', ' ')} {v / GB:.3g} GB ({secs[k]:.3g} s at "
