@@ -5,6 +5,7 @@ options that contradict it in one line; its dry run compiles the full step."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -177,6 +178,51 @@ def test_full_finetuning_on_an_fsdp_mesh_with_host_offload_trains(tmp_path):
     summary = jmem.finetune.main(argv)
     assert summary["mesh"] == {"data": 1, "fsdp": 2}
     assert all(np.isfinite(summary["losses"])) and summary["last_loss"] < summary["first_loss"]
+
+
+HOST = ["--offload", "optimizer,params"]
+
+
+@pytest.mark.slow
+def test_a_run_with_host_params_resumes_bitwise_and_so_does_one_moved_to_host(
+    reference, tmp_path, capsys
+):
+    """With the params and optimizer state in host memory on one device: the run gives the
+    in-memory run's losses, and resumed from checkpoint 2 (checkpoint 4 deleted) it
+    continues bit for bit; so does the in-memory run resumed with ``--offload
+    optimizer,params`` added (docs/checkpoints.md: offload may differ)."""
+    out = tmp_path / "host"
+    argv = FULL + HOST + ["--steps", "4", "--out", str(out)]
+    assert jmem.finetune.main(argv)["losses"] == reference[2]["losses"]
+    shutil.rmtree(out / "checkpoints" / "4")
+    summary = jmem.finetune.main(argv + ["--resume"])
+    assert "Resumed at step 2" in capsys.readouterr().out
+    assert summary["losses"] == reference[2]["losses"]
+    moved = tmp_path / "moved"
+    shutil.copytree(reference[0], moved)
+    shutil.rmtree(moved / "checkpoints" / "4")
+    argv = FULL + HOST + ["--steps", "4", "--out", str(moved), "--resume"]
+    summary = jmem.finetune.main(argv)
+    assert "Resumed at step 2" in capsys.readouterr().out
+    assert summary["losses"] == reference[2]["losses"]
+    assert summary["offload"]["params"] == "host"
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_with_host_params_trains_and_its_dry_run_compiles_it(
+    reference, tmp_path
+):
+    """``--grad-accum 2 --offload optimizer,params``: the dry run compiles the step the run
+    executes (the same compiled peak), and the run gives the in-memory ``--grad-accum 2``
+    run's losses bit for bit (and the first loss of ``--grad-accum 1`` to bf16 rounding)."""
+    argv = FULL + ["--grad-accum", "2", "--steps", "2"]
+    dry = jmem.finetune.main(argv + HOST + ["--dry-run", "--out", str(tmp_path / "dry")])
+    host = jmem.finetune.main(argv + HOST + ["--out", str(tmp_path / "host")])
+    assert host["peak_source"] == "compiled (jmem.measure)"
+    assert dry["compiled"]["peak_bytes"] == host["peak_bytes"]
+    in_memory = jmem.finetune.main(argv + ["--out", str(tmp_path / "memory")])
+    assert host["losses"] == in_memory["losses"]
+    np.testing.assert_allclose(host["losses"][0], reference[2]["losses"][0], rtol=2e-3)
 
 
 @pytest.mark.slow
