@@ -1,6 +1,8 @@
 """Leaf-by-leaf optimizer update: the whole-tree ``inner.update`` traced once, its equations
 labelled by parameter leaf and re-emitted one leaf at a time, each leaf's state loaded only
-after the previous leaf's new state is stored (a ``jax.lax.optimization_barrier`` chain).
+after the previous leaf's new state is stored (a ``jax.lax.optimization_barrier`` chain); a
+layer stack whose update is elementwise along its rows is run one row at a time
+(``stack_rows.py``).
 
 Design notes: docs/offload.md. Reference: ZeRO-Offload (Ren et al., 2021, arXiv:2101.06840).
 """
