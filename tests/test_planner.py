@@ -138,7 +138,10 @@ def test_offload_moves_ledgers_to_host():
     both = estimate("llama_1b", offload="optimizer+masters", activations=0)
     assert off.optimizer_state == 0 and off.host["optimizer_state"] == base.optimizer_state
     assert both.master_weights == 0 and both.host["master_weights"] == base.master_weights
-    assert both.total + both.host_total == base.total
+    assert both.static + both.host_total == base.total
+    # The leaf-by-leaf update of the offloaded state: params, grads and the largest unit it
+    # updates at once (here the embedding, whole), above the (given, zero) activations.
+    assert both.total == both.update_phase > both.params + both.grads
 
 
 def test_zero_stages():
@@ -782,8 +785,9 @@ def test_params_rung_ledger_and_transfers_are_the_analytic_sums():
 
 
 def test_params_rung_for_full_fine_tuning_and_bad_values():
-    """Full fine-tuning (a plan only, noted): the bf16 params leave the device, the loss
-    phase holds the fetched head; the rung needs remat; bad offload values are refused."""
+    """Full fine-tuning: the bf16 params leave the device (the loss phase holds the fetched
+    head) and the gradients go to host memory (each layer's, as the backward pass produces
+    it, and back for the update); the rung needs remat; bad offload values are refused."""
     kw = dict(optimizer="adamw", param_dtype="bf16", remat="full", seq_len=512)
     plain = planner.estimate("llama2_7b", **kw)
     led = planner.estimate("llama2_7b", offload="params", **kw)
@@ -792,9 +796,11 @@ def test_params_rung_for_full_fine_tuning_and_bad_values():
     stack = plain.n_params * 2 - resident
     assert led.params == 0
     assert led.activations == plain.activations + s.vocab_size * s.hidden_size * 2
-    assert led.grads == plain.grads and led.host["params"] == plain.params
+    assert led.grads == 0 and led.host["grads"] == plain.grads
+    assert led.host["params"] == plain.params
     assert led.transfers["params"] == round(3 * stack + resident)
-    assert any("plan only" in n for n in led.notes)
+    assert led.transfers["grads"] == 2 * plain.grads
+    assert any("gradient to host memory" in n for n in led.notes)
     with pytest.raises(ValueError, match="needs remat"):
         planner.estimate("llama2_7b", offload="params", **{**kw, "remat": "none"})
     for bad in ("params,disk,optimizer", "optimizer,disk", "param", ["params"]):
