@@ -142,8 +142,8 @@ def _check_reserve(memory: Any, reserve: float) -> tuple[int, int]:
     reserve = int(reserve)
     if reserve < 0 or reserve >= mem:
         raise ValueError(
-            f"reserve ({reserve} bytes) must be >= 0 and below the memory ({mem} "
-            "bytes); did you forget a unit, e.g. '24GB'?"
+            f"reserve ({reserve / GB:.4g} GB) must be >= 0 and below the memory "
+            f"({mem / GB:.4g} GB); pass both with a unit, e.g. '24GB' and '2GB'"
         )
     return mem, reserve
 
