@@ -201,7 +201,8 @@ def offload_in_effect(config, cfg=None, batch_size=None, seq_len=None) -> str | 
     elif r["optimizer_state"] == "host":
         parts.append("optimizer state and masters in host memory")
     if r["params"] == "host":
-        parts.append("frozen params in host memory, streamed a layer at a time")
+        what = "trained params" if not config.training.lora_rank else "frozen base"
+        parts.append(f"{what} in host memory, streamed a layer at a time")
     if r["layer_inputs"] == "host":
         moved = r.get("layer_inputs_bytes_per_step")
         per_step = "" if moved is None else f", {moved / 1e9:.3g} GB host<->device per step"
