@@ -386,3 +386,13 @@ def test_estimate_help_names_what_each_offload_value_moves(capsys):
     for w in ("optimizer (the optimizer state and the fp32 masters", "optimizer,params (both)"):
         assert w in text, w
 
+
+def test_job_offload_dir_refusal_prints_nothing_before_its_one_line(tmp_path, capsys):
+    """A bad ``--offload-dir`` path: no ``offload: ... on disk under`` line first."""
+    argv = ["--config", "tiny", "--offload-dir", str(tmp_path / "no" / "x"), "--no-progress"]
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv + ["--out", str(tmp_path / "out"), "--host-allocator", "system"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "", out
+    assert err.startswith("error: --offload-dir") and err.count("\n") == 1, err
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
