@@ -306,10 +306,7 @@ def _estimate_grpo(args: argparse.Namespace) -> int:
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         kw.pop("seq_len"), kw.pop("batch_size")
-        print(f"== objective=grpo optimizer={opt} remat={remat} ({where}) ==")
         gen, why = _generation(args, kw)
-        print(gen.line() + _verdict(gen, args))
-        print(f"  {why}")
         train = grpo_phases.training_phase(
             args.model,
             batch_size=args.batch_size,
@@ -319,6 +316,9 @@ def _estimate_grpo(args: argparse.Namespace) -> int:
             target=args.target,
             **kw,
         )
+        print(f"== objective=grpo optimizer={opt} remat={remat} ({where}) ==")  # both planned
+        print(gen.line() + _verdict(gen, args))
+        print(f"  {why}")
         print(train.line() + _verdict(train, args))
         if args.target:
             _grpo_compiled(args, opt, remat, gen.config["rows"])

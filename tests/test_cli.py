@@ -325,6 +325,11 @@ SILENT_ESTIMATE_REFUSALS = {
         ["--model", "llama2_7b", "--lora-rank", "0", "--offload", "params"],
         ["--offload params", "--lora-rank 0", "pass --offload optimizer,params"],
     ),
+    "shape for a config, both phases": (
+        ["--model", "tiny", "--num-layers", "3", "--objective", "grpo", "--batch-size", "8"],
+        ["--num-layers", "parameter count"],
+    ),
+    "shape for a config": (["--model", "tiny", "--num-layers", "3"], ["--num-layers"]),
     "two state rungs": (
         ["--model", "llama2_7b", "--offload", "optimizer,optimizer+masters"],
         ["--offload", "optimizer,params"],
