@@ -328,7 +328,10 @@ def test_every_offload_in_effect_is_named_and_recorded():
     r = offload_record(c)
     assert (r["optimizer_state"], r["params"], r["layer_inputs"]) == ("device", "host", "host")
     line = offload_in_effect(c)
-    assert "frozen params in host memory" in line and "layer inputs in host memory" in line
+    assert "frozen base in host memory" in line and "layer inputs in host memory" in line
+    full = finetune.FinetuneConfig.from_flat(offload="optimizer,params", lora_rank=0)
+    line = offload_in_effect(full)  # --lora-rank 0: the params stream, and they train
+    assert "trained params in host memory" in line and "frozen" not in line
     d = finetune.FinetuneConfig.from_flat(offload_dir="/x")
     assert offload_record(d)["optimizer_state"] == "disk" and "/x" in offload_in_effect(d)
     with pytest.raises(ValueError, match="cannot be combined with params streamed"):
