@@ -521,6 +521,23 @@ def _ledger(st: _States, act, host, n, detail, notes, config, **extra) -> Ledger
     )
 
 
+def _states(spec, n, shape, sizes, accounting, count_given, master_weights, base_kw):
+    """The state ledgers before sharding and offload: ``(states, base bytes, detail,
+    notes)``; ``sizes``: ``(P, G, S, opt)``; ``base_kw``: ``(param_dtype, nf4 bytes per
+    weight or None, quantize_embeddings, adapter_dtype)``. Full fine-tuning (``spec`` None)
+    trains every weight; LoRA trains adapters on a frozen base."""
+    P, G, S, opt = sizes
+    param_dtype, nf4, quantize_embeddings, adapter_dtype = base_kw
+    notes = _optimizer_notes(opt)
+    if spec is None:
+        st = _full_states(n, shape, P, G, S, opt, accounting, count_given, master_weights)
+        return st, n * P, {}, notes
+    base, base_notes = _frozen_base(n, shape, P, param_dtype, nf4, quantize_embeddings, count_given)
+    AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
+    st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
+    return st, base, detail, notes + [*base_notes, lora_note]
+
+
 def estimate(
     model: Any,
     *,
@@ -595,18 +612,17 @@ def estimate(
     master_weights = P < 4 if master_weights is None else master_weights
     opt = OPTIMIZERS[optimizer]
     S = state_bytes_per_param(opt, accounting, state_block_size)
-    notes, detail = _optimizer_notes(opt), {}
     nf4 = _nf4_rate(accounting, double_quant) if quantization == "nf4" else None
-    if spec is None:
-        st = _full_states(n, shape, P, G, S, opt, accounting, count_given, master_weights)
-        base = n * P
-    else:
-        base, base_notes = _frozen_base(
-            n, shape, P, param_dtype, nf4, quantize_embeddings, count_given
-        )
-        AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
-        st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
-        notes += [*base_notes, lora_note]
+    st, base, detail, notes = _states(
+        spec,
+        n,
+        shape,
+        (P, G, S, opt),
+        accounting,
+        count_given,
+        master_weights,
+        (param_dtype, nf4, quantize_embeddings, adapter_dtype),
+    )
     adapters = st.grads if spec is not None else 0  # LoRA: the grads are the adapters'
     st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P, adapters)
     shards = (num_shards, zero_stage)
