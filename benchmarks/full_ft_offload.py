@@ -11,7 +11,8 @@ the layer scan; each layer's gradient written to host memory by the backward loo
 8-bit moments in host memory, updated one parameter leaf at a time on the device), on
 abstract shapes (nothing allocated), compiles it with XLA:GPU for ``--target`` and reads
 its buffer assignment: device peak, host bytes, and whether any device buffer has the shape
-of a stacked ``[L, ...]`` parameter (or gradient). Writes
+of a stacked ``[L, ...]`` parameter (or gradient); and ``jmem.planner.estimate``'s device
+total for the same step, with its error against the compile. Writes
 ``benchmarks/results/gpu_compile/full_ft_offload_<config>.json`` (labelled "XLA:GPU compile
 for <target>, no GPU"). Needs the ``gpu-plan`` extra.
 """
@@ -73,6 +74,27 @@ def build(
     return step, state, {"inputs": tokens, "targets": tokens}, cfg
 
 
+def planner_total(
+    config: str, seq_len: int, optimizer: str, offload, lv, *, fsdp: int = 1, masters: bool
+) -> tuple[int, int]:
+    """``(device bytes, host bytes)`` per device of ``jmem.planner.estimate`` for the step
+    (ZeRO-3 over ``fsdp`` devices when ``fsdp > 1``; ``lv``: the step's levers)."""
+    ledger = jmem.planner.estimate(
+        llama.get_config(config, max_seq_len=max(seq_len, 512)),
+        param_dtype="bf16",
+        optimizer=optimizer,
+        master_weights=masters,
+        offload=offload,
+        batch_size=1,
+        seq_len=seq_len,
+        num_shards=fsdp,
+        zero_stage=3 if fsdp > 1 else None,
+        levers=lv,
+        target="h100_sxm",
+    )
+    return int(ledger.total), int(ledger.host_total)
+
+
 def stacked_on_device(text: str, stacked: list) -> list[str]:
     """HLO lines where one of the ``stacked`` shapes (``"bf16[32,4096,14336]"``) appears in
     device memory (any layout without the host memory space ``S(5)``)."""
@@ -95,6 +117,10 @@ def run(config: str, seq_len: int, target: str, optimizer: str, masters: bool) -
     stacked = [s.replace("bfloat16", "bf16").replace("float32", "f32") for s in stacked]
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
     opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
+    offload = "optimizer+masters,params" if masters else "optimizer,params"
+    planned, planned_host = planner_total(
+        config, seq_len, optimizer, offload, step.levers, masters=masters
+    )
     return {
         "label": f"XLA:GPU compile for {target}, no GPU",
         "config": config,
@@ -114,6 +140,9 @@ def run(config: str, seq_len: int, target: str, optimizer: str, masters: bool) -
         "host_argument_bytes": report.host_argument_bytes,
         "host_temp_bytes": report.host_temp_bytes,
         "host_peak_bytes": report.host_peak_bytes,
+        "planner_device_bytes": planned,
+        "planner_host_bytes": planned_host,
+        "planner_error": round(planned / report.peak_bytes - 1, 3),
         "stacked_shapes_on_device": stacked_on_device(compiled.as_text(), stacked)[:5],
         "compile_seconds": round(time.perf_counter() - t0, 1),
     }

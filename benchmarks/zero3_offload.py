@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 from full_ft_offload import build  # noqa: E402
+from full_ft_offload import planner_total  # noqa: E402
 from full_ft_offload import stacked_on_device  # noqa: E402
 
 import jmem  # noqa: E402
@@ -46,25 +47,6 @@ RUNGS = {
     "optimizer": ("leaf_by_leaf", False, "optimizer+masters", 24),
     "optimizer,params": ("leaf_by_leaf", True, "optimizer+masters,params", 12),
 }
-
-
-def planner_total(config: str, seq_len: int, optimizer: str, offload, fsdp: int, lv):
-    """``(device bytes, host bytes)`` per device of ``jmem.planner.estimate`` for the rung
-    (ZeRO-3 over ``fsdp`` devices)."""
-    ledger = jmem.planner.estimate(
-        jmem.models.llama.get_config(config, max_seq_len=max(seq_len, 512)),
-        param_dtype="bf16",
-        optimizer=optimizer,
-        master_weights=True,
-        offload=offload,
-        batch_size=1,
-        seq_len=seq_len,
-        num_shards=fsdp,
-        zero_stage=3 if fsdp > 1 else None,
-        levers=lv,
-        target="h100_sxm",
-    )
-    return int(ledger.total), int(ledger.host_total)
 
 
 def run(config: str, seq_len: int, target: str, optimizer: str, rung: str, fsdp: int) -> dict:
@@ -86,7 +68,7 @@ def run(config: str, seq_len: int, target: str, optimizer: str, rung: str, fsdp:
     layers = jax.tree.leaves(state.params["layers"])
     stacked = sorted({f"bf16[{','.join(map(str, x.shape))}]" for x in layers})
     planned, planned_host = planner_total(
-        config, seq_len, optimizer, planner_offload, fsdp, step.levers
+        config, seq_len, optimizer, planner_offload, step.levers, fsdp=fsdp, masters=True
     )
     return {
         "rung": rung,

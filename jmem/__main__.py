@@ -19,6 +19,7 @@ from typing import Sequence
 
 from jmem._src import cli
 from jmem._src import native_logs
+from jmem._src.planner.offload import PARAMS
 from jmem._src.planner.offload import Offload
 from jmem._src.units import GB
 
@@ -44,6 +45,53 @@ def _model(name: str) -> Any:
     except TypeError as e:
         raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
     return name
+
+
+#: ``--param-dtype``'s names: the dtypes weights train in (and their other spellings).
+_PARAM_DTYPES = {
+    "bf16": ("bf16", "bfloat16"),
+    "fp16": ("fp16", "f16", "float16"),
+    "fp32": ("fp32", "f32", "float32"),
+}
+
+
+def _param_dtype(text: str) -> str:
+    """argparse type: ``--param-dtype``, a dtype weights train in (bf16, fp16, fp32)."""
+    name = text.strip().lower()
+    if any(name in names for names in _PARAM_DTYPES.values()):
+        return name
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not one of {', '.join(_PARAM_DTYPES)} (the dtypes weights train in; "
+        "a 4-bit frozen base: --quant nf4 with --lora-rank R)"
+    )
+
+
+#: ``estimate --offload``'s state rungs, as ``jmem finetune --offload`` names them -> the
+#: planner's (the job's offloaded optimizer holds the fp32 masters with its state).
+_OFFLOAD_STATES = {"none": "none", "optimizer": "optimizer+masters"}
+_OFFLOAD_STATES["optimizer+masters"] = "optimizer+masters"  # the spelling of earlier releases
+
+
+def _offload(text: str) -> Offload:
+    """argparse type: ``--offload`` as ``jmem finetune`` reads it: ``none``, ``optimizer``
+    (the optimizer state and the fp32 masters, the planner's ``optimizer+masters``; that
+    spelling is read the same), ``params``, or a state rung and ``params`` joined by a comma.
+    The planner's state-only rung (masters on the device) is no rung of the job: Python's
+    ``planner.estimate(offload="optimizer")``."""
+    parts = [p.strip() for p in text.split(",")]
+    states = [p for p in parts if p != PARAMS]
+    if (
+        any(p not in _OFFLOAD_STATES for p in states)
+        or len(states) > 1
+        or parts.count(PARAMS) > 1
+        or len(parts) > 1
+        and "none" in parts
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one of none, optimizer, params, optimizer,params (as jmem "
+            "finetune --offload; optimizer: the optimizer state and the fp32 masters)"
+        )
+    return Offload(_OFFLOAD_STATES[states[0]] if states else "none", PARAMS in parts)
 
 
 def _lora_targets(text: str) -> str:
@@ -124,11 +172,7 @@ def _estimate(args: argparse.Namespace) -> int:
     """Prints one ledger (or, with ``--memory``, one verdict) per optimizer and remat mode."""
     from jmem import planner  # noqa: PLC0415 (JAX: only once a command runs)
 
-    if _quant(args) and not args.lora_rank:
-        raise ValueError(
-            "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
-            "adapters (QLoRA)."
-        )
+    _check_estimate_args(args)
     if args.objective == "grpo":
         return _estimate_grpo(args)
     _check_sft_args(args)
@@ -136,18 +180,40 @@ def _estimate(args: argparse.Namespace) -> int:
         return _max_seq(args)
     if args.target:
         return _estimate_compiled(args)
+    tables = []  # every combination estimated before any is printed: an error is one line
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
-        print(f"== optimizer={opt} remat={remat} ==")
         if args.memory:
             advice = planner.advise(args.memory, args.model, reserve=args.reserve, **kw)
-            print(dataclasses.replace(advice, host_memory=args.host_memory))
+            text = str(dataclasses.replace(advice, host_memory=args.host_memory))
         else:
             ledger = planner.estimate(args.model, **kw)
-            print(ledger)
-            print(static_line(ledger))
-        print()
+            text = f"{ledger}\n{static_line(ledger)}"
+        tables.append(f"== optimizer={opt} remat={remat} ==\n{text}\n")
+    print("\n".join(tables))
     return 0
+
+
+def _check_estimate_args(args: argparse.Namespace) -> None:
+    """The flags' combinations, before anything is printed: NF4 without adapters, a reserve
+    that leaves no memory, the params rung of full fine-tuning without the optimizer rung
+    (as ``jmem finetune`` refuses it)."""
+    if _quant(args) and not args.lora_rank:
+        raise ValueError(
+            "--quant nf4 freezes the base weights: pass --lora-rank R for the trainable "
+            "adapters (QLoRA)."
+        )
+    if args.memory and args.reserve >= args.memory:
+        raise ValueError(
+            f"--reserve {args.reserve / GB:.4g} GB leaves nothing of --memory "
+            f"{args.memory / GB:.4g} GB ({args.memory / 2**30:.4g} GiB): pass a --reserve below "
+            "--memory (default 2GB)"
+        )
+    if args.offload.params and not args.lora_rank and not args.offload.optimizer:
+        raise ValueError(
+            "--offload params under --lora-rank 0 (full fine-tuning) needs the optimizer state "
+            "and masters in host memory too, as jmem finetune: pass --offload optimizer,params"
+        )
 
 
 #: ``estimate``'s GRPO flags and their defaults (refused with ``--objective sft``).
@@ -240,10 +306,7 @@ def _estimate_grpo(args: argparse.Namespace) -> int:
     for opt, remat in itertools.product(args.optimizer, args.remat):
         kw = _estimate_kwargs(args, opt, remat)
         kw.pop("seq_len"), kw.pop("batch_size")
-        print(f"== objective=grpo optimizer={opt} remat={remat} ({where}) ==")
         gen, why = _generation(args, kw)
-        print(gen.line() + _verdict(gen, args))
-        print(f"  {why}")
         train = grpo_phases.training_phase(
             args.model,
             batch_size=args.batch_size,
@@ -253,6 +316,9 @@ def _estimate_grpo(args: argparse.Namespace) -> int:
             target=args.target,
             **kw,
         )
+        print(f"== objective=grpo optimizer={opt} remat={remat} ({where}) ==")  # both planned
+        print(gen.line() + _verdict(gen, args))
+        print(f"  {why}")
         print(train.line() + _verdict(train, args))
         if args.target:
             _grpo_compiled(args, opt, remat, gen.config["rows"])
@@ -462,7 +528,11 @@ def _add_estimate(sub, full: bool) -> None:
     )
     _add_memory_flags(p)
     p.add_argument(
-        "--param-dtype", default="bf16", help="dtype the params are stored in (default bf16)"
+        "--param-dtype",
+        type=_param_dtype,
+        default="bf16",
+        help="dtype the weights the forward pass reads are stored in: bf16 (the default), "
+        "fp16 or fp32 (a 4-bit base: --quant nf4)",
     )
     p.add_argument(
         "--optimizer",
@@ -478,15 +548,14 @@ def _add_estimate(sub, full: bool) -> None:
     )
     p.add_argument(
         "--offload",
-        choices=[
-            "optimizer",
-            "optimizer+masters",
-            "params",
-            "optimizer,params",
-            "optimizer+masters,params",
-        ],
-        help="ledgers kept in host memory (params: the frozen base streamed per layer, "
-        "jmem finetune --offload params)",
+        type=_offload,
+        default=Offload(),
+        metavar="WHAT",
+        help="what lives in host memory, as jmem finetune --offload: none (the default); "
+        "optimizer (the optimizer state and the fp32 masters; optimizer+masters is the same); "
+        "params (the weights, streamed to the device a layer at a time: the frozen base, or "
+        "with --lora-rank 0 the trained params, which need optimizer too); or "
+        "optimizer,params (both)",
     )
     p.add_argument(
         "--lora-rank",

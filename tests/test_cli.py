@@ -309,3 +309,95 @@ def test_estimate_entry_point_status_2():
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: argument --seq-len")
+
+
+#: Refused after argparse but before any line is printed: (argv, words of the one line).
+SILENT_ESTIMATE_REFUSALS = {
+    "reserve over memory": (
+        ["--model", "llama2_7b", "--memory", "24GiB", "--reserve", "30GB"],
+        ["error: --reserve 30 GB", "--memory 25.77 GB (24 GiB)"],
+    ),
+    "param dtype": (
+        ["--model", "llama2_7b", "--param-dtype", "int3"],
+        ["--param-dtype", "'int3'", "bf16, fp16, fp32"],
+    ),
+    "params alone under full fine-tuning": (
+        ["--model", "llama2_7b", "--lora-rank", "0", "--offload", "params"],
+        ["--offload params", "--lora-rank 0", "pass --offload optimizer,params"],
+    ),
+    "shape for a config, both phases": (
+        ["--model", "tiny", "--num-layers", "3", "--objective", "grpo", "--batch-size", "8"],
+        ["--num-layers", "parameter count"],
+    ),
+    "shape for a config": (["--model", "tiny", "--num-layers", "3"], ["--num-layers"]),
+    "two state rungs": (
+        ["--model", "llama2_7b", "--offload", "optimizer,optimizer+masters"],
+        ["--offload", "optimizer,params"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SILENT_ESTIMATE_REFUSALS))
+def test_estimate_refusal_prints_nothing_before_its_one_line(capsys, case):
+    """No ``== optimizer=... ==`` header before the error; the flag named as typed, sizes
+    in GB/GiB (not bytes), no unit hint where units were given, no ``'full'`` dtype."""
+    argv, words = SILENT_ESTIMATE_REFUSALS[case]
+    with pytest.raises(SystemExit) as e:
+        jmem_main(["estimate", *argv])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "", out
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, (w, err)
+    for w in ("bytes", "forget a unit", "'full'", "error: reserve"):
+        assert w not in err, (w, err)
+
+
+def _total_gb(out: str) -> float:
+    """The ``total (device)`` GB of ``jmem estimate``'s one table."""
+    return float(re.search(r"total \(device\) +([\d.]+)", out).group(1))
+
+
+@pytest.mark.parametrize("flag", ["optimizer,params", "optimizer+masters,params", "optimizer"])
+def test_estimate_offload_optimizer_moves_the_masters_as_the_job_does(capsys, flag):
+    """``--offload optimizer`` is the job's: the optimizer state and the fp32 masters (the
+    planner's ``optimizer+masters``), the old spelling read the same."""
+    argv = ["estimate", "--model", "llama2_7b", "--lora-rank", "0", "--offload", flag]
+    assert jmem_main(argv) == 0
+    got = _total_gb(capsys.readouterr().out)
+    rung = flag.replace("optimizer+masters", "optimizer").replace("optimizer", "optimizer+masters")
+    kw = dict(optimizer="adamw_8bit", levers=jmem_levers(), master_weights=None)
+    want = planner.estimate("llama2_7b", offload=rung, **kw).total
+    state_only = planner.estimate("llama2_7b", offload=flag.replace("+masters", ""), **kw)
+    assert got == pytest.approx(want / 1e9, abs=1e-3)
+    assert state_only.total > want  # the state-only rung is another (planner-only) figure
+
+
+def jmem_levers():
+    """The job's levers, as ``jmem estimate`` passes them (``--remat full``)."""
+    from jmem._src.finetune.config import FinetuneConfig
+    from jmem._src.finetune.setup import job_levers
+
+    return job_levers(FinetuneConfig.from_flat(remat="full"))
+
+
+def test_estimate_help_names_what_each_offload_value_moves(capsys):
+    """One metavar, no ``{a,b,c}`` choices whose commas read as separators; every value
+    and what it moves."""
+    with pytest.raises(SystemExit):
+        jmem_main(["estimate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--offload WHAT" in text and "{optimizer" not in text
+    for w in ("optimizer (the optimizer state and the fp32 masters", "optimizer,params (both)"):
+        assert w in text, w
+
+
+def test_job_offload_dir_refusal_prints_nothing_before_its_one_line(tmp_path, capsys):
+    """A bad ``--offload-dir`` path: no ``offload: ... on disk under`` line first."""
+    argv = ["--config", "tiny", "--offload-dir", str(tmp_path / "no" / "x"), "--no-progress"]
+    with pytest.raises(SystemExit) as e:
+        finetune.main(argv + ["--out", str(tmp_path / "out"), "--host-allocator", "system"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "", out
+    assert err.startswith("error: --offload-dir") and err.count("\n") == 1, err
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()

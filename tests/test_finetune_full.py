@@ -5,6 +5,7 @@ options that contradict it in one line; its dry run compiles the full step."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,6 +168,32 @@ def test_the_dry_run_compiles_the_full_step(tmp_path, capsys):
     assert state == 14 * n
     batch = 2 * 4 * 16 * 4  # inputs and targets, int32
     assert abs(record["compiled"]["argument_bytes"] - batch - state) < 0.01 * state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("room, brings", [(2**20, False), (40 * 2**20, True)])
+def test_the_dry_runs_params_lever_is_judged_as_its_advice(tmp_path, capsys, room, brings):
+    """A step that misses ``--memory`` (the 2 GB reserve plus ``room`` bytes): the
+    ``lever: --offload optimizer,params`` line says whether it brings the step under by the
+    advice's rule (its planner total plus the compile's excess, with the reserve), so it
+    never contradicts ``no lever or plan of the planner's advice brings it under``; the
+    levers the job's defaults supplied say so."""
+    from jmem._src.finetune import card_fit
+
+    memory = 2 * 10**9 + room
+    argv = FULL + ["--dry-run", "--out", str(tmp_path / "dry"), "--memory", str(memory)]
+    argv += ["--mesh", "data=1,fsdp=1"]  # one device: the peak the room is sized for
+    record = jmem.finetune.main(argv)
+    printed = capsys.readouterr().out
+    (line,) = [ln for ln in printed.splitlines() if ln.startswith("lever: --offload")]
+    assert line.startswith("lever: --offload optimizer,params keeps the params")
+    said = "by the planner it brings the step under" in line
+    assert said == brings and said != ("does not bring the step under" in line), line
+    if "no lever or plan of the planner's advice brings it under" in printed:
+        assert not said
+    excess = record["compiled"]["peak_bytes"] - record["estimate"]["total"]
+    assert not card_fit.lever_fits(record["estimate"]["total"], memory, excess)
+    assert re.search(r"remat += full +\(default", printed), printed
 
 
 @pytest.mark.slow

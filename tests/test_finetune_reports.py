@@ -313,3 +313,29 @@ def test_the_base_is_quantized_from_the_compute_dtype(tmp_path):
     for leaf in ("packed", "absmax", "absmax_scale", "absmax_offset"):
         np.testing.assert_array_equal(getattr(got, leaf)[0], getattr(from_bf16, leaf))
     assert not np.array_equal(got.absmax_offset[0], from_f32.absmax_offset)
+
+
+# ------------------------------------------- what the run says under QLoRA and full FT alike
+
+
+@pytest.mark.parametrize("given, word", [({}, "default"), ({"remat": "selective"}, "as given")])
+def test_a_lever_the_jobs_default_supplied_says_default(given, word):
+    """The levers' reasons: ``remat = full (default; ...)`` when ``--remat`` was not given
+    (the resolver alone says ``as given`` for every value it is handed)."""
+    from jmem._src.finetune.build import job_resolved_levers
+
+    config = finetune.FinetuneConfig.from_flat(config="tiny", seq_len=64, batch_size=2, **given)
+    levers = job_resolved_levers(config, llama.get_config("tiny"), jnp.float32)
+    assert levers.reason("remat").startswith(word), levers.reason("remat")
+    assert levers.reason("loss_chunk").startswith("default"), levers.reason("loss_chunk")
+
+
+def test_the_step_axis_and_the_weight_decay_help_hold_for_full_finetuning():
+    """No adapters under ``--lora-rank 0``: the step axis counts updates of the weights,
+    and ``--weight-decay`` names what it decays in either method."""
+    from jmem._src import cli
+    from jmem._src.finetune.config import TrainingConfig
+
+    assert "adapters" not in report.STEP_AXIS and "weights after s updates" in report.STEP_AXIS
+    (field,) = [f for f in cli.options(TrainingConfig) if f.name == "weight_decay"]
+    assert "--lora-rank 0" in field.metadata["option"]["help"]

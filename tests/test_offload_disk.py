@@ -173,11 +173,14 @@ def test_planner_transfers_are_the_analytic_sums():
     host = jmem.planner.estimate(n, offload="optimizer+masters", **kw)
     s, m = plain.optimizer_state, plain.master_weights
     assert host.transfers == {"optimizer": 2 * s, "master_weights": 2 * m}
-    assert host.total == plain.total - s - m
+    # The backward pass loses the offloaded bytes; the leaf-by-leaf update is its own phase.
+    assert host.static + host.activations == plain.total - s - m
+    assert host.total == max(host.static + host.activations, host.update_phase)
     on_disk = jmem.planner.estimate(n, offload="disk", **kw)
     assert on_disk.transfers == {"optimizer": 2 * s, "master_weights": 2 * m, "disk": 2 * (s + m)}
     assert dict(on_disk.disk) == {"optimizer_state": s, "master_weights": m}
-    assert "optimizer_state" not in on_disk.host and on_disk.total == host.total
+    assert "optimizer_state" not in on_disk.host and on_disk.static == host.static
+    assert on_disk.update_phase >= host.update_phase  # the disk rung updates whole leaves
     secs = on_disk.transfer_seconds(pcie_gbps=20.0, disk_gbps=4.0)
     assert secs["disk"] == 2 * (s + m) / 4e9 and secs["optimizer"] == 2 * s / 20e9
     line = on_disk.trade(20.0, 4.0)
@@ -325,7 +328,10 @@ def test_every_offload_in_effect_is_named_and_recorded():
     r = offload_record(c)
     assert (r["optimizer_state"], r["params"], r["layer_inputs"]) == ("device", "host", "host")
     line = offload_in_effect(c)
-    assert "frozen params in host memory" in line and "layer inputs in host memory" in line
+    assert "frozen base in host memory" in line and "layer inputs in host memory" in line
+    full = finetune.FinetuneConfig.from_flat(offload="optimizer,params", lora_rank=0)
+    line = offload_in_effect(full)  # --lora-rank 0: the params stream, and they train
+    assert "trained params in host memory" in line and "frozen" not in line
     d = finetune.FinetuneConfig.from_flat(offload_dir="/x")
     assert offload_record(d)["optimizer_state"] == "disk" and "/x" in offload_in_effect(d)
     with pytest.raises(ValueError, match="cannot be combined with params streamed"):

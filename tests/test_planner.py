@@ -138,7 +138,10 @@ def test_offload_moves_ledgers_to_host():
     both = estimate("llama_1b", offload="optimizer+masters", activations=0)
     assert off.optimizer_state == 0 and off.host["optimizer_state"] == base.optimizer_state
     assert both.master_weights == 0 and both.host["master_weights"] == base.master_weights
-    assert both.total + both.host_total == base.total
+    assert both.static + both.host_total == base.total
+    # The leaf-by-leaf update of the offloaded state: params, grads and the largest unit it
+    # updates at once (here the embedding, whole), above the (given, zero) activations.
+    assert both.total == both.update_phase > both.params + both.grads
 
 
 def test_zero_stages():
@@ -782,8 +785,9 @@ def test_params_rung_ledger_and_transfers_are_the_analytic_sums():
 
 
 def test_params_rung_for_full_fine_tuning_and_bad_values():
-    """Full fine-tuning (a plan only, noted): the bf16 params leave the device, the loss
-    phase holds the fetched head; the rung needs remat; bad offload values are refused."""
+    """Full fine-tuning: the bf16 params leave the device (the loss phase holds the fetched
+    head) and the gradients go to host memory (each layer's, as the backward pass produces
+    it, and back for the update); the rung needs remat; bad offload values are refused."""
     kw = dict(optimizer="adamw", param_dtype="bf16", remat="full", seq_len=512)
     plain = planner.estimate("llama2_7b", **kw)
     led = planner.estimate("llama2_7b", offload="params", **kw)
@@ -792,9 +796,11 @@ def test_params_rung_for_full_fine_tuning_and_bad_values():
     stack = plain.n_params * 2 - resident
     assert led.params == 0
     assert led.activations == plain.activations + s.vocab_size * s.hidden_size * 2
-    assert led.grads == plain.grads and led.host["params"] == plain.params
+    assert led.grads == 0 and led.host["grads"] == plain.grads
+    assert led.host["params"] == plain.params
     assert led.transfers["params"] == round(3 * stack + resident)
-    assert any("plan only" in n for n in led.notes)
+    assert led.transfers["grads"] == 2 * plain.grads
+    assert any("gradient to host memory" in n for n in led.notes)
     with pytest.raises(ValueError, match="needs remat"):
         planner.estimate("llama2_7b", offload="params", **{**kw, "remat": "none"})
     for bad in ("params,disk,optimizer", "optimizer,disk", "param", ["params"]):
@@ -805,7 +811,8 @@ def test_params_rung_for_full_fine_tuning_and_bad_values():
 def test_advise_offers_the_params_rung_after_the_state_rungs_before_disk():
     """Llama-3.1-70B QLoRA r=16 at 4,096 tokens on 24 GiB (the job's levers): it does not
     fit; the params rung comes after optimizer (and masters) offload and before disk, names
-    --offload params, and fits; with it the planner says it fits."""
+    --offload params, and fits; with it the planner says it fits. Full fine-tuning's params
+    rung comes with the state and masters offloaded (the job's --offload optimizer,params)."""
     from jmem import finetune
     from jmem._src.finetune.setup import job_levers
 
@@ -819,11 +826,14 @@ def test_advise_offers_the_params_rung_after_the_state_rungs_before_disk():
     assert "--offload params" in rungs[-2] and rungs[-1].endswith("on disk (NVMe)")
     params = next(lv for lv in advice.suggestions if "--offload params" in lv.name)
     assert params.fits and params.changes == {"offload": planner.Offload(params=True)}
-    assert advice.plan[-1].fits and "--offload params" in advice.plan[-1].name
+    last = advice.plan[-1]
+    assert last.fits and last.name == "stream the params per layer"
+    assert planner.Offload.parse(last.changes["offload"]).params
     assert planner.advise("24GiB", cfg, offload="params", **kw).fits
-    # no params rung without a frozen base (jmem streams a frozen base only)
+    # full fine-tuning: the params stream with the state and masters (as the job runs it)
     full = planner.advise("24GiB", "llama2_7b", remat="full", seq_len=1024)
-    assert not any("params" in lv.name for lv in full.suggestions)
+    (lever,) = [lv for lv in full.suggestions if "params" in lv.name]
+    assert lever.changes == {"offload": planner.Offload("optimizer+masters", params=True)}
 
 
 def test_dry_run_prints_the_bytes_each_rung_moves():
@@ -1086,3 +1096,24 @@ def test_estimate_labels_levers_over_host_memory(capsys):
     out = capsys.readouterr().out.splitlines()
     (line,) = [ln for ln in out if "(--offload params):" in ln and "cost" in ln]
     assert ", host " in line and "above --host-memory" not in line
+
+
+def test_advice_streams_full_finetunings_params_with_the_state_as_the_job_runs_it():
+    """Full fine-tuning under remat: the params rung is offered with the optimizer state and
+    masters in host memory (the job's ``--offload optimizer,params``; it refuses ``--offload
+    params`` alone); not without remat, nor from a disk state."""
+    from jmem._src.finetune import card_fit
+    from jmem._src.planner.offload import Offload
+
+    kw = dict(optimizer="adamw_4bit", levers=jmem.Levers(remat="full"), master_weights=True)
+    adv = advise("40GB", "llama2_7b", **kw)
+    (lever,) = [s for s in adv.suggestions if Offload.parse(s.changes.get("offload")).params]
+    assert lever.changes["offload"] == Offload("optimizer+masters", params=True)
+    assert lever.fits and "--offload optimizer,params" in lever.name
+    assert card_fit.job_flags(lever.changes) == "--offload optimizer,params"
+    assert lever.total == estimate("llama2_7b", offload="optimizer+masters,params", **kw).total
+    assert advise("40GB", "llama2_7b", **kw).plan[-1].changes == lever.changes
+    bare = dict(kw, levers=jmem.Levers(remat="none"))
+    for config in (bare, dict(kw, offload="disk")):
+        found = advise("40GB", "llama2_7b", **config).suggestions
+        assert not any(Offload.parse(s.changes.get("offload")).params for s in found)

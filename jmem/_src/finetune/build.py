@@ -5,6 +5,7 @@ schedule, clipping and the chosen optimizer, composed by ``jmem.train_step``."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -117,7 +118,22 @@ def job_resolved_levers(config, cfg, dtype, target=None):
         rows = rows_per_example(config) * max(1, data.batch_size // config.execution.grad_accum)
         batch = (rows, data.seq_len)
     context = mesh_sizes(config)[2]
-    return jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype, context=context)
+    lv = jmem.resolve_levers(job_levers(config), cfg, batch, target, dtype=dtype, context=context)
+    return _defaults_named(lv, config.execution)
+
+
+def _defaults_named(levers, execution):
+    """``levers`` with the reason of each lever that the job's default supplied (its
+    ``--flag`` at its default value) beginning ``default`` where the resolver, which cannot
+    tell, says ``as given``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(execution)}
+    reasons = tuple(
+        (k, "default" + why[len("as given") :])
+        if why.startswith("as given") and k in defaults and getattr(execution, k) == defaults[k]
+        else (k, why)
+        for k, why in levers.reasons
+    )
+    return dataclasses.replace(levers, reasons=reasons)
 
 
 def rows_per_example(config) -> int:

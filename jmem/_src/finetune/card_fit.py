@@ -10,6 +10,7 @@ from typing import Callable
 from typing import Mapping
 
 from jmem._src.measure import format_bytes
+from jmem._src.planner.advice import DEFAULT_RESERVE
 from jmem._src.planner.advice import Advice
 from jmem._src.planner.advice import fits
 from jmem._src.planner.offload import Offload
@@ -94,6 +95,14 @@ def cheapest(advice: Advice | None, host_memory: int | None = None) -> tuple[str
     none (also for no advice: a card no lever can reach)."""
     found = candidates(advice, host_memory)
     return found[0][:2] if found else None
+
+
+def lever_fits(total: int, memory: int, excess: int = 0) -> bool:
+    """Whether a lever whose planner device total is ``total`` (bytes) brings the step under
+    ``memory`` (bytes): the rule of every lever the dry run names (``planner.fits`` with
+    the 2 GB reserve, the compile's ``excess`` bytes over the planner added to the total,
+    as ``planner.advise`` judges its levers with that excess in its reserve)."""
+    return fits(int(total) + int(excess), memory, DEFAULT_RESERVE)
 
 
 def card_fits(peak: int, memory: int, reserve: int) -> dict[int, bool]:

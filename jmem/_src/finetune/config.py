@@ -199,7 +199,8 @@ class ExecutionConfig(_Group):
     offload: str = option(
         "none",
         "what lives in pinned_host memory: optimizer (its state and masters), params (the "
-        "frozen base, streamed to the device layer by layer; on a mesh each device streams its "
+        "weights, streamed to the device layer by layer: the frozen base, or with --lora-rank "
+        "0 the trained params, which need optimizer,params; on a mesh each device streams its "
         "FSDP shard), optimizer,params, or none; "
         "bare --offload (or true in a config file): optimizer",
         check=offload_spec,
@@ -272,7 +273,8 @@ class TrainingConfig(_Group):
     )
     weight_decay: float = option(
         0.0,
-        "decoupled weight decay on the adapter matrices (jmem.decay_mask)",
+        "decoupled weight decay on the trained matrices (jmem.decay_mask): the adapters, or "
+        "with --lora-rank 0 the projections and the head (never norms or embeddings)",
         check=cli.nonnegative_float,
     )
     lora_rank: int = option(

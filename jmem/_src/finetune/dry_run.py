@@ -108,7 +108,8 @@ def dry_run(config, cfg, mesh=None, target=None):
     lever = not offload_of(ex).params and ex.remat != "none"
     if not fit and lever and not (full and ex.offload_dir):
         streamed = _estimate(config, step.levers, cfg, dtype, modules, devices, params=True)
-        _print_params_lever(frozen_bytes, est, streamed, full)
+        excess = max(0, int(report.peak_bytes) - int(est.total))
+        _print_params_lever(frozen_bytes, est, streamed, full, (memory, excess))
     nf4 = None if full else q_bytes / q_count
     out = _record(config, cfg, report, compute, est, step, nf4, n_adapter, mesh)
     out.update(memory=memory, fits=fit, cards=smaller, offload=offload_record(config, cfg))
@@ -325,19 +326,26 @@ def _print_verdict(report, memory: int | None, target) -> tuple[int, bool]:
 
 
 # --offload-dir compiles as host offload (build(disk=False)): the same device footprint.
-def _print_params_lever(frozen_bytes: int, est, streamed, full: bool = False) -> None:
+def _print_params_lever(frozen_bytes: int, est, streamed, full: bool, judged) -> None:
     """The ``--offload params`` rung, when the step does not fit and it is not in use: the
     frozen base's (``full``: the trained params') bytes leave the device (a layer's slice
     is fetched per layer, the head for the loss) and the layer stack crosses PCIe three
     times a step (forward, remat recomputation, backward); ``est``/``streamed``: the
-    planner without and with it."""
+    planner without and with it. ``judged``: ``(memory, excess)``, bytes: whether it brings
+    the step under ``memory`` by the advice's rule (``card_fit.lever_fits``: its planner
+    total plus the compile's ``excess`` over the planner, with the reserve)."""
     flag, what = ("optimizer,params", "the params") if full else ("params", "the frozen base")
+    memory, excess = judged
+    over = f" plus the compile's {format_bytes(excess)} over the planner" if excess else ""
+    brings = "brings" if cards.lever_fits(streamed.total, memory, excess) else "does not bring"
     print(
         f"lever: --offload {flag} keeps {what} ({format_bytes(frozen_bytes)}) in host "
         "memory and streams one layer at a time to the device: planner device total "
         f"{format_bytes(est.total)} -> {format_bytes(streamed.total)}, moving "
         f"{streamed.transfers['params'] / 1e9:.3g} GB host-to-device per step (the layer "
-        "stack 3x: forward, remat recomputation, backward)."
+        f"stack 3x: forward, remat recomputation, backward); with the "
+        f"{planner.DEFAULT_RESERVE / 1e9:g} GB reserve{over}, by the planner it {brings} the step under "
+        f"{format_bytes(memory)}."
     )
 
 

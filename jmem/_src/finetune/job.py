@@ -47,6 +47,7 @@ from jmem._src.finetune.rundir import read_json
 from jmem._src.finetune.runlock import RunLock
 from jmem._src.finetune.runlock import probe_writable
 from jmem._src.finetune.setup import check_lora_targets
+from jmem._src.finetune.setup import check_offload_dir
 from jmem._src.finetune.setup import check_outputs
 from jmem._src.finetune.setup import make_tokenizer
 from jmem._src.finetune.setup import model_config
@@ -89,6 +90,8 @@ def _run(config: FinetuneConfig, host_note: str | None) -> dict | None:
     if host_note and not (on_accelerator and host_note.startswith(PLUGIN_NOTE)):
         notes.append(host_note)
     check_lora_targets(config, cfg)
+    if not config.run.dry_run:  # the path, before any line is printed (its space: at init)
+        check_offload_dir(config)
     check_context(config, cfg)
     check_expert(config, cfg)
     target = _check_target(config)

@@ -47,7 +47,7 @@ def objective_label(config) -> str:
 
 #: The x axis of the plot and the steps of ``summary.json``'s ``losses`` and
 #: ``eval_losses``: one count of optimizer updates for both.
-STEP_AXIS = "step s: the adapters after s updates (train loss: on step s's batch)"
+STEP_AXIS = "step s: the weights after s updates (train loss: on step s's batch)"
 
 #: Dense bf16 peak FLOP/s by device kind (vendor specs), for model FLOPs utilization.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -250,7 +250,8 @@ def method_label(config) -> str:
 def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None):
     """Training loss per step, held-out loss at its steps, learning rate on a second axis;
     one axis of optimizer steps (``STEP_AXIS``): ``losses[s]`` (step ``s``'s batch, before
-    its update) and an evaluation at ``s`` both measure the adapters after ``s`` updates,
+    its update) and an evaluation at ``s`` both measure the trained weights (the adapters,
+    or with ``--lora-rank 0`` the params) after ``s`` updates,
     so the train curve starts at 0 with the evaluation before the first update; integer
     step ticks. With a preference loss's ``metrics`` (one dict per step) and
     ``eval_metrics`` (``[s, dict]``), a second panel below: reward margin, chosen and
@@ -265,7 +266,7 @@ def plot_losses(losses, evals, lrs, path, title, metrics=None, eval_metrics=None
         fig, (ax, pref_ax) = plt.subplots(2, 1, figsize=(6.5, 6.6), sharex=True)
     else:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    steps = np.arange(len(losses))  # losses[s]: the adapters after s updates
+    steps = np.arange(len(losses))  # losses[s]: the weights after s updates
     lines = ax.plot(steps, losses, label="train loss")
     if evals:
         e = np.asarray(evals, np.float64)

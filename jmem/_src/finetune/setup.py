@@ -20,6 +20,7 @@ from jmem._src.finetune.config import DEFAULT_BETA
 from jmem._src.finetune.config import DEFAULT_SIMPO_GAMMA
 from jmem._src.finetune.config import LOSS_TYPES
 from jmem._src.finetune.config import offload_of
+from jmem._src.offload import disk
 from jmem.models import export
 from jmem.models import hf
 from jmem.models import llama
@@ -201,7 +202,8 @@ def offload_in_effect(config, cfg=None, batch_size=None, seq_len=None) -> str | 
     elif r["optimizer_state"] == "host":
         parts.append("optimizer state and masters in host memory")
     if r["params"] == "host":
-        parts.append("frozen params in host memory, streamed a layer at a time")
+        what = "trained params" if not config.training.lora_rank else "frozen base"
+        parts.append(f"{what} in host memory, streamed a layer at a time")
     if r["layer_inputs"] == "host":
         moved = r.get("layer_inputs_bytes_per_step")
         per_step = "" if moved is None else f", {moved / 1e9:.3g} GB host<->device per step"
@@ -289,6 +291,19 @@ def make_tokenizer(config, cfg):
     if model.checkpoint and path == "byte":
         print("note: byte tokens with a pretrained checkpoint do not match its vocabulary.")
     return tok
+
+
+def check_offload_dir(config) -> None:
+    """Fails before any line is printed for an ``--offload-dir`` that cannot hold files (a
+    missing parent, a file, not writable): one line naming it. Its free space is checked
+    once the state's bytes are known (``build.offload_dir_input``)."""
+    path = config.execution.offload_dir
+    if path is None:
+        return
+    try:
+        disk.check_directory(path, 0, arg="--offload-dir", create=False)
+    except ValueError as e:
+        raise CliError(one_line(e)) from e
 
 
 def check_outputs(config, cfg, tok) -> None:

@@ -38,7 +38,9 @@ def _bad_dir(arg: str, path: str, why: str) -> ValueError:
     return ValueError(f"{arg} {path!r}: {why}.")
 
 
-def check_directory(path: Any, nbytes: int = 0, *, arg: str = "offload_dir") -> str:
+def check_directory(
+    path: Any, nbytes: int = 0, *, arg: str = "offload_dir", create: bool = True
+) -> str:
     """Checks that ``path`` can hold ``nbytes`` of optimizer state; creates it if absent.
 
     Args:
@@ -46,6 +48,7 @@ def check_directory(path: Any, nbytes: int = 0, *, arg: str = "offload_dir") -> 
       nbytes: bytes the state needs (checked against ``shutil.disk_usage``'s free bytes plus
         those of state files already there, which are overwritten).
       arg: the argument's name for messages (``--offload-dir`` in the job).
+      create: make the directory when the checks pass (False: check only).
 
     Returns:
       The absolute path.
@@ -78,7 +81,8 @@ def check_directory(path: Any, nbytes: int = 0, *, arg: str = "offload_dir") -> 
             f"the optimizer state needs {nbytes:,} bytes but only {free:,} are free "
             f"there; free space or choose another disk",
         )
-    os.makedirs(path, exist_ok=True)
+    if create:
+        os.makedirs(path, exist_ok=True)
     return path
 
 

@@ -1,6 +1,8 @@
 """Leaf-by-leaf optimizer update: the whole-tree ``inner.update`` traced once, its equations
 labelled by parameter leaf and re-emitted one leaf at a time, each leaf's state loaded only
-after the previous leaf's new state is stored (a ``jax.lax.optimization_barrier`` chain).
+after the previous leaf's new state is stored (a ``jax.lax.optimization_barrier`` chain); a
+layer stack whose update is elementwise along its rows is run one row at a time
+(``stack_rows.py``).
 
 Design notes: docs/offload.md. Reference: ZeRO-Offload (Ren et al., 2021, arXiv:2101.06840).
 """
@@ -25,7 +27,9 @@ from jmem._src import jaxpr as _jaxpr
 from jmem._src.jaxpr import bind_eqn
 from jmem._src.jaxpr import eqn_context
 from jmem._src.jaxpr import name_stack_of
+from jmem._src.offload import stack_rows as _rows
 from jmem._src.offload.memory_kinds import DEVICE
+from jmem._src.offload.memory_kinds import HOST
 from jmem._src.offload.memory_kinds import is_array
 from jmem._src.offload.memory_kinds import is_tracer
 from jmem._src.offload.memory_kinds import move
@@ -606,20 +610,66 @@ def _run_program(
             for (m, _), v in zip(pending, stored):
                 _put_result(new_state, new_u, m, v)
             pending = []
-        _load(env, prog, owned[i], host[: len(owned[i])])
-        for k, x in zip(ins, host[len(owned[i]) :]):
-            env[("in", k)] = move(x, DEVICE)
-        _evaluate(env, prog.groups[i])
-        u = jnp.asarray(_read(env, prog.out_refs[i]))
-        u = u if skip is None else jax.lax.select(skip, jnp.zeros_like(u), u)
+        if memory_kind != DEVICE and _stacked(prog, env, i, owned[i], inputs, s_leaves):
+            u, stored = _run_rows(prog, env, i, owned[i], host, inputs, streamed, skip, memory_kind)
+        else:
+            u, stored = _run_whole(prog, env, i, owned[i], host, ins, skip, memory_kind)
         if i in streamed:  # back to host memory before the next leaf is loaded
             pending.append((("u", i), to_space_of(u, inputs[streamed[i]])))
         else:
             new_u[i] = u
-        pending += _store(env, prog, owned[i], skip, memory_kind)
+        pending += stored
     for m, v in pending:
         _put_result(new_state, new_u, m, v)
     return new_u, new_state
+
+
+def _run_whole(prog, env, i, owned_i, host, ins, skip, memory_kind) -> tuple[Any, list]:
+    """Leaf ``i``'s update on the whole leaf: its state (and streamed gradient/param,
+    ``host[len(owned_i):]`` for the inputs ``ins``) moved to the device, the equations
+    evaluated, the new state stored. Returns ``(update on the device, stored state)``."""
+    _load(env, prog, owned_i, host[: len(owned_i)])
+    for k, x in zip(ins, host[len(owned_i) :]):
+        env[("in", k)] = move(x, DEVICE)
+    _evaluate(env, prog.groups[i])
+    u = jnp.asarray(_read(env, prog.out_refs[i]))
+    u = u if skip is None else jax.lax.select(skip, jnp.zeros_like(u), u)
+    return u, _store(env, prog, owned_i, skip, memory_kind)
+
+
+def _row_refs(prog: _Program, i: int, owned_i: list, num_inputs: int) -> list:
+    """Refs of leaf ``i``'s inputs: its owned state leaves, then its gradient (and param)."""
+    n = len(prog.groups)
+    state = [("in", prog.state_base + m) for m in owned_i]
+    return state + [("in", k) for k in (i, i + n)[: num_inputs // n]]
+
+
+def _stacked(prog: _Program, env: dict, i: int, owned_i: list, inputs: list, s_leaves) -> bool:
+    """Whether leaf ``i`` is a layer stack (gradient of rank >= 3, ``L > 1`` leading every
+    input it owns) whose update is separable along that axis (``rows_separable``; ``env``
+    holds the shared values)."""
+    n = len(prog.groups)
+    if not owned_i or np.ndim(inputs[i]) < 3 or np.shape(inputs[i])[0] < 2:
+        return False
+    refs = _row_refs(prog, i, owned_i, len(inputs))
+    vals = [s_leaves[m] for m in owned_i] + [inputs[k] for k in (i, i + n)[: len(inputs) // n]]
+    outs = [prog.out_refs[i]] + [prog.out_refs[n + m] for m in owned_i]
+    return _rows.rows_separable(prog.groups[i], refs, outs, {**env, **dict(zip(refs, vals))})
+
+
+def _run_rows(prog, env, i, owned_i, host, inputs, streamed, skip, memory_kind):
+    """Leaf ``i``'s update row by row (``stack_rows.run_rows``): ``host`` are its state
+    leaves (and streamed gradient/param), in the order of ``_row_refs``. Returns ``(update,
+    stored state)``, the update in host memory when leaf ``i`` is streamed."""
+    n = len(prog.groups)
+    refs = _row_refs(prog, i, owned_i, len(inputs))
+    xs = host if i in streamed else host + [inputs[k] for k in (i, i + n)[: len(inputs) // n]]
+    outs = [prog.out_refs[i]] + [prog.out_refs[n + m] for m in owned_i]
+    u_place = HOST if i in streamed and in_host_space(inputs[streamed[i]]) else DEVICE
+    ys = _rows.run_rows(
+        env, prog.groups[i], refs, xs, outs, [u_place] + [memory_kind] * len(owned_i), skip
+    )
+    return ys[0], list(zip(owned_i, ys[1:]))
 
 
 def _streamed_inputs(inputs: list, n: int) -> dict:

@@ -155,7 +155,10 @@ def offload(
         two leaves' state is on the device at once; only for *separable* optimizers
         (each leaf's update and state depend only on its own gradient, param and state
         and on shared scalars: adam/adamw/lion/sgd, ``adamw_8bit``, ``mixed_precision``
-        of those; not ``clip_by_global_norm``, ``apply_if_finite``, ``MultiSteps``).
+        of those; not ``clip_by_global_norm``, ``apply_if_finite``, ``MultiSteps``). A
+        layer stack ``[L, ...]`` whose update is elementwise (adam/adamw/lion/sgd and
+        ``mixed_precision`` of those) is updated one row at a time, so one row's state
+        is on the device (docs/offload.md, "Updating a layer stack row by row").
       directory: with ``memory_kind="disk"``, the directory (created if its parent
         exists) where ``init`` writes each parameter's state leaves, one file each; the
         state is then a ``DiskState`` and ``update`` streams it leaf by leaf (read, update

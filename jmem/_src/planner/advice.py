@@ -142,8 +142,8 @@ def _check_reserve(memory: Any, reserve: float) -> tuple[int, int]:
     reserve = int(reserve)
     if reserve < 0 or reserve >= mem:
         raise ValueError(
-            f"reserve ({reserve} bytes) must be >= 0 and below the memory ({mem} "
-            "bytes); did you forget a unit, e.g. '24GB'?"
+            f"reserve ({reserve / GB:.4g} GB) must be >= 0 and below the memory "
+            f"({mem / GB:.4g} GB); pass both with a unit, e.g. '24GB' and '2GB'"
         )
     return mem, reserve
 
@@ -189,18 +189,33 @@ def _optimizer_levers(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
 
 
 def _params_lever(config: Mapping[str, Any]) -> list[tuple[str, str, dict]]:
-    """The params rung, after the state rungs (it moves far more bytes per step: the frozen
-    base 3x) and before disk: for a frozen base (``lora``) under remat, as jmem runs it."""
+    """The params rung, after the state rungs (it moves far more bytes per step: the
+    weights 3x) and before disk, under remat, as jmem runs it: a frozen base (``lora``)
+    streamed with the state where it is, or (full fine-tuning) the trained params streamed
+    with the optimizer state and masters in host memory (the job's
+    ``--offload optimizer,params``: it updates host params with a host state only)."""
     off = _offload(config)
     remat = remat_of(config)
-    if off.params or config.get("lora") is None or remat in (None, "none"):
+    if off.params or remat in (None, "none"):
+        return []
+    cost = "backward; PCIe-bound: ~2 s per 50 GB at 25 GB/s)"
+    if config.get("lora") is not None:
+        return [
+            (
+                "stream the frozen base from host per layer (--offload params)",
+                f"host-to-device copies of the base 3x per step (forward, remat recomputation, {cost}",
+                {"offload": dataclasses.replace(off, params=True)},
+            )
+        ]
+    if off.disk:  # the job streams full fine-tuning's params with a host state only
         return []
     return [
         (
-            "stream the frozen base from host per layer (--offload params)",
-            "host-to-device copies of the base 3x per step (forward, remat recomputation, "
-            "backward; PCIe-bound: ~2 s per 50 GB at 25 GB/s)",
-            {"offload": dataclasses.replace(off, params=True)},
+            "stream the params from host per layer, with the optimizer state and masters in "
+            "host memory (--offload optimizer,params)",
+            "host-to-device copies of the params 3x per step (forward, remat recomputation, "
+            f"{cost}, the gradients to host and back, the update leaf by leaf",
+            {"offload": Offload("optimizer+masters", params=True)},
         )
     ]
 
@@ -326,8 +341,10 @@ def advise(memory: Any, model: Any, *, reserve: float = DEFAULT_RESERVE, **confi
 
     States short (params + grads + optimizer + masters + reserve > memory): remat cannot
     help; suggestions in cost order are 8-bit optimizer states, 4-bit states, offloading the
-    moments, offloading the masters too, streaming the frozen base from host memory per
-    layer (``offload="params"``, the job's ``--offload params``; with ``lora`` and remat),
+    moments, offloading the masters too, streaming the weights from host memory per layer
+    under remat (``offload="params"``: with ``lora`` the frozen base, the job's ``--offload
+    params``; for full fine-tuning the trained params with the state and masters offloaded,
+    ``"optimizer+masters,params"``, the job's ``--offload optimizer,params``),
     state on disk, ZeRO sharding over the fewest devices that fit, and LoRA / QLoRA
     (changes what is trained). Activations short: gradient accumulation
     (smaller micro-batch, same math), selective then full remat (a few % / ~33% more
@@ -394,7 +411,8 @@ def _to_offload_masters(c: Mapping[str, Any]) -> dict | None:
 
 
 def _to_offload_params(c: Mapping[str, Any]) -> dict | None:
-    """The params rung (a frozen base under remat), composed with the state rung in use."""
+    """The params rung under remat (``_params_lever``): a frozen base with the state rung in
+    use, full fine-tuning's params with the optimizer state and masters."""
     lever = _params_lever(c)
     return lever[0][2] if lever else None
 
@@ -411,7 +429,7 @@ _PLAN_STEPS = (
     ("offload optimizer state", "PCIe copies of the moments", _to_offload_optimizer),
     ("remat 'full'", "~33% FLOPs", functools.partial(_to_remat, "full")),
     ("offload masters too", "PCIe copies of the masters", _to_offload_masters),
-    ("stream the frozen base (--offload params)", "PCIe copies of the base 3x", _to_offload_params),
+    ("stream the params per layer", "PCIe copies of the streamed weights 3x", _to_offload_params),
 ) + tuple(
     (f"ZeRO-3 over {k} devices", f"{k} devices", functools.partial(_more_shards, k))
     for k in (2, 4, 8, 16, 32, 64)

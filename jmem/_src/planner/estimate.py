@@ -212,8 +212,8 @@ def _params_notes(spec, streamed: dict) -> list[str]:
     ]
     if spec is None:
         notes.append(
-            "full fine-tuning with streamed params is a plan only: jmem streams a frozen "
-            "base (train_step's frozen=); grads counted on the device"
+            "full fine-tuning with streamed params: the backward pass writes each layer's "
+            "gradient to host memory (host grads), the update reads them back leaf by leaf"
         )
     return notes
 
@@ -259,10 +259,10 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P,
         ]
     notes = []
     if zero_stage >= 3:
-        layer = sum(i * o for i, o in shape.linear_shapes().values()) * P
+        counted = "counted once with the activations" if not adapters else "not counted"
         notes.append(
-            f"ZeRO-3 gathers one layer's weights at a time (~{layer / GB:.3g} GB, "
-            "twice with prefetch; not counted)"
+            f"ZeRO-3 gathers one layer's weights at a time (~{_gathered_layer(shape, P) / GB:.3g} "
+            f"GB, twice with prefetch; {counted})"
         )
     notes.append(f"ZeRO-{zero_stage} over {k} shards")
     sharded = _States(
@@ -275,18 +275,60 @@ def _shard(st: _States, k: int, zero_stage: int, explicit_stage: bool, shape, P,
     return sharded, notes
 
 
-def _update_notes(shape, offload: Offload, spec, opt: OptimizerLayout, num_shards: int):
-    """What the leaf-by-leaf update of an offloaded float32 optimizer state (full
-    fine-tuning) holds after the backward pass: about seven float32 copies of the largest
-    stacked leaf's shard (its moments and master fetched, their new values and the update;
-    read off XLA:GPU's buffers for Llama-2-7B on 8 devices, docs/offload.md). Not counted."""
-    if spec is not None or opt.bits < 32 or "optimizer_state" not in offload.ledgers:
-        return []
-    held = 7 * 4 * max(shape.leaf_sizes()) / num_shards
-    return [
-        f"not counted: the leaf-by-leaf update of the offloaded state holds ~{held / GB:.3g} "
-        "GB after the backward pass (7 float32 copies of the largest leaf's shard; with "
-        "params and grads, instead of the activations)"
+def _gathered_layer(shape, P) -> float:
+    """Bytes of one layer's weights, as ZeRO-3 gathers them on every device."""
+    return sum(i * o for i, o in shape.linear_shapes().values()) * P
+
+
+def _count_gather(detail: dict, shape, P, spec, shards: tuple[int, int], given) -> int:
+    """ZeRO-3 full fine-tuning: the one layer's weights gathered on every device during the
+    forward and backward passes (``detail["activation:zero3_layer"]``, set here), counted
+    with the activations; 0 otherwise (LoRA on a frozen base: a note only) or when the
+    activation ledger is ``given``."""
+    k, zero_stage = shards
+    if spec is not None or zero_stage < 3 or k <= 1 or given is not None:
+        return 0
+    detail["activation:zero3_layer"] = int(round(_gathered_layer(shape, P)))
+    return detail["activation:zero3_layer"]
+
+
+def _largest_units(shape) -> tuple[int, int]:
+    """``(elements of the largest layer-stacked leaf [L, ...], of the largest other leaf)``:
+    the units a leaf-by-leaf update works on (the other leaves: embedding, head, norm)."""
+    whole = (shape.vocab_size * shape.hidden_size, shape.hidden_size)
+    stacked = [x for x in shape.leaf_sizes() if x not in whole]
+    return max(stacked, default=0), max(whole)
+
+
+def _update_phase(shape, offload: Offload, spec, opt: OptimizerLayout, st: _States, per: tuple):
+    """The leaf-by-leaf update of an offloaded optimizer state (full fine-tuning), after the
+    backward pass: ``(device bytes, notes)``; ``(0, [])`` when not modelled.
+
+    ``per``: ``(P, G, S, master_weights, (num_shards, zero_stage), accounting)``: bytes per
+    element of a param, gradient and optimizer state, fp32 masters (M = 4 bytes) or not,
+    the sharding; ``"nominal"`` accounting (textbook tables) models no update phase.
+    The update of one unit holds about ``P + G + 2.5 (S + M)`` bytes per element (its param
+    and gradient, its old and new state, one more copy of part of it; read off XLA:GPU's
+    buffers for Llama-3.1-8B with 8-bit AdamW, docs/offload.md). A float32 optimizer
+    (elementwise) updates a layer stack one row at a time (``offload/stack_rows.py``), so
+    its unit is the larger of a stack's row and the largest other leaf (embedding, head);
+    a quantized one (or the disk rung) a whole stack. Streamed params are in host memory
+    during the update."""
+    P, G, S, masters, (k, zero_stage), accounting = per
+    if spec is not None or not offload.optimizer or accounting == "nominal":
+        return 0, []
+    M, k = 4 if masters else 0, k if zero_stage else 1
+    rows = (opt.bits >= 32 or opt.states == 0) and not offload.disk
+    stacked, whole = _largest_units(shape)
+    unit = max(stacked / shape.num_layers if rows else stacked, whole) / k
+    held = (P + G + 2.5 * (S + M)) * unit
+    params = 0 if offload.params else st.params
+    total = params + st.grads + st.optimizer_state + st.master_weights + held
+    what = "a layer stack's row or the largest other leaf" if rows else "the largest leaf"
+    return int(round(total)), [
+        f"the leaf-by-leaf update of the offloaded state runs after the backward pass: "
+        f"params and grads on the device then, plus ~{held / GB:.3g} GB for {what} "
+        f"({total / GB:.3g} GB; the total is the larger of this and the backward pass)"
     ]
 
 
@@ -300,17 +342,21 @@ def _streamed_remat(streamed: dict, remat, offload: Offload):
     return remat
 
 
-def _offload(st: _States, offload: Offload, params_host: int = 0) -> tuple[_States, dict[str, int]]:
+def _offload(
+    st: _States, offload: Offload, params_host: int = 0, grads: bool = False
+) -> tuple[_States, dict[str, int]]:
     """Moves the offloaded state ledgers to host: ``(device states, host bytes)``;
-    ``params_host``: the params rung's host bytes (``host["params"]``), if any."""
+    ``params_host``: the params rung's host bytes (``host["params"]``), if any; ``grads``:
+    full fine-tuning with streamed params, whose backward pass writes each layer's gradient
+    to host memory (``host["grads"]``)."""
     host: dict[str, int] = {PARAMS: params_host} if params_host else {}
-    for name in offload.ledgers:
+    for name in offload.ledgers + (("grads",) if grads else ()):
         host[name], st = int(round(getattr(st, name))), dataclasses.replace(st, **{name: 0})
     return st, host
 
 
 def _transfers(
-    host: dict, offload: Offload, streamed: dict
+    host: dict, offload: Offload, streamed: dict, host_activations: int = 0
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """``(host bytes, disk bytes, transfers per step)``: every offloaded state ledger goes to
     the device and back once per step (2 x its bytes); on disk, also from disk and back.
@@ -318,13 +364,19 @@ def _transfers(
     layer stack crosses host-to-device three times per micro-batch (forward, remat
     recomputation, backward), the resident weights once. Offloaded activations
     (``remat="offload"``/``"offload_inputs"``: ``host["activations"]``) go to host in the
-    forward pass and back for the backward: 2 x their bytes (``"activations"``)."""
+    forward pass and back for the backward: 2 x their bytes (``"activations"``); so do
+    the gradients of streamed full fine-tuning (``host["grads"]``: to host in the backward
+    pass, back for the update). ``host_activations`` is added to ``host`` first."""
+    if host_activations:
+        host["activations"] = host_activations
     moved = {k: v for k, v in host.items() if k in ("optimizer_state", "master_weights")}
     transfers = {
         ("optimizer" if k == "optimizer_state" else k): 2 * v for k, v in moved.items() if v
     }
     if host.get("activations"):
         transfers["activations"] = 2 * int(host["activations"])
+    if host.get("grads"):  # to host in the backward pass, back for the update
+        transfers["grads"] = 2 * int(host["grads"])
     if streamed:
         transfers[PARAMS] = int(round(3 * streamed["stack"] + streamed["resident"]))
     if not offload.disk:
@@ -469,6 +521,23 @@ def _ledger(st: _States, act, host, n, detail, notes, config, **extra) -> Ledger
     )
 
 
+def _states(spec, n, shape, sizes, accounting, count_given, master_weights, base_kw):
+    """The state ledgers before sharding and offload: ``(states, base bytes, detail,
+    notes)``; ``sizes``: ``(P, G, S, opt)``; ``base_kw``: ``(param_dtype, nf4 bytes per
+    weight or None, quantize_embeddings, adapter_dtype)``. Full fine-tuning (``spec`` None)
+    trains every weight; LoRA trains adapters on a frozen base."""
+    P, G, S, opt = sizes
+    param_dtype, nf4, quantize_embeddings, adapter_dtype = base_kw
+    notes = _optimizer_notes(opt)
+    if spec is None:
+        st = _full_states(n, shape, P, G, S, opt, accounting, count_given, master_weights)
+        return st, n * P, {}, notes
+    base, base_notes = _frozen_base(n, shape, P, param_dtype, nf4, quantize_embeddings, count_given)
+    AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
+    st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
+    return st, base, detail, notes + [*base_notes, lora_note]
+
+
 def estimate(
     model: Any,
     *,
@@ -543,18 +612,17 @@ def estimate(
     master_weights = P < 4 if master_weights is None else master_weights
     opt = OPTIMIZERS[optimizer]
     S = state_bytes_per_param(opt, accounting, state_block_size)
-    notes, detail = _optimizer_notes(opt), {}
     nf4 = _nf4_rate(accounting, double_quant) if quantization == "nf4" else None
-    if spec is None:
-        st = _full_states(n, shape, P, G, S, opt, accounting, count_given, master_weights)
-        base = n * P
-    else:
-        base, base_notes = _frozen_base(
-            n, shape, P, param_dtype, nf4, quantize_embeddings, count_given
-        )
-        AD = _dtypes.itemsize(adapter_dtype, "adapter_dtype")
-        st, detail, lora_note = _lora_states(spec, shape, S, AD, base, accounting, master_weights)
-        notes += [*base_notes, lora_note]
+    st, base, detail, notes = _states(
+        spec,
+        n,
+        shape,
+        (P, G, S, opt),
+        accounting,
+        count_given,
+        master_weights,
+        (param_dtype, nf4, quantize_embeddings, adapter_dtype),
+    )
     adapters = st.grads if spec is not None else 0  # LoRA: the grads are the adapters'
     st, shard_notes = _shard(st, num_shards, zero_stage, explicit_stage, shape, P, adapters)
     shards = (num_shards, zero_stage)
@@ -563,7 +631,7 @@ def estimate(
         weights = _resident_bytes(shape, n, P, nf4, count_given, quantize_embeddings)
         st, params_host, streamed, head, rung = _stream_params(st, base, weights, shape, shards)
         detail, notes = {**detail, **rung}, notes + _params_notes(spec, streamed)
-    st, host = _offload(st, offload, params_host)
+    st, host = _offload(st, offload, params_host, grads=bool(streamed) and spec is None)
     act_dtype = activation_dtype if activation_dtype is not None else param_dtype
     levers = _step_levers(model, count_given, levers, remat)
     shape, lv = _with_levers(
@@ -574,15 +642,16 @@ def estimate(
     act, act_detail, host_act, act_notes = _activations(
         shape, activations, batch_size, seq_len, act_dtype, remat, count_given, lv.target, w
     )
-    if host_act:
-        host["activations"] = host_act
+    act += _count_gather(act_detail, shape, P, spec, shards, activations)
     config = dict(param_dtype=param_dtype, optimizer=optimizer, remat=remat)
     config.update(batch_size=batch_size, seq_len=seq_len, offload=offload, lora=spec)
     model = shape.name or (f"{n / 1e9:.3g}B" if count_given else "config")
     config = _config(model, config, quantization, num_shards, accounting)
-    host, disk, transfers = _transfers(host, offload, streamed)
+    host, disk, transfers = _transfers(host, offload, streamed, host_act)
+    per = (P, G, S, master_weights, shards, accounting)
+    up, up_notes = _update_phase(shape, offload, spec, opt, st, per)
     active = n if count_given else n - shape.inactive_expert_params  # k of E experts
     flops = int((6 if spec is None else 4) * active * batch_size * seq_len)
-    notes += shard_notes + act_notes + _update_notes(shape, offload, spec, opt, num_shards)
-    extra = dict(transfers=transfers, disk=disk, flops=flops)
+    notes += shard_notes + act_notes + up_notes
+    extra = dict(transfers=transfers, disk=disk, flops=flops, update_phase=up)
     return _ledger(st, act, host, n, {**detail, **act_detail}, notes, config, **extra)

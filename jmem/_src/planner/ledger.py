@@ -46,6 +46,11 @@ class Ledger:
       disk: bytes kept on disk (``offload="disk"``), by ledger.
       flops: compute FLOPs of one step (6 N tokens; 4 N tokens for a frozen base with
         LoRA, whose weights get no gradient; Kaplan et al. 2020), attention excluded.
+      update_phase: device bytes at the peak of the optimizer update when it is modelled
+        apart (full fine-tuning with the optimizer state offloaded, updated leaf by leaf
+        after the backward pass, when the activations are gone): the params and grads on
+        the device then plus what the update of one leaf, or one row of a layer stack,
+        holds; 0 when not modelled.
     """
 
     params: int
@@ -62,6 +67,7 @@ class Ledger:
     transfers: Mapping[str, int] = dataclasses.field(default_factory=dict)
     disk: Mapping[str, int] = dataclasses.field(default_factory=dict)
     flops: int = 0
+    update_phase: int = 0
 
     LEDGERS = ("params", "grads", "optimizer_state", "master_weights", "activations")
 
@@ -72,8 +78,9 @@ class Ledger:
 
     @property
     def total(self) -> int:
-        """Device bytes: the five ledgers summed."""
-        return self.static + self.activations
+        """Device bytes: the five ledgers summed (the forward/backward pass), or the
+        optimizer update's ``update_phase`` when that is larger."""
+        return max(self.static + self.activations, self.update_phase)
 
     @property
     def host_total(self) -> int:
@@ -113,6 +120,8 @@ class Ledger:
 
     def as_dict(self) -> dict[str, int]:
         d = {k: getattr(self, k) for k in self.LEDGERS}
+        if self.update_phase:
+            d["update_phase"] = self.update_phase
         d["total"] = self.total
         return d
 
@@ -123,6 +132,8 @@ class Ledger:
             + (f"; {cfg}" if cfg else "")
         )
         rows = [(k.replace("_", " "), getattr(self, k)) for k in self.LEDGERS]
+        if self.update_phase:
+            rows.append(("optimizer update phase", self.update_phase))
         rows.append(("total (device)", self.total))
         for k, v in self.host.items():
             rows.append((f"host: {k.replace('_', ' ')}", v))
