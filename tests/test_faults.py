@@ -509,6 +509,32 @@ def test_inf_in_the_base_weights_is_refused_naming_the_tensor(tmp_path, capsys):
     assert prepare_out(parse_args(argv + ["--steps", "2"])) is None
 
 
+@pytest.mark.slow
+def test_a_run_that_fails_in_its_first_step_leaves_nothing_that_refuses_its_retry(
+    tmp_path, monkeypatch
+):
+    """An error in the first step (here the compile raises) leaves no ``run.json`` and no
+    checkpoint directory in ``--out``: there is nothing to resume, so running the same
+    command again is not refused as "already holds a run" (the ``--out`` the run created
+    is removed)."""
+    from jmem._src.finetune import loop  # noqa: PLC0415
+    from jmem._src.finetune.rundir import prepare_out  # noqa: PLC0415
+
+    def failing(*args):
+        raise RuntimeError("the first step failed")
+
+    monkeypatch.setattr(loop, "_compile", failing)
+    keep = tmp_path / "keep"
+    keep.mkdir()  # an --out that existed before the run is kept, emptied of the run
+    for out in (tmp_path / "new", keep):
+        argv = SMALL + ["--steps", "2", "--out", str(out), "--host-allocator", "system"]
+        with pytest.raises(RuntimeError, match="the first step failed"):
+            jmem.finetune.main(argv)
+        assert not (out / "run.json").exists() and not (out / "checkpoints").exists()
+        assert prepare_out(parse_args(argv)) is None
+    assert not (tmp_path / "new").exists() and keep.is_dir()
+
+
 _killed = helpers.killed
 
 

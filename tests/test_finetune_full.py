@@ -6,6 +6,7 @@ options that contradict it in one line; its dry run compiles the full step."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -204,6 +205,61 @@ def test_full_finetuning_on_an_fsdp_mesh_with_host_offload_trains(tmp_path):
     summary = jmem.finetune.main(argv)
     assert summary["mesh"] == {"data": 1, "fsdp": 2}
     assert all(np.isfinite(summary["losses"])) and summary["last_loss"] < summary["first_loss"]
+
+
+HOST = ["--offload", "optimizer,params"]
+
+
+def _on_one_device(argv, out):
+    """``python -m jmem finetune ARGV --out OUT`` on one CPU device (the test session's
+    8 devices would make the job pick an FSDP mesh): the summary, or ``dry_run.json``."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = flags.strip()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jmem", "finetune", *argv, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    name = "dry_run.json" if "--dry-run" in argv else "summary.json"
+    return json.loads((out / name).read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_run_with_host_params_on_one_device_resumes_bitwise(tmp_path):
+    """One device, ``--offload optimizer,params`` added at ``--resume`` to an in-memory run
+    (docs/checkpoints.md: offload may differ), then resumed again from a checkpoint the
+    offloaded run wrote: each resume gives the uninterrupted run's losses bit for bit."""
+    out = tmp_path / "run"
+    argv = FULL + ["--steps", "4", "--save-every", "1", "--keep", "4"]
+    reference, _ = _on_one_device(argv, out)
+    assert reference["devices"] == 1 and reference["mesh"] is None
+    for step in (3, 4):
+        shutil.rmtree(out / "checkpoints" / str(step))
+    summary, printed = _on_one_device(argv + HOST + ["--resume"], out)
+    assert "Resumed at step 2" in printed and summary["offload"]["params"] == "host"
+    assert summary["losses"] == reference["losses"]
+    shutil.rmtree(out / "checkpoints" / "4")  # 3 is the offloaded run's
+    summary, printed = _on_one_device(argv + HOST + ["--resume"], out)
+    assert "Resumed at step 3" in printed
+    assert summary["losses"] == reference["losses"]
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_with_host_params_on_one_device_and_its_dry_run(tmp_path):
+    """One device, ``--grad-accum 2 --offload optimizer,params``: the dry run compiles the
+    step the run executes (the same compiled peak), and the run gives the in-memory
+    ``--grad-accum 2`` run's losses bit for bit. (On a mesh: ``tests/test_offload_full.py``.)"""
+    argv = FULL + ["--grad-accum", "2", "--steps", "2"]
+    dry, _ = _on_one_device(argv + HOST + ["--dry-run"], tmp_path / "dry")
+    host, _ = _on_one_device(argv + HOST, tmp_path / "host")
+    assert host["peak_source"] == "compiled (jmem.measure)" and host["devices"] == 1
+    assert dry["compiled"]["peak_bytes"] == host["peak_bytes"]
+    in_memory, _ = _on_one_device(argv, tmp_path / "memory")
+    assert host["losses"] == in_memory["losses"]
 
 
 @pytest.mark.slow

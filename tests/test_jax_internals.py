@@ -254,3 +254,20 @@ def test_current_trace_is_the_trace_operations_bind_to():
 def test_backends_initialized_reports_started_backends():
     jax.devices()
     assert compat.backends_initialized(), WHAT.format("xla_bridge.backends_are_initialized")
+
+
+def test_a_single_device_host_array_is_rebuilt_in_host_space_on_its_own_buffer():
+    """``make_array_from_single_device_arrays`` (orbax's restore) types an array on a
+    ``SingleDeviceSharding(memory_kind="pinned_host")`` in device space on JAX 0.10.2;
+    ``with_sharding_memory_space`` gives it the host space, on the same buffer, and leaves
+    an array whose type already agrees as it is."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    x = jax.device_put(jnp.arange(8.0), host)
+    assert jax.typeof(x).memory_space == jax.memory.Space.Host
+    made = jax.make_array_from_single_device_arrays(x.shape, host, [x])
+    fixed = compat.with_sharding_memory_space(made)
+    assert compat.array_space_matches_sharding(fixed)
+    assert jax.typeof(fixed).memory_space == jax.memory.Space.Host and fixed.sharding == host
+    assert fixed.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+    assert (fixed == x).all()
+    assert compat.with_sharding_memory_space(x) is x

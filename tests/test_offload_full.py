@@ -149,6 +149,93 @@ def test_zero3_with_host_params_and_8bit_state_on_a_mesh_trains_bitwise():
     chex.assert_trees_all_equal(runs[False][:2], runs[True][:2])
 
 
+def _full_step(off: bool, microbatches: int = 1, mesh=None):
+    """The job's full fine-tuning step: bf16 params (streamed from host memory with
+    ``off``), 8-bit moments and fp32 masters in host memory, updated leaf by leaf."""
+    lv = jmem.Levers(remat="full", offload_params=off)
+    loss = functools.partial(llama.loss_fn, config=CFG, levers=lv)
+    return jmem.train_step(
+        loss,
+        jmem.adamw_8bit(1e-2),
+        levers=lv,
+        offload_optimizer="leaf_by_leaf",
+        precision="p=bf16,c=bf16",
+        master_weights=True,
+        microbatches=microbatches,
+        mesh=mesh,
+    )
+
+
+def test_a_host_struct_on_one_device_compiles_as_a_host_value():
+    """``jmem.measure`` (the dry run's compile) traces a ``ShapeDtypeStruct`` on one device
+    in ``pinned_host`` in host memory, as JAX traces the array it stands for (JAX itself
+    traces such a struct in device memory)."""
+    seen = []
+
+    def f(x):
+        seen.append(jax.typeof(x).memory_space)
+        return x * 2
+
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    jmem.measure(f, jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=host))
+    assert seen == [jax.memory.Space.Host]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_gradient_accumulation_with_host_params_is_the_in_memory_accumulation(devices):
+    """``microbatches=2`` with the params (so the gradients) in host memory: the accumulator
+    stays in host memory, and two steps' losses and params are bitwise those of the
+    in-memory accumulation (one device, and a 2-device FSDP mesh); one microbatch of the
+    whole batch gives the same losses to the rounding of bf16 compute."""
+    params, batch = _model()
+    batch = jax.tree.map(lambda x: jnp.concatenate([x, x[::-1]]), batch)  # 4 rows
+    mesh = None
+    if devices > 1:
+        mesh = jmem.sharding.make_mesh(fsdp=devices, devices=jax.devices()[:devices])
+    runs = {}
+    for off, microbatches in ((False, 2), (True, 2), (False, 1)):
+        step = _full_step(off, microbatches, mesh)
+        state, losses = step.init(params), []
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(np.asarray(metrics["loss"]))
+        runs[off, microbatches] = (losses, jax.tree.map(np.asarray, state.params))
+        assert _kinds(state.params) == {"pinned_host" if off else "device"}
+    chex.assert_trees_all_equal(runs[False, 2], runs[True, 2])
+    np.testing.assert_allclose(runs[True, 2][0], runs[False, 1][0], rtol=2e-3)
+
+
+@pytest.mark.slow
+def test_a_host_state_restored_on_one_device_trains_on_bitwise(tmp_path):
+    """A checkpoint of the host-resident state restored on one device (into the fresh
+    state, as the job does): every host leaf is traced in host memory, so the step
+    compiled for it (called as the job calls it, without ``TrainStep``'s moves) returns
+    the params in host memory again, and two more steps give the uninterrupted losses."""
+    params, batch = _model()
+    step = _full_step(True)
+    state, _ = step(step.init(params), batch)
+    ck = jmem.Checkpointer(str(tmp_path / "ck"), save_every=1)
+    ck.save(1, state)
+    ck.wait()
+    restored, _ = ck.restore(step.init(params))
+    ck.close()
+    host = [x for x in jax.tree.leaves(restored) if x.sharding.memory_kind == "pinned_host"]
+    assert len(host) > len(jax.tree.leaves(restored.params))
+    assert {jax.typeof(x).memory_space for x in host} == {jax.memory.Space.Host}
+    compiled = step.jitted.lower(restored, batch).compile()
+    out_kinds = {s.memory_kind for s in jax.tree.leaves(compiled.output_shardings[0].params)}
+    assert out_kinds == {"pinned_host"}
+    runs = []
+    for s, run in ((state, step), (restored, compiled)):
+        losses = []
+        for _ in range(2):
+            s, metrics = run(s, batch)
+            losses.append(np.asarray(metrics["loss"]))
+        runs.append((losses, jax.tree.map(np.asarray, s.params)))
+    chex.assert_trees_all_equal(*runs)
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 def test_full_fine_tuning_step_on_the_target_keeps_params_and_grads_in_host_memory():

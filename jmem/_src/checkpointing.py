@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jmem._src.file_hash import hash_file
+from jmem._src.jax_compat import with_sharding_memory_space
 from jmem._src.quantization import QuantizedArray
 
 #: At most this many differing leaves are listed in a mismatch error.
@@ -313,7 +314,9 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
             ),
         )
-        state = out["state"]
+        # A host-memory leaf on one device comes back traced as a device value; as the step
+        # compiled for it would return it to device memory, give it its memory kind's space.
+        state = jax.tree.map(with_sharding_memory_space, out["state"])
         if absent:  # the fields the checkpoint predates stay None
             state = dataclasses.replace(abstract, **state)
         return state, dict(out["meta"] or {})

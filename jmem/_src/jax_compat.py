@@ -180,3 +180,43 @@ def backends_initialized() -> bool:
         return False
     probe = getattr(xla_bridge, "backends_are_initialized", None)
     return bool(probe()) if probe is not None else False
+
+
+# ----------------------------------------------------------------- (8) memory spaces
+
+
+def _space_of_kind(memory_kind: str | None):
+    """The space ``jax.jit`` traces a buffer of ``memory_kind`` in (only ``pinned_host`` is
+    ``Host``; ``unpinned_host`` is not addressable inside ``jit``)."""
+    return jax.memory.Space.Host if memory_kind == "pinned_host" else jax.memory.Space.Device
+
+
+def array_space_matches_sharding(x) -> bool:
+    """Whether the abstract value ``jax.jit`` traces for ``x`` names the memory space of its
+    sharding's memory kind (``float32<host>[...]`` for ``pinned_host``); True for
+    non-arrays and arrays without a memory kind."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or kind is None:
+        return True
+    return getattr(jax.typeof(x), "memory_space", None) == _space_of_kind(kind)
+
+
+def with_sharding_memory_space(x):
+    """``x`` (a ``jax.Array``) with its abstract value's memory space set from its
+    sharding's memory kind: the same buffers, no copy; ``x`` itself when they agree.
+
+    ``jax.make_array_from_single_device_arrays`` (orbax's restore uses it) gives an array
+    whose sharding is a ``SingleDeviceSharding(memory_kind="pinned_host")`` the *device*
+    space (JAX 0.10.2's ``core.update_aval_with_sharding`` reads the memory kind of a
+    ``NamedSharding`` only), so ``jax.jit`` traces it as a device value while its buffers
+    are in host memory: a step compiled for it returns such leaves in device memory, and the
+    next call aborts ("PjRtBuffer's memory kind does not match sharding's memory kind").
+    Rebuilt as ``make_array_from_single_device_arrays`` builds a ``NamedSharding``'s array.
+    """
+    if array_space_matches_sharding(x):
+        return x
+    check()
+    from jax._src import array as _array  # noqa: PLC0415 - only here
+
+    aval = jax.typeof(x).update(memory_space=_space_of_kind(x.sharding.memory_kind))
+    return _array.ArrayImpl(aval, x.sharding, list(x._arrays), committed=x.committed)

@@ -281,5 +281,26 @@ def compile_for_target(jitted: Any, args: tuple, kwargs: dict, target: Any = Non
     ``measure`` compiles it; returns the ``jax.stages.Compiled``."""
     with native_logs.hidden():
         if target is None or _targets.get(target).platform == jax.default_backend():
+            args, kwargs = jax.tree.map(_host_space_struct, (args, kwargs))
             return jitted.lower(*args, **kwargs).compile()
         return _compile_for(jitted, _targets.get(target), args, kwargs)
+
+
+def _host_space_struct(x: Any) -> Any:
+    """A ``ShapeDtypeStruct`` on one device in ``pinned_host`` as the same placement on a
+    one-device mesh: JAX (0.10.2) traces a ``SingleDeviceSharding``'s struct in device memory
+    whatever its memory kind, so the step compiled for it would not be the step its arrays
+    run (host-resident params would be compiled as device ones); a ``NamedSharding`` keeps
+    the memory kind in the traced type, as the arrays' own types do."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(x, jax.ShapeDtypeStruct) or not isinstance(
+        s, jax.sharding.SingleDeviceSharding
+    ):
+        return x
+    if s.memory_kind != "pinned_host":
+        return x
+    mesh = jax.sharding.Mesh(np.asarray(list(s.device_set)), ("_device",))
+    named = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(), memory_kind=s.memory_kind
+    )
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named, weak_type=x.weak_type)

@@ -39,6 +39,7 @@ from jmem._src.finetune.publish import publish
 from jmem._src.finetune.publish import recover
 from jmem._src.finetune.publish import verify_outputs
 from jmem._src.finetune.report import quiet_stdout
+from jmem._src.finetune.rundir import forget_unstarted
 from jmem._src.finetune.rundir import holds_run
 from jmem._src.finetune.rundir import is_writer
 from jmem._src.finetune.rundir import prepare_out
@@ -139,6 +140,8 @@ def _train_and_publish(config, cfg, tok, ds, held, resume_step, mesh, aside):
     except BaseException:
         if is_writer():
             discard(paths)
+            if resume_step is None and not aside:  # nothing to resume: the retry may start
+                forget_unstarted(paths.work)
         raise
     return summary
 

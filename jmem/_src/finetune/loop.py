@@ -346,7 +346,10 @@ def continue_from(ckpt, aside: str | None) -> str:
             f"--overwrite: the earlier run in {aside} is kept as it was, this run's "
             "checkpoints are discarded"
         )
-    return f"{last_good(ckpt)} (--resume continues from it)"
+    good = last_good(ckpt)  # waits for a save in flight first
+    if not committed_steps(ckpt.directory):  # a new run: the job removes its run.json too
+        return f"{good}; --out keeps nothing of this run, run it again"
+    return f"{good} (--resume continues from it)"
 
 
 @contextlib.contextmanager

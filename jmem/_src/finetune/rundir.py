@@ -9,10 +9,12 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import shutil
 
 import jax
 
 from jmem._src import lora_modules
+from jmem._src.checkpointing import MARKER
 from jmem._src.checkpointing import committed_steps
 from jmem._src.cli import CliError
 from jmem._src.cli import one_line
@@ -173,6 +175,31 @@ def holds_run(out: str) -> bool:
     return bool(_step_dirs(os.path.join(out, "checkpoints"))) or any(
         os.path.exists(os.path.join(out, n)) for n in files
     )
+
+
+def forget_unstarted(out: str) -> bool:
+    """After a new run in ``out`` failed before its first checkpoint was committed (an error
+    in the first step, a non-finite loss, a failed first save): removes what it wrote
+    there, ``run.json`` and its checkpoint directory's marker and uncommitted step
+    directories, so that running it again is not refused as "already holds a run" (there is
+    nothing to ``--resume``). A new run without ``--overwrite`` starts in an ``out`` that
+    holds no run (``prepare_out``), so all of it is this run's. Returns whether it did."""
+    ckpt_dir = os.path.join(out, "checkpoints")
+    if committed_steps(ckpt_dir):
+        return False
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(out, "run.json"))
+    if os.path.isdir(ckpt_dir):
+        for name in os.listdir(ckpt_dir):
+            path = os.path.join(ckpt_dir, name)
+            with contextlib.suppress(OSError):
+                if name == MARKER:
+                    os.remove(path)
+                elif name.split(".")[0].isdigit() and os.path.isdir(path):
+                    shutil.rmtree(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(ckpt_dir)  # only when nothing else is left in it
+    return True
 
 
 def _own_merged(out: str, merged: str | None) -> bool:

@@ -31,6 +31,8 @@ __all__ = [
     "in_host_space",
     "to_space_of",
     "streamed_norm_and_finite",
+    "host_zeros",
+    "streamed_to_host",
 ]
 
 #: The params entry holding the layer-stacked weights (streamed; the rest is fetched whole).
@@ -131,3 +133,24 @@ def streamed_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array]:
     total = sum(p[0] for p in parts[1:]) + parts[0][0]
     dtype = jnp.result_type(*leaves)  # the dtype optax.tree.norm would give
     return jnp.sqrt(total).astype(dtype), jnp.stack([p[1] for p in parts]).all()
+
+
+def host_zeros(shape: tuple, dtype: Any) -> jax.Array:
+    """Zeros of ``shape``/``dtype`` in host memory (inside ``jit``), written from the device
+    one slice along the first axis at a time for rank >= 3 (a layer stack): the accumulator
+    of host-resident gradients never stands whole on the device."""
+    if len(shape) < 3:
+        return to_host(jnp.zeros(shape, dtype), HOST)
+    slice_zeros = lambda carry, _: (carry, to_host(jnp.zeros(shape[1:], dtype), HOST))
+    return jax.lax.scan(slice_zeros, None, length=shape[0])[1]
+
+
+def streamed_to_host(fn: Any, *leaves: jax.Array) -> jax.Array:
+    """``fn(*leaves)`` for an elementwise ``fn`` of host-resident leaves of one shape,
+    computed on the device and returned in host memory: layer stacks (rank >= 3) one slice
+    along the first axis at a time (a scan), smaller leaves whole. Elementwise, so the
+    values are those of ``fn`` on the whole leaves, bit for bit."""
+    if leaves[0].ndim < 3:
+        return to_host(fn(*fetch(leaves)), HOST)
+    body = lambda carry, xs: (carry, to_host(fn(*fetch(xs)), HOST))
+    return jax.lax.scan(body, None, leaves)[1]

@@ -29,6 +29,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jmem._src.offload.params import host_zeros
+from jmem._src.offload.params import in_host_space
+from jmem._src.offload.params import streamed_to_host
 from jmem._src.tree import is_float_array
 
 
@@ -120,7 +123,7 @@ def accumulate_gradients(
     mbs = split_microbatches(batch, microbatches)
     weights, scale = _weights(weight_fn, mbs, microbatches)
     first = jax.tree.map(lambda x: x[0], mbs)
-    g_shape, aux_shape = jax.eval_shape(grad_fn, params, first)
+    g_shape, aux_shape = _out_types(grad_fn, params, first)
     if maximum is None:
         maximum = False
     is_max = jax.tree.map(
@@ -130,42 +133,73 @@ def accumulate_gradients(
         is_leaf=lambda x: isinstance(x, bool),
     )
 
-    def zeros(s):
-        dt = accum_dtype if is_float_array(s) else s.dtype
-        return jnp.zeros(s.shape, dt)
-
-    def init_leaf(s, m):
-        if m:
-            return jnp.full(
-                s.shape,
-                -jnp.inf if is_float_array(s) else jnp.iinfo(s.dtype).min,
-                s.dtype,
-            )
-        return zeros(s)
-
-    def add(a, x, w):  # a microbatch of weight 0 (no unmasked token) adds exactly 0, even
-        # where its own loss is 0/0 = NaN (a ``sum(nll * mask) / sum(mask)`` loss)
-        if not is_float_array(a):
-            return x
-        return a + jnp.where(w > 0, x.astype(a.dtype) * w.astype(a.dtype), 0)
-
     def body(acc, xs):
         (g_acc, aux_acc), (mb, w) = acc, xs
         g, aux = grad_fn(params, mb)
         g_acc = jax.tree.map(
-            lambda a, x, m: jnp.maximum(a, x.astype(a.dtype)) if m else add(a, x, w),
+            lambda a, x, m: jnp.maximum(a, x.astype(a.dtype)) if m else _add(a, x, w),
             g_acc,
             g,
             is_max,
         )
-        aux_acc = jax.tree.map(lambda a, x: add(a, x, w), aux_acc, aux)
+        aux_acc = jax.tree.map(lambda a, x: _add(a, x, w), aux_acc, aux)
         return (g_acc, aux_acc), None
 
-    init = (jax.tree.map(init_leaf, g_shape, is_max), jax.tree.map(zeros, aux_shape))
+    zeros = lambda s: _zeros(s, accum_dtype)
+    init = (jax.tree.map(lambda s, m: _init_leaf(s, m, accum_dtype), g_shape, is_max),)
+    init = (*init, jax.tree.map(zeros, aux_shape))
     (g_sum, aux_sum), _ = jax.lax.scan(body, init, (mbs, weights))
-    mean = lambda x: x * scale if is_float_array(x) else x
+    mean = lambda x: _scaled(x, scale)
     grads = jax.tree.map(lambda x, m: x if m else mean(x), g_sum, is_max)
     return grads, jax.tree.map(mean, aux_sum)
+
+
+def _out_types(grad_fn: Callable, params: Any, first: Any) -> tuple[Any, Any]:
+    """``(grads, aux)`` of one microbatch as abstract values with their memory space
+    (``jax.eval_shape`` drops it): the gradients of host-resident params (full-parameter
+    training with ``Levers(offload_params=True)``) are host-resident, and so is their
+    accumulator."""
+    jaxpr, shapes = jax.make_jaxpr(grad_fn, return_shape=True)(params, first)
+    return jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.out_avals)
+
+
+def _in_host(x: Any) -> bool:
+    """Whether ``x`` (an abstract value or a traced array) is in host memory."""
+    return getattr(x, "memory_space", None) == jax.memory.Space.Host or (
+        isinstance(x, jax.Array) and in_host_space(x)
+    )
+
+
+def _zeros(s: Any, accum_dtype: Any) -> jax.Array:
+    """The accumulator of a leaf typed ``s``: zeros in ``accum_dtype`` for a float leaf, in
+    host memory when the leaf is."""
+    dt = accum_dtype if is_float_array(s) else s.dtype
+    return host_zeros(s.shape, dt) if _in_host(s) else jnp.zeros(s.shape, dt)
+
+
+def _init_leaf(s: Any, is_max: bool, accum_dtype: Any) -> jax.Array:
+    """The accumulator's start: the dtype's lowest value for a maximum, else zeros."""
+    if is_max:
+        low = -jnp.inf if is_float_array(s) else jnp.iinfo(s.dtype).min
+        return jnp.full(s.shape, low, s.dtype)
+    return _zeros(s, accum_dtype)
+
+
+def _add(a: Any, x: Any, w: jax.Array) -> Any:
+    """``a + w * x``; a microbatch of weight 0 (no unmasked token) adds exactly 0, even where
+    its own loss is 0/0 = NaN (a ``sum(nll * mask) / sum(mask)`` loss). A host-resident
+    accumulator is added to on the device, a layer at a time, and stays in host memory."""
+    if not is_float_array(a):
+        return x
+    add = lambda a, x: a + jnp.where(w > 0, x.astype(a.dtype) * w.astype(a.dtype), 0)
+    return streamed_to_host(add, a, x) if _in_host(a) else add(a, x)
+
+
+def _scaled(x: Any, scale: float) -> Any:
+    """``x * scale`` for a float leaf (host-resident ones on the device, a layer at a time)."""
+    if not is_float_array(x):
+        return x
+    return streamed_to_host(lambda v: v * scale, x) if _in_host(x) else x * scale
 
 
 def _weights(weight_fn: Callable | None, mbs: Any, microbatches: int):
