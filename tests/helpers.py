@@ -1,5 +1,6 @@
 """Shared test helpers: small models, batches and tree checks used by several test files."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -11,6 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem.models import llama
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (the benchmarks are not a package)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_config(**overrides) -> llama.LlamaConfig:

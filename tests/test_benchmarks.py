@@ -1,21 +1,17 @@
 """The benchmark scripts run end to end on a tiny shape and write their JSON (a script
 that crashes after an hour of timing loses the hour)."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
+from tests.helpers import load_benchmark
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _load(name):
-    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark
 
 
 @pytest.mark.slow

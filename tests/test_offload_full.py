@@ -4,8 +4,6 @@ docs/offload.md). On XLA:CPU host memory is the device's own: these check values
 kinds; the device bytes are checked by the XLA:GPU compile test at the end."""
 
 import functools
-import importlib.util
-import pathlib
 
 import chex
 import jax
@@ -17,6 +15,7 @@ import pytest
 import jmem
 from jmem._src.offload import params as offload_params
 from jmem.models import llama
+from tests.helpers import load_benchmark
 
 CFG = llama.get_config("tiny", num_layers=2, max_seq_len=64)
 
@@ -31,11 +30,7 @@ def _model():
 
 def _driver():
     """benchmarks/full_ft_offload.py, loaded by path (the step it builds is the figure's)."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "full_ft_offload.py"
-    spec = importlib.util.spec_from_file_location("full_ft_offload", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("full_ft_offload")
 
 
 def _kinds(tree) -> set:
@@ -123,17 +118,7 @@ def test_zero3_with_host_params_and_8bit_state_on_a_mesh_trains_bitwise():
     mesh = jmem.sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
     runs = {}
     for off in (False, True):
-        lv = jmem.Levers(remat="full", offload_params=off)
-        loss = functools.partial(llama.loss_fn, config=CFG, levers=lv)
-        step = jmem.train_step(
-            loss,
-            jmem.adamw_8bit(1e-2),
-            levers=lv,
-            offload_optimizer="leaf_by_leaf",
-            precision="p=bf16,c=bf16",
-            master_weights=True,
-            mesh=mesh,
-        )
+        step = _full_step(off, mesh=mesh)
         state = step.init(params)
         specs = [x.sharding.spec for x in jax.tree.leaves(state.params)]
         losses = []

@@ -8,8 +8,6 @@ leaf is copied to the device; the device bytes are the XLA:GPU compile's
 (``benchmarks/zero3_offload.py``, the ``gpu_compile`` test at the end)."""
 
 import functools
-import importlib.util
-import pathlib
 import re
 
 import chex
@@ -26,6 +24,7 @@ from jmem._src.offload import leaf_by_leaf as lbl
 from jmem._src.offload import stack_rows
 from jmem._src.offload.transform import offload
 from jmem.models import llama
+from tests.helpers import load_benchmark
 
 CFG = llama.get_config("tiny", num_layers=2, max_seq_len=64)
 
@@ -235,11 +234,7 @@ def test_leaves_that_are_not_row_separable_keep_the_whole_leaf_update(monkeypatc
 
 def _driver():
     """benchmarks/full_ft_offload.py, loaded by path (its ``build`` and ``stacked_on_device``)."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "full_ft_offload.py"
-    spec = importlib.util.spec_from_file_location("full_ft_offload", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("full_ft_offload")
 
 
 def _buffers_text(hlo: str) -> str:

@@ -11,7 +11,6 @@ Mistral-7B, Gemma-2-9B and Phi-3-mini) and for twelve presets with full remat in
 stored figure: the compiler (or the job's step) drifting from the stored compiles fails it.
 """
 
-import importlib.util
 import json
 import pathlib
 
@@ -21,6 +20,7 @@ import pytest
 import jmem
 from jmem import planner
 from jmem.models import llama
+from tests.helpers import load_benchmark
 
 ROOT = pathlib.Path(__file__).parent.parent
 CALIBRATION = ROOT / "benchmarks/results/gpu_compile/calibration.json"
@@ -88,12 +88,7 @@ _GPU_REASON = jmem.targets.unavailable_reason(TARGET)
 
 def _benchmark():
     """``benchmarks/gpu_calibration.py`` as a module (the benchmarks are not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_calibration", ROOT / "benchmarks/gpu_calibration.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_calibration")
 
 
 @pytest.mark.gpu_compile
@@ -210,12 +205,7 @@ def test_planner_within_10_percent_of_the_offloaded_full_fine_tuning_compiles():
 
 def _context_benchmark():
     """``benchmarks/context_parallel.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "context_parallel", ROOT / "benchmarks/context_parallel.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("context_parallel")
 
 
 @pytest.mark.gpu_compile
