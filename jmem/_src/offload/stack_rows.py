@@ -1,7 +1,8 @@
 """Leaf-by-leaf update of a layer stack one row at a time: a parameter leaf ``[L, ...]`` whose
 per-leaf update is elementwise (checked on its traced equations) is updated in a
-``lax.scan`` over its ``L`` rows, each row of its host-resident state copied to the device,
-updated and copied back, so one row's moments and master are on the device at a time.
+``lax.fori_loop`` over its ``L`` rows, each row of its host-resident state copied to the
+device, updated and written back into its buffer in place, so one row's moments and master
+are on the device at a time.
 
 Design notes: docs/offload.md ("Updating a layer stack row by row"). Reference:
 ZeRO-Infinity (Rajbhandari et al., 2021, arXiv:2104.07857) for streaming state in pieces.
